@@ -1,0 +1,93 @@
+// RMSNorm (OPS.md section 2): y_c = x_c * r (* w_c), r = 1/sqrt(mean_c x_c^2 + eps).
+// Backward with g' = g * w:  dx_c = r g'_c - x_c r^3 mean_k(g'_k x_k);
+//                            dw_c = sum_tokens g_c x_c r.
+// One block per row (token); the statistics are recomputed from x.  The
+// weight gradient is accumulated per block over a contiguous range of rows in
+// shared memory (each thread owns fixed columns: no races, no atomics) and
+// written as one partial row per block; mhc_column_sum_kernel then sums the
+// partial rows in a fixed order.
+#include "common.cuh"
+
+using mhc::i64;
+
+template <typename T, int E, bool HAS_W>
+__global__ void mhc_rmsnorm_fwd_kernel(const T* __restrict__ x, const float* __restrict__ w,
+                                       T* __restrict__ y, i64 rows, int C, float eps) {
+    __shared__ float red[32];
+    for (i64 t = blockIdx.x; t < rows; t += gridDim.x) {
+        const T* xt = x + t * (i64)C;
+        float acc[1] = {0.f};
+        for (int c = threadIdx.x * E; c < C; c += blockDim.x * E) {
+            float xv[E];
+            mhc::load_vec<T, E>(xt + c, xv);
+#pragma unroll
+            for (int e = 0; e < E; ++e) acc[0] = fmaf(xv[e], xv[e], acc[0]);
+        }
+        mhc::block_sum<1>(acc, red);
+        const float r = 1.f / sqrtf(red[0] / (float)C + eps);
+        for (int c = threadIdx.x * E; c < C; c += blockDim.x * E) {
+            float xv[E], o[E];
+            mhc::load_vec<T, E>(xt + c, xv);
+#pragma unroll
+            for (int e = 0; e < E; ++e) o[e] = HAS_W ? xv[e] * r * w[c + e] : xv[e] * r;
+            mhc::store_vec<T, E>(y + t * (i64)C + c, o);
+        }
+        __syncthreads();  // red is reused by the next row
+    }
+}
+
+// Block b handles rows [b * rows_per_block, (b + 1) * rows_per_block).
+// With HAS_W, dynamic shared memory holds C floats and dw_part is
+// [gridDim.x, C].
+template <typename T, typename TG, int E, bool HAS_W>
+__global__ void mhc_rmsnorm_bwd_kernel(const TG* __restrict__ g, const T* __restrict__ x,
+                                       const float* __restrict__ w, T* __restrict__ dx,
+                                       float* __restrict__ dw_part, i64 rows, int C, float eps,
+                                       i64 rows_per_block) {
+    extern __shared__ float dw_acc[];
+    __shared__ float red[2 * 32];
+    if (HAS_W)
+        for (int c = threadIdx.x; c < C; c += blockDim.x) dw_acc[c] = 0.f;
+    // Each thread only ever touches dw_acc at its own columns (c = tid*E + ...),
+    // the same set in the zeroing above only when E == 1; synchronise once.
+    __syncthreads();
+    const i64 r0 = blockIdx.x * rows_per_block;
+    const i64 r1 = min(rows, r0 + rows_per_block);
+    for (i64 t = r0; t < r1; ++t) {
+        const T* xt = x + t * (i64)C;
+        const TG* gt = g + t * (i64)C;
+        float acc[2] = {0.f, 0.f};  // sum x^2, sum g' x
+        for (int c = threadIdx.x * E; c < C; c += blockDim.x * E) {
+            float xv[E], gv[E];
+            mhc::load_vec<T, E>(xt + c, xv);
+            mhc::load_vec<TG, E>(gt + c, gv);
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                const float gp = HAS_W ? gv[e] * w[c + e] : gv[e];
+                acc[0] = fmaf(xv[e], xv[e], acc[0]);
+                acc[1] = fmaf(gp, xv[e], acc[1]);
+            }
+        }
+        mhc::block_sum<2>(acc, red);
+        const float r = 1.f / sqrtf(red[0] / (float)C + eps);
+        const float m = red[1] / (float)C;
+        const float r3m = r * r * r * m;
+        for (int c = threadIdx.x * E; c < C; c += blockDim.x * E) {
+            float xv[E], gv[E], o[E];
+            mhc::load_vec<T, E>(xt + c, xv);
+            mhc::load_vec<TG, E>(gt + c, gv);
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                const float gp = HAS_W ? gv[e] * w[c + e] : gv[e];
+                o[e] = r * gp - xv[e] * r3m;
+                if (HAS_W) dw_acc[c + e] = fmaf(gv[e] * xv[e], r, dw_acc[c + e]);
+            }
+            mhc::store_vec<T, E>(dx + t * (i64)C + c, o);
+        }
+        __syncthreads();  // red is reused by the next row
+    }
+    if (HAS_W) {
+        __syncthreads();
+        for (int c = threadIdx.x; c < C; c += blockDim.x) dw_part[blockIdx.x * (i64)C + c] = dw_acc[c];
+    }
+}

@@ -1,0 +1,276 @@
+// Stream kernels of mHC (OPS.md sections 3-7): the residual update
+//   out_i = sum_j H_res[i, j] x_j + H_post[i] y          (post op, section 6)
+// of which stream mix (section 3, no y) and stream distribute (section 5, no x)
+// are special cases, and stream aggregate out = sum_i h_i x_i (section 4; with
+// ACT=1 it is the pre op's layer input, h = sigmoid(h_pre_raw), section 7).
+//
+// Launch layout: one block per token (grid-stride over tokens), blockDim.x a
+// multiple of 32; each thread owns E contiguous columns at a time for all N
+// streams.  E > 1 needs every pointer aligned to the E-element access and
+// C % E == 0; E = 1 is the general path (odd C, offset views).
+// Backward per-token reductions (dH, dh) use mhc::block_sum: deterministic.
+#include "common.cuh"
+
+using mhc::i64;
+
+// ---------------------------------------------------------------- post op fwd
+template <typename T, int N, int E, bool HAS_X, bool HAS_Y>
+__global__ void mhc_post_op_fwd_kernel(const T* __restrict__ x, const T* __restrict__ y,
+                                       const float* __restrict__ h_post, i64 h_post_stride,
+                                       const float* __restrict__ h_res, T* __restrict__ out,
+                                       i64 tokens, int C) {
+    __shared__ float s_res[HAS_X ? N * N : 1];
+    __shared__ float s_post[HAS_Y ? N : 1];
+    for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
+        __syncthreads();
+        if (HAS_X)
+            for (int k = threadIdx.x; k < N * N; k += blockDim.x) s_res[k] = h_res[t * (N * N) + k];
+        if (HAS_Y)
+            for (int k = threadIdx.x; k < N; k += blockDim.x) s_post[k] = h_post[t * h_post_stride + k];
+        __syncthreads();
+        const T* xt = x + t * N * (i64)C;
+        const T* yt = y + t * (i64)C;
+        T* ot = out + t * N * (i64)C;
+        for (int c = threadIdx.x * E; c < C; c += blockDim.x * E) {
+            float xv[HAS_X ? N : 1][E];
+            float yv[E];
+            if (HAS_X) {
+#pragma unroll
+                for (int j = 0; j < N; ++j) mhc::load_vec<T, E>(xt + (i64)j * C + c, xv[j]);
+            }
+            if (HAS_Y) mhc::load_vec<T, E>(yt + c, yv);
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                float o[E];
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    float s = HAS_Y ? s_post[i] * yv[e] : 0.f;
+                    if (HAS_X) {
+#pragma unroll
+                        for (int j = 0; j < N; ++j) s = fmaf(s_res[i * N + j], xv[j][e], s);
+                    }
+                    o[e] = s;
+                }
+                mhc::store_vec<T, E>(ot + (i64)i * C + c, o);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- post op bwd
+// dy = sum_i H_post_i g_i ; dx_j = sum_i H_res_ij g_i ;
+// dH_post_i = sum_c g_ic y_c ; dH_res_ij = sum_c g_ic x_jc  (per token).
+// dH_res rows are reduced RB at a time (RB*N accumulators per thread); the
+// first pass also writes dx, dy and dH_post.  d_post is [tokens, N] per token
+// (the host sums it over tokens for a shared H_post).
+template <typename T, typename TG, int N, int E, int RB, bool HAS_X, bool HAS_Y>
+__global__ void mhc_post_op_bwd_kernel(const TG* __restrict__ g, const T* __restrict__ x,
+                                       const T* __restrict__ y, const float* __restrict__ h_post,
+                                       i64 h_post_stride, const float* __restrict__ h_res,
+                                       T* __restrict__ dx, T* __restrict__ dy,
+                                       float* __restrict__ d_post, float* __restrict__ d_res,
+                                       i64 tokens, int C) {
+    constexpr int KR = HAS_X ? RB * N : 0;
+    constexpr int KP = HAS_Y ? N : 0;
+    constexpr int K = KR + KP;
+    __shared__ float s_res[HAS_X ? N * N : 1];
+    __shared__ float s_post[HAS_Y ? N : 1];
+    __shared__ float red[K * 32];  // K values x up to 32 warps
+    for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
+        __syncthreads();
+        if (HAS_X)
+            for (int k = threadIdx.x; k < N * N; k += blockDim.x) s_res[k] = h_res[t * (N * N) + k];
+        if (HAS_Y)
+            for (int k = threadIdx.x; k < N; k += blockDim.x) s_post[k] = h_post[t * h_post_stride + k];
+        __syncthreads();
+        const TG* gt = g + t * N * (i64)C;
+        const T* xt = x + t * N * (i64)C;
+        const T* yt = y + t * (i64)C;
+        for (int ib = 0; ib < (HAS_X ? N : 1); ib += RB) {
+            const bool first = (ib == 0);
+            float acc[K > 0 ? K : 1];
+#pragma unroll
+            for (int k = 0; k < K; ++k) acc[k] = 0.f;
+            for (int c = threadIdx.x * E; c < C; c += blockDim.x * E) {
+                float gv[N][E];
+                float xv[HAS_X ? N : 1][E];
+                float yv[E];
+#pragma unroll
+                for (int i = 0; i < N; ++i) mhc::load_vec<TG, E>(gt + (i64)i * C + c, gv[i]);
+                if (HAS_X) {
+#pragma unroll
+                    for (int j = 0; j < N; ++j) mhc::load_vec<T, E>(xt + (i64)j * C + c, xv[j]);
+                }
+                if (HAS_Y) mhc::load_vec<T, E>(yt + c, yv);
+                if (first) {
+                    if (HAS_X) {
+#pragma unroll
+                        for (int j = 0; j < N; ++j) {
+                            float o[E];
+#pragma unroll
+                            for (int e = 0; e < E; ++e) {
+                                float s = 0.f;
+#pragma unroll
+                                for (int i = 0; i < N; ++i) s = fmaf(s_res[i * N + j], gv[i][e], s);
+                                o[e] = s;
+                            }
+                            mhc::store_vec<T, E>(dx + (t * N + j) * (i64)C + c, o);
+                        }
+                    }
+                    if (HAS_Y) {
+                        float o[E];
+#pragma unroll
+                        for (int e = 0; e < E; ++e) {
+                            float s = 0.f;
+#pragma unroll
+                            for (int i = 0; i < N; ++i) s = fmaf(s_post[i], gv[i][e], s);
+                            o[e] = s;
+                        }
+                        mhc::store_vec<T, E>(dy + t * (i64)C + c, o);
+#pragma unroll
+                        for (int i = 0; i < N; ++i)
+#pragma unroll
+                            for (int e = 0; e < E; ++e) acc[KR + i] = fmaf(gv[i][e], yv[e], acc[KR + i]);
+                    }
+                }
+                if (HAS_X) {
+#pragma unroll
+                    for (int ii = 0; ii < RB; ++ii) {
+                        if (ib + ii < N) {
+#pragma unroll
+                            for (int j = 0; j < N; ++j) {
+                                float s = acc[ii * N + j];
+#pragma unroll
+                                for (int e = 0; e < E; ++e) {
+                                    // gv row ib+ii; with several passes, select it with a
+                                    // compile-time loop to keep register arrays statically indexed.
+                                    float gie = 0.f;
+                                    if (RB >= N) {
+                                        gie = gv[ii < N ? ii : 0][e];
+                                    } else {
+#pragma unroll
+                                        for (int i = 0; i < N; ++i)
+                                            if (i == ib + ii) gie = gv[i][e];
+                                    }
+                                    s = fmaf(gie, xv[j][e], s);
+                                }
+                                acc[ii * N + j] = s;
+                            }
+                        }
+                    }
+                }
+            }
+            if (K > 0) {
+                mhc::block_sum<K>(acc, red);
+                if (HAS_X)
+                    for (int k = threadIdx.x; k < KR; k += blockDim.x)
+                        if (ib + k / N < N) d_res[t * (N * N) + (i64)ib * N + k] = red[k];
+                if (HAS_Y && first)
+                    for (int k = threadIdx.x; k < KP; k += blockDim.x) d_post[t * N + k] = red[KR + k];
+                __syncthreads();
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------- stream aggregate fwd
+// out = sum_i h_i x_i; h is per token (h_stride = N) or shared (h_stride = 0).
+template <typename T, int N, int E>
+__global__ void mhc_stream_aggregate_fwd_kernel(const T* __restrict__ x, const float* __restrict__ h,
+                                                i64 h_stride, T* __restrict__ out, i64 tokens, int C) {
+    __shared__ float s_h[N];
+    for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
+        __syncthreads();
+        for (int k = threadIdx.x; k < N; k += blockDim.x) s_h[k] = h[t * h_stride + k];
+        __syncthreads();
+        const T* xt = x + t * N * (i64)C;
+        for (int c = threadIdx.x * E; c < C; c += blockDim.x * E) {
+            float xv[N][E];
+#pragma unroll
+            for (int i = 0; i < N; ++i) mhc::load_vec<T, E>(xt + (i64)i * C + c, xv[i]);
+            float o[E];
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                float s = 0.f;
+#pragma unroll
+                for (int i = 0; i < N; ++i) s = fmaf(s_h[i], xv[i][e], s);
+                o[e] = s;
+            }
+            mhc::store_vec<T, E>(out + t * (i64)C + c, o);
+        }
+    }
+}
+
+// ------------------------------------------------------- stream aggregate bwd
+// dx_i = h_i g ; dh_i = sum_c g_c x_ic (per token, [tokens, N]).
+// ACT = 1 (pre op): h = sigmoid(h_raw) and the kernel writes
+//   dh_raw_i = (sum_c g_c x_ic + gh_i) * h_i (1 - h_i), gh (grad of H_pre) may be null.
+template <typename T, typename TG, int N, int E, int ACT>
+__global__ void mhc_stream_aggregate_bwd_kernel(const TG* __restrict__ g, const T* __restrict__ x,
+                                                const float* __restrict__ h, i64 h_stride,
+                                                const float* __restrict__ gh, T* __restrict__ dx,
+                                                float* __restrict__ dh, i64 tokens, int C) {
+    __shared__ float s_h[N];
+    __shared__ float red[N * 32];
+    for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
+        __syncthreads();
+        for (int k = threadIdx.x; k < N; k += blockDim.x) {
+            const float v = h[t * h_stride + k];
+            s_h[k] = ACT ? mhc::sigmoid(v) : v;
+        }
+        __syncthreads();
+        const TG* gt = g + t * (i64)C;
+        const T* xt = x + t * N * (i64)C;
+        float acc[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) acc[i] = 0.f;
+        for (int c = threadIdx.x * E; c < C; c += blockDim.x * E) {
+            float gv[E];
+            float xv[N][E];
+            mhc::load_vec<TG, E>(gt + c, gv);
+#pragma unroll
+            for (int i = 0; i < N; ++i) mhc::load_vec<T, E>(xt + (i64)i * C + c, xv[i]);
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                float o[E];
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    o[e] = s_h[i] * gv[e];
+                    acc[i] = fmaf(gv[e], xv[i][e], acc[i]);
+                }
+                mhc::store_vec<T, E>(dx + (t * N + i) * (i64)C + c, o);
+            }
+        }
+        mhc::block_sum<N>(acc, red);
+        for (int k = threadIdx.x; k < N; k += blockDim.x) {
+            float v = red[k];
+            if (ACT) {
+                if (gh != nullptr) v += gh[t * N + k];
+                v *= s_h[k] * (1.f - s_h[k]);
+            }
+            dh[t * N + k] = v;
+        }
+    }
+}
+
+// ------------------------------------------------------------- column sum
+// out[c] = sum_r part[r, c] for a row-major [rows, cols] float32 matrix, in a
+// fixed order (strided partial sums per thread row, then rows 0..7 in
+// sequence): the deterministic sum over tokens of shared-coefficient and
+// RMSNorm-weight gradients.  blockDim = (32, 8).
+__global__ void mhc_column_sum_kernel(const float* __restrict__ part, float* __restrict__ out,
+                                                 i64 rows, int cols) {
+    __shared__ float s[8][33];
+    const int c = blockIdx.x * 32 + threadIdx.x;
+    float acc = 0.f;
+    if (c < cols)
+        for (i64 r = threadIdx.y; r < rows; r += 8) acc += part[r * cols + c];
+    s[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < cols) {
+        float tot = 0.f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) tot += s[k][threadIdx.x];
+        out[c] = tot;
+    }
+}

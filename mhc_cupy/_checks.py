@@ -1,0 +1,112 @@
+"""Validation shared by every op: the dtype / shape / device rules of OPS.md.
+
+Every failure is a ``TypeError`` (wrong dtype) or ``ValueError`` (shapes,
+devices, parameters) naming the argument, what it got and what it needs.
+"""
+
+from __future__ import annotations
+
+import math
+
+#: Activation dtypes (x, y, layer_in, out, dx, dy).  Coefficients are float32.
+ACTIVATION_DTYPES = ("bfloat16", "float16", "float32")
+#: Supported numbers of residual streams n (inclusive).
+MIN_N, MAX_N = 1, 32
+
+
+def activation(name: str, info, dtype: str | None = None) -> str:
+    """Check an activation tensor's dtype; all activations of a call share ``dtype``."""
+    if info.dtype not in ACTIVATION_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {info.dtype}; it needs one of {', '.join(ACTIVATION_DTYPES)}"
+        )
+    if dtype is not None and info.dtype != dtype:
+        raise TypeError(
+            f"{name} has dtype {info.dtype} but the other activations of this call are {dtype}; "
+            "all activation tensors of one call must share one dtype"
+        )
+    return info.dtype
+
+
+def gradient(name: str, info, act_dtype: str) -> str:
+    """An incoming activation gradient: the activation dtype or float32."""
+    if info.dtype not in (act_dtype, "float32"):
+        raise TypeError(f"{name} has dtype {info.dtype}; it needs {act_dtype} (the activation dtype) or float32")
+    return info.dtype
+
+
+def coefficient(name: str, info) -> None:
+    if info.dtype != "float32":
+        raise TypeError(f"{name} has dtype {info.dtype}; coefficients need float32")
+
+
+def min_ndim(name: str, info, ndim: int, what: str) -> None:
+    if len(info.shape) < ndim:
+        raise ValueError(f"{name} has shape {info.shape}; it needs {what}")
+
+
+def streams(n: int, where: str) -> int:
+    if not MIN_N <= n <= MAX_N:
+        raise ValueError(
+            f"{where} has n = {n} streams; supported n is {MIN_N} to {MAX_N} inclusive"
+        )
+    return n
+
+
+def same_shape(name_a: str, shape_a, name_b: str, shape_b) -> None:
+    if tuple(shape_a) != tuple(shape_b):
+        raise ValueError(f"{name_a} has shape {tuple(shape_a)} but {name_b} has shape {tuple(shape_b)}; they must match")
+
+
+def expect_shape(name: str, shape, expected, why: str) -> None:
+    if tuple(shape) != tuple(expected):
+        raise ValueError(f"{name} has shape {tuple(shape)}; it needs {tuple(expected)} ({why})")
+
+
+def num_iters(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int,)) and not hasattr(value, "__index__"):
+        raise TypeError(f"num_iters must be an int, got {type(value).__name__}")
+    value = int(value)
+    if value < 0:
+        raise ValueError(f"num_iters must be >= 0, got {value}")
+    return value
+
+
+def eps(name: str, value) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}") from None
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f"{name} must be finite and >= 0, got {value}")
+    return v
+
+
+def grad_mode(value) -> str:
+    if value not in ("unrolled", "implicit"):
+        raise ValueError(f"grad_mode must be 'unrolled' or 'implicit', got {value!r}")
+    return value
+
+
+def same_device(infos: dict) -> tuple:
+    """The common device of all given arrays; ValueError naming two that differ."""
+    first = None
+    for name, info in infos.items():
+        if info is None:
+            continue
+        if first is None:
+            first = (name, info.device)
+        elif info.device != first[1]:
+            raise ValueError(
+                f"{first[0]} is on {_dev(first[1])} but {name} is on {_dev(info.device)}; "
+                "all arrays of one call must be on the same device"
+            )
+    if first is None:
+        raise ValueError("no array given")
+    if first[1][0] not in ("cpu", "cuda"):
+        raise ValueError(f"{first[0]} is on {_dev(first[1])}; supported devices are CPU and CUDA GPUs")
+    return first[1]
+
+
+def _dev(d) -> str:
+    return "cpu" if d[0] == "cpu" else f"{d[0]}:{d[1]}"

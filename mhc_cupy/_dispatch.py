@@ -1,0 +1,109 @@
+"""Run one op on whatever the caller passed: GPU kernels or the CPU reference.
+
+Each op is a *planner*: ``planner(infos, **params) -> Plan``.  It validates
+the ``ArrayInfo`` of every input (shapes and dtypes only, so JAX can call it
+at trace time), and returns the output and scratch buffers to allocate, the
+launch function (raw pointers in, kernels out, on a given stream) and the
+NumPy reference for CPU inputs.
+
+``run`` is the shared front door of the functional API:
+  1. read each input through its framework's front end (``_interop``);
+  2. check they share one device; plan (raises on bad input);
+  3. CPU: run the reference and return the caller's framework;
+     GPU: make inputs contiguous where they are not (a copy, never a
+     misread), allocate outputs and scratch in the caller's framework,
+     launch on the caller's current stream, return the outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from . import _checks, _interop
+
+
+@dataclass
+class Plan:
+    outputs: list  # [(shape, dtype name)], in return order
+    launch: Callable  # launch(ptrs: dict name -> int|None, outs: list[int], scratch: list[int], stream: int)
+    reference: Callable  # reference(arrays: dict name -> np.ndarray|None) -> tuple of np.ndarray
+    scratch: list = field(default_factory=list)  # [(shape, dtype name)] temporaries
+    single: bool = False  # return outputs[0] alone
+    empty: bool = False  # nothing to compute (zero tokens): no launch
+
+
+def _cast(a, dtype: str):
+    return np.asarray(a).astype(_interop.numpy_dtype(dtype), copy=False)
+
+
+def run(planner, arrays: dict, **params):
+    objs, infos = {}, {}
+    out_fw = None
+    like = None
+    for name, v in arrays.items():
+        if v is None:
+            infos[name] = None
+            continue
+        fw = _interop.framework_of(v)
+        if fw == "dlpack":
+            v = _interop.import_foreign(v)
+            fw = _interop.framework_of(v)
+        fe = _interop.frontend(fw)
+        info = fe.info(v)
+        if fw == "jax" and info.device[0] == "cuda":
+            if out_fw is None:
+                out_fw, like = "jax", v
+            v = fe.to_cupy(v)
+            fw, fe = "cupy", _interop.frontend("cupy")
+            info = fe.info(v)
+        if out_fw is None:
+            out_fw, like = fw, v
+        objs[name] = (fw, v)
+        infos[name] = info
+    device = _checks.same_device(infos)
+    plan = planner(infos, **params)
+
+    if device[0] == "cpu":
+        nps = {k: (None if v is None else _interop.frontend(objs[k][0]).to_numpy(objs[k][1]))
+               for k, v in arrays.items()}
+        results = plan.reference(nps)
+        fe = _interop.frontend(out_fw if out_fw != "dlpack" else "numpy")
+        outs = [fe.from_numpy(_cast(r, dt).reshape(shape), like) for r, (shape, dt) in zip(results, plan.outputs)]
+        return outs[0] if plan.single else tuple(outs)
+
+    import cupy
+
+    dev = device[1]
+    alloc_fw = "torch" if out_fw == "torch" else "cupy"
+    afe = _interop.frontend(alloc_fw)
+    alloc_like = like if alloc_fw == out_fw else None
+    with cupy.cuda.Device(dev):
+        if alloc_like is None:
+            alloc_like = cupy.empty(0)  # gives the device to cupy allocations
+        outs = [afe.empty(shape, dt, alloc_like) for shape, dt in plan.outputs]
+        if not plan.empty:
+            ptrs = {}
+            for name, (fw, v) in objs.items():
+                info = infos[name]
+                if not _interop.is_contiguous(info.shape, info.strides):
+                    fe = _interop.frontend(fw)
+                    v = fe.contiguous(v)
+                    objs[name] = (fw, v)  # keep the copy alive until the launch is queued
+                    info = fe.info(v)
+                ptrs[name] = info.ptr
+            for name in arrays:
+                ptrs.setdefault(name, None)
+            scratch = [afe.empty(shape, dt, alloc_like) for shape, dt in plan.scratch]
+            stream = afe.stream(dev)
+            plan.launch(ptrs, [afe.info(o).ptr for o in outs], [afe.info(s).ptr for s in scratch], stream)
+    if out_fw == "jax":
+        # JAX does not know our stream reads its input buffers (imported through
+        # DLPack): finish before they can be freed.  Eager JAX only; under jit
+        # mhc_cupy.jax runs on XLA's own stream and buffers instead.
+        cupy.cuda.get_current_stream().synchronize()
+        jfe = _interop.frontend("jax")
+        outs = [jfe.from_cupy(o) for o in outs]
+    return outs[0] if plan.single else tuple(outs)

@@ -1,0 +1,243 @@
+"""Zero-copy interop: read any framework's arrays, allocate outputs in it.
+
+Every array handed to the functional API goes through a *front end* chosen by
+its type (without importing any framework that the caller has not imported):
+
+  ``torch``  torch.Tensor: pointer, shape and strides read directly (fast
+             path); outputs ``torch.empty`` on the tensor's device; launches on
+             ``torch.cuda.current_stream``.
+  ``cupy``   cupy.ndarray: likewise; launches on CuPy's current stream.
+  ``jax``    jax.Array (eager): imported through DLPack into CuPy (JAX orders
+             its stream before ours), outputs exported back to JAX.
+  ``numpy``  numpy.ndarray (CPU): the reference path.
+  ``dlpack`` anything else with ``__dlpack__`` / ``__cuda_array_interface__``:
+             imported through CuPy (GPU) or NumPy (CPU); outputs are CuPy (GPU)
+             or NumPy (CPU) arrays.
+
+An ``ArrayInfo`` (shape, dtype name, device, pointer, element strides) is all
+the checks and the launch plans see.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ArrayInfo:
+    shape: tuple
+    dtype: str  # canonical name: "float32", "bfloat16", "float16", "int8", ...
+    device: tuple  # ("cpu", 0) or ("cuda", ordinal)
+    ptr: int | None = None
+    strides: tuple | None = None  # in elements
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+
+def is_contiguous(shape, strides) -> bool:
+    """C-contiguous, ignoring the strides of size-1 dims (and of empty arrays)."""
+    if strides is None:
+        return True
+    expected = 1
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n == 0:
+            return True
+        if n != 1 and s != expected:
+            return False
+        expected *= n
+    return True
+
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def itemsize(dtype: str) -> int:
+    return _ITEMSIZE[dtype]
+
+
+def numpy_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _np_name(dtype) -> str:
+    return np.dtype(dtype).name
+
+
+# ---------------------------------------------------------------- front ends
+class _Torch:
+    name = "torch"
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+        self.to_name = {
+            torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+            torch.float64: "float64",
+        }
+        self.from_name = {v: k for k, v in self.to_name.items()}
+
+    def info(self, x) -> ArrayInfo:
+        d = x.device
+        dtype = self.to_name.get(x.dtype) or str(x.dtype).replace("torch.", "")
+        if d.type == "cuda":
+            return ArrayInfo(tuple(x.shape), dtype, ("cuda", d.index), x.data_ptr(), tuple(x.stride()))
+        return ArrayInfo(tuple(x.shape), dtype, (d.type, d.index or 0))
+
+    def contiguous(self, x):
+        return x.detach().contiguous()
+
+    def empty(self, shape, dtype: str, like):
+        return self.torch.empty(shape, dtype=self.from_name[dtype], device=like.device)
+
+    def stream(self, device: int) -> int:
+        return self.torch.cuda.current_stream(device).cuda_stream
+
+    def to_numpy(self, x):
+        x = x.detach()
+        if x.dtype == self.torch.bfloat16:
+            return x.view(self.torch.int16).numpy().view(numpy_dtype("bfloat16"))
+        return x.numpy()
+
+    def from_numpy(self, a, like):
+        if a.dtype.name == "bfloat16":
+            return self.torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(self.torch.bfloat16)
+        return self.torch.from_numpy(np.ascontiguousarray(a))
+
+
+class _Cupy:
+    name = "cupy"
+
+    def __init__(self):
+        import cupy
+
+        self.cupy = cupy
+
+    def info(self, x) -> ArrayInfo:
+        isz = x.itemsize
+        strides = tuple(s // isz if s % isz == 0 else None for s in x.strides)
+        if None in strides:
+            strides = (-1,) * x.ndim  # not expressible in elements: forces a copy
+        return ArrayInfo(tuple(x.shape), _np_name(x.dtype), ("cuda", x.device.id), x.data.ptr, strides)
+
+    def contiguous(self, x):
+        return self.cupy.ascontiguousarray(x)
+
+    def empty(self, shape, dtype: str, like):
+        with self.cupy.cuda.Device(like.device.id):
+            return self.cupy.empty(shape, dtype=numpy_dtype(dtype))
+
+    def stream(self, device: int) -> int:
+        return self.cupy.cuda.get_current_stream(device).ptr
+
+
+class _Numpy:
+    name = "numpy"
+
+    def info(self, x) -> ArrayInfo:
+        return ArrayInfo(tuple(x.shape), _np_name(x.dtype), ("cpu", 0))
+
+    def to_numpy(self, x):
+        return x
+
+    def from_numpy(self, a, like):
+        return a
+
+
+class _Jax:
+    """Eager jax.Array.  (Inside jit use mhc_cupy.jax, which runs on XLA's buffers.)"""
+
+    name = "jax"
+
+    def __init__(self):
+        import jax
+
+        self.jax = jax
+
+    def _device(self, x):
+        devs = x.devices()
+        if len(devs) != 1:
+            raise ValueError(f"a jax array sharded over {len(devs)} devices is not supported; got {devs}")
+        return next(iter(devs))
+
+    def info(self, x) -> ArrayInfo:
+        d = self._device(x)
+        if d.platform == "cpu":
+            return ArrayInfo(tuple(x.shape), _np_name(x.dtype), ("cpu", 0))
+        return ArrayInfo(tuple(x.shape), _np_name(x.dtype), ("cuda", getattr(d, "local_hardware_id", d.id)))
+
+    def to_cupy(self, x):
+        import cupy
+
+        return cupy.from_dlpack(x)
+
+    def from_cupy(self, a):
+        import jax.dlpack
+
+        return jax.dlpack.from_dlpack(a)
+
+    def to_numpy(self, x):
+        return np.asarray(x)
+
+    def from_numpy(self, a, like):
+        import jax.numpy as jnp
+
+        return self.jax.device_put(jnp.asarray(a), self._device(like))
+
+
+_frontends: dict = {}
+
+
+def _get(name):
+    fe = _frontends.get(name)
+    if fe is None:
+        fe = _frontends[name] = {"torch": _Torch, "cupy": _Cupy, "numpy": _Numpy, "jax": _Jax}[name]()
+    return fe
+
+
+def framework_of(x) -> str:
+    """'torch', 'cupy', 'jax', 'numpy' or 'dlpack'.  Raises TypeError for non-arrays."""
+    root = type(x).__module__.partition(".")[0]
+    if root == "torch" and "torch" in sys.modules and isinstance(x, sys.modules["torch"].Tensor):
+        return "torch"
+    if root == "cupy":
+        return "cupy"
+    if root == "numpy" and isinstance(x, np.ndarray):
+        return "numpy"
+    if root in ("jax", "jaxlib"):
+        jax = sys.modules.get("jax")
+        if jax is not None and isinstance(x, jax.core.Tracer):
+            raise TypeError(
+                "got a JAX tracer: inside jax.jit / grad / vmap use the mhc_cupy.jax functions, "
+                "not the functional *_fwd/*_bwd API"
+            )
+        return "jax"
+    if hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__"):
+        return "dlpack"
+    raise TypeError(f"expected an array (torch, jax, cupy, numpy or any DLPack producer), got {type(x).__name__}")
+
+
+def frontend(name: str):
+    return _get(name)
+
+
+def import_foreign(x):
+    """A generic DLPack / CUDA-array-interface object as a CuPy (GPU) or NumPy (CPU) array."""
+    if hasattr(x, "__dlpack_device__"):
+        dev_type, _ = x.__dlpack_device__()
+        if int(dev_type) in (1, 3):  # kDLCPU, kDLCUDAHost
+            return np.from_dlpack(x)
+    import cupy
+
+    if hasattr(x, "__dlpack__"):
+        return cupy.from_dlpack(x)
+    return cupy.asarray(x)

@@ -1,0 +1,80 @@
+"""Find and read the CUDA sources in ``kernels_cu/``.
+
+The sources ship inside the wheel as the package ``mhc_cupy.kernels_cu``
+(``pyproject.toml`` maps the top-level ``kernels_cu/`` folder onto it); in a
+source checkout the folder beside the package is used directly.
+
+Local ``#include "x.cuh"`` lines are inlined, with ``#line`` directives so that
+NVRTC messages still name the real file and line.  Inlining makes the text
+handed to NVRTC contain every byte the kernel depends on, so a cache keyed on
+that text can never serve a stale binary after a header changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+from pathlib import Path
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+
+
+def kernel_dir() -> Path:
+    """The folder holding the ``.cu`` / ``.cuh`` files (installed or checkout)."""
+    try:
+        from importlib.resources import files
+
+        d = Path(str(files("mhc_cupy.kernels_cu")))
+        if (d / "common.cuh").is_file():
+            return d
+    except (ImportError, ModuleNotFoundError, TypeError):
+        pass
+    d = Path(__file__).resolve().parent.parent / "kernels_cu"
+    if (d / "common.cuh").is_file():
+        return d
+    raise FileNotFoundError(
+        "mhc_cupy could not find its CUDA sources: neither the installed package "
+        "'mhc_cupy.kernels_cu' nor the checkout folder 'kernels_cu/' holds common.cuh; "
+        "reinstall mhc-cupy"
+    )
+
+
+def kernel_files() -> list[str]:
+    """Names of every ``.cu`` file (the compilation units)."""
+    return sorted(p.name for p in kernel_dir().glob("*.cu"))
+
+
+def _inline(path: Path, seen: set[str]) -> str:
+    out = [f'#line 1 "{path.name}"']
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        m = _INCLUDE.match(line)
+        if m:
+            name = m.group(1)
+            if name not in seen:
+                seen.add(name)
+                out.append(_inline(path.parent / name, seen))
+            out.append(f'#line {lineno + 1} "{path.name}"')
+        elif line.strip() == "#pragma once":
+            out.append("")
+        else:
+            out.append(line)
+    return "\n".join(out)
+
+
+@functools.lru_cache(maxsize=None)
+def load_source(filename: str) -> str:
+    """Text of ``kernels_cu/<filename>`` with its local includes inlined.
+
+    Raises:
+        FileNotFoundError: no such kernel file.
+    """
+    path = kernel_dir() / filename
+    if not path.is_file():
+        raise FileNotFoundError(f"kernel source {filename!r} not found in {kernel_dir()}")
+    return _inline(path, set()) + "\n"
+
+
+def source_hash(filename: str) -> str:
+    """SHA-256 of the inlined source (part of every compile-cache key)."""
+    return hashlib.sha256(load_source(filename).encode()).hexdigest()

@@ -1,0 +1,72 @@
+"""Launch-plan helpers shared by the op modules: C++ type names, vector
+widths, block sizes, and scalar wrapping (a Python float would reach a kernel
+as double and an int as long long, so every scalar is wrapped explicitly)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import _jit
+
+CTYPE = {"bfloat16": "__nv_bfloat16", "float16": "__half", "float32": "float"}
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+MAX_GRID = 2**31 - 1
+MAX_THREADS = 256
+
+
+def i32(v) -> np.int32:
+    return np.int32(v)
+
+
+def f32(v) -> np.float32:
+    return np.float32(v)
+
+
+def tokens_of(lead: tuple) -> int:
+    return int(math.prod(lead))
+
+
+def _pow2_floor(v: int) -> int:
+    return 1 << (max(int(v), 1).bit_length() - 1)
+
+
+def vec_width(n: int, C: int, tensors, budget: int = 32) -> int:
+    """Elements per thread access E (a power of two).
+
+    ``tensors``: [(pointer, dtype name)] of every activation tensor the kernel
+    reads or writes in rows of C.  E = 1 is the general path; a wider E needs
+    C % E == 0 and every pointer aligned to its E-element access (at most 16
+    bytes), and keeps n * E <= ``budget`` so the per-thread registers stay
+    bounded for large n.
+    """
+    smallest = min(ITEMSIZE[dt] for _, dt in tensors)
+    e = min(16 // smallest, _pow2_floor(max(budget // max(n, 1), 1)))
+    while e > 1:
+        if C % e == 0 and all(p % min(e * ITEMSIZE[dt], 16) == 0 for p, dt in tensors if p is not None):
+            return e
+        e //= 2
+    return 1
+
+
+def threads_for(C: int, E: int) -> int:
+    """Block size (multiple of 32, <= 256) that splits a row of C/E accesses evenly."""
+    vecs = max(1, -(-C // E))
+    rounds = -(-vecs // MAX_THREADS)
+    per_round = -(-vecs // rounds)
+    return max(32, min(MAX_THREADS, -(-per_round // 32) * 32))
+
+
+def grid_for(tokens: int) -> tuple:
+    return (min(tokens, MAX_GRID), 1, 1)
+
+
+def launch(filename, expr, grid, block, args, stream, shared_mem=0):
+    _jit.launch(filename, expr, grid, block, args, stream, shared_mem)
+
+
+def column_sum(part_ptr, out_ptr, rows: int, cols: int, stream) -> None:
+    """out[c] = sum_r part[r, c] in a fixed order (deterministic)."""
+    launch("stream_ops.cu", "mhc_column_sum_kernel", (-(-cols // 32), 1, 1), (32, 8, 1),
+           (part_ptr, out_ptr, rows, i32(cols)), stream)

@@ -1,0 +1,76 @@
+"""mHC post op, the residual update of paper Eq. 3 (OPS.md section 6)."""
+
+from __future__ import annotations
+
+from .. import reference
+from .._dispatch import Plan, run
+from ._launch import tokens_of
+from .stream import check_grad, check_h, check_matrix, check_x, check_y, launch_post_bwd, launch_post_fwd
+
+
+def _check(infos):
+    dt, lead, n, C = check_x("x", infos["x"])
+    check_y("layer_out", infos["layer_out"], lead, C, dt)
+    check_h("H_post", infos["H_post"], lead, n, False)
+    check_matrix("H_res", infos["H_res"], lead, n)
+    return dt, lead, n, C, tokens_of(lead)
+
+
+def _plan_fwd(infos):
+    dt, lead, n, C, tokens = _check(infos)
+
+    def run_kernels(p, outs, scratch, stream):
+        launch_post_fwd(dt, n, C, tokens, p["x"], p["layer_out"], p["H_post"], n, p["H_res"], outs[0], stream)
+
+    return Plan([(infos["x"].shape, dt)], run_kernels,
+                lambda a: (reference.mhc_post_op_fwd(a["layer_out"], a["x"], a["H_post"], a["H_res"]),),
+                single=True, empty=tokens * C == 0)
+
+
+def _plan_bwd(infos):
+    dt, lead, n, C, tokens = _check(infos)
+    tg = check_grad("grad", infos["grad"], infos["x"].shape, dt)
+
+    def run_kernels(p, outs, scratch, stream):
+        launch_post_bwd(dt, tg, n, C, tokens, p["grad"], p["x"], p["layer_out"], p["H_post"], n, p["H_res"],
+                        outs[1], outs[0], outs[2], outs[3], stream)
+
+    return Plan([(infos["layer_out"].shape, dt), (infos["x"].shape, dt), (infos["H_post"].shape, "float32"),
+                 (infos["H_res"].shape, "float32")], run_kernels,
+                lambda a: reference.mhc_post_op_bwd(a["grad"], a["layer_out"], a["x"], a["H_post"], a["H_res"]),
+                empty=tokens == 0)
+
+
+def mhc_post_op_fwd(layer_out, x, H_post, H_res):
+    """Residual update: out_i = sum_j H_res_ij x_j + H_post_i y (OPS.md section 6, paper Eq. 3).
+
+    One pass over x and y, one rounding per output element.
+
+    Args:
+        layer_out: y, [..., C] activations (bfloat16 / float16 / float32).
+        x: [..., n, C], same dtype, 1 <= n <= 32.
+        H_post: float32 [..., n] (already activated, 2 sigmoid, from the pre op).
+        H_res: float32 [..., n, n] (doubly stochastic, from the pre op).
+
+    Returns:
+        out: [..., n, C], dtype of x.
+
+    Raises:
+        TypeError: bad dtypes.  ValueError: shapes / devices disagree, n out of range.
+    """
+    return run(_plan_fwd, {"layer_out": layer_out, "x": x, "H_post": H_post, "H_res": H_res})
+
+
+def mhc_post_op_bwd(grad, layer_out, x, H_post, H_res):
+    """Gradient of :func:`mhc_post_op_fwd` (OPS.md section 6).
+
+    dy = sum_i H_post_i g_i;  dx_j = sum_i H_res_ij g_i;  dH_post_i = sum_c g_ic y_c;
+    dH_res_ij = sum_c g_ic x_jc.  No atomics: bitwise reproducible.
+
+    Args:
+        grad: [..., n, C], dtype of x or float32.
+
+    Returns:
+        (d_layer_out [..., C], dx [..., n, C], dH_post float32 [..., n], dH_res float32 [..., n, n]).
+    """
+    return run(_plan_bwd, {"grad": grad, "layer_out": layer_out, "x": x, "H_post": H_post, "H_res": H_res})

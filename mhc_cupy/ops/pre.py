@@ -1,0 +1,115 @@
+"""mHC pre op: coefficient activations and the layer input (OPS.md section 7, paper Eq. 8)."""
+
+from __future__ import annotations
+
+from .. import _checks, reference
+from .._dispatch import Plan, run
+from ._launch import ITEMSIZE, tokens_of
+from .sinkhorn import bwd_history, launch_bwd, launch_fwd
+from .stream import check_grad, check_h, check_matrix, check_x, launch_aggregate_bwd, launch_aggregate_fwd
+
+
+def _check(infos, num_iters, eps):
+    dt, lead, n, C = check_x("x", infos["x"])
+    check_h("h_pre_raw", infos["h_pre_raw"], lead, n, False)
+    check_h("h_post_raw", infos["h_post_raw"], lead, n, False)
+    check_matrix("h_res_raw", infos["h_res_raw"], lead, n)
+    return dt, lead, n, C, tokens_of(lead), _checks.num_iters(num_iters), _checks.eps("eps", eps)
+
+
+def _plan_fwd(infos, num_iters, eps):
+    dt, lead, n, C, tokens, iters, eps = _check(infos, num_iters, eps)
+
+    def run_kernels(p, outs, scratch, stream):
+        layer_in, H_pre, H_post, H_res = outs
+        launch_fwd(n, tokens, iters, eps, p["h_res_raw"], H_res, stream, p["h_pre_raw"], p["h_post_raw"], H_pre, H_post)
+        if C:
+            launch_aggregate_fwd(dt, n, C, tokens, p["x"], H_pre, n, layer_in, stream)
+
+    return Plan([(lead + (C,), dt), (lead + (n,), "float32"), (lead + (n,), "float32"), (lead + (n, n), "float32")],
+                run_kernels,
+                lambda a: reference.mhc_pre_op_fwd(a["x"], a["h_pre_raw"], a["h_post_raw"], a["h_res_raw"], iters, eps),
+                empty=tokens == 0)
+
+
+def _plan_bwd(infos, num_iters, eps, grad_mode):
+    dt, lead, n, C, tokens, iters, eps = _check(infos, num_iters, eps)
+    mode = _checks.grad_mode(grad_mode)
+    g = infos["grad_layer_in"]
+    tg = check_grad("grad_layer_in", g, lead + (C,), dt) if g is not None else dt
+    for name, shape in (("grad_H_pre", lead + (n,)), ("grad_H_post", lead + (n,)), ("grad_H_res", lead + (n, n))):
+        if infos[name] is not None:
+            _checks.coefficient(name, infos[name])
+            _checks.expect_shape(name, infos[name].shape, shape, "the shape of the forward output")
+    hist = bwd_history(n, tokens, iters, mode)[2] if infos["grad_H_res"] is not None else 0
+    scratch = ([((hist,), "float32")] if hist else []) + ([((tokens * C,), dt)] if g is None else [])
+
+    def run_kernels(p, outs, s, stream):
+        dx, dh_pre, dh_post, dh_res = outs
+        launch_bwd(n, tokens, iters, eps, mode, p["grad_H_res"], p["h_res_raw"], dh_res, s[0] if hist else None,
+                   stream, p["grad_H_post"], p["h_post_raw"], dh_post)
+        g_ptr = p["grad_layer_in"]
+        if g_ptr is None:
+            import cupy
+
+            g_ptr = s[-1]
+            cupy.cuda.runtime.memsetAsync(g_ptr, 0, tokens * C * ITEMSIZE[dt], stream)
+        launch_aggregate_bwd(dt, tg, n, C, tokens, g_ptr, p["x"], p["h_pre_raw"], n, dx, dh_pre, stream,
+                             act=1, gh=p["grad_H_pre"])
+
+    def ref(a):
+        return reference.mhc_pre_op_bwd(a["grad_layer_in"], a["grad_H_pre"], a["grad_H_post"], a["grad_H_res"],
+                                        a["x"], a["h_pre_raw"], a["h_post_raw"], a["h_res_raw"], iters, eps, mode)
+
+    return Plan([(infos["x"].shape, dt), (lead + (n,), "float32"), (lead + (n,), "float32"),
+                 (lead + (n, n), "float32")], run_kernels, ref, scratch=scratch, empty=tokens == 0)
+
+
+def mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=20, eps=1e-8):
+    """Coefficient activations and layer input of an mHC layer (OPS.md section 7, paper Eq. 8).
+
+    H_pre = sigmoid(h_pre_raw);  H_post = 2 sigmoid(h_post_raw);
+    H_res = sinkhorn_knopp(h_res_raw, num_iters, eps);  layer_in = sum_i H_pre_i x_i.
+
+    Args:
+        x: [..., n, C] activations (bfloat16 / float16 / float32), 1 <= n <= 32.
+        h_pre_raw, h_post_raw: float32 [..., n] per token.
+        h_res_raw: float32 [..., n, n] per token.
+        num_iters: Sinkhorn iterations, default 20.  eps: Sinkhorn eps, default 1e-8.
+
+    Returns:
+        (layer_in [..., C] dtype of x, H_pre float32 [..., n], H_post float32 [..., n],
+        H_res float32 [..., n, n]).
+
+    Notes:
+        Two launches on the caller's stream: the per-token coefficients (one
+        thread per token), then the weighted stream sum.
+    """
+    return run(_plan_fwd, {"x": x, "h_pre_raw": h_pre_raw, "h_post_raw": h_post_raw, "h_res_raw": h_res_raw},
+               num_iters=num_iters, eps=eps)
+
+
+def mhc_pre_op_bwd(grad_layer_in, grad_H_pre, grad_H_post, grad_H_res, x, h_pre_raw, h_post_raw, h_res_raw,
+                   num_iters=20, eps=1e-8, grad_mode="unrolled"):
+    """Gradient of :func:`mhc_pre_op_fwd` (OPS.md section 7).
+
+    dx_i = H_pre_i g;  dh_pre_raw_i = (sum_c g_c x_ic + gH_pre_i) H_pre_i (1 - H_pre_i);
+    dh_post_raw_i = gH_post_i H_post_i (1 - H_post_i / 2);
+    dh_res_raw = sinkhorn_knopp_bwd(gH_res, h_res_raw, num_iters, eps, grad_mode).
+    Any of the four incoming gradients may be None (= zero).  Everything is
+    recomputed from x and the raw coefficients.
+
+    Args:
+        grad_layer_in: [..., C], dtype of x or float32, or None.
+        grad_H_pre, grad_H_post: float32 [..., n] or None.
+        grad_H_res: float32 [..., n, n] or None.
+        x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps: as given to the forward.
+        grad_mode: Sinkhorn gradient, "unrolled" (default) or "implicit".
+
+    Returns:
+        (dx [..., n, C] dtype of x, dh_pre_raw, dh_post_raw float32 [..., n], dh_res_raw float32 [..., n, n]).
+    """
+    return run(_plan_bwd, {"grad_layer_in": grad_layer_in, "grad_H_pre": grad_H_pre, "grad_H_post": grad_H_post,
+                           "grad_H_res": grad_H_res, "x": x, "h_pre_raw": h_pre_raw, "h_post_raw": h_post_raw,
+                           "h_res_raw": h_res_raw},
+               num_iters=num_iters, eps=eps, grad_mode=grad_mode)

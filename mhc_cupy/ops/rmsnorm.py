@@ -1,0 +1,112 @@
+"""RMSNorm over the last dim (OPS.md section 2), ``kernels_cu/rmsnorm.cu``."""
+
+from __future__ import annotations
+
+from .. import _checks, reference
+from .._dispatch import Plan, run
+from ._launch import CTYPE, column_sum, f32, grid_for, i32, launch, threads_for, tokens_of, vec_width
+
+_FILE = "rmsnorm.cu"
+#: Blocks of the weighted backward: each sums dw over a contiguous range of
+#: rows; fixed (independent of the device) so results are reproducible anywhere.
+_BWD_BLOCKS = 1024
+_MAX_SMEM = 227 * 1024
+
+
+def _check(infos, eps, with_grad: bool):
+    x, w = infos["x"], infos["weight"]
+    dt = _checks.activation("x", x)
+    _checks.min_ndim("x", x, 1, "[..., C]")
+    C = x.shape[-1]
+    tg = None
+    if with_grad:
+        tg = _checks.gradient("grad", infos["grad"], dt)
+        _checks.same_shape("grad", infos["grad"].shape, "x", x.shape)
+    if w is not None:
+        _checks.coefficient("weight", w)
+        _checks.expect_shape("weight", w.shape, (C,), "one weight per element of the last dim of x")
+        if with_grad and C * 4 > _MAX_SMEM:
+            raise ValueError(f"rmsnorm_bwd with a weight supports C <= {_MAX_SMEM // 4}; x has C = {C}")
+    return dt, tg, C, tokens_of(x.shape[:-1]), _checks.eps("eps", eps)
+
+
+def _plan_fwd(infos, eps):
+    dt, _, C, rows, eps = _check(infos, eps, False)
+    has_w = infos["weight"] is not None
+
+    def run_kernels(p, outs, scratch, stream):
+        E = vec_width(1, C, [(p["x"], dt), (outs[0], dt)])
+        expr = f"mhc_rmsnorm_fwd_kernel<{CTYPE[dt]},{E},{'true' if has_w else 'false'}>"
+        launch(_FILE, expr, grid_for(rows), (threads_for(C, E), 1, 1),
+               (p["x"], p["weight"], outs[0], rows, i32(C), f32(eps)), stream)
+
+    return Plan([(infos["x"].shape, dt)], run_kernels,
+                lambda a: (reference.rmsnorm_fwd(a["x"], eps, a["weight"]),), single=True, empty=rows == 0 or C == 0)
+
+
+def _plan_bwd(infos, eps):
+    dt, tg, C, rows, eps = _check(infos, eps, True)
+    has_w = infos["weight"] is not None
+    blocks = max(1, min(rows, _BWD_BLOCKS))
+    per_block = -(-rows // blocks) if rows else 1
+    blocks = -(-rows // per_block) if rows else 1
+    outputs = [(infos["x"].shape, dt)] + ([((C,), "float32")] if has_w else [])
+
+    def run_kernels(p, outs, scratch, stream):
+        E = vec_width(1, C, [(p["x"], dt), (p["grad"], tg), (outs[0], dt)])
+        expr = f"mhc_rmsnorm_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{E},{'true' if has_w else 'false'}>"
+        launch(_FILE, expr, (blocks, 1, 1), (threads_for(C, E), 1, 1),
+               (p["grad"], p["x"], p["weight"], outs[0], scratch[0] if has_w else None, rows, i32(C), f32(eps),
+                per_block), stream, shared_mem=C * 4 if has_w else 0)
+        if has_w:
+            column_sum(scratch[0], outs[1], blocks, C, stream)
+
+    def ref(a):
+        r = reference.rmsnorm_bwd(a["grad"], a["x"], eps, a["weight"])
+        return r if has_w else (r,)
+
+    # With a weight and no rows, the launch still runs: it writes d_weight = 0.
+    empty = C == 0 or (rows == 0 and not has_w)
+    return Plan(outputs, run_kernels, ref, scratch=[((blocks, C), "float32")] if has_w else [],
+                single=not has_w, empty=empty)
+
+
+def rmsnorm_fwd(x, eps=1e-5, weight=None):
+    """RMSNorm: y = x / sqrt(mean(x^2, last dim) + eps) (* weight) (OPS.md section 2).
+
+    For the mHC coefficient path normalise vec(x) of length n*C: pass x viewed
+    as [..., n*C] (a free reshape of a contiguous [..., n, C]).
+
+    Args:
+        x: [..., C], bfloat16 / float16 / float32.
+        eps: >= 0, added to the mean square. Default 1e-5.
+        weight: optional float32 [C].
+
+    Returns:
+        y: [..., C], dtype of x (statistics in float32, one rounding at the end).
+
+    Raises:
+        TypeError: bad dtypes.  ValueError: weight shape, devices, eps.
+    """
+    return run(_plan_fwd, {"x": x, "weight": weight}, eps=eps)
+
+
+def rmsnorm_bwd(grad, x, eps=1e-5, weight=None):
+    """Gradient of :func:`rmsnorm_fwd` (OPS.md section 2); statistics recomputed from x.
+
+    With g' = grad * weight and r = 1/sqrt(mean(x^2) + eps):
+    dx = r g' - x r^3 mean(g' x);  d_weight = sum over tokens of grad * x * r.
+
+    Args:
+        grad: [..., C], dtype of x or float32.
+        x, eps, weight: as given to the forward.
+
+    Returns:
+        dx ([..., C], dtype of x), or (dx, d_weight float32 [C]) when a weight
+        is given.  d_weight is summed over tokens in a fixed order
+        (deterministic, no atomics).
+
+    Raises:
+        TypeError / ValueError: as the forward; grad shape differs from x.
+    """
+    return run(_plan_bwd, {"grad": grad, "x": x, "weight": weight}, eps=eps)

@@ -1,0 +1,140 @@
+"""Sinkhorn-Knopp projection onto doubly-stochastic matrices (OPS.md section 1).
+
+One launch for all tokens, one thread per n x n matrix (``kernels_cu/sinkhorn.cu``).
+"""
+
+from __future__ import annotations
+
+from .. import _checks, reference
+from .._dispatch import Plan, run
+from ._launch import f32, i32, launch, tokens_of
+
+_FILE = "sinkhorn.cu"
+_FWD_THREADS = 128
+_SMEM_LIMIT = 48 * 1024
+
+
+def check_logits(name: str, info) -> int:
+    """n of a float32 [..., n, n] tensor."""
+    _checks.coefficient(name, info)
+    _checks.min_ndim(name, info, 2, "[..., n, n]")
+    n = info.shape[-1]
+    if info.shape[-2] != n:
+        raise ValueError(f"{name} has shape {info.shape}; it needs square matrices [..., n, n]")
+    return _checks.streams(n, name)
+
+
+def launch_fwd(n, tokens, iters, eps, logits, P, stream, h_pre_raw=None, h_post_raw=None, H_pre=None, H_post=None):
+    """Sinkhorn forward (and optionally the pre-op sigmoids) for every token."""
+    launch(_FILE, f"mhc_sinkhorn_knopp_fwd_kernel<{n}>", (-(-tokens // _FWD_THREADS), 1, 1), (_FWD_THREADS, 1, 1),
+           (logits, P, h_pre_raw, h_post_raw, H_pre, H_post, tokens, i32(iters), f32(eps)), stream)
+
+
+def bwd_history(n: int, tokens: int, iters: int, grad_mode: str):
+    """(threads per block, dynamic shared bytes, global scratch floats) of the backward.
+
+    The unrolled backward keeps 2 * iters * n step denominators per matrix: in
+    shared memory when they fit in 48 KB for at least 32 threads, else in a
+    global scratch buffer.
+    """
+    if grad_mode == "implicit" or iters == 0:
+        return 64, 0, 0
+    per_thread = 2 * iters * n * 4
+    for threads in (64, 32):
+        if per_thread * threads <= _SMEM_LIMIT:
+            return threads, per_thread * threads, 0
+    return 64, 0, 2 * iters * n * max(tokens, 1)
+
+
+def launch_bwd(n, tokens, iters, eps, grad_mode, grad_P, logits, d_logits, scratch, stream,
+               g_post=None, h_post_raw=None, d_post_raw=None):
+    threads, smem, _ = bwd_history(n, tokens, iters, grad_mode)
+    implicit = "true" if grad_mode == "implicit" else "false"
+    launch(_FILE, f"mhc_sinkhorn_knopp_bwd_kernel<{n},{implicit}>", (-(-tokens // threads), 1, 1), (threads, 1, 1),
+           (grad_P, logits, d_logits, scratch, i32(1 if smem else 0), g_post, h_post_raw, d_post_raw,
+            tokens, i32(iters), f32(eps)), stream, shared_mem=smem)
+
+
+def _plan_fwd(infos, num_iters, eps):
+    L = infos["logits"]
+    n = check_logits("logits", L)
+    iters, eps = _checks.num_iters(num_iters), _checks.eps("eps", eps)
+    tokens = tokens_of(L.shape[:-2])
+
+    def run_kernels(p, outs, scratch, stream):
+        launch_fwd(n, tokens, iters, eps, p["logits"], outs[0], stream)
+
+    return Plan([(L.shape, "float32")], run_kernels,
+                lambda a: (reference.sinkhorn_knopp_fwd(a["logits"], iters, eps),),
+                single=True, empty=tokens == 0)
+
+
+def _plan_bwd(infos, num_iters, eps, grad_mode):
+    L, G = infos["logits"], infos["grad_P"]
+    n = check_logits("logits", L)
+    _checks.coefficient("grad_P", G)
+    _checks.same_shape("grad_P", G.shape, "logits", L.shape)
+    iters, eps, mode = _checks.num_iters(num_iters), _checks.eps("eps", eps), _checks.grad_mode(grad_mode)
+    tokens = tokens_of(L.shape[:-2])
+    hist = bwd_history(n, tokens, iters, mode)[2]
+
+    def run_kernels(p, outs, scratch, stream):
+        launch_bwd(n, tokens, iters, eps, mode, p["grad_P"], p["logits"], outs[0],
+                   scratch[0] if scratch else None, stream)
+
+    return Plan([(L.shape, "float32")], run_kernels,
+                lambda a: (reference.sinkhorn_knopp_bwd(a["grad_P"], a["logits"], iters, eps, mode),),
+                scratch=[((hist,), "float32")] if hist else [], single=True, empty=tokens == 0)
+
+
+def sinkhorn_knopp_fwd(logits, num_iters=20, eps=1e-8):
+    """Project each n x n matrix of logits onto the doubly-stochastic matrices.
+
+    K = exp(L - rowmax(L)); then ``num_iters`` times a row normalisation
+    P <- P / (rowsum + eps) followed by a column normalisation
+    P <- P / (colsum + eps) (OPS.md section 1; paper Eq. 9).  The row-max shift
+    never changes the result beyond rounding but keeps exp from overflowing.
+
+    Args:
+        logits: float32 [..., n, n], 1 <= n <= 32; any leading token dims.
+        num_iters: Sinkhorn iterations (row + column step each), >= 0. Default 20.
+        eps: added to every row / column sum, >= 0. Default 1e-8.
+
+    Returns:
+        P: float32 [..., n, n]; columns sum to 1 up to rounding, rows approximately.
+
+    Raises:
+        TypeError: logits not float32.  ValueError: not square, n out of range,
+        bad num_iters / eps.
+
+    Notes:
+        GPU: one launch for all tokens on the caller's current stream.  CPU
+        inputs run the NumPy reference.
+    """
+    return run(_plan_fwd, {"logits": logits}, num_iters=num_iters, eps=eps)
+
+
+def sinkhorn_knopp_bwd(grad_P, logits, num_iters=20, eps=1e-8, grad_mode="unrolled"):
+    """Gradient of :func:`sinkhorn_knopp_fwd` with respect to the logits.
+
+    ``grad_mode="unrolled"`` (default): the exact vector-Jacobian product of
+    the forward as computed (every row and column step, the exp and its
+    row-max shift), recomputing the forward on chip from the logits.
+    ``grad_mode="implicit"``: the gradient of the converged projection by the
+    implicit function theorem, dL = P * (G - a 1^T - 1 b^T) with (a, b) from
+    the n x n Schur-complement system solved directly; its cost does not
+    depend on num_iters, and it differs from "unrolled" as far as the forward
+    is not converged (OPS.md section 1).  Every row of d_logits sums to 0.
+
+    Args:
+        grad_P: float32 [..., n, n], gradient of the loss w.r.t. P.
+        logits, num_iters, eps: as given to the forward.
+        grad_mode: "unrolled" or "implicit".
+
+    Returns:
+        d_logits: float32 [..., n, n].
+
+    Raises:
+        TypeError / ValueError: as the forward; grad_P shape differs; bad grad_mode.
+    """
+    return run(_plan_bwd, {"grad_P": grad_P, "logits": logits}, num_iters=num_iters, eps=eps, grad_mode=grad_mode)

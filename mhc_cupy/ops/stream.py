@@ -1,0 +1,284 @@
+"""Stream mix, aggregate and distribute (OPS.md sections 3-5), ``kernels_cu/stream_ops.cu``.
+
+The launchers here are shared with the post op and the pre op: stream mix
+and stream distribute are the residual-update kernel
+``mhc_post_op_*_kernel`` without its layer-output term or without its
+residual term.
+"""
+
+from __future__ import annotations
+
+from .. import _checks, reference
+from .._dispatch import Plan, run
+from ._launch import CTYPE, column_sum, grid_for, i32, launch, threads_for, tokens_of, vec_width
+
+_FILE = "stream_ops.cu"
+
+
+def _b(v: bool) -> str:
+    return "true" if v else "false"
+
+
+def dh_rows(n: int) -> int:
+    """Rows of dH_res reduced per pass of the backward (RB * n accumulators per thread)."""
+    return n if n <= 4 else min(n, max(1, 32 // n))
+
+
+# ------------------------------------------------------------------ checks
+def check_x(name: str, info, dtype=None):
+    """(dtype, lead dims, n, C) of a [..., n, C] activation."""
+    dt = _checks.activation(name, info, dtype)
+    _checks.min_ndim(name, info, 2, "[..., n, C]")
+    n, C = info.shape[-2], info.shape[-1]
+    _checks.streams(n, name)
+    return dt, tuple(info.shape[:-2]), n, C
+
+
+def check_y(name: str, info, lead, C, dtype):
+    _checks.activation(name, info, dtype)
+    _checks.expect_shape(name, info.shape, lead + (C,), "[..., C] with the token dims and C of x")
+
+
+def check_matrix(name: str, info, lead, n):
+    _checks.coefficient(name, info)
+    _checks.expect_shape(name, info.shape, lead + (n, n), "one n x n matrix per token")
+
+
+def check_h(name: str, info, lead, n, allow_shared: bool) -> bool:
+    """True when h is shared ([n]), False when per token ([..., n])."""
+    _checks.coefficient(name, info)
+    if allow_shared and tuple(info.shape) == (n,) and lead != ():
+        return True
+    _checks.expect_shape(name, info.shape, lead + (n,),
+                         "per-token [..., n]" + (" or shared [n]" if allow_shared else ""))
+    return False
+
+
+def check_grad(name: str, info, shape, dtype) -> str:
+    tg = _checks.gradient(name, info, dtype)
+    _checks.expect_shape(name, info.shape, shape, "the shape of the forward output")
+    return tg
+
+
+# --------------------------------------------------------------- launchers
+def launch_post_fwd(dt, n, C, tokens, x, y, h_post, h_post_stride, h_res, out, stream):
+    """out_i = sum_j h_res_ij x_j + h_post_i y, with x and/or y absent (None)."""
+    E = vec_width(n, C, [(p, dt) for p in (x, y, out) if p is not None])
+    expr = f"mhc_post_op_fwd_kernel<{CTYPE[dt]},{n},{E},{_b(x is not None)},{_b(y is not None)}>"
+    launch(_FILE, expr, grid_for(tokens), (threads_for(C, E), 1, 1),
+           (x, y, h_post, h_post_stride, h_res, out, tokens, i32(C)), stream)
+
+
+def launch_post_bwd(dt, tg, n, C, tokens, g, x, y, h_post, h_post_stride, h_res, dx, dy, d_post, d_res, stream):
+    has_x, has_y = x is not None, y is not None
+    E = vec_width(n, C, [(g, tg)] + [(p, dt) for p in (x, y, dx, dy) if p is not None])
+    rb = dh_rows(n) if has_x else 1
+    expr = f"mhc_post_op_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{n},{E},{rb},{_b(has_x)},{_b(has_y)}>"
+    launch(_FILE, expr, grid_for(tokens), (threads_for(C, E), 1, 1),
+           (g, x, y, h_post, h_post_stride, h_res, dx, dy, d_post, d_res, tokens, i32(C)), stream)
+
+
+def launch_aggregate_fwd(dt, n, C, tokens, x, h, h_stride, out, stream):
+    E = vec_width(n, C, [(x, dt), (out, dt)])
+    launch(_FILE, f"mhc_stream_aggregate_fwd_kernel<{CTYPE[dt]},{n},{E}>", grid_for(tokens),
+           (threads_for(C, E), 1, 1), (x, h, h_stride, out, tokens, i32(C)), stream)
+
+
+def launch_aggregate_bwd(dt, tg, n, C, tokens, g, x, h, h_stride, dx, dh, stream, act=0, gh=None):
+    E = vec_width(n, C, [(g, tg), (x, dt), (dx, dt)])
+    launch(_FILE, f"mhc_stream_aggregate_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{n},{E},{act}>", grid_for(tokens),
+           (threads_for(C, E), 1, 1), (g, x, h, h_stride, gh, dx, dh, tokens, i32(C)), stream)
+
+
+# ------------------------------------------------------------------- mix
+def _plan_mix_fwd(infos):
+    dt, lead, n, C = check_x("x", infos["x"])
+    check_matrix("M", infos["M"], lead, n)
+    tokens = tokens_of(lead)
+
+    def run_kernels(p, outs, scratch, stream):
+        launch_post_fwd(dt, n, C, tokens, p["x"], None, None, 0, p["M"], outs[0], stream)
+
+    return Plan([(infos["x"].shape, dt)], run_kernels,
+                lambda a: (reference.stream_mix_fwd(a["x"], a["M"]),), single=True, empty=tokens * C == 0)
+
+
+def _plan_mix_bwd(infos):
+    dt, lead, n, C = check_x("x", infos["x"])
+    check_matrix("M", infos["M"], lead, n)
+    tg = check_grad("grad", infos["grad"], infos["x"].shape, dt)
+    tokens = tokens_of(lead)
+
+    def run_kernels(p, outs, scratch, stream):
+        launch_post_bwd(dt, tg, n, C, tokens, p["grad"], p["x"], None, None, 0, p["M"], outs[0], None, None,
+                        outs[1], stream)
+
+    return Plan([(infos["x"].shape, dt), (infos["M"].shape, "float32")], run_kernels,
+                lambda a: reference.stream_mix_bwd(a["grad"], a["x"], a["M"]), empty=tokens == 0)
+
+
+def stream_mix_fwd(x, M):
+    """Mix the n residual streams of each token: out_i = sum_j M_ij x_j (OPS.md section 3).
+
+    Args:
+        x: [..., n, C] activations (bfloat16 / float16 / float32), 1 <= n <= 32.
+        M: float32 [..., n, n], one mixing matrix per token (row i makes output stream i).
+
+    Returns:
+        out: [..., n, C], dtype of x.
+
+    Raises:
+        TypeError: bad dtypes.  ValueError: shapes disagree, n out of range,
+        arrays on different devices.
+
+    Notes:
+        Zero copy for contiguous inputs (a non-contiguous view is copied
+        first); output allocated by the caller's framework, kernel launched on
+        its current stream.
+    """
+    return run(_plan_mix_fwd, {"x": x, "M": M})
+
+
+def stream_mix_bwd(grad, x, M):
+    """Gradient of :func:`stream_mix_fwd` (OPS.md section 3).
+
+    dx_j = sum_i M_ij g_i;  dM_ij = sum_c g_ic x_jc (float32 accumulation,
+    fixed reduction order: bitwise reproducible).
+
+    Args:
+        grad: [..., n, C], dtype of x or float32.
+        x, M: as given to the forward.
+
+    Returns:
+        (dx [..., n, C] dtype of x, dM float32 [..., n, n]).
+    """
+    return run(_plan_mix_bwd, {"grad": grad, "x": x, "M": M})
+
+
+# -------------------------------------------------------------- aggregate
+def _plan_aggregate_fwd(infos):
+    dt, lead, n, C = check_x("x", infos["x"])
+    shared = check_h("h", infos["h"], lead, n, True)
+    tokens = tokens_of(lead)
+
+    def run_kernels(p, outs, scratch, stream):
+        launch_aggregate_fwd(dt, n, C, tokens, p["x"], p["h"], 0 if shared else n, outs[0], stream)
+
+    return Plan([(lead + (C,), dt)], run_kernels,
+                lambda a: (reference.stream_aggregate_fwd(a["x"], a["h"]),), single=True, empty=tokens * C == 0)
+
+
+def _plan_aggregate_bwd(infos):
+    dt, lead, n, C = check_x("x", infos["x"])
+    shared = check_h("h", infos["h"], lead, n, True)
+    tg = check_grad("grad", infos["grad"], lead + (C,), dt)
+    tokens = tokens_of(lead)
+
+    def run_kernels(p, outs, scratch, stream):
+        dh = scratch[0] if shared else outs[1]
+        if tokens:
+            launch_aggregate_bwd(dt, tg, n, C, tokens, p["grad"], p["x"], p["h"], 0 if shared else n,
+                                 outs[0], dh, stream)
+        if shared:
+            column_sum(dh, outs[1], tokens, n, stream)
+
+    return Plan([(infos["x"].shape, dt), (infos["h"].shape, "float32")], run_kernels,
+                lambda a: reference.stream_aggregate_bwd(a["grad"], a["x"], a["h"]),
+                scratch=[((tokens, n), "float32")] if shared else [], empty=tokens == 0 and not shared)
+
+
+def stream_aggregate_fwd(x, h):
+    """Weighted sum of the streams: out = sum_i h_i x_i (OPS.md section 4).
+
+    Args:
+        x: [..., n, C] activations (bfloat16 / float16 / float32).
+        h: float32, per token [..., n] or shared by all tokens [n].
+
+    Returns:
+        out: [..., C], dtype of x.
+    """
+    return run(_plan_aggregate_fwd, {"x": x, "h": h})
+
+
+def stream_aggregate_bwd(grad, x, h):
+    """Gradient of :func:`stream_aggregate_fwd` (OPS.md section 4).
+
+    dx_i = h_i g;  dh_i = sum_c g_c x_ic per token, and for a shared h also
+    summed over all tokens (fixed order: deterministic).
+
+    Args:
+        grad: [..., C], dtype of x or float32.
+        x, h: as given to the forward.
+
+    Returns:
+        (dx [..., n, C] dtype of x, dh float32 of h's shape).
+    """
+    return run(_plan_aggregate_bwd, {"grad": grad, "x": x, "h": h})
+
+
+# ------------------------------------------------------------- distribute
+def _check_distribute(infos):
+    y = infos["y"]
+    dt = _checks.activation("y", y)
+    _checks.min_ndim("y", y, 1, "[..., C]")
+    lead, C = tuple(y.shape[:-1]), y.shape[-1]
+    h = infos["h"]
+    _checks.coefficient("h", h)
+    _checks.min_ndim("h", h, 1, "[..., n] or [n]")
+    n = h.shape[-1]
+    _checks.streams(n, "h")
+    shared = check_h("h", h, lead, n, True)
+    return dt, lead, n, C, shared
+
+
+def _plan_distribute_fwd(infos):
+    dt, lead, n, C, shared = _check_distribute(infos)
+    tokens = tokens_of(lead)
+
+    def run_kernels(p, outs, scratch, stream):
+        launch_post_fwd(dt, n, C, tokens, None, p["y"], p["h"], 0 if shared else n, None, outs[0], stream)
+
+    return Plan([(lead + (n, C), dt)], run_kernels,
+                lambda a: (reference.stream_distribute_fwd(a["y"], a["h"]),), single=True, empty=tokens * C == 0)
+
+
+def _plan_distribute_bwd(infos):
+    dt, lead, n, C, shared = _check_distribute(infos)
+    tg = check_grad("grad", infos["grad"], lead + (n, C), dt)
+    tokens = tokens_of(lead)
+
+    def run_kernels(p, outs, scratch, stream):
+        dh = scratch[0] if shared else outs[1]
+        if tokens:
+            launch_post_bwd(dt, tg, n, C, tokens, p["grad"], None, p["y"], p["h"], 0 if shared else n, None,
+                            None, outs[0], dh, None, stream)
+        if shared:
+            column_sum(dh, outs[1], tokens, n, stream)
+
+    return Plan([(infos["y"].shape, dt), (infos["h"].shape, "float32")], run_kernels,
+                lambda a: reference.stream_distribute_bwd(a["grad"], a["y"], a["h"]),
+                scratch=[((tokens, n), "float32")] if shared else [], empty=tokens == 0 and not shared)
+
+
+def stream_distribute_fwd(y, h):
+    """Write one layer output to every stream, scaled: out_i = h_i y (OPS.md section 5).
+
+    Args:
+        y: [..., C] activations (bfloat16 / float16 / float32).
+        h: float32, per token [..., n] or shared [n].
+
+    Returns:
+        out: [..., n, C], dtype of y.
+    """
+    return run(_plan_distribute_fwd, {"y": y, "h": h})
+
+
+def stream_distribute_bwd(grad, y, h):
+    """Gradient of :func:`stream_distribute_fwd` (OPS.md section 5).
+
+    dy = sum_i h_i g_i;  dh_i = sum_c g_ic y_c (summed over tokens for a shared h).
+
+    Returns:
+        (dy [..., C] dtype of y, dh float32 of h's shape).
+    """
+    return run(_plan_distribute_bwd, {"grad": grad, "y": y, "h": h})

@@ -1,0 +1,666 @@
+"""Float64 NumPy reference implementations of every mhc_cupy operator.
+
+These functions are the test oracles for the GPU kernels. They follow the operator contract
+``spec/OPS.md`` (section numbers are quoted in each docstring) and are written for clarity,
+not speed: plain vectorised NumPy, no other dependency.
+
+Conventions shared by every function:
+
+* Inputs may be NumPy arrays (or anything ``np.asarray`` accepts) of any float dtype:
+  float16, float32, float64 or ``ml_dtypes.bfloat16``. They are converted with
+  ``np.asarray(a, dtype=np.float64)`` first; all arithmetic happens in float64 and every
+  returned array is float64. Casting to the activation / coefficient dtype is the caller's job.
+* ``...`` is any number of leading token dims, including none and including zero-size dims
+  (zero tokens give empty outputs of the right shape; gradients of shared parameters are then
+  zeros).
+* ``n`` is the number of residual streams, ``C`` the hidden size.
+* Shapes are *not* validated here (the dispatcher does that before calling); a function given
+  inconsistent shapes may raise a NumPy broadcasting error or return nonsense.
+* Backward functions return the vector-Jacobian product of the matching forward with the
+  incoming gradient(s). Where a backward takes several incoming gradients, ``None`` means zero.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "sinkhorn_knopp_fwd",
+    "sinkhorn_knopp_bwd",
+    "rmsnorm_fwd",
+    "rmsnorm_bwd",
+    "stream_mix_fwd",
+    "stream_mix_bwd",
+    "stream_aggregate_fwd",
+    "stream_aggregate_bwd",
+    "stream_distribute_fwd",
+    "stream_distribute_bwd",
+    "mhc_post_op_fwd",
+    "mhc_post_op_bwd",
+    "mhc_pre_op_fwd",
+    "mhc_pre_op_bwd",
+    "mhc_coeffs_fwd",
+    "mhc_coeffs_bwd",
+]
+
+_GRAD_MODES = ("unrolled", "implicit")
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+def _f64(a):
+    """Convert to a float64 ndarray (works for float16/32/64 and ml_dtypes.bfloat16)."""
+    return np.asarray(a, dtype=np.float64)
+
+
+def _sum_to_shape(g, shape):
+    """Reduce a broadcast gradient ``g`` back to ``shape`` (sum over broadcast dims).
+
+    Used for coefficients that may be shared over tokens (e.g. ``h`` of shape ``[n]`` against
+    ``x`` of shape ``[..., n, C]``): the gradient is then summed over all tokens.
+    """
+    shape = tuple(shape)
+    extra = g.ndim - len(shape)
+    if extra > 0:
+        g = g.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, s in enumerate(shape) if s == 1 and g.shape[i] != 1)
+    if axes:
+        g = g.sum(axis=axes, keepdims=True)
+    return g.reshape(shape)
+
+
+def _sigmoid(z):
+    """Numerically stable logistic function sigma(z) = 1 / (1 + exp(-z)) (no overflow)."""
+    e = np.exp(-np.abs(z))  # in (0, 1], never overflows
+    return np.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def _check_grad_mode(grad_mode):
+    if grad_mode not in _GRAD_MODES:
+        raise ValueError(
+            f"grad_mode must be one of {_GRAD_MODES!r}, got grad_mode={grad_mode!r}"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Sinkhorn-Knopp
+# ----------------------------------------------------------------------------------------------
+
+def _sinkhorn_shifted_exp(L):
+    """K = exp(L - max_k L_ik) and the (first) argmax index of each row."""
+    idx = np.argmax(L, axis=-1)                                  # [..., n]
+    m = np.take_along_axis(L, idx[..., None], axis=-1)           # [..., n, 1]
+    return np.exp(L - m), idx
+
+
+def _sinkhorn_forward_states(L, num_iters, eps):
+    """Run the forward and keep, for every half-step, the scale vector and the output.
+
+    Returns ``K, idx, states`` with ``states`` a list of ``(kind, scale, P_after)`` where kind is
+    ``"row"`` (scale [..., n, 1]) or ``"col"`` (scale [..., 1, n]).
+    """
+    K, idx = _sinkhorn_shifted_exp(L)
+    P = K
+    states = []
+    for _ in range(int(num_iters)):
+        r = 1.0 / (P.sum(axis=-1, keepdims=True) + eps)          # [..., n, 1]
+        P = P * r
+        states.append(("row", r, P))
+        c = 1.0 / (P.sum(axis=-2, keepdims=True) + eps)          # [..., 1, n]
+        P = P * c
+        states.append(("col", c, P))
+    return K, idx, states
+
+
+def sinkhorn_knopp_fwd(logits, num_iters=20, eps=1e-8):
+    """Sinkhorn-Knopp projection onto (approximately) doubly stochastic matrices (OPS.md §1).
+
+    Per matrix L ``[n, n]``:
+
+    1. K_ij = exp(L_ij - max_k L_ik)   (row max subtracted; never overflows);
+    2. ``num_iters`` times: row step P_ij <- P_ij / (sum_k P_ik + eps), then
+       column step P_ij <- P_ij / (sum_k P_kj + eps).
+
+    ``num_iters=0`` returns K itself. The last step is a column step, so column sums are ~1.
+
+    Args:
+        logits: ``[..., n, n]`` any float dtype.
+        num_iters: number of (row, column) iteration pairs.
+        eps: added to every row / column sum before dividing.
+
+    Returns:
+        P: ``[..., n, n]`` float64.
+    """
+    L = _f64(logits)
+    _, _, states = _sinkhorn_forward_states(L, num_iters, eps)
+    if states:
+        return states[-1][2]
+    return _sinkhorn_shifted_exp(L)[0]
+
+
+def _sinkhorn_bwd_unrolled(G, L, num_iters, eps):
+    """Exact VJP of ``sinkhorn_knopp_fwd`` (including the row-max shift)."""
+    K, idx, states = _sinkhorn_forward_states(L, num_iters, eps)
+    g = G
+    for kind, s, y in reversed(states):
+        # y = p * s with s = 1 / (sum p + eps) along the step's axis:
+        #   dp = s * (gy - sum(gy * y))   (sum along the same axis)
+        axis = -1 if kind == "row" else -2
+        g = s * (g - (g * y).sum(axis=axis, keepdims=True))
+    # g is now dLoss/dK. K = exp(L - L[i, argmax_i]):
+    #   dL_ij = gK_ij K_ij - [j == argmax_i] * sum_k gK_ik K_ik
+    gKK = g * K
+    n = L.shape[-1]
+    onehot = np.arange(n) == idx[..., None]                      # [..., n, n]
+    return gKK - onehot * gKK.sum(axis=-1, keepdims=True)
+
+
+def _solve_consistent(A, rhs):
+    """Batched solve of A b = rhs (A [..., n, n], rhs [..., n]).
+
+    ``np.linalg.solve`` normally. If some matrix is exactly singular in floating point (this
+    happens when P is numerically a permutation, e.g. logits of scale 100, whose bipartite
+    graph falls apart into several components), that matrix is solved by least squares
+    instead (minimum-norm solution). The resulting dL is then ~0 either way, since every
+    extra null direction only touches entries where P is ~0.
+    """
+    try:
+        return np.linalg.solve(A, rhs[..., None])[..., 0]
+    except np.linalg.LinAlgError:
+        n = A.shape[-1]
+        A2 = A.reshape(-1, n, n)
+        r2 = rhs.reshape(-1, n)
+        out = np.empty_like(r2)
+        for k in range(A2.shape[0]):
+            try:
+                out[k] = np.linalg.solve(A2[k], r2[k])
+            except np.linalg.LinAlgError:
+                out[k] = np.linalg.lstsq(A2[k], r2[k], rcond=None)[0]
+        return out.reshape(rhs.shape)
+
+
+def _sinkhorn_bwd_implicit(G, L, num_iters, eps):
+    """Implicit-function-theorem gradient of the converged projection, evaluated at P."""
+    P = sinkhorn_knopp_fwd(L, num_iters, eps)
+    n = P.shape[-1]
+    PG = P * G
+    rs = P.sum(axis=-1)                                          # [..., n]
+    cs = P.sum(axis=-2)                                          # [..., n]
+    r = PG.sum(axis=-1)                                          # [..., n]
+    c = PG.sum(axis=-2)                                          # [..., n]
+    Pt = np.swapaxes(P, -1, -2)
+    # System: diag(rs) a + P b = r ;  P^T a + diag(cs) b = c  (null space along (1, -1)).
+    # Eliminate a = (r - P b) / rs  ->  S b = rhs with the Schur complement
+    #   S = diag(cs) - P^T diag(1/rs) P,   rhs = c - P^T (r / rs).
+    # S is singular along 1 and rhs is orthogonal to 1, so (S + 1 1^T) b = rhs picks the
+    # solution with sum(b) = 0.
+    S = -(Pt @ (P / rs[..., :, None]))
+    S = S + cs[..., :, None] * np.eye(n)
+    S = S + 1.0
+    rhs = c - (Pt @ (r / rs)[..., None])[..., 0]
+    b = _solve_consistent(S, rhs)                                # [..., n]
+    a = (r - (P @ b[..., None])[..., 0]) / rs                    # [..., n]
+    return P * (G - a[..., :, None] - b[..., None, :])
+
+
+def sinkhorn_knopp_bwd(grad_P, logits, num_iters=20, eps=1e-8, grad_mode="unrolled"):
+    """Backward of ``sinkhorn_knopp_fwd`` (OPS.md §1).
+
+    ``grad_mode="unrolled"`` (default): the exact vector-Jacobian product of the forward as
+    computed, f(L) = S(exp(L - max_row(L))), through every row / column step. The forward is
+    recomputed and each half-step's state kept; each step y = p * s, s = 1/(sum p + eps) is
+    back-propagated as dp = s * (gy - sum(gy * y)) along the step's axis; finally, with gK the
+    gradient w.r.t. K, dL_ij = gK_ij K_ij - [j == argmax_i] sum_k gK_ik K_ik (argmax = first
+    index of the row max, as ``np.argmax``).
+
+    ``grad_mode="implicit"``: the gradient of the *converged* projection (implicit function
+    theorem), evaluated at the forward output P: dL = P * (G - a 1^T - 1 b^T) where
+    diag(rowsum P) a + P b = rowsum(P*G) and P^T a + diag(colsum P) b = colsum(P*G). Solved
+    exactly (Schur complement on b, ``np.linalg.solve``; least squares for a matrix that is
+    singular in floating point, see ``_solve_consistent``), so its cost does not depend on
+    ``num_iters`` beyond the forward. It equals "unrolled" only as far as the forward has
+    converged; for small ``num_iters`` the two differ.
+
+    In both modes every row of d_logits sums to 0 (up to rounding); n = 1 gives 0.
+
+    Args:
+        grad_P: ``[..., n, n]`` gradient w.r.t. P.
+        logits: ``[..., n, n]`` the forward's input.
+        num_iters, eps: as in the forward.
+        grad_mode: ``"unrolled"`` or ``"implicit"``; anything else raises ``ValueError``.
+
+    Returns:
+        d_logits: ``[..., n, n]`` float64.
+    """
+    _check_grad_mode(grad_mode)
+    G = _f64(grad_P)
+    L = _f64(logits)
+    if grad_mode == "unrolled":
+        return _sinkhorn_bwd_unrolled(G, L, num_iters, eps)
+    return _sinkhorn_bwd_implicit(G, L, num_iters, eps)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. RMSNorm
+# ----------------------------------------------------------------------------------------------
+
+def _rms_inv(x, eps):
+    """r = 1 / sqrt(mean(x^2, -1) + eps), shape [..., 1]."""
+    return 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def rmsnorm_fwd(x, eps=1e-5, weight=None):
+    """RMSNorm over the last dim (OPS.md §2).
+
+    r = 1 / sqrt(mean_c x_c^2 + eps);  y_c = x_c * r  (* w_c if ``weight`` is given).
+
+    Args:
+        x: ``[..., C]``.
+        eps: added to the mean square.
+        weight: optional ``[C]``.
+
+    Returns:
+        y: ``[..., C]`` float64.
+    """
+    x = _f64(x)
+    y = x * _rms_inv(x, eps)
+    if weight is not None:
+        y = y * _f64(weight)
+    return y
+
+
+def rmsnorm_bwd(grad, x, eps=1e-5, weight=None):
+    """Backward of ``rmsnorm_fwd`` (OPS.md §2).
+
+    With g' = g * w (g' = g without weight):
+        dx_c = r g'_c - x_c r^3 mean_k(g'_k x_k);
+        dw_c = sum over all tokens of g_c x_c r.
+
+    Args:
+        grad: ``[..., C]`` gradient w.r.t. y.
+        x: ``[..., C]`` the forward's input.
+        eps: as in the forward.
+        weight: optional ``[C]``.
+
+    Returns:
+        dx ``[..., C]`` float64 when ``weight`` is None, else ``(dx, d_weight)`` with
+        d_weight ``[C]`` float64.
+    """
+    g = _f64(grad)
+    x = _f64(x)
+    r = _rms_inv(x, eps)
+    gp = g if weight is None else g * _f64(weight)
+    dx = r * gp - x * r**3 * np.mean(gp * x, axis=-1, keepdims=True)
+    if weight is None:
+        return dx
+    C = x.shape[-1]
+    dw = (g * x * r).reshape(-1, C).sum(axis=0)
+    return dx, dw
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Stream mix
+# ----------------------------------------------------------------------------------------------
+
+def stream_mix_fwd(x, M):
+    """Mix the residual streams with a per-token matrix (OPS.md §3).
+
+    out_i = sum_j M_ij x_j, i.e. ``M @ x`` per token.
+
+    Args:
+        x: ``[..., n, C]``.
+        M: ``[..., n, n]``.
+
+    Returns:
+        out: ``[..., n, C]`` float64.
+    """
+    return _f64(M) @ _f64(x)
+
+
+def stream_mix_bwd(grad, x, M):
+    """Backward of ``stream_mix_fwd`` (OPS.md §3).
+
+    dx_j = sum_i M_ij g_i  (``M^T @ g``);  dM_ij = sum_c g_ic x_jc  (``g @ x^T``).
+
+    Args:
+        grad: ``[..., n, C]``.
+        x: ``[..., n, C]``.
+        M: ``[..., n, n]``.
+
+    Returns:
+        (dx ``[..., n, C]``, dM with M's shape), float64.
+    """
+    g = _f64(grad)
+    x = _f64(x)
+    M = _f64(M)
+    dx = np.swapaxes(M, -1, -2) @ g
+    dM = g @ np.swapaxes(x, -1, -2)
+    return _sum_to_shape(dx, x.shape), _sum_to_shape(dM, M.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Stream aggregate
+# ----------------------------------------------------------------------------------------------
+
+def stream_aggregate_fwd(x, h):
+    """Weighted sum of the streams (OPS.md §4).
+
+    out = sum_i h_i x_i.
+
+    Args:
+        x: ``[..., n, C]``.
+        h: per token ``[..., n]`` or shared ``[n]``.
+
+    Returns:
+        out: ``[..., C]`` float64.
+    """
+    x = _f64(x)
+    h = _f64(h)
+    return (h[..., :, None] * x).sum(axis=-2)
+
+
+def stream_aggregate_bwd(grad, x, h):
+    """Backward of ``stream_aggregate_fwd`` (OPS.md §4).
+
+    dx_i = h_i g;  dh_i = sum_c g_c x_ic per token; for shared h ``[n]`` summed over all tokens.
+
+    Args:
+        grad: ``[..., C]``.
+        x: ``[..., n, C]``.
+        h: ``[..., n]`` or ``[n]``.
+
+    Returns:
+        (dx ``[..., n, C]``, dh with h's shape), float64.
+    """
+    g = _f64(grad)
+    x = _f64(x)
+    h = _f64(h)
+    dx = np.broadcast_to(h[..., :, None] * g[..., None, :], x.shape).copy()
+    dh = (g[..., None, :] * x).sum(axis=-1)                      # [..., n]
+    return dx, _sum_to_shape(dh, h.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Stream distribute
+# ----------------------------------------------------------------------------------------------
+
+def stream_distribute_fwd(y, h):
+    """Copy one vector into n weighted streams (OPS.md §5).
+
+    out_i = h_i y.
+
+    Args:
+        y: ``[..., C]``.
+        h: per token ``[..., n]`` or shared ``[n]``.
+
+    Returns:
+        out: ``[..., n, C]`` float64.
+    """
+    y = _f64(y)
+    h = _f64(h)
+    return h[..., :, None] * y[..., None, :]
+
+
+def stream_distribute_bwd(grad, y, h):
+    """Backward of ``stream_distribute_fwd`` (OPS.md §5).
+
+    dy = sum_i h_i g_i;  dh_i = sum_c g_ic y_c per token; for shared h summed over all tokens.
+
+    Args:
+        grad: ``[..., n, C]``.
+        y: ``[..., C]``.
+        h: ``[..., n]`` or ``[n]``.
+
+    Returns:
+        (dy ``[..., C]``, dh with h's shape), float64.
+    """
+    g = _f64(grad)
+    y = _f64(y)
+    h = _f64(h)
+    dy = (h[..., :, None] * g).sum(axis=-2)
+    dh = (g * y[..., None, :]).sum(axis=-1)                      # [..., n]
+    return _sum_to_shape(dy, y.shape), _sum_to_shape(dh, h.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. mHC post op
+# ----------------------------------------------------------------------------------------------
+
+def mhc_post_op_fwd(layer_out, x, H_post, H_res):
+    """mHC residual update, paper Eq. 3 (OPS.md §6).
+
+    out_i = sum_j H_res_ij x_j + H_post_i y   (H_post already activated, 2*sigmoid).
+
+    Args:
+        layer_out: y ``[..., C]``.
+        x: ``[..., n, C]``.
+        H_post: ``[..., n]``.
+        H_res: ``[..., n, n]``.
+
+    Returns:
+        out: ``[..., n, C]`` float64.
+    """
+    y = _f64(layer_out)
+    x = _f64(x)
+    H_post = _f64(H_post)
+    H_res = _f64(H_res)
+    return H_res @ x + H_post[..., :, None] * y[..., None, :]
+
+
+def mhc_post_op_bwd(grad, layer_out, x, H_post, H_res):
+    """Backward of ``mhc_post_op_fwd`` (OPS.md §6).
+
+    dy = sum_i H_post_i g_i;  dx_j = sum_i H_res_ij g_i;
+    dH_post_i = sum_c g_ic y_c;  dH_res_ij = sum_c g_ic x_jc.
+
+    Args:
+        grad: ``[..., n, C]``.
+        layer_out: y ``[..., C]``.
+        x: ``[..., n, C]``.
+        H_post: ``[..., n]``.
+        H_res: ``[..., n, n]``.
+
+    Returns:
+        (d_layer_out ``[..., C]``, dx ``[..., n, C]``, dH_post ``[..., n]``,
+        dH_res ``[..., n, n]``), float64.
+    """
+    g = _f64(grad)
+    y = _f64(layer_out)
+    x = _f64(x)
+    H_post = _f64(H_post)
+    H_res = _f64(H_res)
+    dy = (H_post[..., :, None] * g).sum(axis=-2)
+    dx = np.swapaxes(H_res, -1, -2) @ g
+    dH_post = (g * y[..., None, :]).sum(axis=-1)
+    dH_res = g @ np.swapaxes(x, -1, -2)
+    return (
+        _sum_to_shape(dy, y.shape),
+        _sum_to_shape(dx, x.shape),
+        _sum_to_shape(dH_post, H_post.shape),
+        _sum_to_shape(dH_res, H_res.shape),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# 7. mHC pre op
+# ----------------------------------------------------------------------------------------------
+
+def mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=20, eps=1e-8):
+    """mHC coefficient activations (paper Eq. 8) and the layer input (OPS.md §7).
+
+    H_pre = sigmoid(h_pre_raw);  H_post = 2 sigmoid(h_post_raw);
+    H_res = sinkhorn_knopp_fwd(h_res_raw, num_iters, eps);  layer_in = sum_i H_pre_i x_i.
+
+    Args:
+        x: ``[..., n, C]``.
+        h_pre_raw, h_post_raw: ``[..., n]``.
+        h_res_raw: ``[..., n, n]``.
+        num_iters, eps: Sinkhorn parameters.
+
+    Returns:
+        (layer_in ``[..., C]``, H_pre ``[..., n]``, H_post ``[..., n]``, H_res ``[..., n, n]``),
+        float64.
+    """
+    x = _f64(x)
+    H_pre = _sigmoid(_f64(h_pre_raw))
+    H_post = 2.0 * _sigmoid(_f64(h_post_raw))
+    H_res = sinkhorn_knopp_fwd(h_res_raw, num_iters, eps)
+    layer_in = stream_aggregate_fwd(x, H_pre)
+    return layer_in, H_pre, H_post, H_res
+
+
+def mhc_pre_op_bwd(grad_layer_in, grad_H_pre, grad_H_post, grad_H_res, x, h_pre_raw,
+                   h_post_raw, h_res_raw, num_iters=20, eps=1e-8, grad_mode="unrolled"):
+    """Backward of ``mhc_pre_op_fwd`` (OPS.md §7).
+
+    With g = grad_layer_in:
+        dx_i = H_pre_i g;
+        dh_pre_raw_i = (sum_c g_c x_ic + gH_pre_i) H_pre_i (1 - H_pre_i);
+        dh_post_raw_i = gH_post_i H_post_i (1 - H_post_i / 2);
+        dh_res_raw = sinkhorn_knopp_bwd(gH_res, h_res_raw, num_iters, eps, grad_mode).
+    Any incoming gradient given as None counts as zero.
+
+    Args:
+        grad_layer_in: ``[..., C]`` or None.
+        grad_H_pre, grad_H_post: ``[..., n]`` or None.
+        grad_H_res: ``[..., n, n]`` or None.
+        x: ``[..., n, C]``.
+        h_pre_raw, h_post_raw: ``[..., n]``;  h_res_raw: ``[..., n, n]``.
+        num_iters, eps, grad_mode: as in ``sinkhorn_knopp_bwd``.
+
+    Returns:
+        (dx ``[..., n, C]``, dh_pre_raw ``[..., n]``, dh_post_raw ``[..., n]``,
+        dh_res_raw ``[..., n, n]``), float64.
+    """
+    _check_grad_mode(grad_mode)
+    x = _f64(x)
+    h_pre_raw = _f64(h_pre_raw)
+    h_post_raw = _f64(h_post_raw)
+    h_res_raw = _f64(h_res_raw)
+    H_pre = _sigmoid(h_pre_raw)
+    H_post = 2.0 * _sigmoid(h_post_raw)
+
+    # d(loss)/d(H_pre): from layer_in and from the direct output gradient.
+    dH_pre = np.zeros_like(H_pre)
+    if grad_layer_in is not None:
+        dx, dH_pre_li = stream_aggregate_bwd(grad_layer_in, x, H_pre)
+        dH_pre = dH_pre + dH_pre_li
+    else:
+        dx = np.zeros_like(x)
+    if grad_H_pre is not None:
+        dH_pre = dH_pre + _f64(grad_H_pre)
+    dh_pre_raw = dH_pre * H_pre * (1.0 - H_pre)
+
+    if grad_H_post is not None:
+        dh_post_raw = _f64(grad_H_post) * H_post * (1.0 - H_post / 2.0)
+    else:
+        dh_post_raw = np.zeros_like(H_post)
+
+    if grad_H_res is not None:
+        dh_res_raw = sinkhorn_knopp_bwd(grad_H_res, h_res_raw, num_iters, eps, grad_mode)
+    else:
+        dh_res_raw = np.zeros_like(h_res_raw)
+    return dx, dh_pre_raw, dh_post_raw, dh_res_raw
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. Coefficient path
+# ----------------------------------------------------------------------------------------------
+
+def _coeff_layout(n):
+    """Column groups of phi / bias: pre [0, n), post [n, 2n), res [2n, 2n + n*n)."""
+    return slice(0, n), slice(n, 2 * n), slice(2 * n, 2 * n + n * n)
+
+
+def _alpha_per_column(alpha, n):
+    """Expand alpha [3] to one scale per column of phi: [n*n + 2n]."""
+    alpha = _f64(alpha)
+    return np.concatenate([np.full(n, alpha[0]), np.full(n, alpha[1]), np.full(n * n, alpha[2])])
+
+
+def mhc_coeffs_fwd(x, phi, alpha, bias, eps=1e-5):
+    """Raw mHC coefficients from the residual stream, paper Eqs. 14-18 (OPS.md §8).
+
+    Per token, with x~ = vec(x) of length n*C (row-major reshape of ``[n, C]``):
+        Ht = x~ @ phi;  r = sqrt(mean(x~^2) + eps);
+        h_pre_raw  = alpha[0] * Ht[:n]   / r + bias[:n];
+        h_post_raw = alpha[1] * Ht[n:2n] / r + bias[n:2n];
+        h_res_raw  = (alpha[2] * Ht[2n:] / r + bias[2n:]) reshaped row-major to [n, n].
+
+    Args:
+        x: ``[..., n, C]``.
+        phi: ``[n*C, n*n + 2n]`` (columns ordered pre | post | res).
+        alpha: ``[3]`` = (alpha_pre, alpha_post, alpha_res).
+        bias: ``[n*n + 2n]`` (same column order as phi).
+        eps: added to the mean square.
+
+    Returns:
+        (h_pre_raw ``[..., n]``, h_post_raw ``[..., n]``, h_res_raw ``[..., n, n]``), float64.
+    """
+    x = _f64(x)
+    phi = _f64(phi)
+    bias = _f64(bias)
+    n, C = x.shape[-2], x.shape[-1]
+    lead = x.shape[:-2]
+    xt = x.reshape(lead + (n * C,))
+    Ht = xt @ phi                                                # [..., n*n + 2n]
+    rinv = _rms_inv(xt, eps)                                     # [..., 1]
+    h = _alpha_per_column(alpha, n) * Ht * rinv + bias
+    s_pre, s_post, s_res = _coeff_layout(n)
+    return h[..., s_pre], h[..., s_post], h[..., s_res].reshape(lead + (n, n))
+
+
+def mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alpha, bias,
+                   eps=1e-5):
+    """Backward of ``mhc_coeffs_fwd`` (OPS.md §8).
+
+    With gh = [g_pre | g_post | vec(g_res)] (None = zero), a = alpha per column, r^-1 = rinv:
+        dbias = sum_tokens gh;
+        dalpha_k = sum_tokens sum_{columns of group k} gh * Ht * rinv;
+        dHt = gh * a * rinv;   dphi = sum_tokens x~^T dHt;
+        s = sum_columns gh * a * Ht   (gradient w.r.t. rinv);
+        dx~ = dHt @ phi^T - s * rinv^3 * x~ / (n*C)   (second term: through r), reshaped [n, C].
+
+    Args:
+        grad_h_pre_raw, grad_h_post_raw: ``[..., n]`` or None.
+        grad_h_res_raw: ``[..., n, n]`` or None.
+        x, phi, alpha, bias, eps: as in the forward.
+
+    Returns:
+        (dx ``[..., n, C]``, dphi ``[n*C, n*n + 2n]``, dalpha ``[3]``, dbias ``[n*n + 2n]``),
+        float64.
+    """
+    x = _f64(x)
+    phi = _f64(phi)
+    n, C = x.shape[-2], x.shape[-1]
+    lead = x.shape[:-2]
+    m = n * n + 2 * n
+    xt = x.reshape(lead + (n * C,))
+    Ht = xt @ phi
+    rinv = _rms_inv(xt, eps)
+    a = _alpha_per_column(alpha, n)
+
+    def _grad_or_zero(g, shape):
+        return np.zeros(shape) if g is None else _f64(g).reshape(shape)
+
+    gh = np.concatenate(
+        [
+            _grad_or_zero(grad_h_pre_raw, lead + (n,)),
+            _grad_or_zero(grad_h_post_raw, lead + (n,)),
+            _grad_or_zero(grad_h_res_raw, lead + (n * n,)),
+        ],
+        axis=-1,
+    )                                                            # [..., m]
+
+    dbias = gh.reshape(-1, m).sum(axis=0)
+    per_col = (gh * Ht * rinv).reshape(-1, m).sum(axis=0)        # [m]
+    s_pre, s_post, s_res = _coeff_layout(n)
+    dalpha = np.array([per_col[s_pre].sum(), per_col[s_post].sum(), per_col[s_res].sum()])
+
+    dHt = gh * a * rinv                                          # [..., m]
+    dphi = xt.reshape(-1, n * C).T @ dHt.reshape(-1, m)          # [n*C, m]
+    s = (gh * a * Ht).sum(axis=-1, keepdims=True)                # [..., 1]
+    dxt = dHt @ phi.T - s * rinv**3 * xt / (n * C)
+    return dxt.reshape(lead + (n, C)), dphi, dalpha, dbias

@@ -1,0 +1,131 @@
+"""The wheel is pure Python and carries the CUDA sources (CPU only, runs in CI, < 60 s)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BINARY_SUFFIXES = (".so", ".pyd", ".dll", ".dylib", ".cubin", ".fatbin", ".ptx", ".o", ".a")
+# What the build needs; copying just this keeps stale build/ folders and the
+# working tree's caches out of the wheel and the test away from the checkout.
+BUILD_INPUTS = ("pyproject.toml", "setup.py", "setup.cfg", "MANIFEST.in", "README.md",
+                "README.rst", "LICENSE", "LICENSE.txt", "mhc_cupy", "kernels_cu")
+
+
+def _build_wheel(src: Path, out: Path) -> Path:
+    base = [sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "-w", str(out),
+            "--disable-pip-version-check", "-q"]
+    attempts = [base + ["--no-build-isolation", "--no-index"], base]
+    logs = []
+    for cmd in attempts:
+        p = subprocess.run(cmd, cwd=str(src), capture_output=True, text=True, timeout=300)
+        logs.append(f"$ {' '.join(cmd)}\n{p.stdout}\n{p.stderr}")
+        wheels = sorted(out.glob("*.whl"))
+        if p.returncode == 0 and wheels:
+            return wheels[0]
+    pytest.fail("could not build the wheel:\n" + "\n".join(logs))
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pkg")
+    src = tmp / "src"
+    src.mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", ".ipynb_checkpoints")
+    for name in BUILD_INPUTS:
+        p = REPO / name
+        if p.is_dir():
+            shutil.copytree(p, src / name, ignore=ignore)
+        elif p.is_file():
+            shutil.copy2(p, src / name)
+    return _build_wheel(src, tmp / "dist")
+
+
+@pytest.fixture(scope="module")
+def names(wheel):
+    with zipfile.ZipFile(wheel) as zf:
+        return set(zf.namelist())
+
+
+def test_wheel_is_pure_python(wheel):
+    assert wheel.name.startswith("mhc_cupy-"), wheel.name
+    assert wheel.name.endswith("-py3-none-any.whl"), wheel.name
+
+
+def test_wheel_has_kernel_sources(names):
+    expected = {f"mhc_cupy/kernels_cu/{p.name}" for p in (REPO / "kernels_cu").iterdir()
+                if p.suffix in (".cu", ".cuh")}
+    assert any(n.endswith(".cu") for n in expected), "no .cu file in kernels_cu/"
+    assert expected <= names, f"missing from wheel: {sorted(expected - names)}"
+    assert "mhc_cupy/kernels_cu/__init__.py" in names
+
+
+def test_wheel_has_every_module(names):
+    assert "mhc_cupy/reference.py" in names
+    assert "mhc_cupy/__init__.py" in names or not (REPO / "mhc_cupy/__init__.py").exists()
+    expected = {p.relative_to(REPO).as_posix() for p in (REPO / "mhc_cupy").rglob("*.py")
+                if "__pycache__" not in p.parts}
+    missing = expected - names
+    assert not missing, (f"modules missing from the wheel (add their package to "
+                         f"[tool.setuptools] packages in pyproject.toml): {sorted(missing)}")
+
+
+def test_wheel_has_no_binaries(names):
+    bad = [n for n in names if n.lower().endswith(BINARY_SUFFIXES) or ".so." in n]
+    assert not bad, f"compiled files in the wheel: {bad}"
+    assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
+
+
+def test_wheel_metadata(wheel, names):
+    meta_name = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    with zipfile.ZipFile(wheel) as zf:
+        meta = zf.read(meta_name).decode()
+    reqs = [l.split(":", 1)[1].strip() for l in meta.splitlines() if l.startswith("Requires-Dist:")]
+    base = [r for r in reqs if "extra ==" not in r]
+    assert any(r.startswith("numpy") for r in base), reqs
+    assert any(r.lower().replace("-", "_").startswith("ml_dtypes") for r in base), reqs
+    assert not any(r.lower().split(";")[0].strip().split(" ")[0].rstrip("<>=!~") == "dlpack"
+                   for r in reqs), "the PyPI package `dlpack` must not be a dependency"
+    for extra in ("cuda12", "cuda13", "torch", "jax", "test", "notebooks"):
+        assert f"Provides-Extra: {extra}" in meta, extra
+
+
+def test_installed_wheel_finds_kernels(wheel, tmp_path):
+    """Unpacked like an install, away from the checkout: the sources are reachable."""
+    site = tmp_path / "site"
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(site)
+    code = textwrap.dedent(
+        """
+        import importlib, importlib.resources as r, sys
+        kdir = r.files("mhc_cupy.kernels_cu")
+        assert str(kdir).startswith(sys.argv[1]), str(kdir)
+        files = [p.name for p in kdir.iterdir() if p.name.endswith(".cu")]
+        assert files, "no .cu found through importlib.resources"
+        import mhc_cupy
+        where = list(mhc_cupy.__path__)
+        assert where[0].startswith(sys.argv[1]), where
+        try:
+            src_mod = importlib.import_module("mhc_cupy._sources")
+        except ModuleNotFoundError:
+            src_mod = None
+        if src_mod is not None:
+            for f in files:
+                text = src_mod.load_source(f)
+                assert "__global__" in text, f
+        print("OK", sorted(files))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(site)
+    p = subprocess.run([sys.executable, "-c", code, str(site)], cwd=str(tmp_path), env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "OK" in p.stdout, p.stdout + p.stderr
