@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU check: every test (CPU and GPU), compute-sanitizer memcheck + racecheck
+# on a representative subset, and the benchmarks; prints a summary at the end.
+# Usage (repo root, on a CUDA machine):  bash scripts/gpu_check.sh [OUT_DIR]
+# Runs from the checkout (PYTHONPATH), no install needed.  Exit status is
+# non-zero if any step failed.
+set -u -o pipefail
+OUT=${1:-${OUT:-gpu_check_out}}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export MHC_CUPY_CACHE_DIR=${MHC_CUPY_CACHE_DIR:-$OUT/kernel_cache}
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+declare -A status
+
+step() {  # step NAME COMMAND...
+    local name=$1; shift
+    echo "=== $name: $*"
+    local t0=$SECONDS
+    "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    status[$name]="rc=$rc ($((SECONDS - t0)) s)"
+    tail -n 15 "$OUT/$name.log"
+}
+
+step info $PY -m mhc_cupy info
+step warmup $PY -m mhc_cupy warmup --dtypes bfloat16,float16,float32 --n 1,2,3,4,8,16
+XDIST=""
+$PY -c "import xdist" 2>/dev/null && XDIST="-n ${GPU_CHECK_WORKERS:-8}"
+step tests $PY -m pytest -q -p no:cacheprovider $XDIST ${GPU_CHECK_PYTEST_ARGS:-tests}
+if command -v compute-sanitizer > /dev/null; then
+    step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 $PY scripts/sanitize_subset.py
+    step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 $PY scripts/sanitize_subset.py
+    step synccheck compute-sanitizer --tool synccheck --error-exitcode 9 $PY scripts/sanitize_subset.py
+else
+    status[sanitizer]="compute-sanitizer not found"
+fi
+step bench $PY -m mhc_cupy.bench ${GPU_CHECK_BENCH_ARGS:-} --json "$OUT/bench.json"
+
+echo
+echo "================ gpu_check summary ================"
+rc=0
+for k in info warmup tests memcheck racecheck synccheck sanitizer bench; do
+    [ -n "${status[$k]:-}" ] || continue
+    echo "$k: ${status[$k]}"
+    case "${status[$k]}" in rc=0*) ;; *) rc=1 ;; esac
+done
+grep -E "passed|failed" "$OUT/tests.log" | tail -n 1
+grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/memcheck.log "$OUT"/racecheck.log "$OUT"/synccheck.log 2>/dev/null
+exit $rc

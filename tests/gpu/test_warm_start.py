@@ -1,0 +1,40 @@
+"""Case P7: a second process with a warm disk cache invokes no NVRTC compile."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+_CODE = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import mhc_cupy
+from mhc_cupy import _jit, _kernels
+pairs = _kernels.specialisations(dtypes=("bfloat16", "float32"), ns=(4,), Cs=(4096,), aligned=(True,))
+for f, e in pairs:
+    # spell every name with blanks after commas: must hit the same cache entry
+    _jit.get_function(f, e.replace(",", ", ").replace("<", " < "))
+print(json.dumps(dict(_jit.stats, kernels=len(pairs), seconds=time.perf_counter() - t0)))
+"""
+
+
+def _run(cache_dir):
+    env = dict(os.environ, MHC_CUPY_CACHE_DIR=str(cache_dir))
+    out = subprocess.run([sys.executable, "-c", _CODE], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_warm_start_compiles_nothing(tmp_path):
+    cold = _run(tmp_path)
+    assert cold["compiles"] == cold["kernels"] > 10
+    warm = _run(tmp_path)
+    assert warm["compiles"] == 0
+    assert warm["disk_hits"] == warm["kernels"]
+    assert warm["seconds"] < 5.0, warm  # import + loading every module; cold took cold["seconds"]
