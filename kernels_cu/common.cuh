@@ -29,35 +29,89 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
     return __float2bfloat16_rn(v);
 }
 
-// A pack of K elements of T, aligned to its own size (at most 16 bytes), so
-// that one load or store instruction moves it.
-template <typename T, int K> struct alignas(sizeof(T) * K) Pack { T v[K]; };
+// Bits of one element in the low bits of a 32-bit word, and back.
+template <typename T> __device__ __forceinline__ unsigned int to_bits(float v);
+template <> __device__ __forceinline__ unsigned int to_bits<float>(float v) { return __float_as_uint(v); }
+template <> __device__ __forceinline__ unsigned int to_bits<__half>(float v) {
+    return __half_as_ushort(__float2half_rn(v));
+}
+template <> __device__ __forceinline__ unsigned int to_bits<__nv_bfloat16>(float v) {
+    return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+}
+template <typename T> __device__ __forceinline__ float from_bits(unsigned int b);
+template <> __device__ __forceinline__ float from_bits<float>(unsigned int b) { return __uint_as_float(b); }
+template <> __device__ __forceinline__ float from_bits<__half>(unsigned int b) {
+    return __half2float(__ushort_as_half((unsigned short)b));
+}
+template <> __device__ __forceinline__ float from_bits<__nv_bfloat16>(unsigned int b) {
+    return __bfloat162float(__ushort_as_bfloat16((unsigned short)b));
+}
 
 // Elements of T that fit one 16-byte access.
 template <typename T> struct Max16 { static constexpr int value = 16 / sizeof(T); };
 
-// Load E contiguous elements starting at p (p aligned to E*sizeof(T) bytes,
-// or to 16 bytes when the run is longer than 16 bytes) into floats.
+// W consecutive 32-bit words in one load / store instruction (W = 1, 2, 4).
+template <int W> __device__ __forceinline__ void load_words(const void* p, unsigned int (&w)[W]) {
+    if constexpr (W == 4) {
+        const uint4 r = *reinterpret_cast<const uint4*>(p);
+        w[0] = r.x; w[1] = r.y; w[2] = r.z; w[3] = r.w;
+    } else if constexpr (W == 2) {
+        const uint2 r = *reinterpret_cast<const uint2*>(p);
+        w[0] = r.x; w[1] = r.y;
+    } else {
+        w[0] = *reinterpret_cast<const unsigned int*>(p);
+    }
+}
+template <int W> __device__ __forceinline__ void store_words(void* p, const unsigned int (&w)[W]) {
+    if constexpr (W == 4) {
+        // the intrinsic keeps the store one 16-byte instruction (a plain uint4
+        // assignment was split into four 4-byte stores by NVVM)
+        __stwb(reinterpret_cast<uint4*>(p), make_uint4(w[0], w[1], w[2], w[3]));
+    } else if constexpr (W == 2) {
+        __stwb(reinterpret_cast<uint2*>(p), make_uint2(w[0], w[1]));
+    } else {
+        *reinterpret_cast<unsigned int*>(p) = w[0];
+    }
+}
+
+// Load E contiguous elements starting at p into floats, with accesses of up
+// to 16 bytes built from integer words (a struct of bf16 members would be
+// split by the compiler into 2-byte accesses).  p must be aligned to
+// min(E * sizeof(T), 16) bytes.
 template <typename T, int E>
 __device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&out)[E]) {
     constexpr int K = (E < Max16<T>::value) ? E : Max16<T>::value;
+    constexpr int B = K * (int)sizeof(T);
 #pragma unroll
     for (int k0 = 0; k0 < E; k0 += K) {
-        Pack<T, K> pk = *reinterpret_cast<const Pack<T, K>*>(p + k0);
+        if constexpr (B >= 4) {
+            unsigned int w[B / 4];
+            load_words<B / 4>(p + k0, w);
 #pragma unroll
-        for (int k = 0; k < K; ++k) out[k0 + k] = to_float<T>(pk.v[k]);
+            for (int k = 0; k < K; ++k)
+                out[k0 + k] = from_bits<T>(sizeof(T) == 4 ? w[k] : (w[k / 2] >> ((k & 1) * 16)) & 0xffffu);
+        } else {
+            out[k0] = from_bits<T>(*reinterpret_cast<const unsigned short*>(p + k0));
+        }
     }
 }
 
 template <typename T, int E>
 __device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&in)[E]) {
     constexpr int K = (E < Max16<T>::value) ? E : Max16<T>::value;
+    constexpr int B = K * (int)sizeof(T);
 #pragma unroll
     for (int k0 = 0; k0 < E; k0 += K) {
-        Pack<T, K> pk;
+        if constexpr (B >= 4) {
+            unsigned int w[B / 4];
 #pragma unroll
-        for (int k = 0; k < K; ++k) pk.v[k] = from_float<T>(in[k0 + k]);
-        *reinterpret_cast<Pack<T, K>*>(p + k0) = pk;
+            for (int i = 0; i < B / 4; ++i)
+                w[i] = sizeof(T) == 4 ? to_bits<T>(in[k0 + i])
+                                      : to_bits<T>(in[k0 + 2 * i]) | (to_bits<T>(in[k0 + 2 * i + 1]) << 16);
+            store_words<B / 4>(p + k0, w);
+        } else {
+            *reinterpret_cast<unsigned short*>(p + k0) = (unsigned short)to_bits<T>(in[k0]);
+        }
     }
 }
 

@@ -78,21 +78,49 @@ def _setup(op: str, T: int, C: int, n: int, dtype: str):
     raise ValueError(f"unknown op {op!r}")
 
 
-def time_ms(fn, warmup: int = 5, reps: int = 30) -> float:
-    """Median CUDA-event time of fn() on CuPy's current stream, in ms."""
+def time_ms(fn, warmup: int = 3, reps: int = 20, per_graph: int = 10) -> float:
+    """Median GPU time of one fn() call, in ms.
+
+    ``per_graph`` calls are captured into one CUDA graph on a side stream and
+    the graph is replayed between CUDA events, so the host overhead of the
+    Python call is excluded (it is measured separately by ``host_overhead_us``).
+    """
     import cupy as cp
 
-    for _ in range(warmup):
-        fn()
-    times = []
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    for _ in range(reps):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        for _ in range(warmup):
+            fn()
+        s.begin_capture()
+        for _ in range(per_graph):
+            fn()
+        graph = s.end_capture()
+        graph.launch(s)
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        times = []
+        for _ in range(reps):
+            start.record(s)
+            graph.launch(s)
+            stop.record(s)
+            stop.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, stop) / per_graph)
     return statistics.median(times)
+
+
+def host_overhead_us(fn, calls: int = 2000) -> float:
+    """Wall-clock microseconds per call of a tiny fn() (GPU time negligible), in steady state."""
+    import time
+
+    import cupy as cp
+
+    for _ in range(50):
+        fn()
+    cp.cuda.get_current_stream().synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    cp.cuda.get_current_stream().synchronize()
+    return (time.perf_counter() - t) / calls * 1e6
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
@@ -101,7 +129,7 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
 
     a = cp.ones(nbytes // 4, cp.float32)
     b = cp.empty_like(a)
-    ms = time_ms(lambda: b.__setitem__(Ellipsis, a), warmup=3, reps=20)
+    ms = time_ms(lambda: b.__setitem__(Ellipsis, a), warmup=3, reps=20, per_graph=1)
     return 2 * nbytes / ms / 1e6
 
 
@@ -126,7 +154,11 @@ def run(ops, shapes, dtype="bfloat16", warmup=5, reps=30, directions=("fwd", "bw
                                  frac_of_copy=gbs / copy_gbs))
             del fns
             cp.get_default_memory_pool().free_all_blocks()
-    return {"copy_GBps": copy_gbs, "rows": rows}
+    overhead = {}
+    for op in ops:
+        fwd, bwd = _setup(op, 1, 64, 4, dtype)
+        overhead[op] = {"fwd": host_overhead_us(fwd), "bwd": host_overhead_us(bwd)}
+    return {"copy_GBps": copy_gbs, "rows": rows, "host_overhead_us": overhead}
 
 
 def main(argv=None) -> int:
@@ -148,6 +180,9 @@ def main(argv=None) -> int:
     for r in res["rows"]:
         print(f"{r['op']:<18}{r['dir']:<5}{r['tokens']:>7}{r['C']:>6}{r['n']:>3}{r['us']:>10.1f}"
               f"{r['GBps']:>8.0f}{r['frac_of_copy']:>9.1%}")
+    print("host overhead per call (tokens 1, C 64, n 4), us:")
+    for op, v in res["host_overhead_us"].items():
+        print(f"  {op:<18} fwd {v['fwd']:6.1f}   bwd {v['bwd']:6.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
