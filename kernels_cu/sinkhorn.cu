@@ -1,15 +1,20 @@
 // Sinkhorn-Knopp projection (OPS.md section 1) and the per-token coefficient
-// activations of the mHC pre op (section 7), one thread per n x n matrix, all
-// tokens in one launch.
+// activations of the mHC pre op (section 7), all tokens in one launch.
+//
+// Forward and unrolled backward: a group of G = next_pow2(N) lanes per matrix,
+// lane i holding row i in registers; row sums are local, column sums are
+// butterfly shuffles within the group.  Implicit backward: one thread per
+// matrix (it needs the whole matrix for the n x n solve).
 //
 // Forward per matrix L:  K = exp(L - rowmax(L));  num_iters times
 //   row step    P_ij <- P_ij * (1 / (sum_k P_ik + eps))
 //   column step P_ij <- P_ij * (1 / (sum_k P_kj + eps))
-// (a reciprocal then a multiply: within one rounding of the division).
+// (a fast reciprocal, within 2 ulp, then a multiply: a few roundings from the division).
 //
 // Unrolled backward: the exact vector-Jacobian product of that forward.  The
-// forward is recomputed, keeping only the 2 * num_iters * N step denominators
-// d (in shared memory when they fit, else in a global scratch buffer); the
+// forward is recomputed, keeping only the step denominators d (each lane its
+// row's and its column's: 2 * num_iters floats, in shared memory when they
+// fit, else in a global scratch buffer); the
 // reverse sweep rebuilds each step's input from its output as p = y * d.
 // For y = p / d with d_i = sum_k p_ik + eps:  dp_ij = (gy_ij - sum_k gy_ik y_ik) / d_i.
 // The row-max shift is part of the function: dL_ij = gK_ij K_ij - [j = argmax_i] sum_k gK_ik K_ik,
@@ -47,12 +52,9 @@ MHC_UNROLL_N
     }
 }
 
-// num_iters row + column steps in place; if hist is non-null, the
-// denominator of half step k (k = 2 it for rows, 2 it + 1 for columns) for
-// row/column i is stored at hist[(k * N + i) * hstride].
+// num_iters row + column steps in place (one thread holds the whole matrix).
 template <int N>
-__device__ __forceinline__ void sinkhorn_iterate(float (&P)[N * N], int iters, float eps, float* hist,
-                                                 i64 hstride) {
+__device__ __forceinline__ void sinkhorn_iterate(float (&P)[N * N], int iters, float eps) {
     for (int it = 0; it < iters; ++it) {
 MHC_UNROLL_N
         for (int i = 0; i < N; ++i) {
@@ -60,7 +62,6 @@ MHC_UNROLL_N
 MHC_UNROLL_N
             for (int j = 0; j < N; ++j) s += P[i * N + j];
             const float d = s + eps;
-            if (hist) hist[((i64)(2 * it) * N + i) * hstride] = d;
             const float inv = 1.f / d;
 MHC_UNROLL_N
             for (int j = 0; j < N; ++j) P[i * N + j] *= inv;
@@ -71,7 +72,6 @@ MHC_UNROLL_N
 MHC_UNROLL_N
             for (int i = 0; i < N; ++i) s += P[i * N + j];
             const float d = s + eps;
-            if (hist) hist[((i64)(2 * it + 1) * N + j) * hstride] = d;
             const float inv = 1.f / d;
 MHC_UNROLL_N
             for (int i = 0; i < N; ++i) P[i * N + j] *= inv;
@@ -79,57 +79,84 @@ MHC_UNROLL_N
     }
 }
 
-// dL from gK (gradient w.r.t. the shifted exponential K).
-template <int N>
-__device__ __forceinline__ void exp_backward(const float (&K)[N * N], const float (&gK)[N * N],
-                                             const int (&amax)[N], float* __restrict__ dL) {
-MHC_UNROLL_N
-    for (int i = 0; i < N; ++i) {
-        float v[N];
-        float s = 0.f;
-MHC_UNROLL_N
-        for (int j = 0; j < N; ++j) {
-            v[j] = gK[i * N + j] * K[i * N + j];
-            s += v[j];
-        }
-MHC_UNROLL_N
-        for (int j = 0; j < N; ++j) dL[i * N + j] = (j == amax[i]) ? v[j] - s : v[j];
-    }
+}  // namespace
+
+namespace {
+
+template <int N> struct Group {
+    static constexpr int G = N <= 1 ? 1 : N <= 2 ? 2 : N <= 4 ? 4 : N <= 8 ? 8 : N <= 16 ? 16 : 32;
+};
+
+// Sum over the G lanes of this lane's group (fixed butterfly order).
+template <int G>
+__device__ __forceinline__ float group_sum(float v, unsigned mask) {
+#pragma unroll
+    for (int off = G / 2; off > 0; off >>= 1) v += __shfl_xor_sync(mask, v, off, G);
+    return v;
 }
+
+__device__ __forceinline__ float fast_rcp(float d) { return __fdividef(1.f, d); }
 
 }  // namespace
 
 // P = sinkhorn(logits) for every token; when h_pre_raw is non-null also the
 // pre-op activations H_pre = sigmoid(h_pre_raw), H_post = 2 sigmoid(h_post_raw).
+// blockDim.x is a multiple of G; lane i of each group of G handles row i.
 template <int N>
 __global__ void mhc_sinkhorn_knopp_fwd_kernel(const float* __restrict__ logits, float* __restrict__ P_out,
                                               const float* __restrict__ h_pre_raw,
                                               const float* __restrict__ h_post_raw,
                                               float* __restrict__ H_pre, float* __restrict__ H_post,
                                               i64 tokens, int iters, float eps) {
-    const i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x;
+    constexpr int G = Group<N>::G;
+    const i64 gid = blockIdx.x * (i64)blockDim.x + threadIdx.x;
+    const i64 t = gid / G;
+    const int i = threadIdx.x % G;
+    const unsigned mask = __ballot_sync(0xffffffffu, t < tokens);
     if (t >= tokens) return;
-    float P[N * N];
-    int amax[N];
-    load_exp<N>(logits + t * (N * N), P, amax);
-    sinkhorn_iterate<N>(P, iters, eps, nullptr, 0);
-MHC_UNROLL_N
-    for (int k = 0; k < N * N; ++k) P_out[t * (N * N) + k] = P[k];
-    if (h_pre_raw != nullptr) {
-MHC_UNROLL_N
-        for (int i = 0; i < N; ++i) {
+    const bool row = i < N;
+    float p[N];
+    if (row) {
+        const float* L = logits + (t * N + i) * N;
+        float m = L[0];
+#pragma unroll
+        for (int j = 1; j < N; ++j) m = fmaxf(m, L[j]);
+#pragma unroll
+        for (int j = 0; j < N; ++j) p[j] = expf(L[j] - m);
+    } else {
+#pragma unroll
+        for (int j = 0; j < N; ++j) p[j] = 0.f;
+    }
+    for (int it = 0; it < iters; ++it) {
+        if (row) {
+            float s = 0.f;
+#pragma unroll
+            for (int j = 0; j < N; ++j) s += p[j];
+            const float inv = fast_rcp(s + eps);
+#pragma unroll
+            for (int j = 0; j < N; ++j) p[j] *= inv;
+        }
+#pragma unroll
+        for (int j = 0; j < N; ++j) p[j] *= fast_rcp(group_sum<G>(p[j], mask) + eps);
+    }
+    if (row) {
+        float* out = P_out + (t * N + i) * N;
+#pragma unroll
+        for (int j = 0; j < N; ++j) out[j] = p[j];
+        if (h_pre_raw != nullptr) {
             H_pre[t * N + i] = mhc::sigmoid(h_pre_raw[t * N + i]);
             H_post[t * N + i] = 2.f * mhc::sigmoid(h_post_raw[t * N + i]);
         }
     }
 }
 
-// d_logits from grad_P (null = zero).  IMPLICIT selects the gradient mode.
-// With h_post_raw non-null also the pre op's dh_post_raw = gH_post * H_post (1 - H_post / 2)
-// (g_post null = zero).  History of the unrolled mode: dynamic shared memory of
-// 2 * iters * N * blockDim.x floats when use_smem, else hist_global of
-// 2 * iters * N * tokens floats.
-template <int N, bool IMPLICIT>
+// d_logits from grad_P (null = zero), unrolled mode, same lane layout as the
+// forward.  Each lane keeps, per iteration, its row's denominator and the
+// denominator of column i (lane i): at hist[k * hs] for half step k, in
+// dynamic shared memory (hs = blockDim.x) when use_smem, else in hist_global
+// (hs = gridDim.x * blockDim.x).  With h_post_raw non-null also the pre op's
+// dh_post_raw = gH_post * H_post (1 - H_post / 2) (g_post null = zero).
+template <int N>
 __global__ void mhc_sinkhorn_knopp_bwd_kernel(const float* __restrict__ grad_P,
                                               const float* __restrict__ logits, float* __restrict__ d_logits,
                                               float* __restrict__ hist_global, int use_smem,
@@ -137,7 +164,112 @@ __global__ void mhc_sinkhorn_knopp_bwd_kernel(const float* __restrict__ grad_P,
                                               const float* __restrict__ h_post_raw,
                                               float* __restrict__ d_post_raw, i64 tokens, int iters,
                                               float eps) {
+    constexpr int G = Group<N>::G;
     extern __shared__ float hist_smem[];
+    const i64 gid = blockIdx.x * (i64)blockDim.x + threadIdx.x;
+    const i64 t = gid / G;
+    const int i = threadIdx.x % G;
+    const unsigned mask = __ballot_sync(0xffffffffu, t < tokens);
+    if (t >= tokens) return;
+    const bool row = i < N;
+    if (row && h_post_raw != nullptr) {
+        const float hp = 2.f * mhc::sigmoid(h_post_raw[t * N + i]);
+        const float gp = g_post ? g_post[t * N + i] : 0.f;
+        d_post_raw[t * N + i] = gp * hp * (1.f - 0.5f * hp);
+    }
+    float* dL = d_logits + (t * N + i) * N;
+    if (grad_P == nullptr) {
+        if (row)
+#pragma unroll
+            for (int j = 0; j < N; ++j) dL[j] = 0.f;
+        return;
+    }
+    float K[N], p[N], g[N];
+    int amax = 0;
+    if (row) {
+        const float* L = logits + (t * N + i) * N;
+        float m = L[0];
+#pragma unroll
+        for (int j = 1; j < N; ++j)
+            if (L[j] > m) { m = L[j]; amax = j; }
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            K[j] = expf(L[j] - m);
+            g[j] = grad_P[(t * N + i) * N + j];
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < N; ++j) { K[j] = 0.f; g[j] = 0.f; }
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j) p[j] = K[j];
+    float* hist = use_smem ? hist_smem + threadIdx.x : hist_global + gid;
+    const i64 hs = use_smem ? (i64)blockDim.x : (i64)gridDim.x * blockDim.x;
+    // forward, recording denominators
+    for (int it = 0; it < iters; ++it) {
+        float d = 1.f;  // idle lanes: a harmless 1
+        if (row) {
+            float s = 0.f;
+#pragma unroll
+            for (int j = 0; j < N; ++j) s += p[j];
+            d = s + eps;
+            const float inv = fast_rcp(d);
+#pragma unroll
+            for (int j = 0; j < N; ++j) p[j] *= inv;
+        }
+        hist[(i64)(2 * it) * hs] = d;
+        float dc = 1.f;
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            const float dj = group_sum<G>(p[j], mask) + eps;
+            if (j == i) dc = dj;
+            p[j] *= fast_rcp(dj);
+        }
+        hist[(i64)(2 * it + 1) * hs] = dc;
+    }
+    // reverse sweep: for y = p / d:  dp = (gy - sum(gy * y)) / d,  p = y * d
+    for (int it = iters - 1; it >= 0; --it) {
+        const float dc_own = hist[(i64)(2 * it + 1) * hs];
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            const float dj = __shfl_sync(mask, dc_own, j, G);
+            const float s = group_sum<G>(g[j] * p[j], mask);
+            g[j] = (g[j] - s) * fast_rcp(dj);
+            p[j] *= dj;
+        }
+        const float d = hist[(i64)(2 * it) * hs];
+        float s = 0.f;
+#pragma unroll
+        for (int j = 0; j < N; ++j) s = fmaf(g[j], p[j], s);
+        const float inv = fast_rcp(d);
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            g[j] = (g[j] - s) * inv;
+            p[j] *= d;
+        }
+    }
+    if (row) {
+        // through the row-max-shifted exponential (the shift is part of the function)
+        float v[N], s = 0.f;
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            v[j] = g[j] * K[j];
+            s += v[j];
+        }
+#pragma unroll
+        for (int j = 0; j < N; ++j) dL[j] = (j == amax) ? v[j] - s : v[j];
+    }
+}
+
+// Implicit-mode backward, one thread per matrix (see the file comment).
+template <int N>
+__global__ void mhc_sinkhorn_knopp_implicit_bwd_kernel(const float* __restrict__ grad_P,
+                                                       const float* __restrict__ logits,
+                                                       float* __restrict__ d_logits,
+                                                       const float* __restrict__ g_post,
+                                                       const float* __restrict__ h_post_raw,
+                                                       float* __restrict__ d_post_raw, i64 tokens,
+                                                       int iters, float eps) {
     const i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x;
     if (t >= tokens) return;
     if (h_post_raw != nullptr) {
@@ -154,53 +286,12 @@ MHC_UNROLL_N
         for (int k = 0; k < N * N; ++k) dL[k] = 0.f;
         return;
     }
-    float K[N * N], P[N * N], G[N * N];
+    float P[N * N], G[N * N];
     int amax[N];
-    load_exp<N>(logits + t * (N * N), K, amax);
+    load_exp<N>(logits + t * (N * N), P, amax);
 MHC_UNROLL_N
-    for (int k = 0; k < N * N; ++k) {
-        P[k] = K[k];
-        G[k] = grad_P[t * (N * N) + k];
-    }
-    if (!IMPLICIT) {
-        float* hist = use_smem ? hist_smem + threadIdx.x : hist_global + t;
-        const i64 hs = use_smem ? (i64)blockDim.x : tokens;
-        sinkhorn_iterate<N>(P, iters, eps, hist, hs);
-        for (int it = iters - 1; it >= 0; --it) {
-            // column step: y = P (its output), d_j stored at half step 2 it + 1
-MHC_UNROLL_N
-            for (int j = 0; j < N; ++j) {
-                const float d = hist[((i64)(2 * it + 1) * N + j) * hs];
-                const float inv = 1.f / d;
-                float s = 0.f;
-MHC_UNROLL_N
-                for (int i = 0; i < N; ++i) s = fmaf(G[i * N + j], P[i * N + j], s);
-MHC_UNROLL_N
-                for (int i = 0; i < N; ++i) {
-                    G[i * N + j] = (G[i * N + j] - s) * inv;
-                    P[i * N + j] *= d;
-                }
-            }
-            // row step, half step 2 it
-MHC_UNROLL_N
-            for (int i = 0; i < N; ++i) {
-                const float d = hist[((i64)(2 * it) * N + i) * hs];
-                const float inv = 1.f / d;
-                float s = 0.f;
-MHC_UNROLL_N
-                for (int j = 0; j < N; ++j) s = fmaf(G[i * N + j], P[i * N + j], s);
-MHC_UNROLL_N
-                for (int j = 0; j < N; ++j) {
-                    G[i * N + j] = (G[i * N + j] - s) * inv;
-                    P[i * N + j] *= d;
-                }
-            }
-        }
-        exp_backward<N>(K, G, amax, dL);
-        return;
-    }
-    // implicit mode
-    sinkhorn_iterate<N>(P, iters, eps, nullptr, 0);
+    for (int k = 0; k < N * N; ++k) G[k] = grad_P[t * (N * N) + k];
+    sinkhorn_iterate<N>(P, iters, eps);
     float rs[N], cs[N], r[N], c[N];
 MHC_UNROLL_N
     for (int i = 0; i < N; ++i) { rs[i] = 0.f; cs[i] = 0.f; r[i] = 0.f; c[i] = 0.f; }

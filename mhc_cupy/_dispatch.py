@@ -39,6 +39,33 @@ def _cast(a, dtype: str):
     return np.asarray(a).astype(_interop.numpy_dtype(dtype), copy=False)
 
 
+_FW_OF_TYPE: dict = {}  # type -> front-end name, for types whose answer never changes
+_plans: dict = {}  # (planner, input shapes/dtypes/device, params) -> Plan
+_MAX_PLANS = 4096
+
+
+def _framework(v) -> str:
+    fw = _FW_OF_TYPE.get(type(v))
+    if fw is None:
+        fw = _interop.framework_of(v)
+        if fw in ("torch", "cupy", "numpy"):
+            _FW_OF_TYPE[type(v)] = fw
+    return fw
+
+
+def _plan(planner, infos: dict, params: dict) -> Plan:
+    """The plan for these shapes / dtypes / params (pure, so cached)."""
+    key = (planner, tuple((k, None) if i is None else (k, i.shape, i.dtype, i.device) for k, i in infos.items()),
+           tuple(params.items()))
+    plan = _plans.get(key)
+    if plan is None:
+        plan = planner(infos, **params)
+        if len(_plans) >= _MAX_PLANS:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
 def run(planner, arrays: dict, **params):
     objs, infos = {}, {}
     out_fw = None
@@ -47,10 +74,10 @@ def run(planner, arrays: dict, **params):
         if v is None:
             infos[name] = None
             continue
-        fw = _interop.framework_of(v)
+        fw = _framework(v)
         if fw == "dlpack":
             v = _interop.import_foreign(v)
-            fw = _interop.framework_of(v)
+            fw = _framework(v)
         fe = _interop.frontend(fw)
         info = fe.info(v)
         if fw == "jax" and info.device[0] == "cuda":
@@ -64,7 +91,7 @@ def run(planner, arrays: dict, **params):
         objs[name] = (fw, v)
         infos[name] = info
     device = _checks.same_device(infos)
-    plan = planner(infos, **params)
+    plan = _plan(planner, infos, params)
 
     if device[0] == "cpu":
         nps = {k: (None if v is None else _interop.frontend(objs[k][0]).to_numpy(objs[k][1]))
@@ -77,28 +104,31 @@ def run(planner, arrays: dict, **params):
     import cupy
 
     dev = device[1]
-    alloc_fw = "torch" if out_fw == "torch" else "cupy"
-    afe = _interop.frontend(alloc_fw)
-    alloc_like = like if alloc_fw == out_fw else None
-    with cupy.cuda.Device(dev):
-        if alloc_like is None:
-            alloc_like = cupy.empty(0)  # gives the device to cupy allocations
+    afe = _interop.frontend("torch" if out_fw == "torch" else "cupy")
+    prev = cupy.cuda.runtime.getDevice()
+    if prev != dev:
+        cupy.cuda.runtime.setDevice(dev)
+    try:
+        alloc_like = like if out_fw == "torch" else None
         outs = [afe.empty(shape, dt, alloc_like) for shape, dt in plan.outputs]
         if not plan.empty:
             ptrs = {}
-            for name, (fw, v) in objs.items():
-                info = infos[name]
+            for name, info in infos.items():
+                if info is None:
+                    ptrs[name] = None
+                    continue
                 if not _interop.is_contiguous(info.shape, info.strides):
+                    fw, v = objs[name]
                     fe = _interop.frontend(fw)
                     v = fe.contiguous(v)
                     objs[name] = (fw, v)  # keep the copy alive until the launch is queued
                     info = fe.info(v)
                 ptrs[name] = info.ptr
-            for name in arrays:
-                ptrs.setdefault(name, None)
             scratch = [afe.empty(shape, dt, alloc_like) for shape, dt in plan.scratch]
-            stream = afe.stream(dev)
-            plan.launch(ptrs, [afe.info(o).ptr for o in outs], [afe.info(s).ptr for s in scratch], stream)
+            plan.launch(ptrs, [afe.ptr(o) for o in outs], [afe.ptr(s) for s in scratch], afe.stream(dev))
+    finally:
+        if prev != dev:
+            cupy.cuda.runtime.setDevice(prev)
     if out_fw == "jax":
         # JAX does not know our stream reads its input buffers (imported through
         # DLPack): finish before they can be freed.  Eager JAX only; under jit

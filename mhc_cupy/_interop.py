@@ -99,7 +99,14 @@ class _Torch:
     def empty(self, shape, dtype: str, like):
         return self.torch.empty(shape, dtype=self.from_name[dtype], device=like.device)
 
+    @staticmethod
+    def ptr(x) -> int:
+        return x.data_ptr()
+
     def stream(self, device: int) -> int:
+        raw = getattr(self.torch._C, "_cuda_getCurrentRawStream", None)  # no Stream object: ~10x cheaper
+        if raw is not None:
+            return raw(device)
         return self.torch.cuda.current_stream(device).cuda_stream
 
     def to_numpy(self, x):
@@ -132,9 +139,13 @@ class _Cupy:
     def contiguous(self, x):
         return self.cupy.ascontiguousarray(x)
 
-    def empty(self, shape, dtype: str, like):
-        with self.cupy.cuda.Device(like.device.id):
-            return self.cupy.empty(shape, dtype=numpy_dtype(dtype))
+    def empty(self, shape, dtype: str, like=None):
+        """On the current device (the caller enters the right one)."""
+        return self.cupy.empty(shape, dtype=numpy_dtype(dtype))
+
+    @staticmethod
+    def ptr(x) -> int:
+        return x.data.ptr
 
     def stream(self, device: int) -> int:
         return self.cupy.cuda.get_current_stream(device).ptr

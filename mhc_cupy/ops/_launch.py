@@ -4,6 +4,7 @@ as double and an int as long long, so every scalar is wrapped explicitly)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -41,15 +42,21 @@ def vec_width(n: int, C: int, tensors, budget: int = 32) -> int:
     bytes), and keeps n * E <= ``budget`` so the per-thread registers stay
     bounded for large n.
     """
+    return _vec_width(n, C, tuple((p & 15, dt) for p, dt in tensors if p is not None), budget)
+
+
+@functools.lru_cache(maxsize=4096)
+def _vec_width(n: int, C: int, tensors: tuple, budget: int) -> int:
     smallest = min(ITEMSIZE[dt] for _, dt in tensors)
     e = min(16 // smallest, _pow2_floor(max(budget // max(n, 1), 1)))
     while e > 1:
-        if C % e == 0 and all(p % min(e * ITEMSIZE[dt], 16) == 0 for p, dt in tensors if p is not None):
+        if C % e == 0 and all(p % min(e * ITEMSIZE[dt], 16) == 0 for p, dt in tensors):
             return e
         e //= 2
     return 1
 
 
+@functools.lru_cache(maxsize=4096)
 def threads_for(C: int, E: int) -> int:
     """Block size (multiple of 32, <= 256) that splits a row of C/E accesses evenly."""
     vecs = max(1, -(-C // E))

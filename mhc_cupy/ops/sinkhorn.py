@@ -10,7 +10,8 @@ from .._dispatch import Plan, run
 from ._launch import f32, i32, launch, tokens_of
 
 _FILE = "sinkhorn.cu"
-_FWD_THREADS = 128
+_THREADS = 128  # lanes per block of the forward / unrolled backward
+_IMPLICIT_THREADS = 64  # one matrix per thread
 _SMEM_LIMIT = 48 * 1024
 
 
@@ -24,33 +25,42 @@ def check_logits(name: str, info) -> int:
     return _checks.streams(n, name)
 
 
+def group(n: int) -> int:
+    """Lanes per matrix of the forward / unrolled backward: next power of two >= n."""
+    return 1 << (n - 1).bit_length()
+
+
 def launch_fwd(n, tokens, iters, eps, logits, P, stream, h_pre_raw=None, h_post_raw=None, H_pre=None, H_post=None):
     """Sinkhorn forward (and optionally the pre-op sigmoids) for every token."""
-    launch(_FILE, f"mhc_sinkhorn_knopp_fwd_kernel<{n}>", (-(-tokens // _FWD_THREADS), 1, 1), (_FWD_THREADS, 1, 1),
+    launch(_FILE, f"mhc_sinkhorn_knopp_fwd_kernel<{n}>", (-(-tokens * group(n) // _THREADS), 1, 1), (_THREADS, 1, 1),
            (logits, P, h_pre_raw, h_post_raw, H_pre, H_post, tokens, i32(iters), f32(eps)), stream)
 
 
 def bwd_history(n: int, tokens: int, iters: int, grad_mode: str):
     """(threads per block, dynamic shared bytes, global scratch floats) of the backward.
 
-    The unrolled backward keeps 2 * iters * n step denominators per matrix: in
-    shared memory when they fit in 48 KB for at least 32 threads, else in a
+    The unrolled backward keeps 2 * iters step denominators per lane: in shared
+    memory when they fit in 48 KB for a block of at least 32 lanes, else in a
     global scratch buffer.
     """
-    if grad_mode == "implicit" or iters == 0:
-        return 64, 0, 0
-    per_thread = 2 * iters * n * 4
-    for threads in (64, 32):
-        if per_thread * threads <= _SMEM_LIMIT:
-            return threads, per_thread * threads, 0
-    return 64, 0, 2 * iters * n * max(tokens, 1)
+    if grad_mode == "implicit":
+        return _IMPLICIT_THREADS, 0, 0
+    per_lane = 2 * iters * 4
+    for threads in (_THREADS, 64, 32):
+        if per_lane * threads <= _SMEM_LIMIT:
+            return threads, per_lane * threads, 0
+    blocks = -(-tokens * group(n) // _THREADS)
+    return _THREADS, 0, 2 * iters * blocks * _THREADS
 
 
 def launch_bwd(n, tokens, iters, eps, grad_mode, grad_P, logits, d_logits, scratch, stream,
                g_post=None, h_post_raw=None, d_post_raw=None):
     threads, smem, _ = bwd_history(n, tokens, iters, grad_mode)
-    implicit = "true" if grad_mode == "implicit" else "false"
-    launch(_FILE, f"mhc_sinkhorn_knopp_bwd_kernel<{n},{implicit}>", (-(-tokens // threads), 1, 1), (threads, 1, 1),
+    if grad_mode == "implicit":
+        launch(_FILE, f"mhc_sinkhorn_knopp_implicit_bwd_kernel<{n}>", (-(-tokens // threads), 1, 1), (threads, 1, 1),
+               (grad_P, logits, d_logits, g_post, h_post_raw, d_post_raw, tokens, i32(iters), f32(eps)), stream)
+        return
+    launch(_FILE, f"mhc_sinkhorn_knopp_bwd_kernel<{n}>", (-(-tokens * group(n) // threads), 1, 1), (threads, 1, 1),
            (grad_P, logits, d_logits, scratch, i32(1 if smem else 0), g_post, h_post_raw, d_post_raw,
             tokens, i32(iters), f32(eps)), stream, shared_mem=smem)
 
