@@ -1,10 +1,11 @@
 // Sinkhorn-Knopp projection (OPS.md section 1) and the per-token coefficient
 // activations of the mHC pre op (section 7), all tokens in one launch.
 //
-// Forward and unrolled backward: a group of G = next_pow2(N) lanes per matrix,
-// lane i holding row i in registers; row sums are local, column sums are
-// butterfly shuffles within the group.  Implicit backward: one thread per
-// matrix (it needs the whole matrix for the n x n solve).
+// Forward and unrolled backward: a group of G lanes per matrix (G a power of
+// two chosen by the host: 1 for small N, up to 32), lane l holding rows
+// l, l + G, l + 2G, ... in registers; row sums are local, column sums are a
+// local sum then a butterfly over the G lanes.  Implicit backward: one thread
+// per matrix (it needs the whole matrix for the n x n solve).
 //
 // Forward per matrix L:  K = exp(L - rowmax(L));  num_iters times
 //   row step    P_ij <- P_ij * (1 / (sum_k P_ik + eps))
@@ -12,8 +13,8 @@
 // (a fast reciprocal, within 2 ulp, then a multiply: a few roundings from the division).
 //
 // Unrolled backward: the exact vector-Jacobian product of that forward.  The
-// forward is recomputed, keeping only the step denominators d (each lane its
-// row's and its column's: 2 * num_iters floats, in shared memory when they
+// forward is recomputed, keeping only the step denominators d (each lane those
+// of its rows and of its columns j with j % G == l, in shared memory when they
 // fit, else in a global scratch buffer); the
 // reverse sweep rebuilds each step's input from its output as p = y * d.
 // For y = p / d with d_i = sum_k p_ik + eps:  dp_ij = (gy_ij - sum_k gy_ik y_ik) / d_i.
@@ -83,10 +84,6 @@ MHC_UNROLL_N
 
 namespace {
 
-template <int N> struct Group {
-    static constexpr int G = N <= 1 ? 1 : N <= 2 ? 2 : N <= 4 ? 4 : N <= 8 ? 8 : N <= 16 ? 16 : 32;
-};
-
 // Sum over the G lanes of this lane's group (fixed butterfly order).
 template <int G>
 __device__ __forceinline__ float group_sum(float v, unsigned mask) {
@@ -97,66 +94,112 @@ __device__ __forceinline__ float group_sum(float v, unsigned mask) {
 
 __device__ __forceinline__ float fast_rcp(float d) { return __fdividef(1.f, d); }
 
+// Rows per lane R and history slots per lane and iteration (R row + RC column denominators).
+template <int N, int G> struct Layout {
+    static constexpr int R = (N + G - 1) / G;
+    static constexpr int RC = R;
+    static constexpr int SLOTS = R + RC;
+};
+
+// Row-max-shifted exponential of this lane's rows (zeros for rows >= N).
+template <int N, int G>
+__device__ __forceinline__ void lane_exp(const float* __restrict__ L, int lane, float (&K)[Layout<N, G>::R][N],
+                                         int (&amax)[Layout<N, G>::R]) {
+#pragma unroll
+    for (int r = 0; r < Layout<N, G>::R; ++r) {
+        const int i = lane + r * G;
+        amax[r] = 0;
+        if (i < N) {
+            const float* Li = L + i * N;
+            float m = Li[0];
+#pragma unroll
+            for (int j = 1; j < N; ++j)
+                if (Li[j] > m) { m = Li[j]; amax[r] = j; }
+#pragma unroll
+            for (int j = 0; j < N; ++j) K[r][j] = expf(Li[j] - m);
+        } else {
+#pragma unroll
+            for (int j = 0; j < N; ++j) K[r][j] = 0.f;
+        }
+    }
+}
+
+// One row step and one column step on this lane's rows.  With hist non-null
+// the denominators are recorded (row r at slot r, column j at slot R + j / G
+// by lane j % G; rows >= N record 1).
+template <int N, int G>
+__device__ __forceinline__ void lane_iteration(float (&p)[Layout<N, G>::R][N], int lane, float eps, unsigned mask,
+                                               float* hist, i64 hs) {
+    constexpr int R = Layout<N, G>::R;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        float d = 1.f;
+        if (lane + r * G < N) {
+            float s = 0.f;
+#pragma unroll
+            for (int j = 0; j < N; ++j) s += p[r][j];
+            d = s + eps;
+            const float inv = fast_rcp(d);
+#pragma unroll
+            for (int j = 0; j < N; ++j) p[r][j] *= inv;
+        }
+        if (hist) hist[r * hs] = d;
+    }
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+        float c = 0.f;
+#pragma unroll
+        for (int r = 0; r < R; ++r) c += p[r][j];
+        const float d = group_sum<G>(c, mask) + eps;
+        if (hist && j % G == lane) hist[(R + j / G) * hs] = d;
+        const float inv = fast_rcp(d);
+#pragma unroll
+        for (int r = 0; r < R; ++r) p[r][j] *= inv;
+    }
+}
+
 }  // namespace
 
 // P = sinkhorn(logits) for every token; when h_pre_raw is non-null also the
 // pre-op activations H_pre = sigmoid(h_pre_raw), H_post = 2 sigmoid(h_post_raw).
-// blockDim.x is a multiple of G; lane i of each group of G handles row i.
-template <int N>
+// blockDim.x is a multiple of G.
+template <int N, int G>
 __global__ void mhc_sinkhorn_knopp_fwd_kernel(const float* __restrict__ logits, float* __restrict__ P_out,
                                               const float* __restrict__ h_pre_raw,
                                               const float* __restrict__ h_post_raw,
                                               float* __restrict__ H_pre, float* __restrict__ H_post,
                                               i64 tokens, int iters, float eps) {
-    constexpr int G = Group<N>::G;
-    const i64 gid = blockIdx.x * (i64)blockDim.x + threadIdx.x;
-    const i64 t = gid / G;
-    const int i = threadIdx.x % G;
+    constexpr int R = Layout<N, G>::R;
+    const i64 t = (blockIdx.x * (i64)blockDim.x + threadIdx.x) / G;
+    const int lane = threadIdx.x % G;
     const unsigned mask = __ballot_sync(0xffffffffu, t < tokens);
     if (t >= tokens) return;
-    const bool row = i < N;
-    float p[N];
-    if (row) {
-        const float* L = logits + (t * N + i) * N;
-        float m = L[0];
+    float p[R][N];
+    int amax[R];
+    lane_exp<N, G>(logits + t * (N * N), lane, p, amax);
+    for (int it = 0; it < iters; ++it) lane_iteration<N, G>(p, lane, eps, mask, nullptr, 0);
 #pragma unroll
-        for (int j = 1; j < N; ++j) m = fmaxf(m, L[j]);
+    for (int r = 0; r < R; ++r) {
+        const int i = lane + r * G;
+        if (i < N) {
+            float* out = P_out + (t * N + i) * N;
 #pragma unroll
-        for (int j = 0; j < N; ++j) p[j] = expf(L[j] - m);
-    } else {
-#pragma unroll
-        for (int j = 0; j < N; ++j) p[j] = 0.f;
-    }
-    for (int it = 0; it < iters; ++it) {
-        if (row) {
-            float s = 0.f;
-#pragma unroll
-            for (int j = 0; j < N; ++j) s += p[j];
-            const float inv = fast_rcp(s + eps);
-#pragma unroll
-            for (int j = 0; j < N; ++j) p[j] *= inv;
-        }
-#pragma unroll
-        for (int j = 0; j < N; ++j) p[j] *= fast_rcp(group_sum<G>(p[j], mask) + eps);
-    }
-    if (row) {
-        float* out = P_out + (t * N + i) * N;
-#pragma unroll
-        for (int j = 0; j < N; ++j) out[j] = p[j];
-        if (h_pre_raw != nullptr) {
-            H_pre[t * N + i] = mhc::sigmoid(h_pre_raw[t * N + i]);
-            H_post[t * N + i] = 2.f * mhc::sigmoid(h_post_raw[t * N + i]);
+            for (int j = 0; j < N; ++j) out[j] = p[r][j];
+            if (h_pre_raw != nullptr) {
+                H_pre[t * N + i] = mhc::sigmoid(h_pre_raw[t * N + i]);
+                H_post[t * N + i] = 2.f * mhc::sigmoid(h_post_raw[t * N + i]);
+            }
         }
     }
 }
 
-// d_logits from grad_P (null = zero), unrolled mode, same lane layout as the
-// forward.  Each lane keeps, per iteration, its row's denominator and the
-// denominator of column i (lane i): at hist[k * hs] for half step k, in
-// dynamic shared memory (hs = blockDim.x) when use_smem, else in hist_global
-// (hs = gridDim.x * blockDim.x).  With h_post_raw non-null also the pre op's
-// dh_post_raw = gH_post * H_post (1 - H_post / 2) (g_post null = zero).
-template <int N>
+// d_logits from grad_P (null = zero), unrolled mode, same layout as the
+// forward.  History: SLOTS floats per lane and iteration at
+// hist[(it * SLOTS + slot) * hs], in dynamic shared memory (hs = blockDim.x)
+// when use_smem, else in hist_global (hs = gridDim.x * blockDim.x).  With
+// h_post_raw non-null also the pre op's dh_post_raw = gH_post * H_post (1 - H_post / 2)
+// (g_post null = zero).
+template <int N, int G>
 __global__ void mhc_sinkhorn_knopp_bwd_kernel(const float* __restrict__ grad_P,
                                               const float* __restrict__ logits, float* __restrict__ d_logits,
                                               float* __restrict__ hist_global, int use_smem,
@@ -164,100 +207,93 @@ __global__ void mhc_sinkhorn_knopp_bwd_kernel(const float* __restrict__ grad_P,
                                               const float* __restrict__ h_post_raw,
                                               float* __restrict__ d_post_raw, i64 tokens, int iters,
                                               float eps) {
-    constexpr int G = Group<N>::G;
+    constexpr int R = Layout<N, G>::R;
+    constexpr int SLOTS = Layout<N, G>::SLOTS;
     extern __shared__ float hist_smem[];
     const i64 gid = blockIdx.x * (i64)blockDim.x + threadIdx.x;
     const i64 t = gid / G;
-    const int i = threadIdx.x % G;
+    const int lane = threadIdx.x % G;
     const unsigned mask = __ballot_sync(0xffffffffu, t < tokens);
     if (t >= tokens) return;
-    const bool row = i < N;
-    if (row && h_post_raw != nullptr) {
-        const float hp = 2.f * mhc::sigmoid(h_post_raw[t * N + i]);
-        const float gp = g_post ? g_post[t * N + i] : 0.f;
-        d_post_raw[t * N + i] = gp * hp * (1.f - 0.5f * hp);
-    }
-    float* dL = d_logits + (t * N + i) * N;
-    if (grad_P == nullptr) {
-        if (row)
 #pragma unroll
-            for (int j = 0; j < N; ++j) dL[j] = 0.f;
+    for (int r = 0; r < R; ++r) {
+        const int i = lane + r * G;
+        if (i < N && h_post_raw != nullptr) {
+            const float hp = 2.f * mhc::sigmoid(h_post_raw[t * N + i]);
+            const float gp = g_post ? g_post[t * N + i] : 0.f;
+            d_post_raw[t * N + i] = gp * hp * (1.f - 0.5f * hp);
+        }
+    }
+    float* dL = d_logits + t * (N * N);
+    if (grad_P == nullptr) {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (lane + r * G < N)
+#pragma unroll
+                for (int j = 0; j < N; ++j) dL[(lane + r * G) * N + j] = 0.f;
         return;
     }
-    float K[N], p[N], g[N];
-    int amax = 0;
-    if (row) {
-        const float* L = logits + (t * N + i) * N;
-        float m = L[0];
+    float K[R][N], p[R][N], g[R][N];
+    int amax[R];
+    lane_exp<N, G>(logits + t * (N * N), lane, K, amax);
 #pragma unroll
-        for (int j = 1; j < N; ++j)
-            if (L[j] > m) { m = L[j]; amax = j; }
+    for (int r = 0; r < R; ++r) {
+        const int i = lane + r * G;
 #pragma unroll
         for (int j = 0; j < N; ++j) {
-            K[j] = expf(L[j] - m);
-            g[j] = grad_P[(t * N + i) * N + j];
+            p[r][j] = K[r][j];
+            g[r][j] = i < N ? grad_P[(t * N + i) * N + j] : 0.f;
         }
-    } else {
-#pragma unroll
-        for (int j = 0; j < N; ++j) { K[j] = 0.f; g[j] = 0.f; }
     }
-#pragma unroll
-    for (int j = 0; j < N; ++j) p[j] = K[j];
     float* hist = use_smem ? hist_smem + threadIdx.x : hist_global + gid;
     const i64 hs = use_smem ? (i64)blockDim.x : (i64)gridDim.x * blockDim.x;
-    // forward, recording denominators
-    for (int it = 0; it < iters; ++it) {
-        float d = 1.f;  // idle lanes: a harmless 1
-        if (row) {
-            float s = 0.f;
-#pragma unroll
-            for (int j = 0; j < N; ++j) s += p[j];
-            d = s + eps;
-            const float inv = fast_rcp(d);
-#pragma unroll
-            for (int j = 0; j < N; ++j) p[j] *= inv;
-        }
-        hist[(i64)(2 * it) * hs] = d;
-        float dc = 1.f;
-#pragma unroll
-        for (int j = 0; j < N; ++j) {
-            const float dj = group_sum<G>(p[j], mask) + eps;
-            if (j == i) dc = dj;
-            p[j] *= fast_rcp(dj);
-        }
-        hist[(i64)(2 * it + 1) * hs] = dc;
-    }
+    for (int it = 0; it < iters; ++it) lane_iteration<N, G>(p, lane, eps, mask, hist + (i64)it * SLOTS * hs, hs);
     // reverse sweep: for y = p / d:  dp = (gy - sum(gy * y)) / d,  p = y * d
     for (int it = iters - 1; it >= 0; --it) {
-        const float dc_own = hist[(i64)(2 * it + 1) * hs];
+        const float* h = hist + (i64)it * SLOTS * hs;
 #pragma unroll
         for (int j = 0; j < N; ++j) {
-            const float dj = __shfl_sync(mask, dc_own, j, G);
-            const float s = group_sum<G>(g[j] * p[j], mask);
-            g[j] = (g[j] - s) * fast_rcp(dj);
-            p[j] *= dj;
+            const float own = h[(R + j / G) * hs];
+            const float d = G == 1 ? own : __shfl_sync(mask, own, j % G, G);
+            float s = 0.f;
+#pragma unroll
+            for (int r = 0; r < R; ++r) s = fmaf(g[r][j], p[r][j], s);
+            s = group_sum<G>(s, mask);
+            const float inv = fast_rcp(d);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                g[r][j] = (g[r][j] - s) * inv;
+                p[r][j] *= d;
+            }
         }
-        const float d = hist[(i64)(2 * it) * hs];
-        float s = 0.f;
 #pragma unroll
-        for (int j = 0; j < N; ++j) s = fmaf(g[j], p[j], s);
-        const float inv = fast_rcp(d);
+        for (int r = 0; r < R; ++r) {
+            const float d = h[r * hs];
+            float s = 0.f;
 #pragma unroll
-        for (int j = 0; j < N; ++j) {
-            g[j] = (g[j] - s) * inv;
-            p[j] *= d;
+            for (int j = 0; j < N; ++j) s = fmaf(g[r][j], p[r][j], s);
+            const float inv = fast_rcp(d);
+#pragma unroll
+            for (int j = 0; j < N; ++j) {
+                g[r][j] = (g[r][j] - s) * inv;
+                p[r][j] *= d;
+            }
         }
     }
-    if (row) {
-        // through the row-max-shifted exponential (the shift is part of the function)
-        float v[N], s = 0.f;
+    // through the row-max-shifted exponential (the shift is part of the function)
 #pragma unroll
-        for (int j = 0; j < N; ++j) {
-            v[j] = g[j] * K[j];
-            s += v[j];
+    for (int r = 0; r < R; ++r) {
+        const int i = lane + r * G;
+        if (i < N) {
+            float v[N], s = 0.f;
+#pragma unroll
+            for (int j = 0; j < N; ++j) {
+                v[j] = g[r][j] * K[r][j];
+                s += v[j];
+            }
+#pragma unroll
+            for (int j = 0; j < N; ++j) dL[i * N + j] = (j == amax[r]) ? v[j] - s : v[j];
         }
-#pragma unroll
-        for (int j = 0; j < N; ++j) dL[j] = (j == amax) ? v[j] - s : v[j];
     }
 }
 

@@ -10,7 +10,7 @@ from .._dispatch import Plan, run
 from ._launch import f32, i32, launch, tokens_of
 
 _FILE = "sinkhorn.cu"
-_THREADS = 128  # lanes per block of the forward / unrolled backward
+_THREADS = 64  # lanes per block of the forward / unrolled backward
 _IMPLICIT_THREADS = 64  # one matrix per thread
 _SMEM_LIMIT = 48 * 1024
 
@@ -26,31 +26,41 @@ def check_logits(name: str, info) -> int:
 
 
 def group(n: int) -> int:
-    """Lanes per matrix of the forward / unrolled backward: next power of two >= n."""
-    return 1 << (n - 1).bit_length()
+    """Lanes per matrix G of the forward / unrolled backward: the smallest power
+    of two that leaves each lane at most 32 matrix elements (ceil(n / G) rows)."""
+    g = 1
+    while -(-n // g) * n > 32:
+        g *= 2
+    return g
+
+
+def history_slots(n: int) -> int:
+    """Denominators each lane records per iteration (its rows and its columns)."""
+    return 2 * -(-n // group(n))
 
 
 def launch_fwd(n, tokens, iters, eps, logits, P, stream, h_pre_raw=None, h_post_raw=None, H_pre=None, H_post=None):
     """Sinkhorn forward (and optionally the pre-op sigmoids) for every token."""
-    launch(_FILE, f"mhc_sinkhorn_knopp_fwd_kernel<{n}>", (-(-tokens * group(n) // _THREADS), 1, 1), (_THREADS, 1, 1),
+    g = group(n)
+    launch(_FILE, f"mhc_sinkhorn_knopp_fwd_kernel<{n},{g}>", (-(-tokens * g // _THREADS), 1, 1), (_THREADS, 1, 1),
            (logits, P, h_pre_raw, h_post_raw, H_pre, H_post, tokens, i32(iters), f32(eps)), stream)
 
 
 def bwd_history(n: int, tokens: int, iters: int, grad_mode: str):
     """(threads per block, dynamic shared bytes, global scratch floats) of the backward.
 
-    The unrolled backward keeps 2 * iters step denominators per lane: in shared
-    memory when they fit in 48 KB for a block of at least 32 lanes, else in a
-    global scratch buffer.
+    The unrolled backward keeps ``history_slots(n) * iters`` denominators per
+    lane: in shared memory when they fit in 48 KB for a block of at least 32
+    lanes, else in a global scratch buffer.
     """
     if grad_mode == "implicit":
         return _IMPLICIT_THREADS, 0, 0
-    per_lane = 2 * iters * 4
+    per_lane = history_slots(n) * iters * 4
     for threads in (_THREADS, 64, 32):
         if per_lane * threads <= _SMEM_LIMIT:
             return threads, per_lane * threads, 0
     blocks = -(-tokens * group(n) // _THREADS)
-    return _THREADS, 0, 2 * iters * blocks * _THREADS
+    return _THREADS, 0, history_slots(n) * iters * blocks * _THREADS
 
 
 def launch_bwd(n, tokens, iters, eps, grad_mode, grad_P, logits, d_logits, scratch, stream,
@@ -60,7 +70,8 @@ def launch_bwd(n, tokens, iters, eps, grad_mode, grad_P, logits, d_logits, scrat
         launch(_FILE, f"mhc_sinkhorn_knopp_implicit_bwd_kernel<{n}>", (-(-tokens // threads), 1, 1), (threads, 1, 1),
                (grad_P, logits, d_logits, g_post, h_post_raw, d_post_raw, tokens, i32(iters), f32(eps)), stream)
         return
-    launch(_FILE, f"mhc_sinkhorn_knopp_bwd_kernel<{n}>", (-(-tokens * group(n) // threads), 1, 1), (threads, 1, 1),
+    g = group(n)
+    launch(_FILE, f"mhc_sinkhorn_knopp_bwd_kernel<{n},{g}>", (-(-tokens * g // threads), 1, 1), (threads, 1, 1),
            (grad_P, logits, d_logits, scratch, i32(1 if smem else 0), g_post, h_post_raw, d_post_raw,
             tokens, i32(iters), f32(eps)), stream, shared_mem=smem)
 

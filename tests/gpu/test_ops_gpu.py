@@ -182,11 +182,23 @@ def test_sinkhorn_implicit(rng, n):
     assert np.abs(f64(got).sum(-1)).max() <= 1e-5 * max(1.0, np.abs(got).max())
 
 
+def _sinkhorn_f32(L, num_iters=20, eps=1e-8):
+    """The forward evaluated in float32 (what the kernel can represent)."""
+    P = np.exp(L - L.max(-1, keepdims=True), dtype=np.float32)
+    for _ in range(num_iters):
+        P = P / (P.sum(-1, keepdims=True, dtype=np.float32) + np.float32(eps))
+        P = P / (P.sum(-2, keepdims=True, dtype=np.float32) + np.float32(eps))
+    return P
+
+
 def test_sinkhorn_large_logits_and_n1(rng):
-    L = _coef(rng, (50, 4, 4), 100.0)  # exp(L) would overflow without the row-max shift
+    """Logits of scale 100: exp(L) would overflow without the row-max shift; most
+    exp(L - max) underflow in float32, so the float32 evaluation is the reference."""
+    L = _coef(rng, (50, 4, 4), 100.0)
     P = to_host(m.sinkhorn_knopp_fwd(to_gpu(L)))
     assert np.isfinite(P).all()
-    assert_close(P, R.sinkhorn_knopp_fwd(L), SINKHORN_TOL, "P")
+    assert_close(P, _sinkhorn_f32(L), 1e-4, "P")
+    assert_close(to_host(m.sinkhorn_knopp_fwd(to_gpu(L / 10))), R.sinkhorn_knopp_fwd(L / 10), SINKHORN_TOL, "P/10")
     dL = to_host(m.sinkhorn_knopp_bwd(to_gpu(_coef(rng, (50, 4, 4))), to_gpu(L), grad_mode="implicit"))
     assert np.isfinite(dL).all()
     L1 = _coef(rng, (9, 1, 1))
@@ -280,7 +292,7 @@ def test_leading_dims_and_zero_tokens(rng):
     dx, dM = m.stream_mix_bwd(x0, x0, M0)
     assert dx.shape == x0.shape and dM.shape == M0.shape
     h = to_gpu(_coef(rng, (4,)))
-    dx, dh = m.stream_aggregate_bwd(to_gpu(rounded(rng, (0, 64), "bfloat16")), x0[0], h)
+    dx, dh = m.stream_aggregate_bwd(to_gpu(rounded(rng, (0, 5, 64), "bfloat16")), x0, h)
     assert (to_host(dh) == 0).all()
     assert m.sinkhorn_knopp_fwd(M0).shape == M0.shape
 
