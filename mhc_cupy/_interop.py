@@ -21,13 +21,14 @@ the checks and the launch plans see.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 
-@dataclass(frozen=True)
-class ArrayInfo:
+class ArrayInfo(NamedTuple):
+    """What the checks and launch plans see of an array (a tuple: cheap to build)."""
+
     shape: tuple
     dtype: str  # canonical name: "float32", "bfloat16", "float16", "int8", ...
     device: tuple  # ("cpu", 0) or ("cuda", ordinal)
@@ -68,8 +69,15 @@ def numpy_dtype(name: str):
     return np.dtype(name)
 
 
+_NAMES: dict = {}
+
+
 def _np_name(dtype) -> str:
-    return np.dtype(dtype).name
+    """np.dtype(...).name, memoised (the property is slow for a per-call path)."""
+    name = _NAMES.get(dtype)
+    if name is None:
+        name = _NAMES[dtype] = np.dtype(dtype).name
+    return name
 
 
 # ---------------------------------------------------------------- front ends
@@ -87,10 +95,10 @@ class _Torch:
         self.from_name = {v: k for k, v in self.to_name.items()}
 
     def info(self, x) -> ArrayInfo:
-        d = x.device
         dtype = self.to_name.get(x.dtype) or str(x.dtype).replace("torch.", "")
-        if d.type == "cuda":
-            return ArrayInfo(tuple(x.shape), dtype, ("cuda", d.index), x.data_ptr(), tuple(x.stride()))
+        if x.is_cuda:
+            return ArrayInfo(tuple(x.shape), dtype, ("cuda", x.get_device()), x.data_ptr(), x.stride())
+        d = x.device
         return ArrayInfo(tuple(x.shape), dtype, (d.type, d.index or 0))
 
     def contiguous(self, x):
