@@ -10,6 +10,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MHC_CUPY_CACHE_DIR=${MHC_CUPY_CACHE_DIR:-$OUT/kernel_cache}
 export PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX must not take 75% of the GPU in each process
 PY=${PYTHON:-python3}
 declare -A status
 

@@ -1,47 +1,67 @@
-"""Where the host time of one tiny op call goes (cProfile), for torch and CuPy inputs.
+"""Host overhead of one tiny op call, and where it goes (cProfile).
 
-Usage on a GPU machine:  python scripts/profile_host.py
+Compares: a raw CuPy launch of the same kernel (the floor for a Python
+launch), the functional API with CuPy and with torch inputs, the
+``mhc_cupy.torch`` adapter, and a native torch op.
+Usage on a GPU machine:  python scripts/profile_host.py [--profile]
 """
 
 import cProfile
 import pstats
+import sys
 import time
 
 import cupy as cp
+import numpy as np
 
 import mhc_cupy as m
+from mhc_cupy import _jit
+
+
+def per_call_us(fn, calls=3000):
+    for _ in range(100):
+        fn()
+    cp.cuda.Device().synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    cp.cuda.Device().synchronize()
+    return (time.perf_counter() - t) / calls * 1e6
+
 
 x = cp.random.standard_normal((1, 4, 64), dtype=cp.float32)
 M = cp.random.standard_normal((1, 4, 4), dtype=cp.float32)
-cases = {"cupy": (x, M)}
+out = cp.empty_like(x)
+m.stream_mix_fwd(x, M)
+fn = _jit.get_function("stream_ops.cu", "mhc_post_op_fwd_kernel<float,4,4,true,false>")
+stream = cp.cuda.get_current_stream()
+args = (x.data.ptr, None, None, 0, M.data.ptr, out.data.ptr, 1, np.int32(64))
+rows = {"raw cupy Function launch": lambda: fn((1, 1, 1), (32, 1, 1), args, stream=stream),
+        "functional API, cupy inputs": lambda: m.stream_mix_fwd(x, M)}
 try:
     import torch
 
-    cases["torch"] = (torch.from_dlpack(x), torch.from_dlpack(M))
+    import mhc_cupy.torch as mt
+
+    xt, Mt = torch.from_dlpack(x), torch.from_dlpack(M)
+    a = torch.randn(1, 4, 64, device="cuda")
+    rows["functional API, torch inputs"] = lambda: m.stream_mix_fwd(xt, Mt)
+    rows["mhc_cupy.torch.stream_mix (no grad)"] = lambda: mt.stream_mix(xt, Mt)
+    xg = xt.clone().requires_grad_()
+    rows["mhc_cupy.torch.stream_mix (requires grad)"] = lambda: mt.stream_mix(xg, Mt)
+    rows["native torch.add"] = lambda: torch.add(a, a)
 except ImportError:
     pass
-for name, (a, b) in cases.items():
-    for _ in range(100):
-        m.stream_mix_fwd(a, b)
-    cp.cuda.Device().synchronize()
-    t = time.perf_counter()
-    for _ in range(2000):
-        m.stream_mix_fwd(a, b)
-    cp.cuda.Device().synchronize()
-    print(f"{name}: {(time.perf_counter() - t) / 2000 * 1e6:.1f} us per stream_mix_fwd call")
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(2000):
-        m.stream_mix_fwd(a, b)
-    pr.disable()
-    pstats.Stats(pr).sort_stats("tottime").print_stats(14)
-if "torch" in cases:
-    a = torch.randn(1, 4, 64, device="cuda")
-    for _ in range(100):
-        torch.add(a, a)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(2000):
-        torch.add(a, a)
-    torch.cuda.synchronize()
-    print(f"native torch.add: {(time.perf_counter() - t) / 2000 * 1e6:.1f} us per call")
+for name, f in rows.items():
+    print(f"{name:<45} {per_call_us(f):7.1f} us per call")
+if "--profile" in sys.argv:
+    for name in ("functional API, cupy inputs", "functional API, torch inputs"):
+        if name not in rows:
+            continue
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(2000):
+            rows[name]()
+        pr.disable()
+        print(name)
+        pstats.Stats(pr).sort_stats("tottime").print_stats(12)

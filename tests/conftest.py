@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import numpy as np
 import pytest
+
+
+# JAX would otherwise preallocate 75% of the GPU in every test process (and in
+# every pytest-xdist worker), starving CuPy and PyTorch.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
 def _gpu_available() -> bool:

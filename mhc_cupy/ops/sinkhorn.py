@@ -25,9 +25,15 @@ def check_logits(name: str, info) -> int:
     return _checks.streams(n, name)
 
 
-def group(n: int) -> int:
-    """Lanes per matrix G of the forward / unrolled backward: the smallest power
-    of two that leaves each lane at most 32 matrix elements (ceil(n / G) rows)."""
+def fwd_group(n: int) -> int:
+    """Lanes per matrix of the forward: one row per lane (next power of two >= n)."""
+    return 1 << (n - 1).bit_length()
+
+
+def bwd_group(n: int) -> int:
+    """Lanes per matrix of the unrolled backward: the smallest power of two that
+    leaves each lane at most 32 matrix elements (ceil(n / G) rows); one thread
+    per matrix up to n = 5 (no shuffles, least redundant work)."""
     g = 1
     while -(-n // g) * n > 32:
         g *= 2
@@ -35,13 +41,13 @@ def group(n: int) -> int:
 
 
 def history_slots(n: int) -> int:
-    """Denominators each lane records per iteration (its rows and its columns)."""
-    return 2 * -(-n // group(n))
+    """Denominators each lane of the backward records per iteration (its rows and its columns)."""
+    return 2 * -(-n // bwd_group(n))
 
 
 def launch_fwd(n, tokens, iters, eps, logits, P, stream, h_pre_raw=None, h_post_raw=None, H_pre=None, H_post=None):
     """Sinkhorn forward (and optionally the pre-op sigmoids) for every token."""
-    g = group(n)
+    g = fwd_group(n)
     launch(_FILE, f"mhc_sinkhorn_knopp_fwd_kernel<{n},{g}>", (-(-tokens * g // _THREADS), 1, 1), (_THREADS, 1, 1),
            (logits, P, h_pre_raw, h_post_raw, H_pre, H_post, tokens, i32(iters), f32(eps)), stream)
 
@@ -59,7 +65,7 @@ def bwd_history(n: int, tokens: int, iters: int, grad_mode: str):
     for threads in (_THREADS, 64, 32):
         if per_lane * threads <= _SMEM_LIMIT:
             return threads, per_lane * threads, 0
-    blocks = -(-tokens * group(n) // _THREADS)
+    blocks = -(-tokens * bwd_group(n) // _THREADS)
     return _THREADS, 0, history_slots(n) * iters * blocks * _THREADS
 
 
@@ -70,7 +76,7 @@ def launch_bwd(n, tokens, iters, eps, grad_mode, grad_P, logits, d_logits, scrat
         launch(_FILE, f"mhc_sinkhorn_knopp_implicit_bwd_kernel<{n}>", (-(-tokens // threads), 1, 1), (threads, 1, 1),
                (grad_P, logits, d_logits, g_post, h_post_raw, d_post_raw, tokens, i32(iters), f32(eps)), stream)
         return
-    g = group(n)
+    g = bwd_group(n)
     launch(_FILE, f"mhc_sinkhorn_knopp_bwd_kernel<{n},{g}>", (-(-tokens * g // threads), 1, 1), (threads, 1, 1),
            (grad_P, logits, d_logits, scratch, i32(1 if smem else 0), g_post, h_post_raw, d_post_raw,
             tokens, i32(iters), f32(eps)), stream, shared_mem=smem)
