@@ -1,0 +1,622 @@
+"""JAX adapter: the mHC operators as differentiable, jittable, vmappable JAX functions.
+
+``mhc_cupy.jax`` exposes the seven operators of OPS.md sections 1-7 with the
+arguments of the functional ``*_fwd`` API:
+
+  ``sinkhorn_knopp``  ``rmsnorm``  ``stream_mix``  ``stream_aggregate``
+  ``stream_distribute``  ``mhc_post_op``  ``mhc_pre_op``
+
+Each is a ``jax.custom_vjp`` function that works eagerly and under
+``jax.jit``, ``jax.grad`` / ``jax.vjp`` and ``jax.vmap`` (any number of
+nested levels).  Needs jax >= 0.6.1 (``jax.experimental.buffer_callback``).
+
+How it runs
+-----------
+Every kernel call is one ``jax.experimental.buffer_callback`` custom call:
+
+* Trace time: the op's planner (``mhc_cupy.ops.<family>._plan_*``) sees the
+  abstract shapes and dtypes (``ArrayInfo`` without pointers), validates them
+  (``TypeError`` / ``ValueError`` at trace time, before anything runs) and
+  returns the outputs and scratch buffers to allocate.  Outputs and scratch
+  are declared as the custom call's results, so XLA allocates them.
+* Run time on a GPU: the callback reads the raw device pointers of XLA's
+  buffers and launches the CuPy/NVRTC kernels on XLA's own stream
+  (``ctx.stream``) inside ``cupy.cuda.Device(ordinal)``: no copy, no host
+  round trip, no synchronisation.  The Python callback runs on the host once
+  per kernel call each time the compiled program runs (it only enqueues
+  launches), never per element.
+* Run time on the CPU (e.g. CI): the same callback runs the float64 NumPy
+  reference (``mhc_cupy.reference``) on the host buffers and writes the
+  rounded results in place.
+
+Batching (``jax.vmap``) is explicit (``jax.custom_batching.custom_vmap``):
+the ops accept any number of leading token dims, so a batch axis becomes one
+more leading token dim and the kernel runs once for the whole batch, planned
+for the batched shapes.  The exceptions are handled so that vmap equals a
+per-example loop: a *shared* coefficient vector ``h`` ``[n]`` of
+``stream_aggregate`` / ``stream_distribute`` that is batched itself, or whose
+per-example gradient is needed, is expanded to per-token ``[..., n]`` and its
+gradient summed per example; ``rmsnorm`` with a ``weight`` whose per-example
+gradient is needed (or that is batched) runs sequentially over the batch
+(``jax.lax.map``).
+
+Gradients: the forward saves its inputs; the backward calls the op's ``_bwd``
+kernels (statistics and Sinkhorn iterations are recomputed on chip).
+Cotangents of unused outputs (symbolic zeros) give zero gradients; for
+``mhc_pre_op`` they are passed to the kernel as "absent" (None) and cost
+nothing.
+
+Notes:
+    Reverse mode only, first order: forward mode (``jax.jvp``,
+    ``jax.jacfwd``) of a custom_vjp function and gradients of these
+    gradients are not supported (the backward kernels have no derivative
+    rule of their own).
+    Non-array parameters (``num_iters``, ``eps``, ``grad_mode``) are static:
+    each distinct value compiles its own program.  The ``buffer_callback``
+    custom call is not marked command-buffer compatible (XLA does not capture
+    it into CUDA graphs), and it is not side-effecting: XLA may remove it when
+    its results are unused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import jax as _jax
+import jax.numpy as _jnp
+import numpy as np
+
+from . import _checks, _interop
+from ._interop import ArrayInfo
+from .ops import post as _post
+from .ops import pre as _pre
+from .ops import rmsnorm as _rms
+from .ops import sinkhorn as _sk
+from .ops import stream as _stream
+
+try:  # jax >= 0.6.1 (an experimental API)
+    from jax.experimental.buffer_callback import buffer_callback as _buffer_callback
+except ImportError:  # pragma: no cover - depends on the installed jax
+    _buffer_callback = None
+
+__all__ = [
+    "sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute",
+    "mhc_post_op", "mhc_pre_op",
+]
+
+#: Placeholder device of the trace-time ArrayInfo: planners read only shapes
+#: and dtypes; the real device is known when the callback runs.
+_TRACE_DEVICE = ("cuda", 0)
+_KDL_CPU = 1
+
+
+# ------------------------------------------------------------ kernel specs
+@dataclass(frozen=True)
+class _Spec:
+    """One kernel entry point: its planner and how its inputs batch.
+
+    ``ranks``: trailing (non-token) dims of each input; every input has the
+    token dims in front.  ``ref``: the input whose leading dims are the token
+    dims.  ``shared``: the input that may be shared by all tokens (``h`` of
+    aggregate / distribute when it is ``[n]``, or the RMSNorm ``weight``);
+    ``shared_grad``: the output that is its gradient (summed over tokens), or
+    None.  ``shared_mode``: "expand" (an ``[..., n]`` per-token form exists)
+    or "sequential".
+    """
+
+    name: str
+    planner: object
+    inputs: tuple
+    ranks: tuple
+    ref: str
+    shared: str | None = None
+    shared_grad: int | None = None
+    shared_mode: str = "expand"
+
+    def rank(self, name: str) -> int:
+        return self.ranks[self.inputs.index(name)]
+
+    def is_shared(self, shapes: dict) -> bool:
+        """Whether the shared-capable input is given and shared, for unbatched ``shapes``."""
+        s = self.shared
+        if s is None or shapes.get(s) is None:
+            return False
+        if self.shared_mode == "sequential":
+            return True
+        ref = shapes[self.ref]
+        return len(shapes[s]) == 1 and len(ref) > self.rank(self.ref)
+
+
+def _specs():
+    S = _Spec
+    return {s.name: s for s in (
+        S("sinkhorn_fwd", _sk._plan_fwd, ("logits",), (2,), "logits"),
+        S("sinkhorn_bwd", _sk._plan_bwd, ("grad_P", "logits"), (2, 2), "logits"),
+        S("rmsnorm_fwd", _rms._plan_fwd, ("x", "weight"), (1, 1), "x", "weight", None, "sequential"),
+        S("rmsnorm_bwd", _rms._plan_bwd, ("grad", "x", "weight"), (1, 1, 1), "x", "weight", 1, "sequential"),
+        S("mix_fwd", _stream._plan_mix_fwd, ("x", "M"), (2, 2), "x"),
+        S("mix_bwd", _stream._plan_mix_bwd, ("grad", "x", "M"), (2, 2, 2), "x"),
+        S("aggregate_fwd", _stream._plan_aggregate_fwd, ("x", "h"), (2, 1), "x", "h"),
+        S("aggregate_bwd", _stream._plan_aggregate_bwd, ("grad", "x", "h"), (1, 2, 1), "x", "h", 1),
+        S("distribute_fwd", _stream._plan_distribute_fwd, ("y", "h"), (1, 1), "y", "h"),
+        S("distribute_bwd", _stream._plan_distribute_bwd, ("grad", "y", "h"), (2, 1, 1), "y", "h", 1),
+        S("post_fwd", _post._plan_fwd, ("layer_out", "x", "H_post", "H_res"), (1, 2, 1, 2), "x"),
+        S("post_bwd", _post._plan_bwd, ("grad", "layer_out", "x", "H_post", "H_res"), (2, 1, 2, 1, 2), "x"),
+        S("pre_fwd", _pre._plan_fwd, ("x", "h_pre_raw", "h_post_raw", "h_res_raw"), (2, 1, 1, 2), "x"),
+        S("pre_bwd", _pre._plan_bwd,
+          ("grad_layer_in", "grad_H_pre", "grad_H_post", "grad_H_res", "x", "h_pre_raw", "h_post_raw", "h_res_raw"),
+          (1, 1, 1, 2, 2, 1, 1, 2), "x"),
+    )}
+
+
+_SPECS = _specs()
+
+
+# ------------------------------------------------------- buffer plumbing
+def _ctx_stream(ctx) -> int:
+    """XLA's CUDA stream (``ctx.stream``; a method on older jaxlib)."""
+    s = ctx.stream
+    return int(s() if callable(s) else s)
+
+
+def _ctx_ordinal(ctx, buffers) -> int:
+    """CUDA ordinal of the executing device: ``ctx.device_ordinal`` where jaxlib
+    has it (attribute or method), else the DLPack device of XLA's buffers."""
+    d = getattr(ctx, "device_ordinal", None)
+    if d is not None:
+        return int(d() if callable(d) else d)
+    for b in buffers:
+        return int(b.__dlpack_device__()[1])
+    import cupy
+
+    return cupy.cuda.runtime.getDevice()
+
+
+_capsule_get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_get_pointer.restype = ctypes.c_void_p
+_capsule_get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capsule_get_name = ctypes.pythonapi.PyCapsule_GetName
+_capsule_get_name.restype = ctypes.c_char_p
+_capsule_get_name.argtypes = [ctypes.py_object]
+#: Offsets inside DLPack structs (64-bit): DLTensor.byte_offset, and
+#: DLManagedTensorVersioned.dl_tensor (after version, manager_ctx, deleter, flags).
+_DLTENSOR_BYTE_OFFSET = 40
+_VERSIONED_TENSOR_AT = 32
+
+
+def _dlpack_ptr(buf) -> int:
+    """Data pointer of a buffer from its DLPack capsule (not consumed)."""
+    cap = buf.__dlpack__()
+    name = _capsule_get_name(cap)
+    managed = _capsule_get_pointer(cap, name)
+    tensor = managed + (_VERSIONED_TENSOR_AT if name == b"dltensor_versioned" else 0)
+    data = ctypes.c_void_p.from_address(tensor).value or 0
+    return data + ctypes.c_uint64.from_address(tensor + _DLTENSOR_BYTE_OFFSET).value
+
+
+def _device_ptr(buf) -> int:
+    """Raw device pointer of an XLA ``Buffer`` (CUDA array interface, else DLPack:
+    some jaxlib versions refuse the interface for some dtypes)."""
+    try:
+        return int(buf.__cuda_array_interface__["data"][0])
+    except Exception:  # noqa: BLE001 - any refusal: fall back to DLPack
+        return _dlpack_ptr(buf)
+
+
+def _jnp_dtype(name: str):
+    return _jnp.dtype(_interop.numpy_dtype(name))
+
+
+def _make_callback(plan, names: tuple, present: tuple):
+    """The buffer_callback body for one plan.
+
+    ``names``: every input of the op, in planner order; ``present``: the names
+    that are given (absent ones, e.g. pre-op gradients, stay None).
+    """
+    n_out = len(plan.outputs)
+    shapes = [tuple(s) for s, _ in plan.outputs + plan.scratch]
+
+    def callback(ctx, outs, *ins):
+        for b, shape in zip(outs, shapes):  # guard: the plan fits what XLA allocated
+            if tuple(b.shape) != shape:
+                raise RuntimeError(f"mhc_cupy.jax: buffer of shape {tuple(b.shape)} where the plan "
+                                   f"expects {shape}")
+        first = ins[0] if ins else outs[0]
+        if int(first.__dlpack_device__()[0]) == _KDL_CPU:
+            arrays = dict.fromkeys(names)
+            arrays.update({k: np.asarray(b) for k, b in zip(present, ins)})
+            results = plan.reference(arrays)
+            for b, r, (shape, dt) in zip(outs[:n_out], results, plan.outputs):
+                np.asarray(b)[...] = np.asarray(r).astype(_interop.numpy_dtype(dt)).reshape(shape)
+            return
+        import cupy
+
+        stream = _ctx_stream(ctx)
+        ptrs = dict.fromkeys(names)
+        ptrs.update({k: _device_ptr(b) for k, b in zip(present, ins)})
+        out_ptrs = [_device_ptr(b) for b in outs]
+        with cupy.cuda.Device(_ctx_ordinal(ctx, ins or outs)):
+            plan.launch(ptrs, out_ptrs[:n_out], out_ptrs[n_out:], stream)
+
+    return callback
+
+
+@functools.lru_cache(maxsize=4096)
+def _planned(name: str, params: tuple, signature: tuple):
+    """(plan, callback) for one op, static parameters and input signature.
+
+    Cached so that identical calls bind an identical callback (JAX's caches
+    then hit).  A planner error propagates and is not cached.
+    """
+    spec = _SPECS[name]
+    infos = {k: None if sig is None else ArrayInfo(sig[0], sig[1], _TRACE_DEVICE)
+             for k, sig in zip(spec.inputs, signature)}
+    plan = spec.planner(infos, **dict(params))
+    present = tuple(k for k, sig in zip(spec.inputs, signature) if sig is not None)
+    return plan, _make_callback(plan, spec.inputs, present)
+
+
+def _dtype_name(a) -> str:
+    return np.dtype(a.dtype).name
+
+
+def _bind(name: str, params: tuple, arrays: tuple) -> tuple:
+    """Plan at trace time and emit the buffer_callback custom call."""
+    signature = tuple(None if a is None else (tuple(a.shape), _dtype_name(a)) for a in arrays)
+    plan, callback = _planned(name, params, signature)
+    if plan.empty:
+        return tuple(_jnp.zeros(shape, _jnp_dtype(dt)) for shape, dt in plan.outputs)
+    if _buffer_callback is None:  # pragma: no cover - depends on the installed jax
+        raise ImportError(f"mhc_cupy.jax needs jax.experimental.buffer_callback (jax >= 0.6.1); "
+                          f"this is jax {_jax.__version__}")
+    results = [_jax.ShapeDtypeStruct(tuple(shape), _jnp_dtype(dt)) for shape, dt in plan.outputs + plan.scratch]
+    # vmap never reaches this primitive (custom_vmap above it batches by
+    # re-planning); "sequential" is the safe statement should it ever do.
+    # Not command-buffer compatible (the default): the callback may compile
+    # kernels on first use, and jaxlib's command-buffer target name has varied.
+    call = _buffer_callback(callback, results, vmap_method="sequential")
+    outs = call(*[a for a in arrays if a is not None])
+    return tuple(outs[:len(plan.outputs)])
+
+
+# ------------------------------------------------------------------ vmap
+def _broadcast_front(a, size: int):
+    return _jnp.broadcast_to(a, (size,) + tuple(a.shape))
+
+
+def _vmap_rule(name: str, params: tuple, axis_size: int, in_batched, *arrays):
+    """custom_vmap rule of kernel ``name``: batched inputs arrive with the batch
+    axis first; the result equals running the kernel once per example."""
+    spec = _SPECS[name]
+    batched = [bool(b) if a is not None else False for a, b in zip(arrays, in_batched)]
+    shapes = {k: None if a is None else (tuple(a.shape[1:]) if b else tuple(a.shape))
+              for k, a, b in zip(spec.inputs, arrays, batched)}
+    shared = spec.is_shared(shapes)
+    si = spec.inputs.index(spec.shared) if shared else None
+    call = _kernel(name, params)
+
+    def per_token(a, b):
+        return a if a is None or b else _broadcast_front(a, axis_size)
+
+    if not shared or (not batched[si] and spec.shared_grad is None):
+        # One more leading token dim; an unbatched shared input stays shared.
+        new = [a if i == si else per_token(a, b) for i, (a, b) in enumerate(zip(arrays, batched))]
+        outs = call(*new)
+        return tuple(outs), tuple(True for _ in outs)
+
+    if spec.shared_mode == "sequential":
+        # A per-example weight gradient (or a batched weight): one kernel call per example.
+        idx = [i for i, b in enumerate(batched) if b]
+
+        def one(sliced):
+            merged = list(arrays)
+            for i, s in zip(idx, sliced):
+                merged[i] = s
+            return tuple(call(*merged))
+
+        outs = _jax.lax.map(one, tuple(arrays[i] for i in idx))
+        return tuple(outs), tuple(True for _ in outs)
+
+    # "expand": shared h [n] (batched or not) becomes per-token [B, ..., n]; its
+    # gradient, then per token, is summed over each example's tokens.
+    lead = shapes[spec.ref][:len(shapes[spec.ref]) - spec.rank(spec.ref)]
+    h = arrays[si]
+    n = h.shape[-1]
+    hb = h if batched[si] else _broadcast_front(h, axis_size)
+    h_tok = _jnp.broadcast_to(hb.reshape((axis_size,) + (1,) * len(lead) + (n,)), (axis_size,) + lead + (n,))
+    new = [h_tok if i == si else per_token(a, b) for i, (a, b) in enumerate(zip(arrays, batched))]
+    outs = list(call(*new))
+    if spec.shared_grad is not None:
+        outs[spec.shared_grad] = _jnp.sum(outs[spec.shared_grad], axis=tuple(range(1, 1 + len(lead))))
+    return tuple(outs), tuple(True for _ in outs)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(name: str, params: tuple):
+    """The custom_vmap function running kernel ``name`` with static ``params``."""
+
+    def run(*arrays):
+        return _bind(name, params, arrays)
+
+    run.__name__ = f"mhc_{name}"
+    f = _jax.custom_batching.custom_vmap(run)
+    f.def_vmap(functools.partial(_vmap_rule, name, params))
+    return f
+
+
+def _k(name: str, params: tuple, *arrays) -> tuple:
+    return _kernel(name, params)(*arrays)
+
+
+# ------------------------------------------------------- custom_vjp ops
+def _sk_params(num_iters, eps):
+    return (("num_iters", num_iters), ("eps", eps))
+
+
+@functools.partial(_jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _sinkhorn(logits, num_iters, eps, grad_mode):
+    return _k("sinkhorn_fwd", _sk_params(num_iters, eps), logits)[0]
+
+
+def _sinkhorn_fwd(logits, num_iters, eps, grad_mode):
+    return _sinkhorn(logits, num_iters, eps, grad_mode), (logits,)
+
+
+def _sinkhorn_bwd(num_iters, eps, grad_mode, res, g):
+    (logits,) = res
+    return _k("sinkhorn_bwd", _sk_params(num_iters, eps) + (("grad_mode", grad_mode),), g, logits)
+
+
+_sinkhorn.defvjp(_sinkhorn_fwd, _sinkhorn_bwd)
+
+
+@functools.partial(_jax.custom_vjp, nondiff_argnums=(2,))
+def _rmsnorm(x, weight, eps):
+    return _k("rmsnorm_fwd", (("eps", eps),), x, weight)[0]
+
+
+def _rmsnorm_fwd(x, weight, eps):
+    return _rmsnorm(x, weight, eps), (x, weight)
+
+
+def _rmsnorm_bwd(eps, res, g):
+    x, weight = res
+    outs = _k("rmsnorm_bwd", (("eps", eps),), g, x, weight)
+    return outs[0], (outs[1] if weight is not None else None)
+
+
+_rmsnorm.defvjp(_rmsnorm_fwd, _rmsnorm_bwd)
+
+
+def _simple_vjp(fwd_name: str, bwd_name: str):
+    """custom_vjp of a single-output op without parameters whose backward
+    takes (grad, *inputs) and returns one gradient per input."""
+
+    @_jax.custom_vjp
+    def op(*args):
+        return _k(fwd_name, (), *args)[0]
+
+    def fwd(*args):
+        return op(*args), args
+
+    def bwd(res, g):
+        return tuple(_k(bwd_name, (), g, *res))
+
+    op.defvjp(fwd, bwd)
+    return op
+
+
+_mix = _simple_vjp("mix_fwd", "mix_bwd")
+_aggregate = _simple_vjp("aggregate_fwd", "aggregate_bwd")
+_distribute = _simple_vjp("distribute_fwd", "distribute_bwd")
+_post_op = _simple_vjp("post_fwd", "post_bwd")
+
+
+@functools.partial(_jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps, grad_mode):
+    return _k("pre_fwd", _sk_params(num_iters, eps), x, h_pre_raw, h_post_raw, h_res_raw)
+
+
+def _value(p):
+    """The value of a ``CustomVJPPrimal`` (symbolic-zeros mode), or p itself."""
+    return getattr(p, "value", p)
+
+
+def _pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps, grad_mode):
+    args = tuple(_value(a) for a in (x, h_pre_raw, h_post_raw, h_res_raw))
+    return _pre_op(*args, _value(num_iters), _value(eps), _value(grad_mode)), args
+
+
+def _pre_op_bwd(num_iters, eps, grad_mode, res, cts):
+    grads = tuple(None if isinstance(g, _jax.custom_derivatives.SymbolicZero) else g for g in cts)
+    params = _sk_params(num_iters, eps) + (("grad_mode", grad_mode),)
+    return _k("pre_bwd", params, *grads, *res)
+
+
+_pre_op.defvjp(_pre_op_fwd, _pre_op_bwd, symbolic_zeros=True)
+
+
+# Jitted entry points: eager calls hit a compiled-program cache; inside an
+# outer jit / grad / vmap they are ordinary nested calls.
+_sinkhorn_jit = _jax.jit(_sinkhorn, static_argnums=(1, 2, 3))
+_rmsnorm_jit = _jax.jit(_rmsnorm, static_argnums=(2,))
+_mix_jit = _jax.jit(_mix)
+_aggregate_jit = _jax.jit(_aggregate)
+_distribute_jit = _jax.jit(_distribute)
+_post_op_jit = _jax.jit(_post_op)
+_pre_op_jit = _jax.jit(_pre_op, static_argnums=(4, 5, 6))
+
+
+def _static_sinkhorn(num_iters, eps, grad_mode):
+    return _checks.num_iters(num_iters), _checks.eps("eps", eps), _checks.grad_mode(grad_mode)
+
+
+# ------------------------------------------------------------ public API
+def sinkhorn_knopp(logits, num_iters=20, eps=1e-8, grad_mode="unrolled"):
+    """Project each n x n matrix of logits onto the doubly-stochastic matrices (JAX).
+
+    K = exp(L - rowmax(L)); then ``num_iters`` times a row normalisation
+    P <- P / (rowsum + eps) followed by a column normalisation
+    P <- P / (colsum + eps) (OPS.md section 1; paper Eq. 9).
+
+    Args:
+        logits: float32 [..., n, n], 1 <= n <= 32; any leading token dims.
+        num_iters: Sinkhorn iterations (row + column step each), >= 0. Static. Default 20.
+        eps: added to every row / column sum, >= 0. Static. Default 1e-8.
+        grad_mode: gradient of the backward, "unrolled" (default; the exact
+            vector-Jacobian product of the iteration as computed) or "implicit"
+            (implicit-function gradient of the converged projection). Static.
+
+    Returns:
+        P: float32 [..., n, n].
+
+    Raises:
+        TypeError: logits not float32; num_iters not an int.  ValueError: not
+        square, n out of range, bad num_iters / eps / grad_mode.  Raised at
+        trace time.
+
+    Notes:
+        GPU: one buffer_callback custom call launching the kernel on XLA's
+        stream, in place in XLA's buffers.  Backward recomputes the forward
+        from the saved logits.  jit / grad / vjp / vmap supported.
+    """
+    return _sinkhorn_jit(logits, *_static_sinkhorn(num_iters, eps, grad_mode))
+
+
+def rmsnorm(x, eps=1e-5, weight=None):
+    """RMSNorm over the last dim: y = x / sqrt(mean(x^2) + eps) (* weight) (JAX; OPS.md section 2).
+
+    For the mHC coefficient path normalise vec(x): pass x reshaped to [..., n*C].
+
+    Args:
+        x: [..., C], bfloat16 / float16 / float32.
+        eps: >= 0, added to the mean square. Static. Default 1e-5.
+        weight: optional float32 [C], shared by all tokens.
+
+    Returns:
+        y: [..., C], dtype of x (statistics in float32, one rounding).
+
+    Raises:
+        TypeError: bad dtypes.  ValueError: weight shape, eps.  At trace time.
+
+    Notes:
+        Backward recomputes the statistics from x; d_weight is summed over
+        tokens in a fixed order.  Under vmap with a weight, the per-example
+        weight gradient is computed one example at a time.
+    """
+    return _rmsnorm_jit(x, weight, _checks.eps("eps", eps))
+
+
+def stream_mix(x, M):
+    """Mix the n residual streams of each token: out_i = sum_j M_ij x_j (JAX; OPS.md section 3).
+
+    Args:
+        x: [..., n, C] activations (bfloat16 / float16 / float32), 1 <= n <= 32.
+        M: float32 [..., n, n], one mixing matrix per token.
+
+    Returns:
+        out: [..., n, C], dtype of x.
+
+    Raises:
+        TypeError: bad dtypes.  ValueError: shapes disagree, n out of range.
+
+    Notes:
+        Backward: dx_j = sum_i M_ij g_i, dM_ij = sum_c g_ic x_jc (float32,
+        bitwise reproducible).
+    """
+    return _mix_jit(x, M)
+
+
+def stream_aggregate(x, h):
+    """Weighted sum of the streams: out = sum_i h_i x_i (JAX; OPS.md section 4).
+
+    Args:
+        x: [..., n, C] activations (bfloat16 / float16 / float32).
+        h: float32, per token [..., n] or shared by all tokens [n].
+
+    Returns:
+        out: [..., C], dtype of x.
+
+    Raises:
+        TypeError: bad dtypes.  ValueError: shapes disagree, n out of range.
+
+    Notes:
+        Backward: dx_i = h_i g; dh_i = sum_c g_c x_ic, for a shared h summed
+        over all tokens (deterministically).  Under vmap a shared h stays
+        shared per example: its gradient is per example.
+    """
+    return _aggregate_jit(x, h)
+
+
+def stream_distribute(y, h):
+    """Write one layer output to every stream, scaled: out_i = h_i y (JAX; OPS.md section 5).
+
+    Args:
+        y: [..., C] activations (bfloat16 / float16 / float32).
+        h: float32, per token [..., n] or shared [n].
+
+    Returns:
+        out: [..., n, C], dtype of y.
+
+    Raises:
+        TypeError: bad dtypes.  ValueError: shapes disagree, n out of range.
+
+    Notes:
+        Backward: dy = sum_i h_i g_i; dh_i = sum_c g_ic y_c (summed over tokens
+        for a shared h).
+    """
+    return _distribute_jit(y, h)
+
+
+def mhc_post_op(layer_out, x, H_post, H_res):
+    """mHC residual update: out_i = sum_j H_res_ij x_j + H_post_i y (JAX; OPS.md section 6, Eq. 3).
+
+    Args:
+        layer_out: y, [..., C] activations (bfloat16 / float16 / float32).
+        x: [..., n, C], same dtype, 1 <= n <= 32.
+        H_post: float32 [..., n] (already activated, 2 sigmoid).
+        H_res: float32 [..., n, n].
+
+    Returns:
+        out: [..., n, C], dtype of x (one rounding per element).
+
+    Raises:
+        TypeError: bad dtypes.  ValueError: shapes disagree, n out of range.
+
+    Notes:
+        Backward (dy, dx, dH_post, dH_res) in one kernel, no atomics: bitwise
+        reproducible.
+    """
+    return _post_op_jit(layer_out, x, H_post, H_res)
+
+
+def mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=20, eps=1e-8, grad_mode="unrolled"):
+    """mHC coefficient activations and layer input (JAX; OPS.md section 7, paper Eq. 8).
+
+    H_pre = sigmoid(h_pre_raw);  H_post = 2 sigmoid(h_post_raw);
+    H_res = sinkhorn_knopp(h_res_raw, num_iters, eps);  layer_in = sum_i H_pre_i x_i.
+
+    Args:
+        x: [..., n, C] activations (bfloat16 / float16 / float32), 1 <= n <= 32.
+        h_pre_raw, h_post_raw: float32 [..., n] per token.
+        h_res_raw: float32 [..., n, n] per token.
+        num_iters: Sinkhorn iterations, static, default 20.
+        eps: Sinkhorn eps, static, default 1e-8.
+        grad_mode: Sinkhorn gradient, "unrolled" (default) or "implicit". Static.
+
+    Returns:
+        (layer_in [..., C] dtype of x, H_pre float32 [..., n], H_post float32
+        [..., n], H_res float32 [..., n, n]).
+
+    Raises:
+        TypeError: bad dtypes.  ValueError: shapes disagree, n out of range,
+        bad num_iters / eps / grad_mode.  At trace time.
+
+    Notes:
+        The cotangent of an output that is not used is a symbolic zero and is
+        passed to the backward kernel as absent (it contributes nothing and
+        costs nothing); everything else is recomputed from the saved inputs.
+    """
+    return _pre_op_jit(x, h_pre_raw, h_post_raw, h_res_raw, *_static_sinkhorn(num_iters, eps, grad_mode))

@@ -1,0 +1,627 @@
+"""PyTorch adapter: the mHC operators as differentiable torch functions.
+
+``mhc_cupy.torch`` wraps the functional ``*_fwd`` / ``*_bwd`` API (OPS.md
+sections 1-7) for autograd and ``torch.compile``:
+
+    sinkhorn_knopp  rmsnorm  stream_mix  stream_aggregate  stream_distribute
+    mhc_post_op     mhc_pre_op
+
+Each takes the arguments of its ``*_fwd`` function (Sinkhorn and the pre op
+also ``grad_mode``); gradients are exactly the functional ``*_bwd`` calls.
+
+Two routes, same kernels, identical results:
+
+* **eager** (``not torch.compiler.is_compiling()``): a
+  ``torch.autograd.Function`` calls the functional API directly.  The
+  ``torch.library`` dispatcher is bypassed because its per-call host cost
+  (~60 us measured by QuACK) exceeds the kernels themselves (~10 us).
+  Without any input that requires grad (or under ``torch.no_grad``) the
+  functional API is called with no autograd node at all.
+* **compiled** (inside ``torch.compile`` / ``torch.export``, or inputs that
+  are tensor subclasses such as FakeTensor): ``torch.library.custom_op``
+  operators ``torch.ops.mhc_cupy.<op>_fwd`` / ``<op>_bwd`` with
+  ``register_fake`` shape functions and ``register_autograd``, so
+  ``torch.compile(fullgraph=True)`` traces forward and backward without a
+  graph break.
+
+Both routes share one ``setup_context`` (saves only the op's *inputs*:
+backward recomputes statistics and the Sinkhorn iteration, OPS.md) and one
+backward formula; only the callee differs (functional API vs custom op).
+
+Device and stream: CUDA tensors run on torch's current stream of their own
+device (entered when it is not the current one); outputs are ``torch.empty``
+tensors there (zero copy).  CPU tensors run the NumPy reference
+(``mhc_cupy.reference``) and return CPU tensors.  Backward is deterministic
+(no atomics).
+
+This module imports torch as a plain ``import torch``: it *is* the submodule
+``mhc_cupy.torch`` (STYLE.md: ``mhc_cupy/__init__.py`` must not import torch).
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _checks
+from ._interop import ArrayInfo
+from .ops import post as _post
+from .ops import pre as _pre
+from .ops import rmsnorm as _rms
+from .ops import sinkhorn as _sk
+from .ops import stream as _stream
+from .ops import (
+    mhc_post_op_bwd,
+    mhc_post_op_fwd,
+    mhc_pre_op_bwd,
+    mhc_pre_op_fwd,
+    rmsnorm_bwd,
+    rmsnorm_fwd,
+    sinkhorn_knopp_bwd,
+    sinkhorn_knopp_fwd,
+    stream_aggregate_bwd,
+    stream_aggregate_fwd,
+    stream_distribute_bwd,
+    stream_distribute_fwd,
+    stream_mix_bwd,
+    stream_mix_fwd,
+)
+
+__all__ = [
+    "sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute",
+    "mhc_post_op", "mhc_pre_op",
+]
+
+#: Namespace of the custom operators: ``torch.ops.mhc_cupy.<name>``.
+NAMESPACE = "mhc_cupy"
+
+_F32 = torch.float32
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_DTYPE_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+               torch.float64: "float64"}
+
+
+# ------------------------------------------------------------------ helpers
+def _run(fn, like: Tensor, *args, **params):
+    """Call a functional ``*_fwd`` / ``*_bwd`` on detached tensors, on ``like``'s device."""
+    args = [a.detach() if isinstance(a, Tensor) else a for a in args]
+    dev = like.device
+    if dev.type == "cuda" and dev.index != torch.cuda.current_device():
+        with torch.cuda.device(dev):
+            return fn(*args, **params)
+    return fn(*args, **params)
+
+
+def _use_custom_op(*tensors) -> bool:
+    """True inside torch.compile / export, or for tensor subclasses (fake, functional, ...)."""
+    if torch.compiler.is_compiling():
+        return True
+    return any(t is not None and type(t) not in _PLAIN for t in tensors)
+
+
+def _needs_autograd(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _validate(planner, tensors: dict, **params) -> None:
+    """Run the functional API's own checks on fake tensors (static shapes only).
+
+    Gives the same TypeError / ValueError at trace time as the eager call.
+    With symbolic (dynamic) shapes the check is left to the real op at run time.
+    """
+    infos = {}
+    for name, t in tensors.items():
+        if t is None:
+            infos[name] = None
+            continue
+        shape = tuple(t.shape)
+        if not all(type(s) is int for s in shape):
+            return
+        dtype = _DTYPE_NAME.get(t.dtype) or str(t.dtype).replace("torch.", "")
+        infos[name] = ArrayInfo(shape, dtype, ("cpu", 0))
+    planner(infos, **params)
+
+
+def _op(name: str):
+    return getattr(getattr(torch.ops, NAMESPACE), name).default
+
+
+def _register(name: str, impl, fake):
+    op = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=())
+    op.register_fake(fake)
+    return op
+
+
+def _function(name: str, forward, setup_context, backward):
+    """An eager ``autograd.Function`` (setup_context style) around the functional API."""
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward),
+        "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward),
+    })
+
+
+def _wire(name: str, fwd_impl, fwd_fake, bwd_ops: dict, setup_context, backward):
+    """Register ``<name>_fwd`` (+ autograd) and return the eager Function.
+
+    ``backward(bwd, ctx, *grads)`` is written once; ``bwd`` maps a backward
+    name to its callee: the functional wrapper (eager) or the custom op.
+    """
+    fwd_op = _register(f"{name}_fwd", fwd_impl, fwd_fake)
+    eager_bwd = {k: impl for k, (impl, _) in bwd_ops.items()}
+    for k, (impl, fake) in bwd_ops.items():
+        _register(k, impl, fake)
+    op_bwd = {k: _op(k) for k in bwd_ops}
+    fwd_op.register_autograd(lambda ctx, *g: backward(op_bwd, ctx, *g), setup_context=setup_context)
+    return _function(f"_{name}_function", fwd_impl, setup_context,
+                     lambda ctx, *g: backward(eager_bwd, ctx, *g))
+
+
+# ----------------------------------------------------------------- Sinkhorn
+def _sinkhorn_fwd_impl(logits: Tensor, num_iters: int, eps: float, grad_mode: str) -> Tensor:
+    # grad_mode is used by the backward only; it is an input so that
+    # setup_context sees it.
+    return _run(sinkhorn_knopp_fwd, logits, logits, num_iters=num_iters, eps=eps)
+
+
+def _sinkhorn_fwd_fake(logits, num_iters, eps, grad_mode):
+    _validate(_sk._plan_fwd, {"logits": logits}, num_iters=num_iters, eps=eps)
+    return logits.new_empty(logits.shape, dtype=_F32)
+
+
+def _sinkhorn_bwd_impl(grad_P: Tensor, logits: Tensor, num_iters: int, eps: float, grad_mode: str) -> Tensor:
+    return _run(sinkhorn_knopp_bwd, logits, grad_P, logits, num_iters=num_iters, eps=eps, grad_mode=grad_mode)
+
+
+def _sinkhorn_bwd_fake(grad_P, logits, num_iters, eps, grad_mode):
+    _validate(_sk._plan_bwd, {"grad_P": grad_P, "logits": logits}, num_iters=num_iters, eps=eps,
+              grad_mode=grad_mode)
+    return logits.new_empty(logits.shape, dtype=_F32)
+
+
+def _sinkhorn_setup(ctx, inputs, output):
+    logits, ctx.num_iters, ctx.eps, ctx.grad_mode = inputs
+    ctx.save_for_backward(logits)
+
+
+def _sinkhorn_backward(bwd, ctx, grad_P):
+    (logits,) = ctx.saved_tensors
+    if grad_P is None:
+        return None, None, None, None
+    return bwd["sinkhorn_knopp_bwd"](grad_P, logits, ctx.num_iters, ctx.eps, ctx.grad_mode), None, None, None
+
+
+_SinkhornFn = _wire("sinkhorn_knopp", _sinkhorn_fwd_impl, _sinkhorn_fwd_fake,
+                    {"sinkhorn_knopp_bwd": (_sinkhorn_bwd_impl, _sinkhorn_bwd_fake)},
+                    _sinkhorn_setup, _sinkhorn_backward)
+
+
+def sinkhorn_knopp(logits, num_iters=20, eps=1e-8, grad_mode="unrolled"):
+    """Differentiable Sinkhorn-Knopp projection onto doubly-stochastic matrices (OPS.md section 1).
+
+    K = exp(L - rowmax(L)); then ``num_iters`` times a row step
+    P <- P / (rowsum + eps) and a column step P <- P / (colsum + eps)
+    (paper Eq. 9).
+
+    Args:
+        logits: float32 tensor [..., n, n], 1 <= n <= 32; any leading token dims.
+        num_iters: iterations (row + column step each), int >= 0. Default 20.
+        eps: added to every row / column sum, >= 0. Default 1e-8.
+        grad_mode: backward only. "unrolled" (default): the exact gradient of
+            the forward as computed.  "implicit": the gradient of the converged
+            projection (implicit function theorem); it differs from "unrolled"
+            as far as the forward is not converged.
+
+    Returns:
+        P: float32 tensor [..., n, n], on the device of ``logits``.
+
+    Raises:
+        TypeError: logits not float32.  ValueError: not square, n out of
+        range, bad num_iters / eps / grad_mode (at trace time under torch.compile).
+
+    Notes:
+        Backward saves only ``logits`` and recomputes the iteration on chip;
+        d_logits is float32 and each of its rows sums to 0.
+    """
+    _checks.grad_mode(grad_mode)  # fail now, not at backward
+    if _use_custom_op(logits):
+        return _op("sinkhorn_knopp_fwd")(logits, num_iters, eps, grad_mode)
+    if _needs_autograd(logits):
+        return _SinkhornFn.apply(logits, num_iters, eps, grad_mode)
+    return _sinkhorn_fwd_impl(logits, num_iters, eps, grad_mode)
+
+
+# ------------------------------------------------------------------ RMSNorm
+def _rmsnorm_fwd_impl(x: Tensor, eps: float, weight: Optional[Tensor]) -> Tensor:
+    return _run(rmsnorm_fwd, x, x, eps=eps, weight=weight)
+
+
+def _rmsnorm_fwd_fake(x, eps, weight):
+    _validate(_rms._plan_fwd, {"x": x, "weight": weight}, eps=eps)
+    return x.new_empty(x.shape)
+
+
+def _rmsnorm_bwd_impl(grad: Tensor, x: Tensor, eps: float) -> Tensor:
+    return _run(rmsnorm_bwd, x, grad, x, eps=eps)
+
+
+def _rmsnorm_bwd_fake(grad, x, eps):
+    _validate(_rms._plan_bwd, {"grad": grad, "x": x, "weight": None}, eps=eps)
+    return x.new_empty(x.shape)
+
+
+def _rmsnorm_weight_bwd_impl(grad: Tensor, x: Tensor, eps: float, weight: Tensor) -> tuple[Tensor, Tensor]:
+    return _run(rmsnorm_bwd, x, grad, x, eps=eps, weight=weight)
+
+
+def _rmsnorm_weight_bwd_fake(grad, x, eps, weight):
+    _validate(_rms._plan_bwd, {"grad": grad, "x": x, "weight": weight}, eps=eps)
+    return x.new_empty(x.shape), x.new_empty(weight.shape, dtype=_F32)
+
+
+def _rmsnorm_setup(ctx, inputs, output):
+    x, ctx.eps, weight = inputs
+    ctx.save_for_backward(x, weight)
+
+
+def _rmsnorm_backward(bwd, ctx, grad):
+    x, weight = ctx.saved_tensors
+    if grad is None:
+        return None, None, None
+    if weight is None:
+        return bwd["rmsnorm_bwd"](grad, x, ctx.eps), None, None
+    dx, dw = bwd["rmsnorm_weight_bwd"](grad, x, ctx.eps, weight)
+    return dx, None, dw
+
+
+_RMSNormFn = _wire("rmsnorm", _rmsnorm_fwd_impl, _rmsnorm_fwd_fake,
+                   {"rmsnorm_bwd": (_rmsnorm_bwd_impl, _rmsnorm_bwd_fake),
+                    "rmsnorm_weight_bwd": (_rmsnorm_weight_bwd_impl, _rmsnorm_weight_bwd_fake)},
+                   _rmsnorm_setup, _rmsnorm_backward)
+
+
+def rmsnorm(x, eps=1e-5, weight=None):
+    """Differentiable RMSNorm over the last dim (OPS.md section 2).
+
+    r = 1 / sqrt(mean_c x_c^2 + eps);  out_c = x_c r (* weight_c).
+    For mHC's vec(x) normalisation pass x viewed as [..., n*C].
+
+    Args:
+        x: [..., C] tensor, bfloat16 / float16 / float32.
+        eps: added to the mean square, >= 0. Default 1e-5.
+        weight: optional float32 [C] tensor (may be an ``nn.Parameter``).
+
+    Returns:
+        out: [..., C], dtype and device of x (statistics in float32, one
+        rounding at the end).
+
+    Raises:
+        TypeError: bad dtypes.  ValueError: weight shape, devices, eps.
+
+    Notes:
+        Backward saves x (and weight) only and recomputes r.  dx has the dtype
+        of x; d_weight is float32 [C], summed over tokens in a fixed order
+        (deterministic).
+    """
+    if _use_custom_op(x, weight):
+        return _op("rmsnorm_fwd")(x, eps, weight)
+    if _needs_autograd(x, weight):
+        return _RMSNormFn.apply(x, eps, weight)
+    return _rmsnorm_fwd_impl(x, eps, weight)
+
+
+# --------------------------------------------------------------- stream mix
+def _mix_fwd_impl(x: Tensor, M: Tensor) -> Tensor:
+    return _run(stream_mix_fwd, x, x, M)
+
+
+def _mix_fwd_fake(x, M):
+    _validate(_stream._plan_mix_fwd, {"x": x, "M": M})
+    return x.new_empty(x.shape)
+
+
+def _mix_bwd_impl(grad: Tensor, x: Tensor, M: Tensor) -> tuple[Tensor, Tensor]:
+    return _run(stream_mix_bwd, x, grad, x, M)
+
+
+def _mix_bwd_fake(grad, x, M):
+    _validate(_stream._plan_mix_bwd, {"grad": grad, "x": x, "M": M})
+    return x.new_empty(x.shape), x.new_empty(M.shape, dtype=_F32)
+
+
+def _save_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _mix_backward(bwd, ctx, grad):
+    x, M = ctx.saved_tensors
+    if grad is None:
+        return None, None
+    return bwd["stream_mix_bwd"](grad, x, M)
+
+
+_MixFn = _wire("stream_mix", _mix_fwd_impl, _mix_fwd_fake, {"stream_mix_bwd": (_mix_bwd_impl, _mix_bwd_fake)},
+               _save_inputs, _mix_backward)
+
+
+def stream_mix(x, M):
+    """Differentiable stream mix: out_i = sum_j M_ij x_j per token (OPS.md section 3).
+
+    Args:
+        x: [..., n, C] tensor, bfloat16 / float16 / float32, 1 <= n <= 32.
+        M: float32 [..., n, n] tensor, one matrix per token (row i makes output stream i).
+
+    Returns:
+        out: [..., n, C], dtype and device of x.
+
+    Raises:
+        TypeError: bad dtypes.  ValueError: shapes disagree, n out of range,
+        tensors on different devices.
+
+    Notes:
+        Backward saves x and M.  dx has the dtype of x; dM is float32
+        (fixed-order sums over C: bitwise reproducible).
+    """
+    if _use_custom_op(x, M):
+        return _op("stream_mix_fwd")(x, M)
+    if _needs_autograd(x, M):
+        return _MixFn.apply(x, M)
+    return _mix_fwd_impl(x, M)
+
+
+# --------------------------------------------------------- stream aggregate
+def _aggregate_fwd_impl(x: Tensor, h: Tensor) -> Tensor:
+    return _run(stream_aggregate_fwd, x, x, h)
+
+
+def _aggregate_fwd_fake(x, h):
+    _validate(_stream._plan_aggregate_fwd, {"x": x, "h": h})
+    return x.new_empty(tuple(x.shape[:-2]) + (x.shape[-1],))
+
+
+def _aggregate_bwd_impl(grad: Tensor, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+    return _run(stream_aggregate_bwd, x, grad, x, h)
+
+
+def _aggregate_bwd_fake(grad, x, h):
+    _validate(_stream._plan_aggregate_bwd, {"grad": grad, "x": x, "h": h})
+    return x.new_empty(x.shape), x.new_empty(h.shape, dtype=_F32)
+
+
+def _aggregate_backward(bwd, ctx, grad):
+    x, h = ctx.saved_tensors
+    if grad is None:
+        return None, None
+    return bwd["stream_aggregate_bwd"](grad, x, h)
+
+
+_AggregateFn = _wire("stream_aggregate", _aggregate_fwd_impl, _aggregate_fwd_fake,
+                     {"stream_aggregate_bwd": (_aggregate_bwd_impl, _aggregate_bwd_fake)},
+                     _save_inputs, _aggregate_backward)
+
+
+def stream_aggregate(x, h):
+    """Differentiable weighted stream sum: out = sum_i h_i x_i (OPS.md section 4).
+
+    Args:
+        x: [..., n, C] tensor, bfloat16 / float16 / float32.
+        h: float32 tensor, per token [..., n] or shared by all tokens [n].
+
+    Returns:
+        out: [..., C], dtype and device of x.
+
+    Raises:
+        TypeError: bad dtypes.  ValueError: shapes disagree, n out of range, devices.
+
+    Notes:
+        Backward saves x and h.  dh has h's shape (float32); for a shared h it
+        is summed over all tokens in a fixed order (deterministic).
+    """
+    if _use_custom_op(x, h):
+        return _op("stream_aggregate_fwd")(x, h)
+    if _needs_autograd(x, h):
+        return _AggregateFn.apply(x, h)
+    return _aggregate_fwd_impl(x, h)
+
+
+# -------------------------------------------------------- stream distribute
+def _distribute_fwd_impl(y: Tensor, h: Tensor) -> Tensor:
+    return _run(stream_distribute_fwd, y, y, h)
+
+
+def _distribute_fwd_fake(y, h):
+    _validate(_stream._plan_distribute_fwd, {"y": y, "h": h})
+    return y.new_empty(tuple(y.shape[:-1]) + (h.shape[-1], y.shape[-1]))
+
+
+def _distribute_bwd_impl(grad: Tensor, y: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+    return _run(stream_distribute_bwd, y, grad, y, h)
+
+
+def _distribute_bwd_fake(grad, y, h):
+    _validate(_stream._plan_distribute_bwd, {"grad": grad, "y": y, "h": h})
+    return y.new_empty(y.shape), y.new_empty(h.shape, dtype=_F32)
+
+
+def _distribute_backward(bwd, ctx, grad):
+    y, h = ctx.saved_tensors
+    if grad is None:
+        return None, None
+    return bwd["stream_distribute_bwd"](grad, y, h)
+
+
+_DistributeFn = _wire("stream_distribute", _distribute_fwd_impl, _distribute_fwd_fake,
+                      {"stream_distribute_bwd": (_distribute_bwd_impl, _distribute_bwd_fake)},
+                      _save_inputs, _distribute_backward)
+
+
+def stream_distribute(y, h):
+    """Differentiable stream distribute: out_i = h_i y (OPS.md section 5).
+
+    Args:
+        y: [..., C] tensor, bfloat16 / float16 / float32.
+        h: float32 tensor, per token [..., n] or shared [n].
+
+    Returns:
+        out: [..., n, C], dtype and device of y.
+
+    Raises:
+        TypeError: bad dtypes.  ValueError: shapes disagree, n out of range, devices.
+
+    Notes:
+        Backward saves y and h.  dh has h's shape (float32), summed over
+        tokens for a shared h in a fixed order (deterministic).
+    """
+    if _use_custom_op(y, h):
+        return _op("stream_distribute_fwd")(y, h)
+    if _needs_autograd(y, h):
+        return _DistributeFn.apply(y, h)
+    return _distribute_fwd_impl(y, h)
+
+
+# ------------------------------------------------------------------ post op
+def _post_fwd_impl(layer_out: Tensor, x: Tensor, H_post: Tensor, H_res: Tensor) -> Tensor:
+    return _run(mhc_post_op_fwd, x, layer_out, x, H_post, H_res)
+
+
+def _post_fwd_fake(layer_out, x, H_post, H_res):
+    _validate(_post._plan_fwd, {"layer_out": layer_out, "x": x, "H_post": H_post, "H_res": H_res})
+    return x.new_empty(x.shape)
+
+
+def _post_bwd_impl(grad: Tensor, layer_out: Tensor, x: Tensor, H_post: Tensor,
+                   H_res: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _run(mhc_post_op_bwd, x, grad, layer_out, x, H_post, H_res)
+
+
+def _post_bwd_fake(grad, layer_out, x, H_post, H_res):
+    _validate(_post._plan_bwd, {"grad": grad, "layer_out": layer_out, "x": x, "H_post": H_post, "H_res": H_res})
+    return (layer_out.new_empty(layer_out.shape), x.new_empty(x.shape), x.new_empty(H_post.shape, dtype=_F32),
+            x.new_empty(H_res.shape, dtype=_F32))
+
+
+def _post_backward(bwd, ctx, grad):
+    layer_out, x, H_post, H_res = ctx.saved_tensors
+    if grad is None:
+        return None, None, None, None
+    return bwd["mhc_post_op_bwd"](grad, layer_out, x, H_post, H_res)
+
+
+_PostFn = _wire("mhc_post_op", _post_fwd_impl, _post_fwd_fake, {"mhc_post_op_bwd": (_post_bwd_impl, _post_bwd_fake)},
+                _save_inputs, _post_backward)
+
+
+def mhc_post_op(layer_out, x, H_post, H_res):
+    """Differentiable mHC residual update (OPS.md section 6, paper Eq. 3).
+
+    out_i = sum_j H_res_ij x_j + H_post_i y, one rounding per output element.
+
+    Args:
+        layer_out: y, [..., C] tensor, bfloat16 / float16 / float32.
+        x: [..., n, C] tensor, same dtype, 1 <= n <= 32.
+        H_post: float32 [..., n] (already activated, 2 sigmoid: the pre op's output).
+        H_res: float32 [..., n, n] (the pre op's Sinkhorn output).
+
+    Returns:
+        out: [..., n, C], dtype and device of x.
+
+    Raises:
+        TypeError: bad dtypes.  ValueError: shapes disagree, n out of range, devices.
+
+    Notes:
+        Backward saves the four inputs.  It returns (d_layer_out, dx) in the
+        activation dtype and (dH_post, dH_res) in float32, without atomics:
+        bitwise reproducible.
+    """
+    if _use_custom_op(layer_out, x, H_post, H_res):
+        return _op("mhc_post_op_fwd")(layer_out, x, H_post, H_res)
+    if _needs_autograd(layer_out, x, H_post, H_res):
+        return _PostFn.apply(layer_out, x, H_post, H_res)
+    return _post_fwd_impl(layer_out, x, H_post, H_res)
+
+
+# ------------------------------------------------------------------- pre op
+def _pre_fwd_impl(x: Tensor, h_pre_raw: Tensor, h_post_raw: Tensor, h_res_raw: Tensor, num_iters: int, eps: float,
+                  grad_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _run(mhc_pre_op_fwd, x, x, h_pre_raw, h_post_raw, h_res_raw, num_iters=num_iters, eps=eps)
+
+
+def _pre_fwd_fake(x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps, grad_mode):
+    _validate(_pre._plan_fwd, {"x": x, "h_pre_raw": h_pre_raw, "h_post_raw": h_post_raw, "h_res_raw": h_res_raw},
+              num_iters=num_iters, eps=eps)
+    return (x.new_empty(tuple(x.shape[:-2]) + (x.shape[-1],)), x.new_empty(h_pre_raw.shape, dtype=_F32),
+            x.new_empty(h_post_raw.shape, dtype=_F32), x.new_empty(h_res_raw.shape, dtype=_F32))
+
+
+def _pre_bwd_impl(grad_layer_in: Optional[Tensor], grad_H_pre: Optional[Tensor], grad_H_post: Optional[Tensor],
+                  grad_H_res: Optional[Tensor], x: Tensor, h_pre_raw: Tensor, h_post_raw: Tensor, h_res_raw: Tensor,
+                  num_iters: int, eps: float, grad_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _run(mhc_pre_op_bwd, x, grad_layer_in, grad_H_pre, grad_H_post, grad_H_res, x, h_pre_raw, h_post_raw,
+                h_res_raw, num_iters=num_iters, eps=eps, grad_mode=grad_mode)
+
+
+def _pre_bwd_fake(grad_layer_in, grad_H_pre, grad_H_post, grad_H_res, x, h_pre_raw, h_post_raw, h_res_raw,
+                  num_iters, eps, grad_mode):
+    _validate(_pre._plan_bwd, {"grad_layer_in": grad_layer_in, "grad_H_pre": grad_H_pre, "grad_H_post": grad_H_post,
+                               "grad_H_res": grad_H_res, "x": x, "h_pre_raw": h_pre_raw, "h_post_raw": h_post_raw,
+                               "h_res_raw": h_res_raw}, num_iters=num_iters, eps=eps, grad_mode=grad_mode)
+    return (x.new_empty(x.shape), x.new_empty(h_pre_raw.shape, dtype=_F32), x.new_empty(h_post_raw.shape, dtype=_F32),
+            x.new_empty(h_res_raw.shape, dtype=_F32))
+
+
+def _pre_setup(ctx, inputs, output):
+    x, h_pre_raw, h_post_raw, h_res_raw, ctx.num_iters, ctx.eps, ctx.grad_mode = inputs
+    ctx.save_for_backward(x, h_pre_raw, h_post_raw, h_res_raw)
+    # Gradients of unused outputs arrive as None (not zero tensors): the
+    # backward skips their work (OPS.md section 7: None counts as zero).
+    ctx.set_materialize_grads(False)
+
+
+def _pre_backward(bwd, ctx, g_layer_in, g_H_pre, g_H_post, g_H_res):
+    x, h_pre_raw, h_post_raw, h_res_raw = ctx.saved_tensors
+    if g_layer_in is None and g_H_pre is None and g_H_post is None and g_H_res is None:
+        return (None,) * 7
+    dx, d_pre, d_post, d_res = bwd["mhc_pre_op_bwd"](g_layer_in, g_H_pre, g_H_post, g_H_res, x, h_pre_raw,
+                                                     h_post_raw, h_res_raw, ctx.num_iters, ctx.eps, ctx.grad_mode)
+    return dx, d_pre, d_post, d_res, None, None, None
+
+
+_PreFn = _wire("mhc_pre_op", _pre_fwd_impl, _pre_fwd_fake, {"mhc_pre_op_bwd": (_pre_bwd_impl, _pre_bwd_fake)},
+               _pre_setup, _pre_backward)
+
+
+def mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=20, eps=1e-8, grad_mode="unrolled"):
+    """Differentiable mHC pre op: coefficient activations and layer input (OPS.md section 7, paper Eq. 8).
+
+    H_pre = sigmoid(h_pre_raw);  H_post = 2 sigmoid(h_post_raw);
+    H_res = sinkhorn_knopp(h_res_raw, num_iters, eps);  layer_in = sum_i H_pre_i x_i.
+
+    Args:
+        x: [..., n, C] tensor, bfloat16 / float16 / float32, 1 <= n <= 32.
+        h_pre_raw, h_post_raw: float32 [..., n] tensors, one set per token.
+        h_res_raw: float32 [..., n, n] tensor.
+        num_iters: Sinkhorn iterations, int >= 0. Default 20.
+        eps: Sinkhorn eps, >= 0. Default 1e-8.
+        grad_mode: Sinkhorn gradient, "unrolled" (default, exact) or
+            "implicit" (converged projection); see :func:`sinkhorn_knopp`.
+
+    Returns:
+        (layer_in [..., C] dtype of x, H_pre float32 [..., n],
+        H_post float32 [..., n], H_res float32 [..., n, n]); all four are
+        differentiable, on the device of x.
+
+    Raises:
+        TypeError: bad dtypes.  ValueError: shapes disagree, n out of range,
+        bad num_iters / eps / grad_mode, devices.
+
+    Notes:
+        Backward saves the four inputs only; the sigmoids and the Sinkhorn
+        iteration are recomputed.  Outputs that the loss does not use get no
+        gradient (None, counted as zero; no work for H_res's Sinkhorn backward).
+    """
+    _checks.grad_mode(grad_mode)  # fail now, not at backward
+    if _use_custom_op(x, h_pre_raw, h_post_raw, h_res_raw):
+        return _op("mhc_pre_op_fwd")(x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps, grad_mode)
+    if _needs_autograd(x, h_pre_raw, h_post_raw, h_res_raw):
+        return _PreFn.apply(x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps, grad_mode)
+    return _pre_fwd_impl(x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps, grad_mode)

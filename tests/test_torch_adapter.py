@@ -1,0 +1,602 @@
+"""CPU tests of the PyTorch adapter ``mhc_cupy.torch`` (autograd, torch.compile, custom ops).
+
+On CPU the adapter runs the functional API, which runs the float64 NumPy
+reference and rounds each output once to its dtype.  So:
+
+* forward vs ``mhc_cupy.reference``: one rounding to the output dtype;
+* backward via autograd vs the functional ``*_bwd``: bitwise equal (same call);
+* backward vs float64 torch autograd of an independent pure-torch forward
+  (written below; Sinkhorn exactly as OPS.md with the row-max shift): one
+  rounding of each gradient to its dtype;
+* float32 central finite differences: exact for the bilinear ops up to the
+  float32 rounding of the two loss evaluations, whose bound is computed;
+* eager route (autograd.Function, no dispatcher) vs compiled route
+  (``torch.ops.mhc_cupy.*`` custom ops under ``torch.compile(fullgraph=True)``):
+  bitwise equal, forward and backward.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import mhc_cupy as m
+import mhc_cupy.torch as mt
+from mhc_cupy import reference as R
+
+# Unit roundoff of each output dtype: the CPU path rounds a float64 result once
+# (ml_dtypes may round float64 -> float32 -> bfloat16: still within one unit).
+# The bound used is tol * (|ref| + rms(ref)), so tol = u covers one rounding.
+TOL = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-10}
+
+SHAPES = [  # (lead dims, n, C): n = 1 (trivial Sinkhorn), odd C, one token, 2-D lead
+    ((1,), 1, 7),
+    ((3,), 3, 33),
+    ((2, 3), 4, 7),
+    ((3,), 4, 33),
+    ((2, 3), 3, 1),
+]
+
+
+# ------------------------------------------------------------------ helpers
+def _np_dtype(dtype):
+    return {torch.float32: np.float32, torch.float16: np.float16}.get(dtype)
+
+
+def tensor(rng, shape, dtype=torch.float32, scale=1.0, grad=True):
+    """Random normal data rounded to ``dtype`` (explicit dtype: other test files change the default)."""
+    t = torch.from_numpy(rng.standard_normal(shape) * scale).to(dtype)
+    return t.requires_grad_(grad)
+
+
+def f64(t):
+    return None if t is None else t.detach().to(torch.float64).numpy()
+
+
+def leaf64(t):
+    return t.detach().to(torch.float64).requires_grad_(True)
+
+
+def assert_close(got, ref, tol, what=""):
+    """|got - ref| <= tol * (|ref| + rms(ref)) elementwise, and shapes equal."""
+    got = np.asarray(got.detach().to(torch.float64).numpy() if isinstance(got, torch.Tensor) else got, np.float64)
+    ref = np.asarray(ref.detach().numpy() if isinstance(ref, torch.Tensor) else ref, np.float64)
+    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
+    assert np.isfinite(got).all(), f"{what}: non-finite values"
+    if ref.size == 0:
+        return
+    scale = max(float(np.sqrt(np.mean(ref**2))), 1e-300)
+    err = np.abs(got - ref)
+    bound = tol * (np.abs(ref) + scale)
+    assert (err <= bound).all(), f"{what}: max error {err.max():.3e} (scale {scale:.3e}, tol {tol:.1e})"
+
+
+def assert_same(a, b, what=""):
+    """Bitwise equal tensors (or both None)."""
+    if a is None or b is None:
+        assert a is None and b is None, f"{what}: {a!r} vs {b!r}"
+        return
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+    assert torch.equal(a, b), f"{what}: not bitwise equal (max diff {(a.double() - b.double()).abs().max():.3e})"
+
+
+def as_tuple(o):
+    return o if isinstance(o, tuple) else (o,)
+
+
+def grads_of(outs, inputs, upstream):
+    """torch.autograd.grad of outputs (upstream None = output unused) w.r.t. inputs (None for unused)."""
+    pairs = [(o, g) for o, g in zip(as_tuple(outs), upstream) if g is not None]
+    return torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+
+
+# ----------------------------------------- pure-torch float64 forwards (oracles)
+def t_sinkhorn(L, num_iters=20, eps=1e-8):
+    """OPS.md section 1 exactly: K = exp(L - rowmax(L)), then row step / column step."""
+    P = torch.exp(L - L.max(-1, keepdim=True).values)
+    for _ in range(num_iters):
+        P = P / (P.sum(-1, keepdim=True) + eps)
+        P = P / (P.sum(-2, keepdim=True) + eps)
+    return P
+
+
+def t_rmsnorm(x, eps=1e-5, weight=None):
+    y = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight
+
+
+def t_mix(x, M):
+    return M @ x
+
+
+def t_aggregate(x, h):
+    return (h[..., :, None] * x).sum(-2)
+
+
+def t_distribute(y, h):
+    return h[..., :, None] * y[..., None, :]
+
+
+def t_post(y, x, H_post, H_res):
+    return H_res @ x + H_post[..., :, None] * y[..., None, :]
+
+
+def t_pre(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=20, eps=1e-8):
+    H_pre = torch.sigmoid(h_pre_raw)
+    return t_aggregate(x, H_pre), H_pre, 2 * torch.sigmoid(h_post_raw), t_sinkhorn(h_res_raw, num_iters, eps)
+
+
+# ------------------------------------------------------------ op table
+# A case is a dict: fn (adapter), fwd (functional forward; its name picks the
+# reference), bwd (functional backward: (upstream grads, inputs, params) -> grads),
+# oracle (pure-torch forward), args (input tensors, all differentiable), params.
+def case(name, rng, lead, n, C, dtype=torch.float32, shared=False, num_iters=20, weight=True):
+    T = lambda shape, **k: tensor(rng, shape, **k)  # noqa: E731
+    lead = tuple(lead)
+    x = T(lead + (n, C), dtype=dtype)
+    y = T(lead + (C,), dtype=dtype)
+    hshape = (n,) if shared else lead + (n,)
+    if name == "sinkhorn_knopp":
+        L = T(lead + (n, n), scale=3.0)
+        return dict(fn=mt.sinkhorn_knopp, fwd=m.sinkhorn_knopp_fwd, oracle=t_sinkhorn, args=[L],
+                    params=dict(num_iters=num_iters, eps=1e-8),
+                    bwd=lambda gs, a, p: m.sinkhorn_knopp_bwd(gs[0], a[0], **p))
+    if name == "rmsnorm":
+        w = T((n * C,)) if weight else None
+        xf = x.detach().reshape(lead + (n * C,)).requires_grad_()  # vec(x), as the mHC paper normalises it
+        return dict(fn=mt.rmsnorm, fwd=m.rmsnorm_fwd, oracle=t_rmsnorm, args=[xf] + ([w] if weight else []),
+                    params=dict(eps=1e-5), weight_kw=True,
+                    bwd=lambda gs, a, p: m.rmsnorm_bwd(gs[0], a[0], p["eps"], a[1] if len(a) > 1 else None))
+    if name == "stream_mix":
+        return dict(fn=mt.stream_mix, fwd=m.stream_mix_fwd, oracle=t_mix, args=[x, T(lead + (n, n))], params={},
+                    bwd=lambda gs, a, p: m.stream_mix_bwd(gs[0], *a))
+    if name == "stream_aggregate":
+        return dict(fn=mt.stream_aggregate, fwd=m.stream_aggregate_fwd, oracle=t_aggregate, args=[x, T(hshape)],
+                    params={}, bwd=lambda gs, a, p: m.stream_aggregate_bwd(gs[0], *a))
+    if name == "stream_distribute":
+        return dict(fn=mt.stream_distribute, fwd=m.stream_distribute_fwd, oracle=t_distribute, args=[y, T(hshape)],
+                    params={}, bwd=lambda gs, a, p: m.stream_distribute_bwd(gs[0], *a))
+    if name == "mhc_post_op":
+        return dict(fn=mt.mhc_post_op, fwd=m.mhc_post_op_fwd, oracle=t_post,
+                    args=[y, x, T(lead + (n,)), T(lead + (n, n))], params={},
+                    bwd=lambda gs, a, p: m.mhc_post_op_bwd(gs[0], *a))
+    if name == "mhc_pre_op":
+        return dict(fn=mt.mhc_pre_op, fwd=m.mhc_pre_op_fwd, oracle=t_pre,
+                    args=[x, T(lead + (n,)), T(lead + (n,)), T(lead + (n, n), scale=3.0)],
+                    params=dict(num_iters=num_iters, eps=1e-8),
+                    bwd=lambda gs, a, p: m.mhc_pre_op_bwd(*gs, *a, **p))
+    raise KeyError(name)
+
+
+def call(c, args=None, fn=None):
+    """Call the adapter (or ``fn``) with the case's tensors (rmsnorm's weight as keyword) and params."""
+    args = c["args"] if args is None else args
+    fn = c["fn"] if fn is None else fn
+    if c.get("weight_kw"):
+        return fn(args[0], weight=args[1] if len(args) > 1 else None, **c["params"])
+    return fn(*args, **c["params"])
+
+
+def upstream_like(rng, outs):
+    return [tensor(rng, o.shape, dtype=o.dtype, grad=False) for o in as_tuple(outs)]
+
+
+OPS = ["sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute", "mhc_post_op", "mhc_pre_op"]
+
+
+# ------------------------------------------------------------------ forward / backward
+@pytest.mark.parametrize("lead,n,C", SHAPES)
+@pytest.mark.parametrize("op", OPS)
+def test_forward_and_backward(rng, op, lead, n, C):
+    c = case(op, rng, lead, n, C)
+    args = c["args"]
+    outs = as_tuple(call(c))
+    # forward vs the float64 reference (one rounding to the output dtype)
+    refs = as_tuple(call(c, [f64(a) for a in args], fn=getattr(R, c["fwd"].__name__)))
+    assert len(outs) == len(refs)
+    for i, (o, r) in enumerate(zip(outs, refs)):
+        assert o.device == args[0].device and o.is_contiguous()
+        assert_close(o, r, TOL[o.dtype], f"{op} output {i}")
+    # backward via autograd
+    gs = upstream_like(rng, outs)
+    got = grads_of(outs, args, gs)
+    # ... equals the functional *_bwd bitwise
+    want = as_tuple(c["bwd"](gs, [a.detach() for a in args], c["params"]))
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_same(g, w, f"{op} grad {i} vs functional bwd")
+        assert g.dtype == args[i].dtype  # activation grads in the activation dtype, coefficients float32
+    # ... and float64 torch autograd of the pure-torch forward
+    a64 = [leaf64(a) for a in args]
+    o64 = as_tuple(call(c, a64, fn=c["oracle"]))
+    ref = grads_of(o64, a64, [g.to(torch.float64) for g in gs])
+    for i, (o, r) in enumerate(zip(outs, o64)):
+        assert_close(o, r, TOL[o.dtype], f"{op} output {i} vs torch float64")
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert_close(g, r, TOL[g.dtype], f"{op} grad {i} vs torch float64 autograd")
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("op", ["stream_aggregate", "stream_distribute"])
+def test_shared_h(rng, op, shared):
+    """h shared by all tokens ([n]): dh summed over tokens."""
+    c = case(op, rng, (2, 3), 4, 33, shared=shared)
+    outs = call(c)
+    gs = upstream_like(rng, outs)
+    got = grads_of(outs, c["args"], gs)
+    a64 = [leaf64(a) for a in c["args"]]
+    ref = grads_of(c["oracle"](*a64), a64, [g.double() for g in gs])
+    assert got[1].shape == c["args"][1].shape
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert_close(g, r, TOL[g.dtype], f"{op} grad {i}")
+
+
+@pytest.mark.parametrize("weight", [False, True])
+def test_rmsnorm_weight(rng, weight):
+    """With a weight (an nn.Parameter) rmsnorm returns dx and dweight; without, dx only."""
+    x = tensor(rng, (2, 3, 33))
+    w = torch.nn.Parameter(tensor(rng, (33,), grad=False)) if weight else None
+    out = mt.rmsnorm(x, eps=1e-2, weight=w)
+    g = tensor(rng, out.shape, grad=False)
+    out.backward(g)
+    want = m.rmsnorm_bwd(g, x.detach(), 1e-2, None if w is None else w.detach())
+    assert_same(x.grad, want[0] if weight else want)
+    if weight:
+        assert_same(w.grad, want[1])
+    x64 = leaf64(x)
+    w64 = None if w is None else leaf64(w)
+    t_rmsnorm(x64, 1e-2, w64).backward(g.double())
+    assert_close(x.grad, x64.grad, TOL[torch.float32])
+    if weight:
+        assert_close(w.grad, w64.grad, TOL[torch.float32])
+
+
+@pytest.mark.parametrize("num_iters", [0, 1, 3, 20])
+@pytest.mark.parametrize("grad_mode", ["unrolled", "implicit"])
+def test_sinkhorn_grad_modes(rng, num_iters, grad_mode):
+    L = tensor(rng, (3, 4, 4), scale=3.0)
+    P = mt.sinkhorn_knopp(L, num_iters=num_iters, grad_mode=grad_mode)
+    g = tensor(rng, P.shape, grad=False)
+    (dL,) = torch.autograd.grad(P, L, g)
+    assert_same(dL, m.sinkhorn_knopp_bwd(g, L.detach(), num_iters, 1e-8, grad_mode))
+    assert float(dL.sum(-1).abs().max()) <= 1e-5 * float(dL.abs().max() + 1e-30), "rows of d_logits sum to 0"
+    if grad_mode == "unrolled":
+        L64 = leaf64(L)
+        (r,) = torch.autograd.grad(t_sinkhorn(L64, num_iters), L64, g.double())
+        assert_close(dL, r, TOL[torch.float32])
+
+
+def test_sinkhorn_large_logits(rng):
+    """Logits beyond exp's float32 range (~88): the row-max shift keeps everything finite."""
+    L = tensor(rng, (2, 4, 4), scale=100.0)
+    P = mt.sinkhorn_knopp(L)
+    g = tensor(rng, P.shape, grad=False)
+    (dL,) = torch.autograd.grad(P, L, g)
+    assert torch.isfinite(P).all() and torch.isfinite(dL).all()
+    L64 = leaf64(L)
+    P64 = t_sinkhorn(L64)
+    (r,) = torch.autograd.grad(P64, L64, g.double())
+    assert_close(P, P64, TOL[torch.float32])
+    assert_close(dL, r, 1e-5)  # near-one-hot P: tiny gradients, compare at the scale of the largest
+
+
+# ------------------------------------------------------------------ finite differences
+def _directional_fd(c, rng, h):
+    """Central difference of L = <G, f(inputs)> along a random direction, float32 inputs.
+
+    Returns (fd, analytic, noise_bound).  The perturbed inputs are rounded to
+    float32, so the analytic side uses the actual perturbation (xp - xm) / 2.
+    The two loss evaluations differ from exact by the float32 rounding of each
+    output element: |G_k f_k| 2^-24 per element, per evaluation.
+    """
+    args = [a.detach() for a in c["args"]]
+    outs = as_tuple(call(c, [a.clone().requires_grad_() for a in args]))
+    G = [tensor(rng, o.shape, grad=False) for o in outs]
+    leaves = [a.clone().requires_grad_() for a in args]
+    grads = grads_of(call(c, leaves), leaves, G)
+    dirs = [torch.from_numpy(rng.standard_normal(a.shape)).to(a.dtype) * float(a.abs().max()) for a in args]
+    xp = [a + h * d for a, d in zip(args, dirs)]
+    xm = [a - h * d for a, d in zip(args, dirs)]
+
+    def loss(xs):
+        with torch.no_grad():
+            os_ = as_tuple(call(c, xs))
+        val = sum(float((g.double() * o.double()).sum()) for g, o in zip(G, os_))
+        noise = sum(float((g.double() * o.double()).abs().sum()) for g, o in zip(G, os_)) * 2.0**-24
+        return val, noise
+
+    lp, np_ = loss(xp)
+    lm, nm = loss(xm)
+    fd = (lp - lm) / 2
+    an = sum(float((g.double() * (p.double() - q.double())).sum()) / 2 for g, p, q in zip(grads, xp, xm))
+    return fd, an, (np_ + nm) / 2
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_finite_differences(rng, op):
+    """float32 central differences along a random direction.
+
+    Error budget: the float32 rounding of the two loss evaluations (computed
+    bound) plus the O(h^2) truncation of the nonlinear ops (sigmoid, rsqrt,
+    Sinkhorn): with h = 1e-3 of each input's scale, a relative 1e-4 of the
+    directional derivative is a generous bound; for the bilinear ops
+    (mix, aggregate, distribute, post) the central difference is exact.
+    """
+    c = case(op, rng, (2, 3), 4, 33)
+    fd, an, noise = _directional_fd(c, rng, 1e-3)
+    assert abs(fd - an) <= 2 * noise + 1e-4 * abs(an) + 1e-12, (fd, an, noise)
+
+
+# ------------------------------------------------------------------ None / unused outputs
+@pytest.mark.parametrize("used", [(0,), (1,), (3,), (0, 2), (1, 2, 3)])
+def test_pre_op_unused_outputs(rng, monkeypatch, used):
+    """Only some pre-op outputs feed the loss: the others' gradients arrive as None = zero."""
+    c = case("mhc_pre_op", rng, (2, 3), 4, 7)
+    args = c["args"]
+    seen = []
+    real = mt.mhc_pre_op_bwd
+
+    def spy(*a, **k):
+        seen.append(tuple(g is None for g in a[:4]))
+        return real(*a, **k)
+
+    monkeypatch.setattr(mt, "mhc_pre_op_bwd", spy)
+    outs = mt.mhc_pre_op(*args)
+    gs = [tensor(rng, o.shape, dtype=o.dtype, grad=False) if i in used else None for i, o in enumerate(outs)]
+    got = grads_of(outs, args, gs)
+    assert seen == [tuple(i not in used for i in range(4))], "unused outputs must reach the backward as None"
+    want = m.mhc_pre_op_bwd(*gs, *[a.detach() for a in args], num_iters=20, eps=1e-8)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_same(g, w, f"grad {i}")
+    if 3 not in used:
+        assert not got[3].any(), "H_res unused: d h_res_raw is exactly zero"
+    a64 = [leaf64(a) for a in args]
+    ref = grads_of(t_pre(*a64), a64, [None if g is None else g.double() for g in gs])
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert_close(g, torch.zeros_like(g, dtype=torch.float64) if r is None else r, TOL[g.dtype], f"grad {i}")
+
+
+def test_noncontiguous_upstream_gradient(rng):
+    """An expanded (stride-0) incoming gradient gives the same result as its contiguous copy."""
+    x = tensor(rng, (3, 4, 33))
+    M = tensor(rng, (3, 4, 4))
+    out = mt.stream_mix(x, M)
+    g = tensor(rng, (33,), grad=False).expand(out.shape)
+    got = torch.autograd.grad(out, (x, M), g)
+    want = m.stream_mix_bwd(g.contiguous(), x.detach(), M.detach())
+    for a, b in zip(got, want):
+        assert_same(a, b)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_zero_tokens(rng, op):
+    """A zero-size leading dim: empty outputs of the right shape, empty (or zero) gradients."""
+    c = case(op, rng, (0, 3), 4, 7)
+    outs = as_tuple(call(c))
+    refs = as_tuple(call(c, [f64(a) for a in c["args"]], fn=getattr(R, c["fwd"].__name__)))
+    for o, r in zip(outs, refs):
+        assert tuple(o.shape) == r.shape
+    got = grads_of(outs, c["args"], upstream_like(rng, outs))
+    for g, a in zip(got, c["args"]):
+        assert g.shape == a.shape and not g.any()
+
+
+def test_eager_route_bypasses_the_dispatcher(rng):
+    """Eager calls build the adapter's own autograd.Function, not the custom op's generated one."""
+    c = case("mhc_pre_op", rng, (3,), 4, 7)
+    eager = call(c)[0]
+    via_op = torch.ops.mhc_cupy.mhc_pre_op_fwd(*c["args"], 20, 1e-8, "unrolled")[0]
+    assert type(eager.grad_fn).__name__.startswith("_mhc_pre_op_function"), type(eager.grad_fn).__name__
+    assert "GeneratedBackwardFor_mhc_cupy_mhc_pre_op_fwd" in type(via_op.grad_fn).__name__
+
+
+def test_no_grad_fast_path(rng):
+    """Without grad the functional API is called directly: same values, no graph."""
+    c = case("mhc_post_op", rng, (2, 3), 4, 7)
+    with_grad = call(c)
+    with torch.no_grad():
+        without = call(c)
+    assert without.grad_fn is None and not without.requires_grad
+    assert_same(with_grad.detach(), without)
+
+
+# ------------------------------------------------------------------ dtypes
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("op", ["rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute", "mhc_post_op",
+                                "mhc_pre_op"])
+def test_half_precision_on_cpu(rng, op, dtype):
+    """bf16 / f16 activations on CPU: outputs and activation gradients keep the dtype."""
+    c = case(op, rng, (2, 3), 4, 33, dtype=dtype)
+    args = c["args"]
+    outs = as_tuple(call(c))
+    assert outs[0].dtype == dtype and all(o.dtype == torch.float32 for o in outs[1:])
+    refs = as_tuple(call(c, [f64(a) for a in args], fn=getattr(R, c["fwd"].__name__)))
+    for o, r in zip(outs, refs):
+        assert_close(o, r, TOL[o.dtype])
+    gs = upstream_like(rng, outs)
+    got = grads_of(outs, args, gs)
+    a64 = [leaf64(a) for a in args]
+    ref = grads_of(call(c, a64, fn=c["oracle"]), a64, [g.double() for g in gs])
+    for a, g, r in zip(args, got, ref):
+        assert g.dtype == a.dtype
+        assert_close(g, r, TOL[g.dtype])
+
+
+@pytest.mark.parametrize("op", ["stream_mix", "rmsnorm", "mhc_pre_op"])
+def test_errors(rng, op):
+    """The functional API's TypeError / ValueError come through unchanged."""
+    c = case(op, rng, (3,), 4, 7)
+    bad = [a.detach().double() if i == 0 else a for i, a in enumerate(c["args"])]
+    with pytest.raises(TypeError, match="float64"):
+        call(c, bad)
+    if op == "stream_mix":
+        with pytest.raises(ValueError, match="M has shape"):
+            mt.stream_mix(c["args"][0], c["args"][1][:2])
+    if op == "mhc_pre_op":
+        with pytest.raises(ValueError, match="grad_mode"):
+            mt.mhc_pre_op(*c["args"], grad_mode="exact")
+
+
+# ------------------------------------------------------------------ torch.compile
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _recording_backend(graphs):
+    """aot_eager that records the forward and backward graphs' call targets."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compiler(kind):
+        def compile_fn(gm, example_inputs):
+            graphs.append((kind, {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}))
+            return make_boxed_func(gm.forward)
+        return compile_fn
+
+    return aot_autograd(fw_compiler=compiler("fw"), bw_compiler=compiler("bw"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", OPS)
+def test_compile_fullgraph(rng, fresh_dynamo, op, dtype):
+    """fullgraph compile: the custom ops appear in the forward and backward graphs; results bitwise eager."""
+    if op == "sinkhorn_knopp" and dtype != torch.float32:
+        pytest.skip("Sinkhorn has no activation dtype")
+    c = case(op, rng, (2, 3), 4, 7, dtype=dtype)
+    args = c["args"]
+    graphs = []
+    compiled = torch.compile(lambda *a: call(c, list(a)), fullgraph=True, backend=_recording_backend(graphs))
+    got = as_tuple(compiled(*args))
+    eager = as_tuple(call(c))
+    for a, b in zip(got, eager):
+        assert_same(a, b, f"{op} forward compiled vs eager")
+    gs = upstream_like(rng, eager)
+    for i, (a, b) in enumerate(zip(grads_of(got, args, gs), grads_of(eager, args, gs))):
+        assert_same(a, b, f"{op} grad {i} compiled vs eager")
+    fw = set().union(*[t for k, t in graphs if k == "fw"])
+    bw = set().union(*[t for k, t in graphs if k == "bw"])
+    assert f"mhc_cupy.{op}_fwd.default" in fw, fw
+    assert any(t.startswith(f"mhc_cupy.{op}") and "_bwd" in t for t in bw), bw
+
+
+def test_compile_model_dynamic_shapes(rng, fresh_dynamo):
+    """A small mHC layer (pre op -> rmsnorm -> post op) with dynamic token counts: one graph, eager results."""
+
+    def layer(x, h_pre, h_post, h_res, w):
+        layer_in, H_pre, H_post, H_res = mt.mhc_pre_op(x, h_pre, h_post, h_res)
+        return mt.mhc_post_op(mt.rmsnorm(layer_in, weight=w), x, H_post, H_res)
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager", dynamic=True)
+    w = tensor(rng, (7,))
+    for T in (3, 5, 11):
+        args = [tensor(rng, (T, 4, 7)), tensor(rng, (T, 4)), tensor(rng, (T, 4)), tensor(rng, (T, 4, 4)), w]
+        got, want = compiled(*args), layer(*args)
+        assert_same(got, want)
+        g = tensor(rng, got.shape, grad=False)
+        for a, b in zip(torch.autograd.grad(got, args, g), torch.autograd.grad(want, args, g)):
+            assert_same(a, b)
+
+
+def test_compile_pre_op_unused_outputs(rng, fresh_dynamo):
+    """Compiled: only layer_in used; gradients equal eager (None handled on the custom-op route)."""
+    c = case("mhc_pre_op", rng, (2, 3), 4, 7)
+    args = c["args"]
+    f = lambda *a: mt.mhc_pre_op(*a)[0]  # noqa: E731
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
+    g = tensor(rng, got.shape, grad=False)
+    ga = torch.autograd.grad(got, args, g)
+    gb = torch.autograd.grad(f(*args), args, g)
+    for a, b in zip(ga, gb):
+        assert_same(a, b)
+    assert not ga[2].any() and not ga[3].any()
+
+
+def test_compile_error_at_trace_time(rng, fresh_dynamo):
+    """A bad dtype is reported while tracing (the fake implementation runs the same checks)."""
+    x = tensor(rng, (3, 4, 7), dtype=torch.float64)
+    M = tensor(rng, (3, 4, 4))
+    with pytest.raises(Exception, match="x has dtype float64"):
+        torch.compile(mt.stream_mix, fullgraph=True, backend="aot_eager")(x, M)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.script_method inside inductor itself
+def test_compile_inductor(rng, fresh_dynamo):
+    """Default backend (inductor; ~30 s of C++ compilation on a cold CPU cache): custom ops as extern kernels."""
+    def f(x, M, h):
+        return mt.stream_aggregate(mt.stream_mix(x, M), h)
+
+    args = [tensor(rng, (3, 4, 33)), tensor(rng, (3, 4, 4)), tensor(rng, (4,))]
+    got = torch.compile(f, fullgraph=True)(*args)
+    want = f(*args)
+    assert_same(got, want)
+    g = tensor(rng, got.shape, grad=False)
+    for a, b in zip(torch.autograd.grad(got, args, g), torch.autograd.grad(want, args, g)):
+        assert_same(a, b)
+
+
+# ------------------------------------------------------------------ custom op registrations
+OPCHECK = {
+    "sinkhorn_knopp_fwd": lambda T: (T((3, 4, 4)), 20, 1e-8, "unrolled"),
+    "sinkhorn_knopp_bwd": lambda T: (T((3, 4, 4)), T((3, 4, 4)), 5, 1e-8, "implicit"),
+    "rmsnorm_fwd": lambda T: (T((3, 7)), 1e-5, T((7,))),
+    "rmsnorm_bwd": lambda T: (T((3, 7)), T((3, 7)), 1e-5),
+    "rmsnorm_weight_bwd": lambda T: (T((3, 7)), T((3, 7)), 1e-5, T((7,))),
+    "stream_mix_fwd": lambda T: (T((3, 4, 7)), T((3, 4, 4))),
+    "stream_mix_bwd": lambda T: (T((3, 4, 7)), T((3, 4, 7)), T((3, 4, 4))),
+    "stream_aggregate_fwd": lambda T: (T((3, 4, 7)), T((4,))),
+    "stream_aggregate_bwd": lambda T: (T((3, 7)), T((3, 4, 7)), T((3, 4))),
+    "stream_distribute_fwd": lambda T: (T((3, 7)), T((3, 4))),
+    "stream_distribute_bwd": lambda T: (T((3, 4, 7)), T((3, 7)), T((4,))),
+    "mhc_post_op_fwd": lambda T: (T((3, 7)), T((3, 4, 7)), T((3, 4)), T((3, 4, 4))),
+    "mhc_post_op_bwd": lambda T: (T((3, 4, 7)), T((3, 7)), T((3, 4, 7)), T((3, 4)), T((3, 4, 4))),
+    "mhc_pre_op_fwd": lambda T: (T((3, 4, 7)), T((3, 4)), T((3, 4)), T((3, 4, 4)), 20, 1e-8, "unrolled"),
+    "mhc_pre_op_bwd": lambda T: (T((3, 7)), None, T((3, 4)), None, T((3, 4, 7)), T((3, 4)), T((3, 4)),
+                                 T((3, 4, 4)), 20, 1e-8, "unrolled"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPCHECK))
+def test_opcheck(rng, name):
+    """torch.library.opcheck: schema, fake (meta) shapes/strides vs real, autograd registration."""
+    grad = name.endswith("_fwd")
+    args = OPCHECK[name](lambda shape: tensor(rng, shape, grad=grad))
+    torch.library.opcheck(getattr(torch.ops.mhc_cupy, name).default, args)
+
+
+def test_custom_op_route_equals_eager_route(rng):
+    """The dispatcher route (torch.ops.mhc_cupy.*) and the bypass give bitwise equal results."""
+    c = case("mhc_pre_op", rng, (2, 3), 4, 7)
+    args = c["args"]
+    a = torch.ops.mhc_cupy.mhc_pre_op_fwd(*args, 20, 1e-8, "unrolled")
+    b = mt.mhc_pre_op(*args)
+    gs = upstream_like(rng, b)
+    for u, v in zip(a, b):
+        assert_same(u, v)
+    for u, v in zip(grads_of(a, args, gs), grads_of(b, args, gs)):
+        assert_same(u, v)
+
+
+# ------------------------------------------------------------------ import order (STYLE.md trap)
+@pytest.mark.parametrize("first", ["mhc_cupy.torch", "torch"])
+def test_import_order(first):
+    """``import mhc_cupy.torch`` binds mhc_cupy.torch; the real torch must stay intact either way."""
+    second = "torch" if first == "mhc_cupy.torch" else "mhc_cupy.torch"
+    code = (f"import {first}\nimport {second}\nimport torch\nimport mhc_cupy\n"
+            "assert torch.bfloat16 is not None and torch.__name__ == 'torch'\n"
+            "assert mhc_cupy.torch.__name__ == 'mhc_cupy.torch'\n"
+            "assert 'torch' not in vars(mhc_cupy) or vars(mhc_cupy)['torch'] is mhc_cupy.torch\n"
+            "import mhc_cupy.torch as mt\n"
+            "x = torch.ones(2, 3, dtype=torch.bfloat16)\n"
+            "assert mt.rmsnorm(x).dtype == torch.bfloat16\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
