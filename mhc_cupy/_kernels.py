@@ -57,7 +57,24 @@ def _cases(dt: str, n: int, C: int, ptr: int, tg: str):
                              "h_pre_raw": h, "h_post_raw": h, "h_res_raw": M},
              {"num_iters": _NUM_ITERS, "eps": 1e-8, "grad_mode": mode}),
         ]
+    cases += _coeffs_cases(x, h, M, n, C, ptr)
     return cases
+
+
+def _coeffs_cases(x, h, M, n: int, C: int, ptr: int):
+    """The coefficient path (OPS.md section 8, ops/coeffs.py): forward, backward with
+    every incoming gradient and with none (the zero-fill kernel)."""
+    from .ops import coeffs
+
+    K = coeffs.columns(n)
+    cx = {"x": x, "phi": _info((n * C, K), "float32", ptr), "alpha": _info((3,), "float32", ptr),
+          "bias": _info((K,), "float32", ptr)}
+    none = {"grad_h_pre_raw": None, "grad_h_post_raw": None, "grad_h_res_raw": None}
+    return [
+        (coeffs._plan_fwd, cx, {"eps": 1e-5}),
+        (coeffs._plan_bwd, {"grad_h_pre_raw": h, "grad_h_post_raw": h, "grad_h_res_raw": M, **cx}, {"eps": 1e-5}),
+        (coeffs._plan_bwd, {**none, **cx}, {"eps": 1e-5}),
+    ]
 
 
 def specialisations(dtypes=("bfloat16", "float16", "float32"), ns=(4,), Cs=(4096, 7), aligned=(True, False),

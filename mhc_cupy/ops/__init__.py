@@ -1,6 +1,7 @@
 """The mHC operators: one module per family, each with its public ``*_fwd`` /
-``*_bwd`` functions and their launch plans (OPS.md sections 1-7)."""
+``*_bwd`` functions and their launch plans (OPS.md sections 1-8)."""
 
+from .coeffs import mhc_coeffs_bwd, mhc_coeffs_fwd
 from .post import mhc_post_op_bwd, mhc_post_op_fwd
 from .pre import mhc_pre_op_bwd, mhc_pre_op_fwd
 from .rmsnorm import rmsnorm_bwd, rmsnorm_fwd
@@ -18,5 +19,5 @@ __all__ = [
     "sinkhorn_knopp_fwd", "sinkhorn_knopp_bwd", "rmsnorm_fwd", "rmsnorm_bwd",
     "stream_mix_fwd", "stream_mix_bwd", "stream_aggregate_fwd", "stream_aggregate_bwd",
     "stream_distribute_fwd", "stream_distribute_bwd", "mhc_post_op_fwd", "mhc_post_op_bwd",
-    "mhc_pre_op_fwd", "mhc_pre_op_bwd",
+    "mhc_pre_op_fwd", "mhc_pre_op_bwd", "mhc_coeffs_fwd", "mhc_coeffs_bwd",
 ]

@@ -1,0 +1,461 @@
+"""Train a small byte-level transformer with mHC residual connections: ``python -m mhc_cupy.demo``.
+
+A decoder-only transformer (causal self-attention + MLP blocks, pre-norm
+inside each sublayer) whose every sublayer is wrapped by :class:`mhc_cupy.layers.MHC`
+with n = 4 residual streams (paper: arXiv 2512.24880), trained on real text:
+by default the documentation shipped with CPython (``pydoc_data.topics``,
+about 0.47 MB), byte-level tokens (vocabulary 256), so it runs offline.  The
+last 5% of the bytes are held out.
+
+* On a GPU (torch CUDA and a CuPy GPU): the toolkit's CUDA kernels through
+  ``mhc_cupy.torch``; parameters float32, sublayers under bfloat16 autocast,
+  residual streams in bfloat16 (coefficients always float32).  Default
+  config: d_model 256, 6 layers, 4 heads, seq 256, batch 32, 1000 steps.
+* Without a GPU (or ``--device cpu``): the same code on CPU tensors, where
+  every mHC op runs the float64 NumPy reference; float32 everywhere; a tiny
+  config (d_model 64, 2 layers, seq 64, batch 8, 150 steps) that finishes in
+  well under two minutes on two cores.  ``--tiny`` selects the tiny config on
+  any device.
+* ``--baseline`` also trains the same model with plain residual connections
+  (same initial sublayer weights, seed and data order) and compares held-out
+  losses at equal steps.
+
+Writes ``loss_curve.png`` and ``summary.json`` into ``--out`` (default ``demo_out/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layers import MHC, collapse_streams, expand_streams
+
+GPU_PRESET = dict(dim=256, layers=6, heads=4, seq=256, batch=32, steps=1000, lr=2e-3, eval_every=100,
+                  eval_batches=16, dropout=0.1)
+TINY_PRESET = dict(dim=64, layers=2, heads=4, seq=64, batch=8, steps=150, lr=3e-3, eval_every=25,
+                   eval_batches=4, dropout=0.0)
+
+
+@dataclass
+class Config:
+    dim: int
+    layers: int
+    heads: int
+    seq: int
+    batch: int
+    steps: int
+    lr: float
+    eval_every: int
+    eval_batches: int
+    dropout: float
+    streams: int = 4
+    seed: int = 0
+    weight_decay: float = 0.1
+    warmup: int = 0
+    grad_clip: float = 1.0
+
+
+# ------------------------------------------------------------------- data
+def load_text(path=None) -> bytes:
+    """The corpus as bytes: ``path`` or CPython's bundled documentation (pydoc_data.topics)."""
+    if path:
+        with open(path, "rb") as f:
+            return f.read()
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+
+
+def split_data(data: bytes, held_out: float = 0.05):
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    cut = int(len(t) * (1.0 - held_out))
+    return t[:cut], t[cut:]
+
+
+def get_batch(data: torch.Tensor, batch: int, seq: int, gen: torch.Generator):
+    """Random windows (inputs, next-byte targets) [batch, seq], drawn with ``gen`` (CPU)."""
+    idx = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
+    win = torch.stack([data[i:i + seq + 1] for i in idx.tolist()])
+    return win[:, :-1], win[:, 1:]
+
+
+def eval_windows(data: torch.Tensor, n: int, seq: int):
+    """n fixed, evenly spaced held-out windows (same for every model and every evaluation)."""
+    starts = torch.linspace(0, len(data) - seq - 2, n).long().tolist()
+    win = torch.stack([data[i:i + seq + 1] for i in starts])
+    return win[:, :-1], win[:, 1:]
+
+
+# ------------------------------------------------------------------ model
+class CausalSelfAttention(nn.Module):
+    """Pre-norm causal multi-head self-attention [B, T, C] -> [B, T, C]."""
+
+    def __init__(self, dim, heads, dropout=0.0):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.norm = nn.RMSNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(B, T, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+
+
+class MLP(nn.Module):
+    """Pre-norm GELU MLP (hidden 4C) [B, T, C] -> [B, T, C]."""
+
+    def __init__(self, dim, dropout=0.0):
+        super().__init__()
+        self.norm = nn.RMSNorm(dim)
+        self.fc = nn.Linear(dim, 4 * dim, bias=False)
+        self.proj = nn.Linear(4 * dim, dim, bias=False)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.drop(self.proj(F.gelu(self.fc(self.norm(x)))))
+
+
+class Residual(nn.Module):
+    """The plain residual connection x + F(x) (the baseline)."""
+
+    def __init__(self, sublayer):
+        super().__init__()
+        self.sublayer = sublayer
+
+    def forward(self, x):
+        return x + self.sublayer(x).to(x.dtype)
+
+
+class TinyGPT(nn.Module):
+    """Byte-level decoder-only transformer; ``residual="mhc"`` wraps each sublayer in MHC.
+
+    The sublayers, embeddings and head are created (and drawn from the RNG)
+    before any MHC parameter, so the mHC model and the baseline built from
+    the same seed start from identical sublayer weights.  The residual
+    streams are kept in ``stream_dtype`` (bfloat16 on GPU, for both models).
+    """
+
+    def __init__(self, cfg: Config, residual: str = "mhc", stream_dtype=torch.float32, vocab: int = 256):
+        super().__init__()
+        self.residual, self.n, self.stream_dtype = residual, cfg.streams, stream_dtype
+        self.tok = nn.Embedding(vocab, cfg.dim)
+        self.pos = nn.Embedding(cfg.seq, cfg.dim)
+        subs = []
+        for _ in range(cfg.layers):
+            subs += [CausalSelfAttention(cfg.dim, cfg.heads, cfg.dropout), MLP(cfg.dim, cfg.dropout)]
+        self.norm = nn.RMSNorm(cfg.dim)
+        self.head = nn.Linear(cfg.dim, vocab, bias=False)
+        # GPT-2 init: matrices N(0, 0.02), output projections scaled down by depth.
+        named = list(self.named_parameters()) + [(n, p) for s in subs for n, p in s.named_parameters()]
+        for name, p in named:
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * cfg.layers) if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, 0.0, std)
+        if residual == "mhc":
+            self.blocks = nn.ModuleList(MHC(cfg.dim, cfg.streams, s) for s in subs)
+        elif residual == "plain":
+            self.blocks = nn.ModuleList(Residual(s) for s in subs)
+        else:
+            raise ValueError(f"residual must be 'mhc' or 'plain', got {residual!r}")
+
+    def forward(self, idx, targets=None):
+        T = idx.shape[1]
+        h = (self.tok(idx) + self.pos(torch.arange(T, device=idx.device))).to(self.stream_dtype)
+        if self.residual == "mhc":
+            h = expand_streams(h, self.n)
+            for b in self.blocks:
+                h = b(h)
+            h = collapse_streams(h.float())
+        else:
+            for b in self.blocks:
+                h = b(h)
+        logits = self.head(self.norm(h.float()))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def param_groups(model, weight_decay):
+    """Weight decay on 2-D sublayer / embedding matrices only (not on mHC's phi, alpha, bias, norms)."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        is_mhc = name.split(".")[-1] in ("phi", "alpha", "bias") and ".sublayer." not in name
+        (decay if p.dim() == 2 and not is_mhc else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+# --------------------------------------------------------------- training
+def gpu_available() -> bool:
+    """torch sees a CUDA device and CuPy can run kernels on it."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import cupy
+
+        return bool(cupy.cuda.is_available())
+    except Exception:
+        return False
+
+
+def lr_at(step, cfg: Config):
+    """Linear warm-up, then cosine decay to 10% of the peak."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, t))))
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check_finite(values, what):
+    bad = [v for v in values if not math.isfinite(v)]
+    if bad:
+        raise FloatingPointError(f"{what}: non-finite loss {bad[0]} (NaN/inf); stopping")
+
+
+@torch.no_grad()
+def evaluate(model, xs, ys, batch, autocast):
+    model.eval()
+    total = 0.0
+    for i in range(0, len(xs), batch):
+        with autocast():
+            total += float(model(xs[i:i + batch], ys[i:i + batch])) * len(xs[i:i + batch])
+    model.train()
+    loss = total / len(xs)
+    _check_finite([loss], "held-out")
+    return loss
+
+
+def train(name, model, cfg: Config, train_data, eval_xy, device, autocast, log_every=10, warm_steps=3):
+    """Train ``model`` for cfg.steps; returns its history (losses, eval losses, tokens/s, wall time)."""
+    from tqdm.auto import tqdm
+
+    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
+                            fused=device.type == "cuda")
+    gen = torch.Generator().manual_seed(cfg.seed + 1)  # data order: identical for every model
+    torch.manual_seed(cfg.seed + 2)  # dropout
+    ex, ey = (t.to(device) for t in eval_xy)
+    hist = {"step": [], "train_loss": [], "eval_step": [], "eval_loss": []}
+    pending = []
+    timed_tokens, timed_s, t_start = 0, 0.0, time.perf_counter()
+    hist["eval_step"].append(0)
+    hist["eval_loss"].append(evaluate(model, ex, ey, cfg.batch, autocast))
+    bar = tqdm(range(cfg.steps), desc=name, dynamic_ncols=True, file=sys.stderr)
+    _sync(device)
+    t0 = time.perf_counter()
+    for step in bar:
+        x, y = get_batch(train_data, cfg.batch, cfg.seq, gen)
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        with autocast():
+            loss = model(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        pending.append(loss.detach())
+        done = step + 1
+        is_eval = done % cfg.eval_every == 0 or done == cfg.steps
+        if len(pending) == log_every or is_eval:
+            values = torch.stack(pending).float().tolist()  # one host sync per log interval
+            _check_finite(values, f"{name} step {done}")
+            hist["step"] += list(range(done - len(values) + 1, done + 1))
+            hist["train_loss"] += values
+            pending = []
+            _sync(device)
+            t1 = time.perf_counter()
+            if done > warm_steps:  # skip the first steps (kernel compilation / cache loads)
+                counted = min(len(values), done - warm_steps)
+                timed_tokens += counted * cfg.batch * cfg.seq
+                timed_s += (t1 - t0) * counted / len(values)
+            tok_s = timed_tokens / timed_s if timed_s > 0 else float("nan")
+            bar.set_postfix(loss=f"{values[-1]:.3f}", tok_s=f"{tok_s:,.0f}")
+            if is_eval:
+                ev = evaluate(model, ex, ey, cfg.batch, autocast)
+                hist["eval_step"].append(done)
+                hist["eval_loss"].append(ev)
+                bar.write(f"[{name}] step {done:5d}  train {values[-1]:.4f}  held-out {ev:.4f}  "
+                          f"{tok_s:,.0f} tok/s")
+            _sync(device)
+            t0 = time.perf_counter()
+    bar.close()
+    hist["tokens_per_s"] = timed_tokens / timed_s if timed_s > 0 else None
+    hist["wall_s"] = time.perf_counter() - t_start
+    tail = hist["train_loss"][-min(20, len(hist["train_loss"])):]
+    hist["final_train_loss"] = sum(tail) / len(tail)  # mean of the last (up to) 20 steps
+    hist["final_eval_loss"] = hist["eval_loss"][-1]
+    hist["params"] = sum(p.numel() for p in model.parameters())
+    return hist
+
+
+def plot(histories, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = {"mhc": "tab:blue", "baseline": "tab:orange"}
+    for name, h in histories.items():
+        c = colors.get(name)
+        k = max(1, len(h["train_loss"]) // 50)  # running mean over ~2% of the steps
+        tl = h["train_loss"]
+        smooth = [sum(tl[max(0, i - k + 1):i + 1]) / (i + 1 - max(0, i - k + 1)) for i in range(len(tl))]
+        ax.plot(h["step"], smooth, color=c, alpha=0.5, lw=1, label=f"{name} train")
+        ax.plot(h["eval_step"], h["eval_loss"], color=c, marker="o", ms=3, lw=2, label=f"{name} held-out")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats / byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------- CLI
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m mhc_cupy.demo", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, help="training steps (GPU 1000, tiny 150)")
+    ap.add_argument("--batch", type=int, help="sequences per step (GPU 32, tiny 8)")
+    ap.add_argument("--seq", type=int, help="tokens (bytes) per sequence (GPU 256, tiny 64)")
+    ap.add_argument("--layers", type=int, help="transformer blocks, each attention + MLP (GPU 6, tiny 2)")
+    ap.add_argument("--dim", type=int, help="d_model, C (GPU 256, tiny 64)")
+    ap.add_argument("--heads", type=int, help="attention heads (GPU 4, tiny 4); must divide --dim")
+    ap.add_argument("--streams", type=int, default=4, help="mHC residual streams n (default 4)")
+    ap.add_argument("--lr", type=float, help="peak AdamW learning rate (GPU 2e-3, tiny 3e-3)")
+    ap.add_argument("--eval-every", type=int, help="steps between held-out evaluations")
+    ap.add_argument("--text", help="train on this file (bytes) instead of CPython's documentation")
+    ap.add_argument("--out", default="demo_out", help="output directory (default demo_out/)")
+    ap.add_argument("--tiny", action="store_true", help="the tiny (CPU) configuration, on any device")
+    ap.add_argument("--baseline", action="store_true", help="also train with plain residual connections and compare")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="auto: cuda if torch and CuPy both see a GPU, else cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def make_config(args, device) -> Config:
+    preset = dict(TINY_PRESET if (args.tiny or device.type == "cpu") else GPU_PRESET)
+    for k in ("steps", "batch", "seq", "layers", "dim", "heads", "lr", "eval_every"):
+        v = getattr(args, k)
+        if v is not None:
+            preset[k] = v
+    cfg = Config(**preset, streams=args.streams, seed=args.seed)
+    cfg.warmup = min(50, cfg.steps // 10)
+    cfg.eval_every = max(1, min(cfg.eval_every, cfg.steps))
+    if cfg.dim % cfg.heads:
+        raise SystemExit(f"--dim {cfg.dim} must be divisible by --heads {cfg.heads}")
+    if min(cfg.steps, cfg.batch, cfg.seq, cfg.layers, cfg.dim, cfg.streams) < 1:
+        raise SystemExit("--steps, --batch, --seq, --layers, --dim and --streams must be >= 1")
+    return cfg
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.device == "cuda" and not gpu_available():
+        raise SystemExit("--device cuda: no usable GPU (needs torch.cuda.is_available() and a CuPy GPU)")
+    use_gpu = args.device == "cuda" or (args.device == "auto" and gpu_available())
+    device = torch.device("cuda" if use_gpu else "cpu")
+    cfg = make_config(args, device)
+
+    data = load_text(args.text)
+    train_data, held_out = split_data(data)
+    if len(held_out) < cfg.seq + 2 or len(train_data) < cfg.seq + 2:
+        raise SystemExit(f"text too short ({len(data)} bytes) for --seq {cfg.seq}")
+    eval_xy = eval_windows(held_out, cfg.eval_batches * cfg.batch, cfg.seq)
+
+    if use_gpu:
+        stream_dtype = torch.bfloat16
+
+        def autocast():
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+
+        dev_name = torch.cuda.get_device_name(device)
+        backend = "mhc_cupy CUDA kernels (CuPy/NVRTC) via mhc_cupy.torch"
+        print(f"mhc_cupy demo on GPU: {dev_name}; bf16 autocast, bf16 residual streams, float32 coefficients")
+    else:
+        stream_dtype = torch.float32
+
+        def autocast():
+            return torch.autocast("cpu", enabled=False)
+
+        dev_name = platform.processor() or platform.machine()
+        backend = "NumPy float64 reference (CPU path, no kernels)"
+        print(f"mhc_cupy demo on CPU ({torch.get_num_threads()} threads): no GPU kernels, every mHC op runs "
+              "the NumPy reference; tiny configuration" + ("" if args.device == "cpu" else
+                                                             " (no usable GPU found)"))
+    src = args.text or "CPython documentation (pydoc_data.topics)"
+    print(f"corpus: {src}, {len(data):,} bytes ({len(held_out):,} held out); config: "
+          + ", ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
+
+    os.makedirs(args.out, exist_ok=True)
+    t_all = time.perf_counter()
+    histories = {}
+    runs = [("mhc", "mhc")] + ([("baseline", "plain")] if args.baseline else [])
+    for name, residual in runs:
+        torch.manual_seed(cfg.seed)
+        model = TinyGPT(cfg, residual, stream_dtype).to(device)
+        histories[name] = train(name, model, cfg, train_data, eval_xy, device, autocast)
+        del model
+    wall = time.perf_counter() - t_all
+
+    summary = {
+        "config": asdict(cfg), "device": device.type, "device_name": dev_name, "backend": backend,
+        "stream_dtype": str(stream_dtype).replace("torch.", ""),
+        "corpus": src, "corpus_bytes": len(data), "held_out_bytes": len(held_out),
+        "steps": cfg.steps, "wall_s": wall,
+        "final_train_loss_is": "mean over the last 20 training steps",
+    }
+    for name, h in histories.items():
+        summary[name] = {k: h[k] for k in ("params", "final_train_loss", "final_eval_loss", "tokens_per_s",
+                                           "wall_s", "eval_step", "eval_loss")}
+    if "baseline" in histories:
+        m, b = histories["mhc"], histories["baseline"]
+        summary["comparison"] = {
+            "held_out_at_equal_steps": [{"step": s, "mhc": a, "baseline": c, "mhc_minus_baseline": a - c}
+                                        for s, a, c in zip(m["eval_step"], m["eval_loss"], b["eval_loss"])],
+            "final_held_out_mhc_minus_baseline": m["final_eval_loss"] - b["final_eval_loss"],
+        }
+    png = os.path.join(args.out, "loss_curve.png")
+    title = (f"mHC (n={cfg.streams}) byte-level LM, {cfg.layers}x{cfg.dim}, {device.type}"
+             + (" vs plain residual" if args.baseline else ""))
+    plot(histories, png, title)
+    js = os.path.join(args.out, "summary.json")
+    with open(js, "w") as f:
+        json.dump(summary, f, indent=2)
+
+    print("\nresults (held-out = cross-entropy in nats/byte on the last 5% of the corpus):")
+    for name, h in histories.items():
+        tps = h["tokens_per_s"]
+        print(f"  {name:8s}: train {h['final_train_loss']:.4f}  held-out {h['final_eval_loss']:.4f}  "
+              f"{(tps or float('nan')):,.0f} tok/s  ({h['params']:,} params, {h['wall_s']:.1f} s)")
+    if "baseline" in histories:
+        d = summary["comparison"]["final_held_out_mhc_minus_baseline"]
+        print(f"  held-out mhc - baseline after {cfg.steps} steps: {d:+.4f}")
+    print(f"wrote {png} and {js} ({wall:.1f} s)")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,479 @@
+"""PyTorch modules for mHC: the layer wrapper ``MHC`` and its helpers.
+
+mHC (Xie et al., "mHC: Manifold-Constrained Hyper-Connections", arXiv
+2512.24880) widens the residual stream to ``n`` parallel streams
+``x_l [..., n, C]`` and updates it around each sublayer F (attention, MLP) as
+
+    x_{l+1} = H_res x_l + H_post^T F(H_pre x_l)                    (paper Eq. 3)
+
+with per-token coefficients computed from ``x_l`` itself (paper Eqs. 14-18,
+OPS.md section 8):
+
+    x~ = vec(x_l) in R^{nC};  r = sqrt(mean(x~^2) + rms_eps);  Ht = x~ phi
+    h_pre_raw  = alpha_pre  * Ht_pre  / r + b_pre
+    h_post_raw = alpha_post * Ht_post / r + b_post
+    h_res_raw  = alpha_res  * mat(Ht_res) / r + b_res
+    H_pre = sigmoid(h_pre_raw);  H_post = 2 sigmoid(h_post_raw)      (paper Eq. 8)
+    H_res = Sinkhorn-Knopp(h_res_raw)                                (paper Eq. 9)
+
+Contents:
+
+* :func:`mhc_coeffs` / :class:`MHCCoeffsFunction`: the coefficient path as a
+  differentiable torch function over the functional ``mhc_cupy.mhc_coeffs_fwd``
+  / ``mhc_coeffs_bwd`` (GPU kernels for CUDA tensors, the NumPy reference for
+  CPU tensors).
+* :class:`MHC`: ``nn.Module`` wrapping any sublayer ``[..., C] -> [..., C]``;
+  coefficients -> ``mhc_cupy.torch.mhc_pre_op`` -> F -> ``mhc_cupy.torch.mhc_post_op``.
+* :func:`expand_streams` / :func:`collapse_streams` (and the modules
+  :class:`ExpandStreams` / :class:`CollapseStreams`): into and out of the
+  n-stream residual.
+* :func:`mhc_reference` / :class:`MHCReference`: the same layer written with
+  plain torch ops (Sinkhorn with the row-max shift exactly as OPS.md section
+  1), the autograd oracle the tests compare against.
+
+Initialisation (see :func:`identity_bias`): the paper makes every
+coefficient a static bias plus a dynamic term gated by a learnable scalar
+alpha that starts small (Sec. 4, Eqs. 7-8: alpha_pre, alpha_post, alpha_res
+"initialised to small values"), so at initialisation the coefficients are
+essentially the biases.  The biases here start the layer at a plain residual
+connection, as Hyper-Connections (Zhu et al., arXiv 2409.19606) initialise
+theirs to the pre-norm residual: H_pre = 1/n (the stream average), H_post = 1
+(2 sigmoid(0)), H_res close to the identity.  With the streams created by
+:func:`expand_streams` (n equal copies) and collapsed by the mean, an mHC
+network with phi = 0 is then exactly the plain residual network up to the
+Sinkhorn row-sum error (~1e-8).  phi starts as a tiny normal (std
+``1 / sqrt(n C)``, so each dynamic logit is ~N(0, alpha^2) ~ 0.01): that
+breaks the symmetry between the n equal streams, which with phi = 0 would
+stay equal forever.
+
+This module imports ``mhc_cupy.torch`` lazily (at call time), so that
+``mhc_cupy.torch`` may re-export these names without an import cycle.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+import mhc_cupy as _m
+
+from . import reference as _ref
+
+__all__ = [
+    "MHC", "MHCReference", "MHCCoeffsFunction", "mhc_coeffs", "mhc_reference", "sinkhorn_reference",
+    "identity_bias", "expand_streams", "collapse_streams", "ExpandStreams", "CollapseStreams",
+]
+
+
+# ----------------------------------------------------------------- helpers
+def _adapter():
+    """``mhc_cupy.torch``, imported at call time (it may import this module)."""
+    from . import torch as mt
+
+    return mt
+
+
+def _run(fn, like: Tensor, *args, **params):
+    """Call a functional ``*_fwd`` / ``*_bwd`` on detached tensors, on ``like``'s device."""
+    args = [a.detach() if isinstance(a, Tensor) else a for a in args]
+    dev = like.device
+    if dev.type == "cuda" and dev.index != torch.cuda.current_device():
+        with torch.cuda.device(dev):
+            return fn(*args, **params)
+    return fn(*args, **params)
+
+
+def _as_f32(t: Tensor) -> Tensor:
+    """Coefficient parameters are float32 (OPS.md); differentiable cast if a module was ``.to()``-ed."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
+# ---------------------------------------------------------- coefficient path
+def _coeffs_fwd_fallback(x, phi, alpha, bias, eps):
+    """Used only while ``mhc_cupy.mhc_coeffs_fwd`` is not available: NumPy reference on CPU,
+    float32 torch math on GPU."""
+    if x.device.type == "cpu":
+        outs = _ref.mhc_coeffs_fwd(x.detach().float().numpy(), phi.detach().numpy(), alpha.detach().numpy(),
+                                   bias.detach().numpy(), eps=eps)
+        return tuple(torch.from_numpy(o).to(torch.float32) for o in outs)
+    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+        n, C = x.shape[-2], x.shape[-1]
+        xt = x.reshape(x.shape[:-2] + (n * C,)).float()
+        rinv = torch.rsqrt(xt.square().mean(-1, keepdim=True) + eps)
+        h = _alpha_columns(alpha, n) * (xt @ phi) * rinv + bias
+        return (h[..., :n].contiguous(), h[..., n:2 * n].contiguous(),
+                h[..., 2 * n:].reshape(x.shape[:-2] + (n, n)).contiguous())
+
+
+def _coeffs_bwd_fallback(g_pre, g_post, g_res, x, phi, alpha, bias, eps):
+    if x.device.type == "cpu":
+        np_ = lambda t: None if t is None else t.detach().float().numpy()  # noqa: E731
+        dx, dphi, dalpha, dbias = _ref.mhc_coeffs_bwd(np_(g_pre), np_(g_post), np_(g_res), np_(x), np_(phi),
+                                                      np_(alpha), np_(bias), eps=eps)
+        return (torch.from_numpy(dx).to(x.dtype), torch.from_numpy(dphi).float(), torch.from_numpy(dalpha).float(),
+                torch.from_numpy(dbias).float())
+    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+        n, C = x.shape[-2], x.shape[-1]
+        lead = x.shape[:-2]
+        m = n * n + 2 * n
+        xt = x.reshape(lead + (n * C,)).float()
+        rinv = torch.rsqrt(xt.square().mean(-1, keepdim=True) + eps)
+        Ht = xt @ phi
+        z = lambda g, k: xt.new_zeros(lead + (k,)) if g is None else g.float().reshape(lead + (k,))  # noqa: E731
+        gh = torch.cat([z(g_pre, n), z(g_post, n), z(g_res, n * n)], dim=-1)
+        a = _alpha_columns(alpha, n)
+        dbias = gh.reshape(-1, m).sum(0)
+        per_col = (gh * Ht * rinv).reshape(-1, m).sum(0)
+        dalpha = torch.stack([per_col[:n].sum(), per_col[n:2 * n].sum(), per_col[2 * n:].sum()])
+        dHt = gh * a * rinv
+        dphi = xt.reshape(-1, n * C).T @ dHt.reshape(-1, m)
+        s = (gh * a * Ht).sum(-1, keepdim=True)
+        dxt = dHt @ phi.T - s * rinv.pow(3) * xt / (n * C)
+        return dxt.reshape(x.shape).to(x.dtype), dphi, dalpha, dbias
+
+
+def _coeffs_fwd_impl(x, phi, alpha, bias, eps):
+    fn = getattr(_m, "mhc_coeffs_fwd", None)
+    if fn is None:
+        return _coeffs_fwd_fallback(x, phi, alpha, bias, eps)
+    return tuple(_run(fn, x, x, phi, alpha, bias, eps=eps))
+
+
+def _coeffs_bwd_impl(g_pre, g_post, g_res, x, phi, alpha, bias, eps):
+    fn = getattr(_m, "mhc_coeffs_bwd", None)
+    if fn is None:
+        return _coeffs_bwd_fallback(g_pre, g_post, g_res, x, phi, alpha, bias, eps)
+    return tuple(_run(fn, x, g_pre, g_post, g_res, x, phi, alpha, bias, eps=eps))
+
+
+class MHCCoeffsFunction(torch.autograd.Function):
+    """Autograd node of the coefficient path (OPS.md section 8) over the functional API.
+
+    ``forward(x, phi, alpha, bias, eps)`` -> (h_pre_raw, h_post_raw, h_res_raw);
+    backward calls ``mhc_cupy.mhc_coeffs_bwd`` once for all four gradients.
+    Saves only the inputs (r and x~ phi are recomputed in the backward).
+    """
+
+    @staticmethod
+    def forward(ctx, x, phi, alpha, bias, eps):
+        ctx.eps = eps
+        ctx.save_for_backward(x, phi, alpha, bias)
+        # Outputs the loss does not use get None (counted as zero by mhc_coeffs_bwd).
+        ctx.set_materialize_grads(False)
+        return _coeffs_fwd_impl(x, phi, alpha, bias, eps)
+
+    @staticmethod
+    def backward(ctx, g_pre, g_post, g_res):
+        if g_pre is None and g_post is None and g_res is None:
+            return None, None, None, None, None
+        x, phi, alpha, bias = ctx.saved_tensors
+        dx, dphi, dalpha, dbias = _coeffs_bwd_impl(g_pre, g_post, g_res, x, phi, alpha, bias, ctx.eps)
+        need = ctx.needs_input_grad
+        return (dx if need[0] else None, dphi if need[1] else None, dalpha if need[2] else None,
+                dbias if need[3] else None, None)
+
+
+def mhc_coeffs(x, phi, alpha, bias, eps=1e-5):
+    """Differentiable mHC coefficient path (OPS.md section 8, paper Eqs. 14-18).
+
+    Per token, x~ = vec(x) (length n*C), Ht = x~ phi, r = sqrt(mean(x~^2) + eps):
+    h_pre_raw = alpha[0] Ht[:n] / r + bias[:n];  h_post_raw = alpha[1] Ht[n:2n] / r + bias[n:2n];
+    h_res_raw = mat(alpha[2] Ht[2n:] / r + bias[2n:]) (row-major n x n).
+
+    Args:
+        x: [..., n, C] tensor, bfloat16 / float16 / float32 (the residual streams).
+        phi: float32 [n*C, n*n + 2n], columns ordered pre | post | res.
+        alpha: float32 [3] = (alpha_pre, alpha_post, alpha_res).
+        bias: float32 [n*n + 2n], same column order as phi.
+        eps: RMS eps, >= 0. Default 1e-5.
+
+    Returns:
+        (h_pre_raw [..., n], h_post_raw [..., n], h_res_raw [..., n, n]), float32,
+        on the device of x; differentiable w.r.t. x, phi, alpha and bias.
+
+    Raises:
+        TypeError / ValueError from ``mhc_cupy.mhc_coeffs_fwd`` (dtypes, shapes, devices).
+
+    Notes:
+        CUDA tensors run the toolkit's kernels on torch's current stream; CPU
+        tensors the float64 NumPy reference (outputs rounded to float32).
+        Backward saves the four inputs only.
+    """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, phi, alpha, bias)):
+        return MHCCoeffsFunction.apply(x, phi, alpha, bias, eps)
+    return _coeffs_fwd_impl(x, phi, alpha, bias, eps)
+
+
+# ------------------------------------------------------------ initialisation
+def _logit(p: float) -> float:
+    return math.log(p) - math.log1p(-p)
+
+
+def identity_bias(n: int, pre: Optional[float] = None, post: float = 1.0, res_diag: float = 0.95) -> Tensor:
+    """Biases [n*n + 2n] (pre | post | res) that start mHC at a plain residual connection.
+
+    * b_pre = logit(pre) so that H_pre = sigmoid(b_pre) = ``pre`` for every
+      stream; default 1/n: layer_in is the stream average, which for n equal
+      streams is the plain residual stream itself (n = 1: 0.99, since
+      sigmoid never reaches 1).
+    * b_post = logit(post / 2) so that H_post = 2 sigmoid(b_post) = ``post``;
+      default 1 (b_post = 0): every stream receives F's output once, as
+      ``x + F(x)``.
+    * b_res = d on the diagonal, 0 elsewhere, with d = log(res_diag (n-1) /
+      (1 - res_diag)): a matrix with one constant diagonal and one constant
+      off-diagonal is already doubly stochastic after the first row step, so
+      Sinkhorn returns exactly res_diag on the diagonal and
+      (1 - res_diag)/(n - 1) elsewhere.  Default 0.95: close to the identity
+      (each stream keeps itself, as Hyper-Connections' identity init), yet
+      not so saturated that the Sinkhorn gradient (~P(1-P)) vanishes.  For n
+      equal streams H_res acts only through its row sums (1), so this choice
+      does not change the function at init, only how stream differences
+      propagate once they appear.
+
+    Args:
+        n: streams, >= 1.
+        pre: H_pre at init in (0, 1); default 1/n (0.99 for n = 1).
+        post: H_post at init in (0, 2); default 1.
+        res_diag: diagonal of H_res at init in [1/n, 1); default 0.95 (ignored for n = 1).
+
+    Returns:
+        float32 tensor [n*n + 2n].
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if pre is None:
+        pre = 1.0 / n if n > 1 else 0.99
+    if not 0.0 < pre < 1.0:
+        raise ValueError(f"pre (H_pre at init) must be in (0, 1), got {pre}")
+    if not 0.0 < post < 2.0:
+        raise ValueError(f"post (H_post at init) must be in (0, 2), got {post}")
+    b = torch.zeros(n * n + 2 * n, dtype=torch.float32)
+    b[:n] = _logit(pre)
+    b[n:2 * n] = _logit(post / 2.0)
+    if n > 1:
+        if not 1.0 / n <= res_diag < 1.0:
+            raise ValueError(f"res_diag (diagonal of H_res at init) must be in [1/n, 1) = [{1.0 / n}, 1), got {res_diag}")
+        d = math.log(res_diag * (n - 1) / (1.0 - res_diag))
+        b[2 * n:] = (torch.eye(n) * d).reshape(-1)
+    return b
+
+
+# --------------------------------------------------------- stream helpers
+def expand_streams(h: Tensor, n: int) -> Tensor:
+    """Copy a hidden state into n residual streams: [..., C] -> [..., n, C] (contiguous).
+
+    Every stream starts as the embedding itself (the Hyper-Connections /
+    mHC convention); the gradient is the sum over the streams.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    return h.unsqueeze(-2).expand(*h.shape[:-1], n, h.shape[-1]).contiguous()
+
+
+def collapse_streams(x: Tensor, reduce: str = "mean") -> Tensor:
+    """Merge the residual streams back into one hidden state: [..., n, C] -> [..., C].
+
+    ``reduce="mean"`` (default) makes ``collapse_streams(expand_streams(h, n)) == h``
+    (exactly for n a power of two, else up to one rounding) and keeps the
+    scale of a plain residual stream; ``"sum"`` is the sum
+    (n times larger; equivalent when a scale-invariant norm follows, as the
+    final RMSNorm of a transformer).
+    """
+    if reduce == "mean":
+        return x.mean(dim=-2)
+    if reduce == "sum":
+        return x.sum(dim=-2)
+    raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
+
+
+class ExpandStreams(nn.Module):
+    """Module form of :func:`expand_streams`."""
+
+    def __init__(self, n_streams: int):
+        super().__init__()
+        self.n_streams = n_streams
+
+    def forward(self, h: Tensor) -> Tensor:
+        return expand_streams(h, self.n_streams)
+
+    def extra_repr(self) -> str:
+        return f"n_streams={self.n_streams}"
+
+
+class CollapseStreams(nn.Module):
+    """Module form of :func:`collapse_streams`."""
+
+    def __init__(self, reduce: str = "mean"):
+        super().__init__()
+        if reduce not in ("mean", "sum"):
+            raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
+        self.reduce = reduce
+
+    def forward(self, x: Tensor) -> Tensor:
+        return collapse_streams(x, self.reduce)
+
+    def extra_repr(self) -> str:
+        return f"reduce={self.reduce!r}"
+
+
+# ------------------------------------------------------------------- layer
+class MHC(nn.Module):
+    """mHC around one sublayer: x_{l+1} = H_res x_l + H_post^T F(H_pre x_l) (paper Eq. 3).
+
+    The coefficients are computed per token from x_l (paper Eqs. 14-18,
+    OPS.md section 8; :func:`mhc_coeffs`), activated and applied by
+    ``mhc_cupy.torch.mhc_pre_op`` (OPS.md section 7), and the residual update
+    is ``mhc_cupy.torch.mhc_post_op`` (section 6).  CUDA tensors run the
+    toolkit's kernels; CPU tensors the NumPy reference.
+
+    Args:
+        dim: C, the hidden size of the sublayer.
+        n_streams: n, the number of residual streams (1..32). Default 4 (the paper's).
+        sublayer: F, any module [..., C] -> [..., C] (attention, MLP, with
+            its own pre-norm); None = identity.  Extra forward arguments are
+            passed through to it.  Its output is cast to x's dtype.
+        num_iters: Sinkhorn iterations (paper t_max). Default 20.
+        eps: Sinkhorn eps. Default 1e-8.
+        rms_eps: eps of r = sqrt(mean(x~^2) + eps). Default 1e-5.
+        alpha_init: initial value of alpha_pre, alpha_post, alpha_res
+            (paper: small). Default 0.01.
+        phi_init_std: std of phi's normal init; default 1/sqrt(n*C) (each
+            dynamic logit then starts ~N(0, alpha_init^2)).  0 gives zeros
+            (then the n streams stay identical: no symmetry breaking).
+        pre_init, post_init, res_diag_init: H_pre, H_post and diag(H_res) at
+            init; see :func:`identity_bias`.
+        grad_mode: Sinkhorn backward, "unrolled" (default, exact) or "implicit".
+
+    Parameters:
+        phi: float32 [n*C, n*n + 2n] (columns pre | post | res);
+        alpha: float32 [3]; bias: float32 [n*n + 2n].
+
+    Shapes:
+        forward(x [..., n, C], *args, **kwargs) -> [..., n, C], dtype of x
+        (bfloat16 / float16 / float32; coefficients are always float32).
+    """
+
+    def __init__(self, dim: int, n_streams: int = 4, sublayer: Optional[nn.Module] = None, num_iters: int = 20,
+                 eps: float = 1e-8, rms_eps: float = 1e-5, alpha_init: float = 0.01,
+                 phi_init_std: Optional[float] = None, pre_init: Optional[float] = None, post_init: float = 1.0,
+                 res_diag_init: float = 0.95, grad_mode: str = "unrolled", device=None):
+        super().__init__()
+        if dim < 1 or n_streams < 1:
+            raise ValueError(f"dim and n_streams must be >= 1, got dim={dim}, n_streams={n_streams}")
+        if grad_mode not in ("unrolled", "implicit"):
+            raise ValueError(f"grad_mode must be 'unrolled' or 'implicit', got {grad_mode!r}")
+        self.dim, self.n_streams = dim, n_streams
+        self.num_iters, self.eps, self.rms_eps, self.grad_mode = num_iters, eps, rms_eps, grad_mode
+        self.alpha_init = alpha_init
+        self.phi_init_std = 1.0 / math.sqrt(n_streams * dim) if phi_init_std is None else phi_init_std
+        self.pre_init, self.post_init, self.res_diag_init = pre_init, post_init, res_diag_init
+        m = n_streams * n_streams + 2 * n_streams
+        kw = {"device": device, "dtype": torch.float32}
+        self.phi = nn.Parameter(torch.empty(n_streams * dim, m, **kw))
+        self.alpha = nn.Parameter(torch.empty(3, **kw))
+        self.bias = nn.Parameter(torch.empty(m, **kw))
+        self.sublayer = sublayer if sublayer is not None else nn.Identity()
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Re-initialise phi, alpha and bias (not the sublayer)."""
+        if self.phi_init_std > 0:
+            self.phi.normal_(0.0, self.phi_init_std)
+        else:
+            self.phi.zero_()
+        self.alpha.fill_(self.alpha_init)
+        self.bias.copy_(identity_bias(self.n_streams, self.pre_init, self.post_init, self.res_diag_init))
+
+    def _check(self, x: Tensor) -> None:
+        if x.dim() < 2 or x.shape[-2] != self.n_streams or x.shape[-1] != self.dim:
+            raise ValueError(f"x has shape {tuple(x.shape)}; MHC needs [..., n_streams={self.n_streams}, "
+                             f"dim={self.dim}]")
+
+    def coefficients(self, x: Tensor):
+        """(h_pre_raw, h_post_raw, h_res_raw) for x [..., n, C] (float32, differentiable)."""
+        self._check(x)
+        return mhc_coeffs(x, _as_f32(self.phi), _as_f32(self.alpha), _as_f32(self.bias), self.rms_eps)
+
+    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        mt = _adapter()
+        h_pre_raw, h_post_raw, h_res_raw = self.coefficients(x)
+        layer_in, _, H_post, H_res = mt.mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=self.num_iters,
+                                                   eps=self.eps, grad_mode=self.grad_mode)
+        y = self.sublayer(layer_in, *args, **kwargs)
+        if y.shape != layer_in.shape:
+            raise ValueError(f"sublayer returned shape {tuple(y.shape)}; MHC needs [..., C] = {tuple(layer_in.shape)}")
+        return mt.mhc_post_op(y.to(x.dtype), x, H_post, H_res)
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, n_streams={self.n_streams}, num_iters={self.num_iters}, eps={self.eps}, "
+                f"rms_eps={self.rms_eps}, grad_mode={self.grad_mode!r}")
+
+
+# ------------------------------------------------------ pure-torch reference
+def sinkhorn_reference(logits: Tensor, num_iters: int = 20, eps: float = 1e-8) -> Tensor:
+    """Sinkhorn-Knopp in plain torch ops, exactly as OPS.md section 1 (row-max shift first)."""
+    P = torch.exp(logits - logits.max(dim=-1, keepdim=True).values)
+    for _ in range(num_iters):
+        P = P / (P.sum(dim=-1, keepdim=True) + eps)
+        P = P / (P.sum(dim=-2, keepdim=True) + eps)
+    return P
+
+
+def _alpha_columns(alpha: Tensor, n: int) -> Tensor:
+    """alpha [..., 3] -> one scale per column of phi [..., n*n + 2n] (differentiable)."""
+    lead = alpha.shape[:-1]
+    return torch.cat([alpha[..., 0:1].expand(lead + (n,)), alpha[..., 1:2].expand(lead + (n,)),
+                      alpha[..., 2:3].expand(lead + (n * n,))], dim=-1)
+
+
+def mhc_reference(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, sublayer=None, num_iters: int = 20,
+                  eps: float = 1e-8, rms_eps: float = 1e-5, args=(), kwargs=None) -> Tensor:
+    """The whole mHC layer in plain torch ops (autograd oracle for :class:`MHC`).
+
+    Same formulas as :class:`MHC` (OPS.md sections 6-8, paper Eqs. 3, 8,
+    14-18), computed in the dtype of x promoted to at least float32
+    (coefficients) and x's dtype (activations: pass float32 / float64).
+    ``sublayer`` is called as ``sublayer(layer_in, *args, **kwargs)``.
+    ``alpha`` [..., 3] and ``bias`` [..., n*n + 2n] may also be given per token
+    (broadcast against x's leading dims): their gradient is then each
+    token's contribution to the shared parameter's gradient.
+    """
+    n, C = x.shape[-2], x.shape[-1]
+    lead = x.shape[:-2]
+    cdt = torch.promote_types(x.dtype, torch.float32)
+    xt = x.reshape(lead + (n * C,)).to(cdt)
+    r = torch.sqrt(xt.square().mean(dim=-1, keepdim=True) + rms_eps)
+    h = _alpha_columns(alpha.to(cdt), n) * (xt @ phi.to(cdt)) / r + bias.to(cdt)
+    H_pre = torch.sigmoid(h[..., :n])
+    H_post = 2.0 * torch.sigmoid(h[..., n:2 * n])
+    H_res = sinkhorn_reference(h[..., 2 * n:].reshape(lead + (n, n)), num_iters, eps)
+    layer_in = (H_pre.unsqueeze(-1) * x.to(cdt)).sum(dim=-2).to(x.dtype)
+    y = layer_in if sublayer is None else sublayer(layer_in, *args, **(kwargs or {}))
+    out = H_res @ x.to(cdt) + H_post.unsqueeze(-1) * y.to(cdt).unsqueeze(-2)
+    return out.to(x.dtype)
+
+
+class MHCReference(MHC):
+    """:class:`MHC` with the forward written in plain torch ops (:func:`mhc_reference`).
+
+    Same constructor, parameters and state dict as :class:`MHC`; use
+    :meth:`from_layer` to get a reference copy of an existing layer (deep
+    copy of its sublayer and parameters).  For tests: autograd of this
+    module is the oracle for the kernel path.
+    """
+
+    @classmethod
+    def from_layer(cls, layer: MHC) -> "MHCReference":
+        ref = copy.deepcopy(layer)
+        ref.__class__ = cls
+        return ref
+
+    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        self._check(x)
+        return mhc_reference(x, self.phi, self.alpha, self.bias, self.sublayer, self.num_iters, self.eps,
+                             self.rms_eps, args, kwargs)
