@@ -83,12 +83,12 @@ _DTYPE_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat1
 
 # ------------------------------------------------------------------ helpers
 def _run(fn, like: Tensor, *args, **params):
-    """Call a functional ``*_fwd`` / ``*_bwd`` on detached tensors, on ``like``'s device."""
-    args = [a.detach() if isinstance(a, Tensor) else a for a in args]
-    dev = like.device
-    if dev.type == "cuda" and dev.index != torch.cuda.current_device():
-        with torch.cuda.device(dev):
-            return fn(*args, **params)
+    """Call a functional ``*_fwd`` / ``*_bwd``.
+
+    The functional API reads pointers directly (no DLPack, so tensors that
+    require grad need no detach), allocates on ``like``'s device and launches
+    on torch's current stream of that device; nothing to set up here.
+    """
     return fn(*args, **params)
 
 
