@@ -205,6 +205,7 @@ __global__ void mhc_stream_aggregate_fwd_kernel(const T* __restrict__ x, const f
 // dx_i = h_i g ; dh_i = sum_c g_c x_ic (per token, [tokens, N]).
 // ACT = 1 (pre op): h = sigmoid(h_raw) and the kernel writes
 //   dh_raw_i = (sum_c g_c x_ic + gh_i) * h_i (1 - h_i), gh (grad of H_pre) may be null.
+// g null means a zero incoming gradient (the pre op's unused layer input).
 template <typename T, typename TG, int N, int E, int ACT>
 __global__ void mhc_stream_aggregate_bwd_kernel(const TG* __restrict__ g, const T* __restrict__ x,
                                                 const float* __restrict__ h, i64 h_stride,
@@ -227,7 +228,12 @@ __global__ void mhc_stream_aggregate_bwd_kernel(const TG* __restrict__ g, const 
         for (int c = threadIdx.x * E; c < C; c += blockDim.x * E) {
             float gv[E];
             float xv[N][E];
-            mhc::load_vec<TG, E>(gt + c, gv);
+            if (g != nullptr) {
+                mhc::load_vec<TG, E>(gt + c, gv);
+            } else {
+#pragma unroll
+                for (int e = 0; e < E; ++e) gv[e] = 0.f;
+            }
 #pragma unroll
             for (int i = 0; i < N; ++i) mhc::load_vec<T, E>(xt + (i64)i * C + c, xv[i]);
 #pragma unroll

@@ -103,20 +103,12 @@ def _compile(filename: str, source: str, options, arch: str, expr: str, include_
             source, options, arch, filename, name_expressions=[expr], cache_in_memory=True
         )
     except compiler.CompileException as e:
-        log = str(e)
-        hint = ""
-        for header in ("cuda_bf16.h", "cuda_fp16.h"):
-            if header in log:
-                hint = (
-                    f"\n{header} was not found or failed: it is provided by the pip package "
-                    "'nvidia-cuda-runtime-cu12' (extra mhc-cupy[cuda12]) or 'nvidia-cuda-runtime' "
-                    "(CUDA 13, extra mhc-cupy[cuda13]); set MHC_CUPY_INCLUDE_DIRS to add a folder."
-                )
-                break
+        from ._nvrtc import format_compile_error
+
         raise KernelCompileError(
-            f"NVRTC {'.'.join(map(str, nvrtc_version()))} failed to compile {expr} from "
-            f"kernels_cu/{filename} for sm_{arch}.\ninclude dirs searched: {list(include_dirs)}\n"
-            f"options: {list(options)}{hint}\nNVRTC log:\n{log}"
+            f"{expr} from kernels_cu/{filename}:\n"
+            + format_compile_error(filename, str(e), include_dirs=include_dirs, options=options, arch=f"sm_{arch}",
+                                   nvrtc_version=nvrtc_version(), lib_path="")
         ) from None
     return mapping[expr], binary
 
@@ -181,5 +173,9 @@ def launch(filename, name_expression, grid, block, args, stream_ptr, shared_mem=
         _big_smem.add((fn.ptr, shared_mem))
     stream = _streams.get(stream_ptr)
     if stream is None:
-        stream = _streams[stream_ptr] = cupy.cuda.ExternalStream(stream_ptr)
+        import warnings
+
+        with warnings.catch_warnings():  # CuPy 14 prefers Stream.from_external(obj), which needs an object
+            warnings.simplefilter("ignore", DeprecationWarning)
+            stream = _streams[stream_ptr] = cupy.cuda.ExternalStream(stream_ptr)
     fn(grid, block, args, shared_mem=shared_mem, stream=stream)

@@ -85,7 +85,7 @@ def launch_aggregate_fwd(dt, n, C, tokens, x, h, h_stride, out, stream):
 
 
 def launch_aggregate_bwd(dt, tg, n, C, tokens, g, x, h, h_stride, dx, dh, stream, act=0, gh=None):
-    E = vec_width(n, C, [(g, tg), (x, dt), (dx, dt)])
+    E = vec_width(n, C, [(g, tg), (x, dt), (dx, dt)])  # g may be None (zero gradient)
     launch(_FILE, f"mhc_stream_aggregate_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{n},{E},{act}>", grid_for(tokens),
            (threads_for(C, E), 1, 1), (g, x, h, h_stride, gh, dx, dh, tokens, i32(C)), stream)
 

@@ -38,3 +38,27 @@ def test_warm_start_compiles_nothing(tmp_path):
     assert warm["compiles"] == 0
     assert warm["disk_hits"] == warm["kernels"]
     assert warm["seconds"] < 5.0, warm  # import + loading every module; cold took cold["seconds"]
+
+
+_BROKEN = r"""
+import mhc_cupy
+from mhc_cupy import _jit
+try:
+    _jit.get_function("stream_ops.cu", "mhc_column_sum_kernel")
+except _jit.KernelCompileError as e:
+    print("RAISED")
+    print(e)
+"""
+
+
+def test_broken_header_is_reported(tmp_path):
+    """Case P8 at run time: an include dir whose cuda_bf16.h is #error gives an
+    error naming the header, the include dirs and the NVRTC version; no hang."""
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    (inc / "cuda_bf16.h").write_text('#error "this cuda_bf16.h is broken on purpose"\n')
+    env = dict(os.environ, MHC_CUPY_CACHE_DIR=str(tmp_path / "cache"), MHC_CUPY_INCLUDE_DIRS=str(inc))
+    out = subprocess.run([sys.executable, "-c", _BROKEN], env=env, capture_output=True, text=True, timeout=120)
+    assert "RAISED" in out.stdout, out.stdout + out.stderr
+    msg = out.stdout
+    assert "cuda_bf16.h" in msg and str(inc) in msg and "NVRTC" in msg and "broken on purpose" in msg
