@@ -45,8 +45,11 @@ def bwd_group(n: int) -> int:
 
 
 def history_slots(n: int) -> int:
-    """Denominators each lane of the backward records per iteration (its rows and its columns)."""
-    return 2 * -(-n // bwd_group(n))
+    """Denominators each lane of the backward records per iteration: its rows'
+    and the columns' (all n with G <= 2, else its share; see ``Layout`` in sinkhorn.cu)."""
+    g = bwd_group(n)
+    rows = -(-n // g)
+    return rows + (n if g <= 2 else rows)
 
 
 def launch_fwd(n, tokens, iters, eps, logits, P, stream, h_pre_raw=None, h_post_raw=None, H_pre=None, H_post=None):
