@@ -22,6 +22,11 @@ _KC = 24  # at most this many columns of phi per block (accumulators per thread 
 _FUSED_K = 24  # K <= this: dx and dphi in one kernel (n <= 4)
 _TS = 32  # tokens of dH staged per step of the backward (kernels_cu/coeffs.cu TS)
 _DX_KC = 16  # columns per chunk of the general dx kernel
+#: Widest x access (elements) of the backward kernels.  The fused kernel keeps 2 * E * K
+#: floats per thread: E = 1 (100 registers, 2 blocks per SM) measured ~8% faster than
+#: E = 2 (158 registers) on an H200 (n = 4, C = 4096, bf16).
+_FUSED_E = 1
+_BWD_E = 2
 #: D positions per step of the widest forward (32 lanes x 4); D ranges are multiples of it.
 _D_UNIT = 128
 #: Block count the D / token splits aim for.  A constant (not the SM count) so the
@@ -184,7 +189,7 @@ def _plan_bwd(infos, eps):
             else:
                 column_sum(p[name], dbias + 4 * offset, tokens, cols, stream)
         dphi_out = s[3] if t_splits > 1 else dphi
-        E = vec_width(1, D, [(p["x"], dt), (dx, dt)], budget=2)
+        E = vec_width(1, D, [(p["x"], dt), (dx, dt)], budget=_FUSED_E if fused else _BWD_E)
         dblocks = _cdiv(D, _NT * E)
         if fused:
             launch(_FILE, f"mhc_coeffs_bwd_fused_kernel<{CTYPE[dt]},{E},{K}>", (dblocks, t_splits, 1), (_NT, 1, 1),
