@@ -70,6 +70,7 @@ import numpy as np
 
 from . import _checks, _interop
 from ._interop import ArrayInfo
+from .ops import coeffs as _coeffs
 from .ops import post as _post
 from .ops import pre as _pre
 from .ops import rmsnorm as _rms
@@ -83,7 +84,7 @@ except ImportError:  # pragma: no cover - depends on the installed jax
 
 __all__ = [
     "sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute",
-    "mhc_post_op", "mhc_pre_op",
+    "mhc_post_op", "mhc_pre_op", "mhc_coeffs",
 ]
 
 #: Placeholder device of the trace-time ArrayInfo: planners read only shapes
@@ -114,6 +115,10 @@ class _Spec:
     shared: str | None = None
     shared_grad: int | None = None
     shared_mode: str = "expand"
+    #: Parameters without token dims (the coefficient path's phi, alpha, bias):
+    #: they stay unbatched when only token inputs are batched; otherwise, or
+    #: when their per-example gradient is computed, the kernel runs per example.
+    fixed: tuple = ()
 
     def rank(self, name: str) -> int:
         return self.ranks[self.inputs.index(name)]
@@ -148,6 +153,11 @@ def _specs():
         S("pre_bwd", _pre._plan_bwd,
           ("grad_layer_in", "grad_H_pre", "grad_H_post", "grad_H_res", "x", "h_pre_raw", "h_post_raw", "h_res_raw"),
           (1, 1, 1, 2, 2, 1, 1, 2), "x"),
+        S("coeffs_fwd", _coeffs._plan_fwd, ("x", "phi", "alpha", "bias"), (2, 2, 1, 1), "x",
+          fixed=("phi", "alpha", "bias")),
+        S("coeffs_bwd", _coeffs._plan_bwd,
+          ("grad_h_pre_raw", "grad_h_post_raw", "grad_h_res_raw", "x", "phi", "alpha", "bias"),
+          (1, 1, 2, 2, 2, 1, 1), "x", shared_grad=1, fixed=("phi", "alpha", "bias")),
     )}
 
 
@@ -291,11 +301,28 @@ def _vmap_rule(name: str, params: tuple, axis_size: int, in_batched, *arrays):
     axis first; the result equals running the kernel once per example."""
     spec = _SPECS[name]
     batched = [bool(b) if a is not None else False for a, b in zip(arrays, in_batched)]
+    call = _kernel(name, params)
+    if spec.fixed:
+        fixed = [k in spec.fixed for k in spec.inputs]
+        if spec.shared_grad is None and not any(b for b, f in zip(batched, fixed) if f):
+            # the batch axis is one more token dim; the parameters stay as they are
+            outs = call(*[a if f or a is None or b else _broadcast_front(a, axis_size)
+                          for a, b, f in zip(arrays, batched, fixed)])
+            return tuple(outs), tuple(True for _ in outs)
+        idx = [i for i, b in enumerate(batched) if b]
+
+        def one_example(sliced):
+            merged = list(arrays)
+            for i, v in zip(idx, sliced):
+                merged[i] = v
+            return tuple(call(*merged))
+
+        outs = _jax.lax.map(one_example, tuple(arrays[i] for i in idx))
+        return tuple(outs), tuple(True for _ in outs)
     shapes = {k: None if a is None else (tuple(a.shape[1:]) if b else tuple(a.shape))
               for k, a, b in zip(spec.inputs, arrays, batched)}
     shared = spec.is_shared(shapes)
     si = spec.inputs.index(spec.shared) if shared else None
-    call = _kernel(name, params)
 
     def per_token(a, b):
         return a if a is None or b else _broadcast_front(a, axis_size)
@@ -438,6 +465,24 @@ def _pre_op_bwd(num_iters, eps, grad_mode, res, cts):
 _pre_op.defvjp(_pre_op_fwd, _pre_op_bwd, symbolic_zeros=True)
 
 
+@functools.partial(_jax.custom_vjp, nondiff_argnums=(4,))
+def _coeffs_op(x, phi, alpha, bias, eps):
+    return _k("coeffs_fwd", (("eps", eps),), x, phi, alpha, bias)
+
+
+def _coeffs_op_fwd(x, phi, alpha, bias, eps):
+    args = tuple(_value(a) for a in (x, phi, alpha, bias))
+    return _coeffs_op(*args, _value(eps)), args
+
+
+def _coeffs_op_bwd(eps, res, cts):
+    grads = tuple(None if isinstance(g, _jax.custom_derivatives.SymbolicZero) else g for g in cts)
+    return _k("coeffs_bwd", (("eps", eps),), *grads, *res)
+
+
+_coeffs_op.defvjp(_coeffs_op_fwd, _coeffs_op_bwd, symbolic_zeros=True)
+
+
 # Jitted entry points: eager calls hit a compiled-program cache; inside an
 # outer jit / grad / vmap they are ordinary nested calls.
 _sinkhorn_jit = _jax.jit(_sinkhorn, static_argnums=(1, 2, 3))
@@ -447,6 +492,7 @@ _aggregate_jit = _jax.jit(_aggregate)
 _distribute_jit = _jax.jit(_distribute)
 _post_op_jit = _jax.jit(_post_op)
 _pre_op_jit = _jax.jit(_pre_op, static_argnums=(4, 5, 6))
+_coeffs_jit = _jax.jit(_coeffs_op, static_argnums=(4,))
 
 
 def _static_sinkhorn(num_iters, eps, grad_mode):
@@ -620,3 +666,29 @@ def mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=20, eps=1e-8, grad
         costs nothing); everything else is recomputed from the saved inputs.
     """
     return _pre_op_jit(x, h_pre_raw, h_post_raw, h_res_raw, *_static_sinkhorn(num_iters, eps, grad_mode))
+
+
+def mhc_coeffs(x, phi, alpha, bias, eps=1e-5):
+    """Per-token mHC coefficients from the residual stream (JAX; OPS.md section 8, paper Eqs. 14-18).
+
+    With x~ = vec(x) (length n*C), r = sqrt(mean(x~^2) + eps) and Ht = x~ phi:
+    h_pre_raw = alpha[0] Ht_pre / r + bias_pre, h_post_raw = alpha[1] Ht_post / r + bias_post,
+    h_res_raw = alpha[2] mat(Ht_res) / r + bias_res (columns of phi ordered pre | post | res).
+
+    Args:
+        x: [..., n, C] activations (bfloat16 / float16 / float32), 1 <= n <= 32.
+        phi: float32 [n*C, n*n + 2n].  alpha: float32 [3].  bias: float32 [n*n + 2n].
+        eps: added to the mean square, >= 0. Static. Default 1e-5.
+
+    Returns:
+        (h_pre_raw [..., n], h_post_raw [..., n], h_res_raw [..., n, n]), float32.
+
+    Raises:
+        TypeError / ValueError at trace time: bad dtypes or shapes.
+
+    Notes:
+        Differentiable in x, phi, alpha and bias (custom_vjp; unused outputs
+        are symbolic zeros); jit / grad / vmap supported (a batched phi, alpha
+        or bias, or their per-example gradients, run once per example).
+    """
+    return _coeffs_jit(x, phi, alpha, bias, _checks.eps("eps", eps))

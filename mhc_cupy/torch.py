@@ -45,12 +45,15 @@ from torch import Tensor
 
 from . import _checks
 from ._interop import ArrayInfo
+from .ops import coeffs as _coeffs
 from .ops import post as _post
 from .ops import pre as _pre
 from .ops import rmsnorm as _rms
 from .ops import sinkhorn as _sk
 from .ops import stream as _stream
 from .ops import (
+    mhc_coeffs_bwd,
+    mhc_coeffs_fwd,
     mhc_post_op_bwd,
     mhc_post_op_fwd,
     mhc_pre_op_bwd,
@@ -69,7 +72,7 @@ from .ops import (
 
 __all__ = [
     "sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute",
-    "mhc_post_op", "mhc_pre_op",
+    "mhc_post_op", "mhc_pre_op", "mhc_coeffs",
 ]
 
 #: Namespace of the custom operators: ``torch.ops.mhc_cupy.<name>``.
@@ -625,3 +628,78 @@ def mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=20, eps=1e-8, grad
     if _needs_autograd(x, h_pre_raw, h_post_raw, h_res_raw):
         return _PreFn.apply(x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps, grad_mode)
     return _pre_fwd_impl(x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps, grad_mode)
+
+
+# ------------------------------------------------------------ coefficients
+def _coeffs_fwd_impl(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor,
+                     eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    return _run(mhc_coeffs_fwd, x, x, phi, alpha, bias, eps=eps)
+
+
+def _coeffs_fwd_fake(x, phi, alpha, bias, eps):
+    _validate(_coeffs._plan_fwd, {"x": x, "phi": phi, "alpha": alpha, "bias": bias}, eps=eps)
+    lead, n = tuple(x.shape[:-2]), x.shape[-2]
+    return (x.new_empty(lead + (n,), dtype=_F32), x.new_empty(lead + (n,), dtype=_F32),
+            x.new_empty(lead + (n, n), dtype=_F32))
+
+
+def _coeffs_bwd_impl(grad_h_pre_raw: Optional[Tensor], grad_h_post_raw: Optional[Tensor],
+                     grad_h_res_raw: Optional[Tensor], x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor,
+                     eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _run(mhc_coeffs_bwd, x, grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alpha, bias, eps=eps)
+
+
+def _coeffs_bwd_fake(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alpha, bias, eps):
+    _validate(_coeffs._plan_bwd, {"grad_h_pre_raw": grad_h_pre_raw, "grad_h_post_raw": grad_h_post_raw,
+                                  "grad_h_res_raw": grad_h_res_raw, "x": x, "phi": phi, "alpha": alpha,
+                                  "bias": bias}, eps=eps)
+    return (x.new_empty(x.shape), phi.new_empty(phi.shape), alpha.new_empty(alpha.shape), bias.new_empty(bias.shape))
+
+
+def _coeffs_setup(ctx, inputs, output):
+    x, phi, alpha, bias, ctx.eps = inputs
+    ctx.save_for_backward(x, phi, alpha, bias)
+    ctx.set_materialize_grads(False)  # unused outputs: None, counted as zero
+
+
+def _coeffs_backward(bwd, ctx, g_pre, g_post, g_res):
+    x, phi, alpha, bias = ctx.saved_tensors
+    if g_pre is None and g_post is None and g_res is None:
+        return (None,) * 5
+    dx, dphi, dalpha, dbias = bwd["mhc_coeffs_bwd"](g_pre, g_post, g_res, x, phi, alpha, bias, ctx.eps)
+    return dx, dphi, dalpha, dbias, None
+
+
+_CoeffsFn = _wire("mhc_coeffs", _coeffs_fwd_impl, _coeffs_fwd_fake,
+                  {"mhc_coeffs_bwd": (_coeffs_bwd_impl, _coeffs_bwd_fake)}, _coeffs_setup, _coeffs_backward)
+
+
+def mhc_coeffs(x, phi, alpha, bias, eps=1e-5):
+    """Differentiable per-token mHC coefficients (OPS.md section 8, paper Eqs. 14-18).
+
+    With x~ = vec(x) (length n*C), r = sqrt(mean(x~^2) + eps) and Ht = x~ phi:
+    h_pre_raw = alpha[0] Ht_pre / r + bias_pre, h_post_raw = alpha[1] Ht_post / r + bias_post,
+    h_res_raw = alpha[2] mat(Ht_res) / r + bias_res (columns of phi ordered pre | post | res).
+
+    Args:
+        x: [..., n, C] tensor, bfloat16 / float16 / float32, 1 <= n <= 32.
+        phi: float32 [n*C, n*n + 2n].  alpha: float32 [3].  bias: float32 [n*n + 2n].
+        eps: added to the mean square, >= 0. Default 1e-5.
+
+    Returns:
+        (h_pre_raw [..., n], h_post_raw [..., n], h_res_raw [..., n, n]), float32, differentiable
+        in x, phi, alpha and bias (feed them to :func:`mhc_pre_op`).
+
+    Raises:
+        TypeError: bad dtypes.  ValueError: shapes disagree, n out of range, devices.
+
+    Notes:
+        One read of x computes the GEMM and the sum of squares; the backward
+        recomputes them and sums the parameter gradients over tokens in a fixed
+        order (deterministic).
+    """
+    if _use_custom_op(x, phi, alpha, bias):
+        return _op("mhc_coeffs_fwd")(x, phi, alpha, bias, eps)
+    if _needs_autograd(x, phi, alpha, bias):
+        return _CoeffsFn.apply(x, phi, alpha, bias, eps)
+    return _coeffs_fwd_impl(x, phi, alpha, bias, eps)
