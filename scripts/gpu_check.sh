@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check: every test (CPU and GPU), compute-sanitizer memcheck + racecheck
-# on a representative subset, and the benchmarks; prints a summary at the end.
+# + synccheck on a representative subset, the benchmarks, the training demo and
+# the notebooks; prints a summary at the end.
 # Usage (repo root, on a CUDA machine):  bash scripts/gpu_check.sh [OUT_DIR]
+# Knobs: GPU_CHECK_PYTEST_ARGS (default: tests), GPU_CHECK_BENCH_ARGS,
+# GPU_CHECK_DEMO_ARGS (default: --baseline), GPU_CHECK_WORKERS (pytest-xdist).
 # Runs from the checkout (PYTHONPATH), no install needed.  Exit status is
 # non-zero if any step failed.
 set -u -o pipefail
@@ -25,7 +28,7 @@ step() {  # step NAME COMMAND...
 }
 
 step info $PY -m mhc_cupy info
-step warmup $PY -m mhc_cupy warmup --dtypes bfloat16,float16,float32 --n 1,2,3,4,8,16
+step warmup $PY -m mhc_cupy warmup --dtypes bfloat16 --n 4  # the rest compiles in parallel in the tests
 XDIST=""
 $PY -c "import xdist" 2>/dev/null && XDIST="-n ${GPU_CHECK_WORKERS:-8}"
 step tests $PY -m pytest -q -p no:cacheprovider $XDIST ${GPU_CHECK_PYTEST_ARGS:-tests}
@@ -36,12 +39,14 @@ if command -v compute-sanitizer > /dev/null; then
 else
     status[sanitizer]="compute-sanitizer not found"
 fi
-step bench $PY -m mhc_cupy.bench ${GPU_CHECK_BENCH_ARGS:-} --json "$OUT/bench.json"
+step bench $PY -m mhc_cupy.bench ${GPU_CHECK_BENCH_ARGS:-} --out "$OUT/bench"
+step demo $PY -m mhc_cupy.demo ${GPU_CHECK_DEMO_ARGS:---baseline} --out "$OUT/demo"
+step notebooks $PY scripts/run_notebooks.py notebooks/*.ipynb
 
 echo
 echo "================ gpu_check summary ================"
 rc=0
-for k in info warmup tests memcheck racecheck synccheck sanitizer bench; do
+for k in info warmup tests memcheck racecheck synccheck sanitizer bench demo notebooks; do
     [ -n "${status[$k]:-}" ] || continue
     echo "$k: ${status[$k]}"
     case "${status[$k]}" in rc=0*) ;; *) rc=1 ;; esac

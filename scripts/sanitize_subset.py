@@ -39,6 +39,10 @@ for T, n, C, dt in [(3, 3, 13, bf16), (5, 4, 1536, bf16), (2, 4, 2560, bf16), (2
     check("rmsnorm", m.rmsnorm_fwd(y, 1e-5, w), *m.rmsnorm_bwd(gy, y, 1e-5, w), m.rmsnorm_bwd(gy, y))
     check("pre", *m.mhc_pre_op_fwd(x, h, h, M), *m.mhc_pre_op_bwd(gy, h, h, M, x, h, h, M))
     check("pre implicit", *m.mhc_pre_op_bwd(None, None, h, M, x, h, h, M, grad_mode="implicit"))
+    K = n * n + 2 * n
+    phi, alpha, bias = act(n * C, K) * 0.01, act(3), act(K)
+    hr = act(T, n, n)
+    check("coeffs", *m.mhc_coeffs_fwd(x, phi, alpha, bias), *m.mhc_coeffs_bwd(h, None, hr, x, phi, alpha, bias))
     for iters in (20, 200):
         check("sinkhorn", m.sinkhorn_knopp_fwd(M, iters), m.sinkhorn_knopp_bwd(M, M, iters))
 cp.cuda.Device().synchronize()
