@@ -21,7 +21,7 @@ step() {  # step NAME COMMAND...
     local name=$1; shift
     echo "=== $name: $*"
     local t0=$SECONDS
-    "$@" > "$OUT/$name.log" 2>&1
+    timeout "${GPU_CHECK_STEP_TIMEOUT:-3600}" "$@" > "$OUT/$name.log" 2>&1
     local rc=$?
     status[$name]="rc=$rc ($((SECONDS - t0)) s)"
     tail -n 15 "$OUT/$name.log"
