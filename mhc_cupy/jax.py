@@ -84,7 +84,7 @@ except ImportError:  # pragma: no cover - depends on the installed jax
 
 __all__ = [
     "sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute",
-    "mhc_post_op", "mhc_pre_op", "mhc_coeffs",
+    "mhc_post_op", "mhc_pre_op", "mhc_coeffs", "mhc_init", "mhc_layer",
 ]
 
 #: Placeholder device of the trace-time ArrayInfo: planners read only shapes
@@ -692,3 +692,41 @@ def mhc_coeffs(x, phi, alpha, bias, eps=1e-5):
         or bias, or their per-example gradients, run once per example).
     """
     return _coeffs_jit(x, phi, alpha, bias, _checks.eps("eps", eps))
+
+
+# ------------------------------------------------------------ the mHC layer
+def mhc_init(key, dim: int, n_streams: int = 4, alpha_init: float = 0.01) -> dict:
+    """Parameters of one mHC layer for :func:`mhc_layer` (the paper's initialisation).
+
+    phi [n*C, n*n + 2n] small normal (std 1/sqrt(n*C)); alpha [3] = ``alpha_init``
+    (small, paper section 4); bias from :func:`mhc_cupy._layer_init.identity_bias`,
+    so that the layer starts close to a plain residual connection (H_pre = 1/n,
+    H_post = 1, H_res = 0.95 on the diagonal).  All float32.
+    """
+    from ._layer_init import identity_bias
+
+    n, D = n_streams, n_streams * dim
+    phi = _jax.random.normal(key, (D, n * n + 2 * n), _jnp.float32) / np.sqrt(D)
+    return {"phi": phi, "alpha": _jnp.full((3,), alpha_init, _jnp.float32),
+            "bias": _jnp.asarray(identity_bias(n))}
+
+
+def mhc_layer(params: dict, x, f, num_iters: int = 20, eps: float = 1e-8, rms_eps: float = 1e-5,
+              grad_mode: str = "unrolled"):
+    """One mHC layer, functional (paper Eq. 3): x_{l+1} = H_res x_l + H_post^T f(H_pre x_l).
+
+    The per-token coefficients come from the coefficient path (:func:`mhc_coeffs`,
+    OPS.md section 8), then :func:`mhc_pre_op` and :func:`mhc_post_op`.
+
+    Args:
+        params: {"phi", "alpha", "bias"} from :func:`mhc_init`.
+        x: [..., n, C] residual streams (bfloat16 / float16 / float32).
+        f: the sublayer, [..., C] -> [..., C] (its output is cast to x's dtype).
+        num_iters, eps, grad_mode: Sinkhorn-Knopp settings; rms_eps: the coefficient path's eps.
+
+    Returns:
+        x_{l+1}: [..., n, C], dtype of x.  Differentiable (jit / grad / vmap).
+    """
+    h_pre, h_post, h_res = mhc_coeffs(x, params["phi"], params["alpha"], params["bias"], rms_eps)
+    layer_in, _, H_post, H_res = mhc_pre_op(x, h_pre, h_post, h_res, num_iters, eps, grad_mode)
+    return mhc_post_op(f(layer_in).astype(x.dtype), x, H_post, H_res)

@@ -18,7 +18,7 @@ OPS.md section 8):
 
 Contents:
 
-* :func:`mhc_coeffs` / :class:`MHCCoeffsFunction`: the coefficient path as a
+* :func:`mhc_coeffs`: the coefficient path as a
   differentiable torch function over the functional ``mhc_cupy.mhc_coeffs_fwd``
   / ``mhc_coeffs_bwd`` (GPU kernels for CUDA tensors, the NumPy reference for
   CPU tensors).
@@ -31,18 +31,20 @@ Contents:
   plain torch ops (Sinkhorn with the row-max shift exactly as OPS.md section
   1), the autograd oracle the tests compare against.
 
-Initialisation (see :func:`identity_bias`): the paper makes every
-coefficient a static bias plus a dynamic term gated by a learnable scalar
-alpha that starts small (Sec. 4, Eqs. 7-8: alpha_pre, alpha_post, alpha_res
-"initialised to small values"), so at initialisation the coefficients are
-essentially the biases.  The biases here start the layer at a plain residual
-connection, as Hyper-Connections (Zhu et al., arXiv 2409.19606) initialise
-theirs to the pre-norm residual: H_pre = 1/n (the stream average), H_post = 1
-(2 sigmoid(0)), H_res close to the identity.  With the streams created by
+Initialisation (see :func:`identity_bias`): the paper (Sec. 4, Eqs. 7-8)
+makes every coefficient a static bias b plus a dynamic term from x gated by
+a learnable scalar alpha (alpha_pre, alpha_post, alpha_res) that starts
+small, so at initialisation the coefficients are essentially the biases.
+OPS.md does not fix the bias values; the choice here starts the
+layer at a plain residual connection, as Hyper-Connections (Zhu et al.,
+arXiv 2409.19606) initialise theirs to reproduce the pre-norm residual:
+H_pre = 1/n (the stream average), H_post = 1 (2 sigmoid(0)), H_res close to
+the identity.  With the streams created by
 :func:`expand_streams` (n equal copies) and collapsed by the mean, an mHC
-network with phi = 0 is then exactly the plain residual network up to the
-Sinkhorn row-sum error (~1e-8).  phi starts as a tiny normal (std
-``1 / sqrt(n C)``, so each dynamic logit is ~N(0, alpha^2) ~ 0.01): that
+network with phi = 0 is then the plain residual network up to float32
+rounding and the Sinkhorn eps (measured ~1e-7 relative).  phi starts as a
+tiny normal (std ``1 / sqrt(n C)``, so each dynamic logit is ~N(0, alpha^2),
+std 0.01; each stream then differs from x + F(x) by ~1% of |F(x)|): that
 breaks the symmetry between the n equal streams, which with phi = 0 would
 stay equal forever.
 
@@ -59,12 +61,11 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-import mhc_cupy as _m
+from . import _layer_init
 
-from . import reference as _ref
 
 __all__ = [
-    "MHC", "MHCReference", "MHCCoeffsFunction", "mhc_coeffs", "mhc_reference", "sinkhorn_reference",
+    "MHC", "MHCReference", "mhc_coeffs", "mhc_reference", "sinkhorn_reference",
     "identity_bias", "expand_streams", "collapse_streams", "ExpandStreams", "CollapseStreams",
 ]
 
@@ -77,142 +78,17 @@ def _adapter():
     return mt
 
 
-def _run(fn, like: Tensor, *args, **params):
-    """Call a functional ``*_fwd`` / ``*_bwd`` on detached tensors, on ``like``'s device."""
-    args = [a.detach() if isinstance(a, Tensor) else a for a in args]
-    dev = like.device
-    if dev.type == "cuda" and dev.index != torch.cuda.current_device():
-        with torch.cuda.device(dev):
-            return fn(*args, **params)
-    return fn(*args, **params)
-
-
 def _as_f32(t: Tensor) -> Tensor:
     """Coefficient parameters are float32 (OPS.md); differentiable cast if a module was ``.to()``-ed."""
     return t if t.dtype == torch.float32 else t.float()
 
 
-# ---------------------------------------------------------- coefficient path
-def _coeffs_fwd_fallback(x, phi, alpha, bias, eps):
-    """Used only while ``mhc_cupy.mhc_coeffs_fwd`` is not available: NumPy reference on CPU,
-    float32 torch math on GPU."""
-    if x.device.type == "cpu":
-        outs = _ref.mhc_coeffs_fwd(x.detach().float().numpy(), phi.detach().numpy(), alpha.detach().numpy(),
-                                   bias.detach().numpy(), eps=eps)
-        return tuple(torch.from_numpy(o).to(torch.float32) for o in outs)
-    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-        n, C = x.shape[-2], x.shape[-1]
-        xt = x.reshape(x.shape[:-2] + (n * C,)).float()
-        rinv = torch.rsqrt(xt.square().mean(-1, keepdim=True) + eps)
-        h = _alpha_columns(alpha, n) * (xt @ phi) * rinv + bias
-        return (h[..., :n].contiguous(), h[..., n:2 * n].contiguous(),
-                h[..., 2 * n:].reshape(x.shape[:-2] + (n, n)).contiguous())
-
-
-def _coeffs_bwd_fallback(g_pre, g_post, g_res, x, phi, alpha, bias, eps):
-    if x.device.type == "cpu":
-        np_ = lambda t: None if t is None else t.detach().float().numpy()  # noqa: E731
-        dx, dphi, dalpha, dbias = _ref.mhc_coeffs_bwd(np_(g_pre), np_(g_post), np_(g_res), np_(x), np_(phi),
-                                                      np_(alpha), np_(bias), eps=eps)
-        return (torch.from_numpy(dx).to(x.dtype), torch.from_numpy(dphi).float(), torch.from_numpy(dalpha).float(),
-                torch.from_numpy(dbias).float())
-    with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
-        n, C = x.shape[-2], x.shape[-1]
-        lead = x.shape[:-2]
-        m = n * n + 2 * n
-        xt = x.reshape(lead + (n * C,)).float()
-        rinv = torch.rsqrt(xt.square().mean(-1, keepdim=True) + eps)
-        Ht = xt @ phi
-        z = lambda g, k: xt.new_zeros(lead + (k,)) if g is None else g.float().reshape(lead + (k,))  # noqa: E731
-        gh = torch.cat([z(g_pre, n), z(g_post, n), z(g_res, n * n)], dim=-1)
-        a = _alpha_columns(alpha, n)
-        dbias = gh.reshape(-1, m).sum(0)
-        per_col = (gh * Ht * rinv).reshape(-1, m).sum(0)
-        dalpha = torch.stack([per_col[:n].sum(), per_col[n:2 * n].sum(), per_col[2 * n:].sum()])
-        dHt = gh * a * rinv
-        dphi = xt.reshape(-1, n * C).T @ dHt.reshape(-1, m)
-        s = (gh * a * Ht).sum(-1, keepdim=True)
-        dxt = dHt @ phi.T - s * rinv.pow(3) * xt / (n * C)
-        return dxt.reshape(x.shape).to(x.dtype), dphi, dalpha, dbias
-
-
-def _coeffs_fwd_impl(x, phi, alpha, bias, eps):
-    fn = getattr(_m, "mhc_coeffs_fwd", None)
-    if fn is None:
-        return _coeffs_fwd_fallback(x, phi, alpha, bias, eps)
-    return tuple(_run(fn, x, x, phi, alpha, bias, eps=eps))
-
-
-def _coeffs_bwd_impl(g_pre, g_post, g_res, x, phi, alpha, bias, eps):
-    fn = getattr(_m, "mhc_coeffs_bwd", None)
-    if fn is None:
-        return _coeffs_bwd_fallback(g_pre, g_post, g_res, x, phi, alpha, bias, eps)
-    return tuple(_run(fn, x, g_pre, g_post, g_res, x, phi, alpha, bias, eps=eps))
-
-
-class MHCCoeffsFunction(torch.autograd.Function):
-    """Autograd node of the coefficient path (OPS.md section 8) over the functional API.
-
-    ``forward(x, phi, alpha, bias, eps)`` -> (h_pre_raw, h_post_raw, h_res_raw);
-    backward calls ``mhc_cupy.mhc_coeffs_bwd`` once for all four gradients.
-    Saves only the inputs (r and x~ phi are recomputed in the backward).
-    """
-
-    @staticmethod
-    def forward(ctx, x, phi, alpha, bias, eps):
-        ctx.eps = eps
-        ctx.save_for_backward(x, phi, alpha, bias)
-        # Outputs the loss does not use get None (counted as zero by mhc_coeffs_bwd).
-        ctx.set_materialize_grads(False)
-        return _coeffs_fwd_impl(x, phi, alpha, bias, eps)
-
-    @staticmethod
-    def backward(ctx, g_pre, g_post, g_res):
-        if g_pre is None and g_post is None and g_res is None:
-            return None, None, None, None, None
-        x, phi, alpha, bias = ctx.saved_tensors
-        dx, dphi, dalpha, dbias = _coeffs_bwd_impl(g_pre, g_post, g_res, x, phi, alpha, bias, ctx.eps)
-        need = ctx.needs_input_grad
-        return (dx if need[0] else None, dphi if need[1] else None, dalpha if need[2] else None,
-                dbias if need[3] else None, None)
-
-
 def mhc_coeffs(x, phi, alpha, bias, eps=1e-5):
-    """Differentiable mHC coefficient path (OPS.md section 8, paper Eqs. 14-18).
-
-    Per token, x~ = vec(x) (length n*C), Ht = x~ phi, r = sqrt(mean(x~^2) + eps):
-    h_pre_raw = alpha[0] Ht[:n] / r + bias[:n];  h_post_raw = alpha[1] Ht[n:2n] / r + bias[n:2n];
-    h_res_raw = mat(alpha[2] Ht[2n:] / r + bias[2n:]) (row-major n x n).
-
-    Args:
-        x: [..., n, C] tensor, bfloat16 / float16 / float32 (the residual streams).
-        phi: float32 [n*C, n*n + 2n], columns ordered pre | post | res.
-        alpha: float32 [3] = (alpha_pre, alpha_post, alpha_res).
-        bias: float32 [n*n + 2n], same column order as phi.
-        eps: RMS eps, >= 0. Default 1e-5.
-
-    Returns:
-        (h_pre_raw [..., n], h_post_raw [..., n], h_res_raw [..., n, n]), float32,
-        on the device of x; differentiable w.r.t. x, phi, alpha and bias.
-
-    Raises:
-        TypeError / ValueError from ``mhc_cupy.mhc_coeffs_fwd`` (dtypes, shapes, devices).
-
-    Notes:
-        CUDA tensors run the toolkit's kernels on torch's current stream; CPU
-        tensors the float64 NumPy reference (outputs rounded to float32).
-        Backward saves the four inputs only.
-    """
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, phi, alpha, bias)):
-        return MHCCoeffsFunction.apply(x, phi, alpha, bias, eps)
-    return _coeffs_fwd_impl(x, phi, alpha, bias, eps)
+    """The differentiable coefficient path: :func:`mhc_cupy.torch.mhc_coeffs` (OPS.md section 8)."""
+    return _adapter().mhc_coeffs(x, phi, alpha, bias, eps)
 
 
 # ------------------------------------------------------------ initialisation
-def _logit(p: float) -> float:
-    return math.log(p) - math.log1p(-p)
-
-
 def identity_bias(n: int, pre: Optional[float] = None, post: float = 1.0, res_diag: float = 0.95) -> Tensor:
     """Biases [n*n + 2n] (pre | post | res) that start mHC at a plain residual connection.
 
@@ -243,23 +119,7 @@ def identity_bias(n: int, pre: Optional[float] = None, post: float = 1.0, res_di
     Returns:
         float32 tensor [n*n + 2n].
     """
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    if pre is None:
-        pre = 1.0 / n if n > 1 else 0.99
-    if not 0.0 < pre < 1.0:
-        raise ValueError(f"pre (H_pre at init) must be in (0, 1), got {pre}")
-    if not 0.0 < post < 2.0:
-        raise ValueError(f"post (H_post at init) must be in (0, 2), got {post}")
-    b = torch.zeros(n * n + 2 * n, dtype=torch.float32)
-    b[:n] = _logit(pre)
-    b[n:2 * n] = _logit(post / 2.0)
-    if n > 1:
-        if not 1.0 / n <= res_diag < 1.0:
-            raise ValueError(f"res_diag (diagonal of H_res at init) must be in [1/n, 1) = [{1.0 / n}, 1), got {res_diag}")
-        d = math.log(res_diag * (n - 1) / (1.0 - res_diag))
-        b[2 * n:] = (torch.eye(n) * d).reshape(-1)
-    return b
+    return torch.from_numpy(_layer_init.identity_bias(n, pre, post, res_diag))
 
 
 # --------------------------------------------------------- stream helpers

@@ -72,7 +72,7 @@ from .ops import (
 
 __all__ = [
     "sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute",
-    "mhc_post_op", "mhc_pre_op", "mhc_coeffs",
+    "mhc_post_op", "mhc_pre_op", "mhc_coeffs", "MHC", "expand_streams", "collapse_streams",
 ]
 
 #: Namespace of the custom operators: ``torch.ops.mhc_cupy.<name>``.
@@ -703,3 +703,7 @@ def mhc_coeffs(x, phi, alpha, bias, eps=1e-5):
     if _needs_autograd(x, phi, alpha, bias):
         return _CoeffsFn.apply(x, phi, alpha, bias, eps)
     return _coeffs_fwd_impl(x, phi, alpha, bias, eps)
+
+
+# The whole mHC layer (paper Eq. 3 with the coefficient path), built on the ops above.
+from .layers import MHC, collapse_streams, expand_streams  # noqa: E402

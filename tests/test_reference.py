@@ -13,7 +13,15 @@ import torch
 
 from mhc_cupy import reference as R
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def _float64_default():
+    """This module's torch oracles run in float64; restore the default afterwards."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 
 # ----------------------------------------------------------------------------------------------

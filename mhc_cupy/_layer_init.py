@@ -1,0 +1,43 @@
+"""Framework-free initialisation of an mHC layer's coefficient parameters,
+shared by :mod:`mhc_cupy.layers` (PyTorch) and :mod:`mhc_cupy.jax`."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def _logit(p: float) -> float:
+    return math.log(p) - math.log1p(-p)
+
+
+def identity_bias(n: int, pre: float | None = None, post: float = 1.0, res_diag: float = 0.95) -> np.ndarray:
+    """Biases [n*n + 2n] (pre | post | res, float32) that start mHC at a plain residual connection.
+
+    H_pre = sigmoid(b_pre) = ``pre`` (default 1/n, 0.99 for n = 1);
+    H_post = 2 sigmoid(b_post) = ``post`` (default 1); b_res = d on the diagonal,
+    0 elsewhere, with d = log(res_diag (n - 1) / (1 - res_diag)) so that
+    Sinkhorn-Knopp returns exactly ``res_diag`` on the diagonal (default 0.95).
+    See :func:`mhc_cupy.layers.identity_bias` for the reasoning.
+
+    Raises:
+        ValueError: n < 1, or pre / post / res_diag outside (0, 1) / (0, 2) / [1/n, 1).
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if pre is None:
+        pre = 1.0 / n if n > 1 else 0.99
+    if not 0.0 < pre < 1.0:
+        raise ValueError(f"pre (H_pre at init) must be in (0, 1), got {pre}")
+    if not 0.0 < post < 2.0:
+        raise ValueError(f"post (H_post at init) must be in (0, 2), got {post}")
+    b = np.zeros(n * n + 2 * n, dtype=np.float32)
+    b[:n] = _logit(pre)
+    b[n:2 * n] = _logit(post / 2.0)
+    if n > 1:
+        if not 1.0 / n <= res_diag < 1.0:
+            raise ValueError(f"res_diag (diagonal of H_res at init) must be in [1/n, 1) = [{1.0 / n}, 1), "
+                             f"got {res_diag}")
+        b[2 * n:] = (np.eye(n) * math.log(res_diag * (n - 1) / (1.0 - res_diag))).reshape(-1)
+    return b

@@ -1,0 +1,428 @@
+"""CPU tests of the mHC layer ``mhc_cupy.layers`` and the demo ``mhc_cupy.demo``.
+
+On CPU every mHC op (coefficients, pre op, post op) runs the float64 NumPy
+reference and rounds each output once to float32; the sublayer runs in
+float32 torch.  The oracle is ``MHCReference`` (the same layer in plain
+torch ops, Sinkhorn as OPS.md) run in float64, with float64 autograd.
+
+Tolerance for the whole layer, float32 (u = 2^-24): about ten tensors are
+rounded to float32 on the way (h_*_raw, H_pre / H_post / H_res, layer_in,
+y, out; in the backward the coefficient, pre-op and post-op gradients), and
+the float32 sublayer adds dot products of <= 4C terms (~sqrt(4C) u each).
+Through Sinkhorn (logits of scale ~1) and the sublayer (Lipschitz ~1) that
+stays within ~100 u; measured worst over 20 seeds and 5 shapes: 24 u
+(1.4e-6).  tol = 1e-5 (~170 u), relative to |ref| + rms(ref); for d_alpha
+and d_bias, which are sums over tokens that may cancel, relative to |ref|
+plus the summed magnitude of the per-token contributions (``token_scales``).
+Any wiring error (transposed H_res, swapped coefficient groups, a missing
+factor 2 in H_post) is O(1) relative.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from mhc_cupy import reference as R
+from mhc_cupy.layers import (
+    MHC,
+    CollapseStreams,
+    ExpandStreams,
+    MHCReference,
+    collapse_streams,
+    expand_streams,
+    identity_bias,
+    mhc_coeffs,
+    mhc_reference,
+    sinkhorn_reference,
+)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOL_F32 = 1e-5
+U_F32 = 2.0**-24
+
+SHAPES = [  # (lead dims, n, C): the paper's n = 4; odd C; n = 1 (trivial Sinkhorn); 2-D lead; n = 8
+    ((2, 3), 4, 16),
+    ((5,), 3, 7),
+    ((4,), 1, 8),
+    ((2,), 4, 33),
+    ((3,), 8, 5),
+]
+
+
+# ------------------------------------------------------------------ helpers
+@pytest.fixture(autouse=True)
+def _float32_default():
+    """Modules and random tensors here are float32 (another test module sets float64 as the default)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    yield
+    torch.set_default_dtype(old)
+
+
+def make_layer(C, n, seed, norm="layer"):
+    """An MHC around a small MLP, coefficients moved away from their init (logits of scale ~1)."""
+    torch.manual_seed(seed)
+    first = nn.LayerNorm(C) if norm == "layer" else nn.Identity()
+    sub = nn.Sequential(first, nn.Linear(C, 2 * C), nn.GELU(), nn.Linear(2 * C, C))
+    layer = MHC(C, n, sub, alpha_init=1.0)
+    with torch.no_grad():
+        layer.bias.add_(torch.randn_like(layer.bias))
+        layer.alpha.copy_(torch.tensor([0.5, 1.0, 1.5]))
+    return layer
+
+
+def token_scales(ref, x, g):
+    """Summed magnitude of the per-token contributions to d_alpha and d_bias (floored at its rms).
+
+    The reference is re-run with alpha and bias given per token, so each
+    token's contribution is its own gradient.
+    """
+    lead = x.shape[:-2]
+    alpha = ref.alpha.detach().expand(lead + (3,)).clone().requires_grad_()
+    bias = ref.bias.detach().expand(lead + ref.bias.shape).clone().requires_grad_()
+    out = mhc_reference(x.detach(), ref.phi.detach(), alpha, bias, ref.sublayer, ref.num_iters, ref.eps, ref.rms_eps)
+    da, db = torch.autograd.grad(out, (alpha, bias), g)
+    scales = {}
+    for name, d in (("alpha", da), ("bias", db)):
+        s = d.abs().reshape(-1, d.shape[-1]).sum(0).double()
+        scales[name] = torch.maximum(s, s.square().mean().sqrt())
+    return scales
+
+
+def assert_close(got, ref, tol, what="", scale=None):
+    got, ref = torch.as_tensor(got).detach().double(), torch.as_tensor(ref).detach().double()
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    assert torch.isfinite(got).all(), f"{what}: non-finite values"
+    if ref.numel() == 0:
+        return
+    if scale is None:
+        scale = ref.square().mean().sqrt()
+    scale = torch.as_tensor(scale, dtype=torch.float64).clamp_min(1e-30)
+    err = (got - ref).abs()
+    bound = tol * (ref.abs() + scale)
+    assert (err <= bound).all(), f"{what}: max error {err.max():.3e}, worst err/bound {(err / bound).max():.2f}"
+
+
+# ------------------------------------------------------- layer vs reference
+@pytest.mark.parametrize("lead,n,C", SHAPES)
+def test_mhc_matches_reference_forward_and_gradients(lead, n, C, rng):
+    layer = make_layer(C, n, int(rng.integers(1 << 30)))
+    ref = MHCReference.from_layer(layer).double()
+    x = torch.from_numpy(rng.standard_normal(lead + (n, C))).float()
+    g = torch.from_numpy(rng.standard_normal(lead + (n, C))).float()
+
+    x1 = x.clone().requires_grad_()
+    out = layer(x1)
+    out.backward(g)
+    x2 = x.double().requires_grad_()
+    out_ref = ref(x2)
+    out_ref.backward(g.double())
+
+    assert out.dtype == torch.float32 and out.shape == x.shape
+    scales = token_scales(ref, x2, g.double())
+    assert_close(out, out_ref, TOL_F32, "out")
+    assert_close(x1.grad, x2.grad, TOL_F32, "dx")
+    names = []
+    for (name, p), (name_r, q) in zip(layer.named_parameters(), ref.named_parameters()):
+        assert name == name_r
+        names.append(name)
+        assert p.grad is not None, name
+        assert_close(p.grad, q.grad, TOL_F32, f"d_{name}", scales.get(name))
+    assert {"phi", "alpha", "bias"} <= set(names) and any(s.startswith("sublayer.") for s in names)
+
+
+def test_mhc_matches_reference_extra_args_and_no_norm(rng):
+    """Extra forward arguments reach the sublayer; a sublayer without a norm (H_pre's scale matters)."""
+
+    class Scaled(nn.Module):
+        def __init__(self, C):
+            super().__init__()
+            self.lin = nn.Linear(C, C)
+
+        def forward(self, h, scale=1.0):
+            return torch.tanh(self.lin(h)) * scale
+
+    torch.manual_seed(3)
+    layer = MHC(12, 4, Scaled(12), alpha_init=0.7)
+    ref = MHCReference.from_layer(layer).double()
+    x = torch.from_numpy(rng.standard_normal((6, 4, 12))).float()
+    x1, x2 = x.clone().requires_grad_(), x.double().requires_grad_()
+    layer(x1, scale=0.5).sum().backward()
+    ref(x2, scale=0.5).sum().backward()
+    assert_close(x1.grad, x2.grad, TOL_F32, "dx")
+    scale = token_scales(ref, x2, torch.ones_like(x2))["alpha"]
+    assert_close(layer.alpha.grad, ref.alpha.grad, TOL_F32, "d_alpha", scale)
+
+
+# ------------------------------------------------------ coefficient function
+def _coeffs_torch64(x, phi, alpha, bias, eps=1e-5):
+    """Independent float64 torch formula of OPS.md section 8."""
+    n, C = x.shape[-2:]
+    xt = x.reshape(x.shape[:-2] + (n * C,))
+    r = torch.sqrt(xt.square().mean(-1, keepdim=True) + eps)
+    a = torch.cat([alpha[0].repeat(n), alpha[1].repeat(n), alpha[2].repeat(n * n)])
+    h = a * (xt @ phi) / r + bias
+    return h[..., :n], h[..., n:2 * n], h[..., 2 * n:].reshape(x.shape[:-2] + (n, n))
+
+
+@pytest.mark.parametrize("lead,n,C", [((2, 3), 4, 16), ((5,), 1, 7), ((0,), 4, 8)])
+def test_coeffs_function(lead, n, C, rng):
+    x = torch.from_numpy(rng.standard_normal(lead + (n, C))).float()
+    phi = torch.from_numpy(rng.standard_normal((n * C, n * n + 2 * n)) / math.sqrt(n * C)).float()
+    alpha = torch.tensor([0.3, -0.8, 1.2])
+    bias = torch.from_numpy(rng.standard_normal(n * n + 2 * n)).float()
+    leaves = [t.clone().requires_grad_() for t in (x, phi, alpha, bias)]
+    outs = mhc_coeffs(*leaves)
+    assert [o.dtype for o in outs] == [torch.float32] * 3
+    assert [tuple(o.shape) for o in outs] == [lead + (n,), lead + (n,), lead + (n, n)]
+    ref_out = R.mhc_coeffs_fwd(x.numpy(), phi.numpy(), alpha.numpy(), bias.numpy())
+    for o, r_ in zip(outs, ref_out):
+        assert_close(o, torch.from_numpy(r_), U_F32, "coeffs fwd (one rounding)")
+
+    gs = [torch.from_numpy(rng.standard_normal(o.shape)).float() for o in outs]
+    grads = torch.autograd.grad(outs, leaves, gs)
+    ref_g = R.mhc_coeffs_bwd(*[g.numpy() for g in gs], x.numpy(), phi.numpy(), alpha.numpy(), bias.numpy())
+    for what, a, b in zip(("dx", "dphi", "dalpha", "dbias"), grads, ref_g):
+        assert a.dtype == torch.float32
+        assert_close(a, torch.from_numpy(b), U_F32, f"{what} vs functional bwd (one rounding)")
+
+    # independent float64 autograd of the formula
+    leaves64 = [t.double().requires_grad_() for t in (x, phi, alpha, bias)]
+    grads64 = torch.autograd.grad(_coeffs_torch64(*leaves64), leaves64, [g.double() for g in gs])
+    for what, a, b in zip(("dx", "dphi", "dalpha", "dbias"), grads, grads64):
+        assert_close(a, b, 1e-5, f"{what} vs float64 autograd")
+
+
+def test_coeffs_function_unused_outputs(rng):
+    """Only h_res_raw used: the backward gets None for the others and treats it as zero."""
+    n, C = 4, 8
+    x = torch.from_numpy(rng.standard_normal((3, n, C))).float().requires_grad_()
+    phi = torch.from_numpy(rng.standard_normal((n * C, n * n + 2 * n)) * 0.1).float().requires_grad_()
+    alpha = torch.tensor([0.5, 0.5, 0.5], requires_grad=True)
+    bias = torch.zeros(n * n + 2 * n, requires_grad=True)
+    _, _, h_res = mhc_coeffs(x, phi, alpha, bias, 1e-5)
+    g = torch.from_numpy(rng.standard_normal(h_res.shape)).float()
+    h_res.backward(g)
+    dx, dphi, dalpha, dbias = R.mhc_coeffs_bwd(None, None, g.numpy(), x.detach().numpy(), phi.detach().numpy(),
+                                               alpha.detach().numpy(), bias.detach().numpy())
+    assert_close(x.grad, torch.from_numpy(dx), U_F32, "dx")
+    assert_close(bias.grad, torch.from_numpy(dbias), U_F32, "dbias")
+    assert torch.all(bias.grad[:2 * n] == 0)
+    assert_close(alpha.grad, torch.from_numpy(dalpha), U_F32, "dalpha")
+    assert alpha.grad[0] == 0 and alpha.grad[1] == 0
+
+
+# ------------------------------------------------------------ shapes, dtypes
+@pytest.mark.parametrize("lead", [(), (0,), (2, 3, 2)])
+def test_shapes(lead):
+    layer = make_layer(8, 4, 0)
+    x = torch.randn(lead + (4, 8), requires_grad=True)
+    out = layer(x)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    out.sum().backward()
+    assert x.grad.shape == x.shape
+    assert layer.phi.grad.shape == (32, 24) and layer.alpha.grad.shape == (3,) and layer.bias.grad.shape == (24,)
+
+
+def test_bad_shapes_raise():
+    layer = MHC(8, 4, nn.Linear(8, 8))
+    with pytest.raises(ValueError, match="n_streams=4"):
+        layer(torch.randn(2, 3, 8))
+    with pytest.raises(ValueError, match="dim=8"):
+        layer(torch.randn(2, 4, 7))
+    with pytest.raises(ValueError, match="sublayer returned"):
+        MHC(8, 4, nn.Linear(8, 5))(torch.randn(2, 4, 8))
+    with pytest.raises(ValueError):
+        MHC(8, 0)
+    with pytest.raises(ValueError):
+        MHC(8, 4, grad_mode="exact")
+
+
+def test_bf16_activations_and_f32_coefficients():
+    """bf16 streams keep bf16; coefficients stay float32 even after module.bfloat16()."""
+    layer = make_layer(16, 4, 1)
+    layer.sublayer.to(torch.bfloat16)
+    x = torch.randn(5, 4, 16).to(torch.bfloat16).requires_grad_()
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and layer.phi.grad.dtype == torch.float32
+    # a module converted wholesale: phi / alpha / bias are cast back to float32 for the ops
+    layer2 = make_layer(16, 4, 1).bfloat16()
+    out2 = layer2(x.detach())
+    assert out2.dtype == torch.bfloat16 and torch.isfinite(out2.float()).all()
+    ref = make_layer(16, 4, 1)(x.detach().float())
+    assert_close(out2.float(), ref, 5e-2, "bf16 module vs float32 module")  # bf16 weights: ~ a few 2^-8
+
+
+def test_no_grad_and_implicit_grad_mode(rng):
+    layer = make_layer(8, 4, 2)
+    x = torch.from_numpy(rng.standard_normal((3, 4, 8))).float()
+    with torch.no_grad():
+        out_ng = layer(x)
+    assert not out_ng.requires_grad
+    assert torch.equal(out_ng, layer(x).detach())
+    imp = MHC(8, 4, layer.sublayer, grad_mode="implicit")
+    imp.load_state_dict(layer.state_dict())
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    layer(xa).sum().backward()
+    imp(xb).sum().backward()
+    # 20 Sinkhorn iterations on logits of scale ~1 converge: the two gradients agree closely
+    assert_close(xb.grad, xa.grad, 1e-3, "implicit vs unrolled dx")
+
+
+# ------------------------------------------------------------ stream helpers
+def test_expand_collapse():
+    h = torch.randn(2, 3, 5, requires_grad=True)
+    x = expand_streams(h, 4)
+    assert x.shape == (2, 3, 4, 5) and x.is_contiguous()
+    assert all(torch.equal(x[..., i, :], h) for i in range(4))
+    assert torch.equal(collapse_streams(x), h)  # mean: inverse of expand (exact for n a power of 2)
+    assert torch.allclose(collapse_streams(x, "sum"), 4 * h)
+    x.sum().backward()
+    assert torch.equal(h.grad, torch.full_like(h, 4.0))  # gradient of the copy: sum over streams
+    assert torch.allclose(CollapseStreams()(ExpandStreams(3)(h)), h, rtol=2**-23, atol=0)  # (3h)/3: one rounding
+    assert torch.allclose(CollapseStreams("sum")(ExpandStreams(3)(h)), 3 * h)
+    with pytest.raises(ValueError):
+        collapse_streams(x, "max")
+    with pytest.raises(ValueError):
+        expand_streams(h, 0)
+
+
+# ------------------------------------------------------------- initialisation
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_identity_bias(n):
+    b = identity_bias(n).double()
+    H_pre = torch.sigmoid(b[:n])
+    H_post = 2 * torch.sigmoid(b[n:2 * n])
+    H_res = sinkhorn_reference(b[2 * n:].reshape(n, n))
+    assert torch.allclose(H_pre, torch.full((n,), 1.0 / n if n > 1 else 0.99, dtype=torch.float64))
+    assert torch.allclose(H_post, torch.ones(n, dtype=torch.float64))
+    if n > 1:
+        eye = torch.eye(n, dtype=torch.float64)
+        expect = 0.95 * eye + (0.05 / (n - 1)) * (1 - eye)
+        assert torch.allclose(H_res, expect, atol=1e-7)
+    else:
+        assert torch.allclose(H_res, torch.ones(1, 1, dtype=torch.float64))
+    with pytest.raises(ValueError):
+        identity_bias(4, res_diag=0.1)
+
+
+def _plain_vs_mhc(layer, h):
+    sub = layer.sublayer
+    with torch.no_grad():
+        plain = h + sub(h)
+        out = layer(expand_streams(h, layer.n_streams))
+    return plain, out, (out - plain.unsqueeze(-2)).abs().max().item(), sub(h).abs().max().item()
+
+
+def test_init_close_to_plain_residual():
+    """At init mHC around F starts at the plain residual x + F(x) (streams = copies of x).
+
+    phi = 0: exact up to float32 rounding and the Sinkhorn row-sum error
+    (every stream is x + F(x) to ~1e-6 relative).  Default init (phi ~
+    N(0, 1/(nC)), alpha = 0.01): the dynamic logits are ~N(0, 1e-4), so
+    H_pre and H_post move by ~0.5% and every stream differs from x + F(x) by
+    about 1% of max |F(x)| (measured 1.0-1.4% over 5 seeds: bound 5%).
+    """
+    torch.manual_seed(0)
+    C, n = 32, 4
+    h = torch.randn(64, C)
+    sub = nn.Sequential(nn.LayerNorm(C), nn.Linear(C, 4 * C), nn.GELU(), nn.Linear(4 * C, C))
+    exact = MHC(C, n, sub, phi_init_std=0.0)
+    plain, out, err, fmax = _plain_vs_mhc(exact, h)
+    assert err <= 1e-5 * plain.abs().max().item()
+    assert torch.allclose(collapse_streams(out), plain, atol=1e-5)
+    default = MHC(C, n, sub)
+    plain, out, err, fmax = _plain_vs_mhc(default, h)
+    assert err <= 0.05 * fmax, (err, fmax)
+    assert default.alpha.detach().tolist() == pytest.approx([0.01] * 3)
+
+
+# ---------------------------------------------------------------------- demo
+def test_demo_models_share_initial_sublayer_weights():
+    from mhc_cupy import demo
+
+    cfg = demo.Config(**demo.TINY_PRESET)
+    torch.manual_seed(0)
+    a = demo.TinyGPT(cfg, "mhc")
+    torch.manual_seed(0)
+    b = demo.TinyGPT(cfg, "plain")
+    for i in range(len(a.blocks)):
+        for (na, pa), (nb, pb) in zip(a.blocks[i].sublayer.named_parameters(), b.blocks[i].sublayer.named_parameters()):
+            assert na == nb and torch.equal(pa, pb)
+    assert torch.equal(a.tok.weight, b.tok.weight) and torch.equal(a.head.weight, b.head.weight)
+
+
+def test_demo_tiny_model_learns_a_batch():
+    from mhc_cupy import demo
+
+    cfg = demo.Config(**demo.TINY_PRESET)
+    torch.manual_seed(0)
+    model = demo.TinyGPT(cfg, "mhc")
+    train, _ = demo.split_data(demo.load_text())
+    x, y = demo.get_batch(train, 4, 32, torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(12):
+        loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[-1] < losses[0] - 1.0, losses
+
+
+def test_demo_cli_subprocess(tmp_path):
+    out = tmp_path / "tmp"
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "mhc_cupy.demo", "--tiny", "--steps", "3", "--out", str(out),
+                           "--device", "cpu"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CPU" in proc.stdout
+    assert (out / "loss_curve.png").stat().st_size > 0
+    with open(out / "summary.json") as f:
+        js = json.load(f)
+    assert js["steps"] == 3 and js["device"] == "cpu" and "baseline" not in js
+    assert math.isfinite(js["mhc"]["final_eval_loss"]) and math.isfinite(js["mhc"]["final_train_loss"])
+    assert js["config"]["streams"] == 4
+
+
+def test_demo_baseline(tmp_path):
+    from mhc_cupy import demo
+
+    summary = demo.main(["--tiny", "--device", "cpu", "--steps", "4", "--eval-every", "2", "--layers", "1",
+                         "--baseline", "--out", str(tmp_path)])
+    assert os.path.exists(tmp_path / "loss_curve.png")
+    with open(tmp_path / "summary.json") as f:
+        js = json.load(f)
+    assert js == json.loads(json.dumps(summary))
+    for name in ("mhc", "baseline"):
+        assert js[name]["eval_step"] == [0, 2, 4]
+        assert all(math.isfinite(v) for v in js[name]["eval_loss"])
+        assert js[name]["tokens_per_s"] > 0
+    cmp = js["comparison"]["held_out_at_equal_steps"]
+    assert [c["step"] for c in cmp] == [0, 2, 4]
+    # same sublayer weights, same data: at step 0 mHC (phi ~ 0) is nearly the plain residual model
+    assert abs(cmp[0]["mhc_minus_baseline"]) < 0.05
+
+
+def test_demo_text_file(tmp_path):
+    from mhc_cupy import demo
+
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(("The quick brown fox jumps over the lazy dog. " * 400).encode())
+    summary = demo.main(["--text", str(text), "--device", "cpu", "--steps", "2", "--layers", "1", "--dim", "32",
+                         "--seq", "32", "--batch", "4", "--streams", "2", "--out", str(tmp_path / "o")])
+    assert summary["corpus_bytes"] == 45 * 400 and summary["config"]["streams"] == 2
+    assert math.isfinite(summary["mhc"]["final_eval_loss"])
+    assert (tmp_path / "o" / "summary.json").exists()
