@@ -4,7 +4,8 @@
 # the notebooks; prints a summary at the end.
 # Usage (repo root, on a CUDA machine):  bash scripts/gpu_check.sh [OUT_DIR]
 # Knobs: GPU_CHECK_PYTEST_ARGS (default: tests), GPU_CHECK_BENCH_ARGS,
-# GPU_CHECK_DEMO_ARGS (default: --baseline), GPU_CHECK_WORKERS (pytest-xdist).
+# GPU_CHECK_DEMO_ARGS (default: --baseline), GPU_CHECK_WORKERS (pytest-xdist),
+# GPU_CHECK_STEPS (names of the steps to run), GPU_CHECK_NOTEBOOKS, GPU_CHECK_STEP_TIMEOUT (s).
 # Runs from the checkout (PYTHONPATH), no install needed.  Exit status is
 # non-zero if any step failed.
 set -u -o pipefail
@@ -17,8 +18,10 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX must not take 75% of the GPU i
 PY=${PYTHON:-python3}
 declare -A status
 
-step() {  # step NAME COMMAND...
+STEPS=" ${GPU_CHECK_STEPS:-info warmup tests memcheck racecheck synccheck demo bench notebooks} "
+step() {  # step NAME COMMAND...   (skipped unless NAME is in GPU_CHECK_STEPS)
     local name=$1; shift
+    case "$STEPS" in *" $name "*) ;; *) return 0 ;; esac
     echo "=== $name: $*"
     local t0=$SECONDS
     timeout "${GPU_CHECK_STEP_TIMEOUT:-3600}" "$@" > "$OUT/$name.log" 2>&1
@@ -39,9 +42,9 @@ if command -v compute-sanitizer > /dev/null; then
 else
     status[sanitizer]="compute-sanitizer not found"
 fi
-step bench $PY -m mhc_cupy.bench ${GPU_CHECK_BENCH_ARGS:-} --out "$OUT/bench"
 step demo $PY -m mhc_cupy.demo ${GPU_CHECK_DEMO_ARGS:---baseline} --out "$OUT/demo"
-step notebooks $PY scripts/run_notebooks.py notebooks/*.ipynb
+step bench $PY -m mhc_cupy.bench ${GPU_CHECK_BENCH_ARGS:-} --out "$OUT/bench"
+step notebooks $PY scripts/run_notebooks.py ${GPU_CHECK_NOTEBOOKS:-notebooks/*.ipynb}
 
 echo
 echo "================ gpu_check summary ================"
