@@ -57,7 +57,10 @@ def _plan(planner, infos: dict, params: dict) -> Plan:
     """The plan for these shapes / dtypes / params (pure, so cached)."""
     key = (planner, tuple((k, None) if i is None else (k, i.shape, i.dtype, i.device) for k, i in infos.items()),
            tuple(params.items()))
-    plan = _plans.get(key)
+    try:
+        plan = _plans.get(key)
+    except TypeError:  # an unhashable parameter: let the planner name it
+        return planner(infos, **params)
     if plan is None:
         plan = planner(infos, **params)
         if len(_plans) >= _MAX_PLANS:
@@ -115,7 +118,10 @@ def _run_fast(entry, arrays: dict):
 def run(planner, arrays: dict, **params):
     key = _fast_key(planner, arrays, params)
     if key is not None:
-        entry = _fast.get(key)
+        try:
+            entry = _fast.get(key)
+        except TypeError:  # an unhashable parameter: the general path reports it
+            entry = key = None
         if entry is not None:
             result = _run_fast(entry, arrays)
             if result is not None:

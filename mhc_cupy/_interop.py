@@ -54,13 +54,6 @@ def is_contiguous(shape, strides) -> bool:
     return True
 
 
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
-
-
-def itemsize(dtype: str) -> int:
-    return _ITEMSIZE[dtype]
-
-
 def numpy_dtype(name: str):
     if name == "bfloat16":
         import ml_dtypes
