@@ -57,7 +57,12 @@ def main(argv=None) -> int:
     from . import _jit, _kernels
 
     t = time.perf_counter()
-    count = _kernels.warmup(dtypes=args.dtypes.split(","), ns=[int(v) for v in args.n.split(",")], verbose=args.verbose)
+    try:
+        count = _kernels.warmup(dtypes=args.dtypes.split(","), ns=[int(v) for v in args.n.split(",")],
+                                verbose=args.verbose)
+    except RuntimeError as e:  # no GPU: one clear line, not a traceback
+        print(f"python -m mhc_cupy warmup: {e}", file=sys.stderr)
+        return 2
     print(f"{count} kernels ready in {time.perf_counter() - t:.1f} s "
           f"({_jit.stats['compiles']} compiled, {_jit.stats['disk_hits']} from {_jit.cache_dir()})")
     return 0
