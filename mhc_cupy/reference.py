@@ -1,7 +1,7 @@
 """Float64 NumPy reference implementations of every mhc_cupy operator.
 
 These functions are the test oracles for the GPU kernels. They follow the operator contract
-``spec/OPS.md`` (section numbers are quoted in each docstring) and are written for clarity,
+``docs/OPS.md`` (section numbers are quoted in each docstring) and are written for clarity,
 not speed: plain vectorised NumPy, no other dependency.
 
 Conventions shared by every function:
