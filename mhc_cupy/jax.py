@@ -302,30 +302,34 @@ def _vmap_rule(name: str, params: tuple, axis_size: int, in_batched, *arrays):
     spec = _SPECS[name]
     batched = [bool(b) if a is not None else False for a, b in zip(arrays, in_batched)]
     call = _kernel(name, params)
-    if spec.fixed:
-        fixed = [k in spec.fixed for k in spec.inputs]
-        if spec.shared_grad is None and not any(b for b, f in zip(batched, fixed) if f):
-            # the batch axis is one more token dim; the parameters stay as they are
-            outs = call(*[a if f or a is None or b else _broadcast_front(a, axis_size)
-                          for a, b, f in zip(arrays, batched, fixed)])
-            return tuple(outs), tuple(True for _ in outs)
+
+    def per_example():
+        """One kernel call per example (lax.map over the batched inputs)."""
         idx = [i for i, b in enumerate(batched) if b]
 
-        def one_example(sliced):
+        def one(sliced):
             merged = list(arrays)
             for i, v in zip(idx, sliced):
                 merged[i] = v
             return tuple(call(*merged))
 
-        outs = _jax.lax.map(one_example, tuple(arrays[i] for i in idx))
+        outs = _jax.lax.map(one, tuple(arrays[i] for i in idx))
         return tuple(outs), tuple(True for _ in outs)
+
+    def per_token(a, b):
+        return a if a is None or b else _broadcast_front(a, axis_size)
+
+    if spec.fixed:
+        fixed = [k in spec.fixed for k in spec.inputs]
+        if spec.shared_grad is None and not any(b for b, f in zip(batched, fixed) if f):
+            # the batch axis is one more token dim; the parameters stay as they are
+            outs = call(*[a if f else per_token(a, b) for a, b, f in zip(arrays, batched, fixed)])
+            return tuple(outs), tuple(True for _ in outs)
+        return per_example()  # batched parameters, or their per-example gradients
     shapes = {k: None if a is None else (tuple(a.shape[1:]) if b else tuple(a.shape))
               for k, a, b in zip(spec.inputs, arrays, batched)}
     shared = spec.is_shared(shapes)
     si = spec.inputs.index(spec.shared) if shared else None
-
-    def per_token(a, b):
-        return a if a is None or b else _broadcast_front(a, axis_size)
 
     if not shared or (not batched[si] and spec.shared_grad is None):
         # One more leading token dim; an unbatched shared input stays shared.
@@ -334,17 +338,7 @@ def _vmap_rule(name: str, params: tuple, axis_size: int, in_batched, *arrays):
         return tuple(outs), tuple(True for _ in outs)
 
     if spec.shared_mode == "sequential":
-        # A per-example weight gradient (or a batched weight): one kernel call per example.
-        idx = [i for i, b in enumerate(batched) if b]
-
-        def one(sliced):
-            merged = list(arrays)
-            for i, s in zip(idx, sliced):
-                merged[i] = s
-            return tuple(call(*merged))
-
-        outs = _jax.lax.map(one, tuple(arrays[i] for i in idx))
-        return tuple(outs), tuple(True for _ in outs)
+        return per_example()  # a per-example weight gradient (or a batched weight)
 
     # "expand": shared h [n] (batched or not) becomes per-token [B, ..., n]; its
     # gradient, then per token, is summed over each example's tokens.
