@@ -64,7 +64,8 @@ def expect_shape(name: str, shape, expected, why: str) -> None:
 
 
 def num_iters(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int,)) and not hasattr(value, "__index__"):
+    """An int >= 0 (Python or NumPy integer; not bool, not float)."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"num_iters must be an int, got {type(value).__name__}")
     value = int(value)
     if value < 0:
