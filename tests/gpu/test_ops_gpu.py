@@ -76,6 +76,26 @@ def test_post_op(rng, dt, n, T, C):
         assert_close(a, b, tol, name)
 
 
+@pytest.mark.parametrize("n", [17, 32])
+@pytest.mark.parametrize("T,C", [(3, 7), (127, 64), (3, 4096)])
+def test_mix_and_post_large_n(rng, n, T, C):
+    """Case P9 for stream mix and the post op: n up to the documented maximum of 32."""
+    dt = "bfloat16"
+    x, y = rounded(rng, (T, n, C), dt), rounded(rng, (T, C), dt)
+    M, Hp = _coef(rng, (T, n, n)), _coef(rng, (T, n))
+    g = rounded(rng, (T, n, C), dt)
+    assert_close(m.stream_mix_fwd(to_gpu(x), to_gpu(M)), R.stream_mix_fwd(x, M), ACT_TOL[dt], "mix out")
+    for name, a, b, tol in zip(("dx", "dM"), m.stream_mix_bwd(to_gpu(g), to_gpu(x), to_gpu(M)),
+                               R.stream_mix_bwd(g, x, M), (ACT_TOL[dt], COEF_TOL)):
+        assert_close(a, b, tol, "mix " + name)
+    assert_close(m.mhc_post_op_fwd(to_gpu(y), to_gpu(x), to_gpu(Hp), to_gpu(M)), R.mhc_post_op_fwd(y, x, Hp, M),
+                 ACT_TOL[dt], "post out")
+    got = m.mhc_post_op_bwd(to_gpu(g), to_gpu(y), to_gpu(x), to_gpu(Hp), to_gpu(M))
+    for name, a, b, tol in zip(("dy", "dx", "dH_post", "dH_res"), got, R.mhc_post_op_bwd(g, y, x, Hp, M),
+                               (ACT_TOL[dt], ACT_TOL[dt], COEF_TOL, COEF_TOL)):
+        assert_close(a, b, tol, "post " + name)
+
+
 # ------------------------------------------------------- aggregate / distribute
 @pytest.mark.parametrize("dt", DTYPES)
 @pytest.mark.parametrize("n", NS)
