@@ -341,26 +341,25 @@ def _jax_backend():
     return B
 
 
-def torch_fwd(op: str):
-    """The PyTorch baseline forward of ``op``: ``f(*inputs) -> tuple of outputs``."""
-    B, math_fn = _torch_backend(), _MATH[op]
+def _baseline_fwd(backend, name: str, op: str):
+    """The baseline forward of ``op`` written with ``backend``: ``f(*inputs) -> tuple of outputs``."""
+    math_fn = _MATH[op]
 
     def f(*inputs):
-        return tuple(math_fn(B, *inputs))
+        return tuple(math_fn(backend, *inputs))
 
-    f.__name__ = f"torch_{op}"
+    f.__name__ = f"{name}_{op}"
     return f
+
+
+def torch_fwd(op: str):
+    """The PyTorch baseline forward of ``op``."""
+    return _baseline_fwd(_torch_backend(), "torch", op)
 
 
 def jax_fwd(op: str):
-    """The jax.numpy baseline forward of ``op``: ``f(*inputs) -> tuple of outputs``."""
-    B, math_fn = _jax_backend(), _MATH[op]
-
-    def f(*inputs):
-        return tuple(math_fn(B, *inputs))
-
-    f.__name__ = f"jax_{op}"
-    return f
+    """The jax.numpy baseline forward of ``op``."""
+    return _baseline_fwd(_jax_backend(), "jax", op)
 
 
 def torch_bwd(f, inputs, grads) -> tuple:
