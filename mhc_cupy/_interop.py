@@ -35,10 +35,6 @@ class ArrayInfo(NamedTuple):
     ptr: int | None = None
     strides: tuple | None = None  # in elements
 
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
-
 
 def is_contiguous(shape, strides) -> bool:
     """C-contiguous, ignoring the strides of size-1 dims (and of empty arrays)."""
