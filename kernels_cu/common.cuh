@@ -115,6 +115,30 @@ __device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&in)[E
     }
 }
 
+// E contiguous elements of T kept as raw 32-bit words (E * sizeof(T) a
+// multiple of 4): half the registers of floats for 16-bit types, so a whole
+// row can stay on chip between the two passes of a row reduction.
+template <typename T, int E> struct Packed {
+    static constexpr int W = E * (int)sizeof(T) / 4;
+    static_assert(W >= 1 && E * sizeof(T) % 4 == 0, "Packed needs whole 32-bit words");
+    unsigned int w[W];
+
+    __device__ __forceinline__ void load(const T* __restrict__ p) {
+#pragma unroll
+        for (int i = 0; i < W; i += 4) {
+            constexpr int L = W < 4 ? W : 4;
+            unsigned int part[L];
+            load_words<L>(reinterpret_cast<const unsigned int*>(p) + i, part);
+#pragma unroll
+            for (int k = 0; k < L; ++k) w[i + k] = part[k];
+        }
+    }
+
+    __device__ __forceinline__ float operator[](int e) const {
+        return from_bits<T>(sizeof(T) == 4 ? w[e] : (w[e / 2] >> ((e & 1) * 16)) & 0xffffu);
+    }
+};
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);

@@ -1,7 +1,10 @@
 // RMSNorm (OPS.md section 2): y_c = x_c * r (* w_c), r = 1/sqrt(mean_c x_c^2 + eps).
 // Backward with g' = g * w:  dx_c = r g'_c - x_c r^3 mean_k(g'_k x_k);
 //                            dw_c = sum_tokens g_c x_c r.
-// One block per row (token); the statistics are recomputed from x.  The
+// One block per row (token); the statistics are recomputed from x.
+// The *_cached kernels keep the row (x, and g in the backward) in registers
+// as K packed vectors of E elements per thread, so x is read from memory
+// once; the others read it twice (the general path: any C, E = 1).  The
 // weight gradient is accumulated per block over a contiguous range of rows in
 // shared memory (each thread owns fixed columns: no races, no atomics) and
 // written as one partial row per block; mhc_column_sum_kernel then sums the
@@ -83,6 +86,98 @@ __global__ void mhc_rmsnorm_bwd_kernel(const TG* __restrict__ g, const T* __rest
                 if (HAS_W) dw_acc[c + e] = fmaf(gv[e] * xv[e], r, dw_acc[c + e]);
             }
             mhc::store_vec<T, E>(dx + t * (i64)C + c, o);
+        }
+        __syncthreads();  // red is reused by the next row
+    }
+    if (HAS_W) {
+        __syncthreads();
+        for (int c = threadIdx.x; c < C; c += blockDim.x) dw_part[blockIdx.x * (i64)C + c] = dw_acc[c];
+    }
+}
+
+// Row in registers: thread tid holds columns (k * blockDim.x + tid) * E + e,
+// k < K; blockDim.x * K * E >= C.
+template <typename T, int E, int K, bool HAS_W>
+__global__ void mhc_rmsnorm_fwd_cached_kernel(const T* __restrict__ x, const float* __restrict__ w,
+                                              T* __restrict__ y, i64 rows, int C, float eps) {
+    __shared__ float red[32];
+    for (i64 t = blockIdx.x; t < rows; t += gridDim.x) {
+        const T* xt = x + t * (i64)C;
+        mhc::Packed<T, E> xv[K];
+        float acc[1] = {0.f};
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int c = (k * blockDim.x + threadIdx.x) * E;
+            if (c < C) {
+                xv[k].load(xt + c);
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[0] = fmaf(xv[k][e], xv[k][e], acc[0]);
+            }
+        }
+        mhc::block_sum<1>(acc, red);
+        const float r = 1.f / sqrtf(red[0] / (float)C + eps);
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int c = (k * blockDim.x + threadIdx.x) * E;
+            if (c < C) {
+                float o[E];
+#pragma unroll
+                for (int e = 0; e < E; ++e) o[e] = HAS_W ? xv[k][e] * r * w[c + e] : xv[k][e] * r;
+                mhc::store_vec<T, E>(y + t * (i64)C + c, o);
+            }
+        }
+        __syncthreads();  // red is reused by the next row
+    }
+}
+
+// Backward with x and g in registers; rows and the dw partials as in
+// mhc_rmsnorm_bwd_kernel.
+template <typename T, typename TG, int E, int K, bool HAS_W>
+__global__ void mhc_rmsnorm_bwd_cached_kernel(const TG* __restrict__ g, const T* __restrict__ x,
+                                              const float* __restrict__ w, T* __restrict__ dx,
+                                              float* __restrict__ dw_part, i64 rows, int C, float eps,
+                                              i64 rows_per_block) {
+    extern __shared__ float dw_acc[];
+    __shared__ float red[2 * 32];
+    if (HAS_W)
+        for (int c = threadIdx.x; c < C; c += blockDim.x) dw_acc[c] = 0.f;
+    __syncthreads();
+    const i64 r0 = blockIdx.x * rows_per_block;
+    const i64 r1 = min(rows, r0 + rows_per_block);
+    for (i64 t = r0; t < r1; ++t) {
+        mhc::Packed<T, E> xv[K];
+        mhc::Packed<TG, E> gv[K];
+        float acc[2] = {0.f, 0.f};  // sum x^2, sum g' x
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int c = (k * blockDim.x + threadIdx.x) * E;
+            if (c < C) {
+                xv[k].load(x + t * (i64)C + c);
+                gv[k].load(g + t * (i64)C + c);
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    const float gp = HAS_W ? gv[k][e] * w[c + e] : gv[k][e];
+                    acc[0] = fmaf(xv[k][e], xv[k][e], acc[0]);
+                    acc[1] = fmaf(gp, xv[k][e], acc[1]);
+                }
+            }
+        }
+        mhc::block_sum<2>(acc, red);
+        const float r = 1.f / sqrtf(red[0] / (float)C + eps);
+        const float r3m = r * r * r * (red[1] / (float)C);
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            const int c = (k * blockDim.x + threadIdx.x) * E;
+            if (c < C) {
+                float o[E];
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    const float gp = HAS_W ? gv[k][e] * w[c + e] : gv[k][e];
+                    o[e] = r * gp - xv[k][e] * r3m;
+                    if (HAS_W) dw_acc[c + e] = fmaf(gv[k][e] * xv[k][e], r, dw_acc[c + e]);
+                }
+                mhc::store_vec<T, E>(dx + t * (i64)C + c, o);
+            }
         }
         __syncthreads();  // red is reused by the next row
     }

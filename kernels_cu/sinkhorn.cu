@@ -94,15 +94,15 @@ __device__ __forceinline__ float group_sum(float v, unsigned mask) {
 
 __device__ __forceinline__ float fast_rcp(float d) { return __fdividef(1.f, d); }
 
-// Rows per lane R and history slots per lane and iteration: R row
-// denominators and RC column denominators.  With G <= 2 each lane records all
-// N column denominators (no shuffle to fetch them in the reverse sweep);
-// with larger groups lane l records those of columns j with j % G == l.
+// Rows per lane R and history slots per lane and iteration: the R row
+// denominators of its rows and R column denominators, those of columns j with
+// j % G == lane (fetched by a shuffle in the reverse sweep).  Recording every
+// column in every lane would need (R + N) slots: at n = 4, G = 2 that is 1.5x
+// the shared memory, which cut the H200 to 7 resident blocks per SM and a
+// second wave at 32768 tokens.
 template <int N, int G> struct Layout {
     static constexpr int R = (N + G - 1) / G;
-    static constexpr bool ALL_COLS = G <= 2;
-    static constexpr int RC = ALL_COLS ? N : R;
-    static constexpr int SLOTS = R + RC;
+    static constexpr int SLOTS = 2 * R;
 };
 
 // Row-max-shifted exponential of this lane's rows (zeros for rows >= N).
@@ -129,8 +129,8 @@ __device__ __forceinline__ void lane_exp(const float* __restrict__ L, int lane, 
 }
 
 // One row step and one column step on this lane's rows.  With hist non-null
-// the denominators are recorded (row r at slot r; column j at slot R + j, or
-// at R + j / G by lane j % G, see Layout; rows >= N record 1).
+// the denominators are recorded (row r at slot r; column j at slot R + j / G
+// by lane j % G, see Layout; rows >= N record 1).
 template <int N, int G>
 __device__ __forceinline__ void lane_iteration(float (&p)[Layout<N, G>::R][N], int lane, float eps, unsigned mask,
                                                float* hist, i64 hs) {
@@ -155,12 +155,7 @@ __device__ __forceinline__ void lane_iteration(float (&p)[Layout<N, G>::R][N], i
 #pragma unroll
         for (int r = 0; r < R; ++r) c += p[r][j];
         const float d = group_sum<G>(c, mask) + eps;
-        if (hist) {
-            if (Layout<N, G>::ALL_COLS)
-                hist[(R + j) * hs] = d;
-            else if (j % G == lane)
-                hist[(R + j / G) * hs] = d;
-        }
+        if (hist && j % G == lane) hist[(R + j / G) * hs] = d;
         const float inv = fast_rcp(d);
 #pragma unroll
         for (int r = 0; r < R; ++r) p[r][j] *= inv;
@@ -262,12 +257,7 @@ __global__ void mhc_sinkhorn_knopp_bwd_kernel(const float* __restrict__ grad_P,
         const float* h = hist + (i64)it * SLOTS * hs;
 #pragma unroll
         for (int j = 0; j < N; ++j) {
-            float d;
-            if (Layout<N, G>::ALL_COLS) {
-                d = h[(R + j) * hs];
-            } else {
-                d = __shfl_sync(mask, h[(R + j / G) * hs], j % G, G);
-            }
+            const float d = G == 1 ? h[(R + j) * hs] : __shfl_sync(mask, h[(R + j / G) * hs], j % G, G);
             float s = 0.f;
 #pragma unroll
             for (int r = 0; r < R; ++r) s = fmaf(g[r][j], p[r][j], s);

@@ -35,10 +35,8 @@ def _cases(dt: str, n: int, C: int, ptr: int, tg: str):
         (stream._plan_mix_bwd, {"grad": gx, "x": x, "M": M}, {}),
         (post._plan_fwd, {"layer_out": y, "x": x, "H_post": h, "H_res": M}, {}),
         (post._plan_bwd, {"grad": gx, "layer_out": y, "x": x, "H_post": h, "H_res": M}, {}),
-        (rmsnorm._plan_fwd, {"x": y, "weight": None}, {"eps": 1e-5}),
-        (rmsnorm._plan_fwd, {"x": y, "weight": w}, {"eps": 1e-5}),
-        (rmsnorm._plan_bwd, {"grad": gy, "x": y, "weight": None}, {"eps": 1e-5}),
-        (rmsnorm._plan_bwd, {"grad": gy, "x": y, "weight": w}, {"eps": 1e-5}),
+        *_rmsnorm_cases(rmsnorm, T, C, dt, tg, ptr),
+        *_rmsnorm_cases(rmsnorm, T, n * C, dt, tg, ptr, weighted=False),  # vec(x), as the mHC paper (OPS.md 2)
         (sinkhorn._plan_fwd, {"logits": M}, {"num_iters": _NUM_ITERS, "eps": 1e-8}),
         (pre._plan_fwd, {"x": x, "h_pre_raw": h, "h_post_raw": h, "h_res_raw": M},
          {"num_iters": _NUM_ITERS, "eps": 1e-8}),
@@ -59,6 +57,13 @@ def _cases(dt: str, n: int, C: int, ptr: int, tg: str):
         ]
     cases += _coeffs_cases(x, h, M, n, C, ptr)
     return cases
+
+
+def _rmsnorm_cases(rmsnorm, T: int, C: int, dt: str, tg: str, ptr: int, weighted: bool = True):
+    x, g = _info((T, C), dt, ptr), _info((T, C), tg, ptr)
+    weights = (None, _info((C,), "float32", ptr)) if weighted else (None,)
+    return [(rmsnorm._plan_fwd, {"x": x, "weight": w}, {"eps": 1e-5}) for w in weights] + [
+        (rmsnorm._plan_bwd, {"grad": g, "x": x, "weight": w}, {"eps": 1e-5}) for w in weights]
 
 
 def _coeffs_cases(x, h, M, n: int, C: int, ptr: int):

@@ -2,7 +2,7 @@
 
 Shapes cover: odd C (scalar path, misaligned rows), C split into 3 / 5 / 7
 block-sized chunks (case P2), the vectorised path, n = 1, 3, 4, 8, 17, shared
-coefficients, RMSNorm with a weight, Sinkhorn history in shared and in global
+coefficients, RMSNorm with a weight and on vec(x), Sinkhorn history in shared and in global
 memory, both gradient modes.  Exits non-zero if any result is not finite.
 """
 
@@ -37,6 +37,8 @@ for T, n, C, dt in [(3, 3, 13, bf16), (5, 4, 1536, bf16), (2, 4, 2560, bf16), (2
         check("distribute", m.stream_distribute_fwd(y, hh), *m.stream_distribute_bwd(g, y, hh))
     w = act(C)
     check("rmsnorm", m.rmsnorm_fwd(y, 1e-5, w), *m.rmsnorm_bwd(gy, y, 1e-5, w), m.rmsnorm_bwd(gy, y))
+    xv, gv = x.reshape(T, n * C), g.reshape(T, n * C)  # vec(x): the register-cached kernels with K > 1
+    check("rmsnorm vec(x)", m.rmsnorm_fwd(xv), m.rmsnorm_bwd(gv, xv))
     check("pre", *m.mhc_pre_op_fwd(x, h, h, M), *m.mhc_pre_op_bwd(gy, h, h, M, x, h, h, M))
     check("pre implicit", *m.mhc_pre_op_bwd(None, None, h, M, x, h, h, M, grad_mode="implicit"))
     K = n * n + 2 * n

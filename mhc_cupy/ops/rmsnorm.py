@@ -2,15 +2,45 @@
 
 from __future__ import annotations
 
+import functools
+
 from .. import _checks, reference
 from .._dispatch import Plan, run
-from ._launch import CTYPE, column_sum, f32, grid_for, i32, launch, threads_for, tokens_of, vec_width
+from ._launch import CTYPE, ITEMSIZE, column_sum, f32, grid_for, i32, launch, threads_for, tokens_of, vec_width
 
 _FILE = "rmsnorm.cu"
 #: Blocks of the weighted backward: each sums dw over a contiguous range of
 #: rows; fixed (independent of the device) so results are reproducible anywhere.
 _BWD_BLOCKS = 1024
 _MAX_SMEM = 227 * 1024
+#: Largest block of the register-cached kernels, and vectors per thread.
+_CACHED_THREADS = 512
+_CACHED_K = (1, 2, 4, 8)
+
+
+@functools.lru_cache(maxsize=1024)
+def cached_layout(C: int, E: int, dtypes) -> tuple | None:
+    """(threads, K) of the register-cached kernels (each thread keeps K
+    vectors of E elements of each row), or None when the row does not fit
+    (then the two-pass kernels run).  Needs whole 32-bit words per vector."""
+    if C == 0 or any(E * ITEMSIZE[dt] % 4 for dt in dtypes):
+        return None
+    vecs = -(-C // E)
+    for K in _CACHED_K:
+        threads = -(-vecs // (K * 32)) * 32
+        if threads <= _CACHED_THREADS:
+            return threads, K
+    return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _kernel(kind: str, types: str, E: int, layout, C: int, has_w: bool):
+    """(name expression, threads) of the forward / backward kernel for a row of C."""
+    w = "true" if has_w else "false"
+    if layout is None:
+        return f"mhc_rmsnorm_{kind}_kernel<{types},{E},{w}>", threads_for(C, E)
+    threads, K = layout
+    return f"mhc_rmsnorm_{kind}_cached_kernel<{types},{E},{K},{w}>", threads
 
 
 def _check(infos, eps, with_grad: bool):
@@ -36,8 +66,8 @@ def _plan_fwd(infos, eps):
 
     def run_kernels(p, outs, scratch, stream):
         E = vec_width(1, C, [(p["x"], dt), (outs[0], dt)])
-        expr = f"mhc_rmsnorm_fwd_kernel<{CTYPE[dt]},{E},{'true' if has_w else 'false'}>"
-        launch(_FILE, expr, grid_for(rows), (threads_for(C, E), 1, 1),
+        expr, threads = _kernel("fwd", CTYPE[dt], E, cached_layout(C, E, (dt,)), C, has_w)
+        launch(_FILE, expr, grid_for(rows), (threads, 1, 1),
                (p["x"], p["weight"], outs[0], rows, i32(C), f32(eps)), stream)
 
     return Plan([(infos["x"].shape, dt)], run_kernels,
@@ -54,8 +84,8 @@ def _plan_bwd(infos, eps):
 
     def run_kernels(p, outs, scratch, stream):
         E = vec_width(1, C, [(p["x"], dt), (p["grad"], tg), (outs[0], dt)])
-        expr = f"mhc_rmsnorm_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{E},{'true' if has_w else 'false'}>"
-        launch(_FILE, expr, (blocks, 1, 1), (threads_for(C, E), 1, 1),
+        expr, threads = _kernel("bwd", f"{CTYPE[dt]},{CTYPE[tg]}", E, cached_layout(C, E, (dt, tg)), C, has_w)
+        launch(_FILE, expr, (blocks, 1, 1), (threads, 1, 1),
                (p["grad"], p["x"], p["weight"], outs[0], scratch[0] if has_w else None, rows, i32(C), f32(eps),
                 per_block), stream, shared_mem=C * 4 if has_w else 0)
         if has_w:

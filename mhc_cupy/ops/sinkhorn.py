@@ -45,11 +45,9 @@ def bwd_group(n: int) -> int:
 
 
 def history_slots(n: int) -> int:
-    """Denominators each lane of the backward records per iteration: its rows'
-    and the columns' (all n with G <= 2, else its share; see ``Layout`` in sinkhorn.cu)."""
-    g = bwd_group(n)
-    rows = -(-n // g)
-    return rows + (n if g <= 2 else rows)
+    """Denominators each lane of the backward records per iteration: those of
+    its R rows and of R columns (see ``Layout`` in sinkhorn.cu)."""
+    return 2 * -(-n // bwd_group(n))
 
 
 def launch_fwd(n, tokens, iters, eps, logits, P, stream, h_pre_raw=None, h_post_raw=None, H_pre=None, H_post=None):

@@ -121,7 +121,9 @@ def test_aggregate_distribute(rng, dt, n, T, C, shared):
 
 # ------------------------------------------------------------------ RMSNorm
 @pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("T,C", SIZES + [(5, 16384), (2, 28672)])
+# Row widths of the register-cached kernels (K = 1, 2, 4, 8 vectors per thread
+# at 16-bit dtypes) and past them (40000: the two-pass kernels).
+@pytest.mark.parametrize("T,C", SIZES + [(3, 6000), (5, 16384), (2, 28672), (2, 40000)])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_rmsnorm(rng, dt, T, C, weighted):
     x = rounded(rng, (T, C), dt, scale=3.0)
