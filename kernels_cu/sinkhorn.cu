@@ -237,22 +237,23 @@ __global__ void mhc_sinkhorn_knopp_bwd_kernel(const float* __restrict__ grad_P,
                 for (int j = 0; j < N; ++j) dL[(lane + r * G) * N + j] = 0.f;
         return;
     }
-    float K[R][N], p[R][N], g[R][N];
+    float p[R][N], u[R][N];
     int amax[R];
-    lane_exp<N, G>(logits + t * (N * N), lane, K, amax);
+    lane_exp<N, G>(logits + t * (N * N), lane, p, amax);
+    float* hist = use_smem ? hist_smem + threadIdx.x : hist_global + gid;
+    const i64 hs = use_smem ? (i64)blockDim.x : (i64)gridDim.x * blockDim.x;
+    for (int it = 0; it < iters; ++it) lane_iteration<N, G>(p, lane, eps, mask, hist + (i64)it * SLOTS * hs, hs);
+    // Reverse sweep on u = g * y (g: gradient of a step's output y).  For
+    // y = p / d (d = row or column sum + eps):  dp = (g - s) / d with
+    // s = sum(g * y) = sum(u), and p = y * d, so the input's u is
+    // (g - s) * y = u - s * y: no division, and u of the first step's input
+    // (the exponential K) is already g_K * K.
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const int i = lane + r * G;
 #pragma unroll
-        for (int j = 0; j < N; ++j) {
-            p[r][j] = K[r][j];
-            g[r][j] = i < N ? grad_P[(t * N + i) * N + j] : 0.f;
-        }
+        for (int j = 0; j < N; ++j) u[r][j] = i < N ? grad_P[(t * N + i) * N + j] * p[r][j] : 0.f;
     }
-    float* hist = use_smem ? hist_smem + threadIdx.x : hist_global + gid;
-    const i64 hs = use_smem ? (i64)blockDim.x : (i64)gridDim.x * blockDim.x;
-    for (int it = 0; it < iters; ++it) lane_iteration<N, G>(p, lane, eps, mask, hist + (i64)it * SLOTS * hs, hs);
-    // reverse sweep: for y = p / d:  dp = (gy - sum(gy * y)) / d,  p = y * d
     for (int it = iters - 1; it >= 0; --it) {
         const float* h = hist + (i64)it * SLOTS * hs;
 #pragma unroll
@@ -260,12 +261,11 @@ __global__ void mhc_sinkhorn_knopp_bwd_kernel(const float* __restrict__ grad_P,
             const float d = G == 1 ? h[(R + j) * hs] : __shfl_sync(mask, h[(R + j / G) * hs], j % G, G);
             float s = 0.f;
 #pragma unroll
-            for (int r = 0; r < R; ++r) s = fmaf(g[r][j], p[r][j], s);
+            for (int r = 0; r < R; ++r) s += u[r][j];
             s = group_sum<G>(s, mask);
-            const float inv = fast_rcp(d);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
-                g[r][j] = (g[r][j] - s) * inv;
+                u[r][j] = fmaf(-s, p[r][j], u[r][j]);
                 p[r][j] *= d;
             }
         }
@@ -274,11 +274,10 @@ __global__ void mhc_sinkhorn_knopp_bwd_kernel(const float* __restrict__ grad_P,
             const float d = h[r * hs];
             float s = 0.f;
 #pragma unroll
-            for (int j = 0; j < N; ++j) s = fmaf(g[r][j], p[r][j], s);
-            const float inv = fast_rcp(d);
+            for (int j = 0; j < N; ++j) s += u[r][j];
 #pragma unroll
             for (int j = 0; j < N; ++j) {
-                g[r][j] = (g[r][j] - s) * inv;
+                u[r][j] = fmaf(-s, p[r][j], u[r][j]);
                 p[r][j] *= d;
             }
         }
@@ -288,14 +287,11 @@ __global__ void mhc_sinkhorn_knopp_bwd_kernel(const float* __restrict__ grad_P,
     for (int r = 0; r < R; ++r) {
         const int i = lane + r * G;
         if (i < N) {
-            float v[N], s = 0.f;
+            float s = 0.f;
 #pragma unroll
-            for (int j = 0; j < N; ++j) {
-                v[j] = g[r][j] * K[r][j];
-                s += v[j];
-            }
+            for (int j = 0; j < N; ++j) s += u[r][j];
 #pragma unroll
-            for (int j = 0; j < N; ++j) dL[i * N + j] = (j == amax[r]) ? v[j] - s : v[j];
+            for (int j = 0; j < N; ++j) dL[i * N + j] = (j == amax[r]) ? u[r][j] - s : u[r][j];
         }
     }
 }

@@ -18,11 +18,11 @@ NumPy reference for CPU inputs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
-from . import _checks, _interop
+from . import _checks, _interop, _replay
 
 
 @dataclass
@@ -69,13 +69,23 @@ def _plan(planner, infos: dict, params: dict) -> Plan:
     return plan
 
 
-_fast: dict = {}  # fast-path key -> (plan, front end, device)
+class _Entry(NamedTuple):
+    """What a repeated fast-path call needs: the plan, the front end that
+    allocates outputs, the device, and the recorded launches (or None)."""
+    plan: Plan
+    fe: object
+    dev: int
+    replay: _replay.Replay | None
 
 
-def _fast_key(planner, arrays: dict, params: dict):
-    """Key of a call whose inputs are all contiguous torch CUDA tensors, or all
-    contiguous CuPy arrays (the hot path of training loops), else None."""
-    parts = []
+_fast: dict = {}  # fast-path key -> _Entry
+
+
+def _fast_inputs(arrays: dict):
+    """(key parts, input pointers) of a call whose inputs are all contiguous
+    torch CUDA tensors, or all contiguous CuPy arrays (the hot path of
+    training loops), else None."""
+    parts, ptrs = [], []
     fw = None
     for v in arrays.values():
         if v is None:
@@ -86,21 +96,23 @@ def _fast_key(planner, arrays: dict, params: dict):
             if not v.is_cuda or not v.is_contiguous():
                 return None
             parts.append((v.shape, v.dtype, v.get_device()))
+            ptrs.append(v.data_ptr())
         elif f == "cupy":
             if not v.flags.c_contiguous:
                 return None
             parts.append((v.shape, v.dtype, v.device.id))
+            ptrs.append(v.data.ptr)
         else:
             return None
         if fw is None:
             fw = f
         elif f != fw:
             return None
-    return (planner, tuple(parts), tuple(params.items()))
+    return tuple(parts), ptrs
 
 
-def _run_fast(entry, arrays: dict):
-    plan, fe, dev = entry
+def _run_fast(entry: _Entry, arrays: dict, in_ptrs: list):
+    plan, fe, dev = entry.plan, entry.fe, entry.dev
     import cupy
 
     if cupy.cuda.runtime.getDevice() != dev:
@@ -110,20 +122,28 @@ def _run_fast(entry, arrays: dict):
     outs = [fe.empty(shape, dt, like) for shape, dt in plan.outputs]
     if not plan.empty:
         scratch = [fe.empty(shape, dt, like) for shape, dt in plan.scratch]
-        plan.launch({k: None if v is None else ptr(v) for k, v in arrays.items()}, [ptr(o) for o in outs],
-                    [ptr(s) for s in scratch], fe.stream(dev))
+        out_ptrs, scratch_ptrs = [ptr(o) for o in outs], [ptr(s) for s in scratch]
+        all_ptrs = in_ptrs + out_ptrs + scratch_ptrs
+        if entry.replay is not None and _replay.aligned(all_ptrs):
+            entry.replay.launch(all_ptrs, fe.stream(dev))
+        else:
+            names = iter(in_ptrs)
+            plan.launch({k: None if v is None else next(names) for k, v in arrays.items()}, out_ptrs, scratch_ptrs,
+                        fe.stream(dev))
     return outs[0] if plan.single else tuple(outs)
 
 
 def run(planner, arrays: dict, **params):
-    key = _fast_key(planner, arrays, params)
-    if key is not None:
+    fast = _fast_inputs(arrays)
+    key = None
+    if fast is not None:
+        key = (planner, fast[0], tuple(params.items()))
         try:
             entry = _fast.get(key)
         except TypeError:  # an unhashable parameter: the general path reports it
             entry = key = None
         if entry is not None:
-            result = _run_fast(entry, arrays)
+            result = _run_fast(entry, arrays, fast[1])
             if result is not None:
                 return result
     return _run(planner, arrays, key, params)
@@ -168,10 +188,7 @@ def _run(planner, arrays: dict, fast_key, params: dict):
 
     dev = device[1]
     afe = _interop.frontend("torch" if out_fw == "torch" else "cupy")
-    if fast_key is not None:
-        if len(_fast) >= _MAX_PLANS:
-            _fast.clear()
-        _fast[fast_key] = (plan, afe, dev)
+    replay = None
     prev = cupy.cuda.runtime.getDevice()
     if prev != dev:
         cupy.cuda.runtime.setDevice(dev)
@@ -192,10 +209,19 @@ def _run(planner, arrays: dict, fast_key, params: dict):
                     info = fe.info(v)
                 ptrs[name] = info.ptr
             scratch = [afe.empty(shape, dt, alloc_like) for shape, dt in plan.scratch]
-            plan.launch(ptrs, [afe.ptr(o) for o in outs], [afe.ptr(s) for s in scratch], afe.stream(dev))
+            out_ptrs, scratch_ptrs = [afe.ptr(o) for o in outs], [afe.ptr(s) for s in scratch]
+            with _replay.recording() as launched:
+                plan.launch(ptrs, out_ptrs, scratch_ptrs, afe.stream(dev))
+            if fast_key is not None:
+                in_ptrs = [p for p in ptrs.values() if p is not None]
+                replay = _replay.record(launched, in_ptrs + out_ptrs + scratch_ptrs)
     finally:
         if prev != dev:
             cupy.cuda.runtime.setDevice(prev)
+    if fast_key is not None:
+        if len(_fast) >= _MAX_PLANS:
+            _fast.clear()
+        _fast[fast_key] = _Entry(plan, afe, dev, replay)
     if out_fw == "jax":
         # JAX does not know our stream reads its input buffers (imported through
         # DLPack): finish before they can be freed.  Eager JAX only; under jit

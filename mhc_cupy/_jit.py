@@ -26,7 +26,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from . import _headers, _sources
+from . import _headers, _replay, _sources
 
 #: Options handed to NVRTC for every kernel (besides -I and the architecture).
 NVRTC_OPTIONS: tuple[str, ...] = ("-std=c++17",)
@@ -179,3 +179,4 @@ def launch(filename, name_expression, grid, block, args, stream_ptr, shared_mem=
             warnings.simplefilter("ignore", DeprecationWarning)
             stream = _streams[stream_ptr] = cupy.cuda.ExternalStream(stream_ptr)
     fn(grid, block, args, shared_mem=shared_mem, stream=stream)
+    _replay.note(fn, grid, block, args, shared_mem)

@@ -1,0 +1,123 @@
+"""Replay of recorded kernel launches: the host fast path of repeated calls.
+
+A call's plan decides its launches from shapes, dtypes, parameters and the
+16-byte alignment of its pointers (``ops._launch.vec_width``).  For the next
+call with the same key and all pointers 16-byte aligned, those decisions are
+the same; only the pointers differ.  ``record`` captures the launches of one
+call; ``Replay.launch`` repeats them through ``cuLaunchKernel`` with the new
+pointers written into a pre-packed parameter buffer, skipping the planning
+code and CuPy's per-argument conversion (about half of the host cost of a
+tiny call).
+
+A recording is refused (``record`` returns None) unless every kernel argument
+is either one of the call's pointers, matched exactly, or a scalar constant:
+an argument that looks like any other pointer (a derived address such as
+``ptr + offset``), or two call pointers that are equal, keep the general path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+
+import numpy as np
+
+_POINTER_MIN = 1 << 32  # device addresses under unified addressing lie above this
+_ALIGN = 16
+
+_local = threading.local()
+
+
+def aligned(ptrs) -> bool:
+    return not any(p & (_ALIGN - 1) for p in ptrs)
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect the launches this thread makes: yields the list they go to."""
+    launches, outer = [], getattr(_local, "launches", None)
+    _local.launches = launches
+    try:
+        yield launches
+    finally:
+        _local.launches = outer
+        if outer is not None:  # a nested recording's launches belong to the outer one too
+            outer.extend(launches)
+
+
+def note(fn, grid, block, args, shared_mem) -> None:
+    """Called by ``_jit.launch`` after each launch."""
+    launches = getattr(_local, "launches", None)
+    if launches is not None:
+        launches.append((fn, grid, block, args, shared_mem))
+
+
+class _Launch:
+    """One kernel launch with its parameters packed in 8-byte slots."""
+
+    __slots__ = ("fn", "grid", "block", "shared_mem", "values", "params", "slots")
+
+    def __init__(self, fn, grid, block, shared_mem, args, slot_of):
+        self.fn, self.grid, self.block, self.shared_mem = fn.ptr, grid, block, shared_mem
+        self.values = (ctypes.c_uint64 * max(len(args), 1))()
+        base = ctypes.addressof(self.values)
+        self.params = (ctypes.c_void_p * max(len(args), 1))(*[base + 8 * i for i in range(len(args))])
+        self.slots = []  # (parameter index, index into the call's pointer list)
+        for i, a in enumerate(args):
+            if a is None:
+                continue
+            if type(a) is int:
+                if a in slot_of:
+                    self.slots.append((i, slot_of[a]))
+                elif 0 <= a < _POINTER_MIN:
+                    self.values[i] = a
+                else:
+                    raise _NotReplayable
+            elif isinstance(a, (np.int32, np.uint32, np.float32)):
+                self.values[i] = int(np.asarray(a).view(np.uint32))
+            elif isinstance(a, np.int64):
+                self.values[i] = int(a) & 0xFFFFFFFFFFFFFFFF
+            else:
+                raise _NotReplayable
+
+
+class _NotReplayable(Exception):
+    pass
+
+
+class Replay:
+    """The recorded launches of one plan, replayable with new pointers."""
+
+    __slots__ = ("launches", "lock")
+
+    def __init__(self, launches):
+        self.launches = launches
+        self.lock = threading.Lock()  # the parameter buffers are shared
+
+    def launch(self, ptrs, stream: int) -> None:
+        from cupy_backends.cuda.api import driver
+
+        with self.lock:
+            for ln in self.launches:
+                v = ln.values
+                for i, k in ln.slots:
+                    v[i] = ptrs[k]
+                g, b = ln.grid, ln.block
+                driver.launchKernel(ln.fn, g[0], g[1], g[2], b[0], b[1], b[2], ln.shared_mem, stream,
+                                    ctypes.addressof(ln.params), 0)
+
+
+def record(launches, ptrs) -> Replay | None:
+    """A Replay of ``launches`` (from ``recording``) made with the call's
+    pointer list ``ptrs`` (inputs in order, then outputs, then scratch), or
+    None when it cannot be replayed safely (see the module doc)."""
+    if not launches or not aligned(ptrs) or any(p < _POINTER_MIN for p in ptrs) or len(set(ptrs)) != len(ptrs):
+        return None
+    slot_of = {p: k for k, p in enumerate(ptrs)}
+    try:
+        return Replay([_Launch(fn, tuple(grid), tuple(block), shared_mem, args, slot_of)
+                       for fn, grid, block, args, shared_mem in launches])
+    except _NotReplayable:
+        return None
+

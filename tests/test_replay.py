@@ -1,0 +1,90 @@
+"""The launch replay of the host fast path (``mhc_cupy._replay``), without a GPU:
+which recordings are accepted, and the parameter bytes a replay hands to
+cuLaunchKernel (read back through a stand-in for the driver call)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from mhc_cupy import _replay
+
+pytest.importorskip("cupy_backends.cuda.api.driver")
+from cupy_backends.cuda.api import driver  # noqa: E402
+
+BASE = 0x7F00_0000_0000  # a device-like address (above 2**32, 16-byte aligned)
+
+
+class FakeFunction:
+    ptr = 0x1234
+
+
+def _launches(args, grid=(3, 1, 1), block=(64, 1, 1), smem=0):
+    with _replay.recording() as launched:
+        _replay.note(FakeFunction(), grid, block, args, smem)
+    return launched
+
+
+@pytest.fixture
+def driver_calls(monkeypatch):
+    calls = []
+
+    def fake_launch(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        n = calls_nargs[0]
+        addrs = (ctypes.c_void_p * n).from_address(params)
+        values = [ctypes.c_uint64.from_address(a).value for a in addrs]
+        calls.append(dict(f=f, grid=(gx, gy, gz), block=(bx, by, bz), smem=smem, stream=stream, values=values))
+
+    calls_nargs = [0]
+    monkeypatch.setattr(driver, "launchKernel", fake_launch)
+    return calls, calls_nargs
+
+
+def test_replay_substitutes_pointers_and_packs_scalars(driver_calls):
+    calls, nargs = driver_calls
+    x, out, scratch = BASE, BASE + 4096, BASE + 8192
+    args = (x, None, out, 5, np.int32(-7), np.float32(1.5), scratch)
+    rp = _replay.record(_launches(args, smem=256), [x, out, scratch])
+    assert rp is not None
+    nargs[0] = len(args)
+    x2, out2, scratch2 = BASE + (1 << 20), BASE + (2 << 20), BASE + (3 << 20)
+    rp.launch([x2, out2, scratch2], stream=99)
+    (c,) = calls
+    assert c["f"] == FakeFunction.ptr and c["grid"] == (3, 1, 1) and c["block"] == (64, 1, 1)
+    assert c["smem"] == 256 and c["stream"] == 99
+    v = c["values"]
+    assert v[0] == x2 and v[1] == 0 and v[2] == out2 and v[6] == scratch2
+    assert v[3] == 5
+    assert v[4] & 0xFFFFFFFF == np.array(-7, np.int32).view(np.uint32)
+    assert v[5] & 0xFFFFFFFF == np.array(1.5, np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("why", ["derived pointer", "aliased pointers", "misaligned", "low address", "float arg"])
+def test_unsafe_recordings_are_refused(why):
+    x, out = BASE, BASE + 4096
+    args, ptrs = (x, out, 3), [x, out]
+    if why == "derived pointer":
+        args = (x + 64, out, 3)
+    elif why == "aliased pointers":
+        ptrs = [x, x]
+    elif why == "misaligned":
+        args, ptrs = (x + 2, out, 3), [x + 2, out]
+    elif why == "low address":
+        args, ptrs = (4096, out, 3), [4096, out]
+    elif why == "float arg":
+        args = (x, out, 3.0)
+    assert _replay.record(_launches(args), ptrs) is None
+
+
+def test_nested_recording_reaches_the_outer_one():
+    with _replay.recording() as outer:
+        _replay.note(FakeFunction(), (1, 1, 1), (32, 1, 1), (BASE,), 0)
+        with _replay.recording() as inner:
+            _replay.note(FakeFunction(), (2, 1, 1), (32, 1, 1), (BASE,), 0)
+        _replay.note(FakeFunction(), (3, 1, 1), (32, 1, 1), (BASE,), 0)
+    assert [g[0] for _, g, *_ in inner] == [2]
+    assert [g[0] for _, g, *_ in outer] == [1, 2, 3]
+    _replay.note(FakeFunction(), (4, 1, 1), (32, 1, 1), (BASE,), 0)  # outside any recording: dropped
+    assert len(outer) == 3
