@@ -82,20 +82,21 @@ _fast: dict = {}  # fast-path key -> _Entry
 
 
 def _fast_inputs(arrays: dict):
-    """(key parts, input pointers) of a call whose inputs are all contiguous
-    torch CUDA tensors, or all contiguous CuPy arrays (the hot path of
-    training loops), else None."""
+    """(key parts, input pointers, first input) of a call whose inputs are all
+    contiguous torch CUDA tensors, or all contiguous CuPy arrays (the hot path
+    of training loops), else None."""
     parts, ptrs = [], []
-    fw = None
+    fw = like = None
     for v in arrays.values():
         if v is None:
             parts.append(None)
             continue
         f = _FW_OF_TYPE.get(type(v))
         if f == "torch":
-            if not v.is_cuda or not v.is_contiguous():
+            dev = v.get_device()  # -1 on the CPU
+            if dev < 0 or not v.is_contiguous():
                 return None
-            parts.append((v.shape, v.dtype, v.get_device()))
+            parts.append((v.shape, v.dtype, dev))
             ptrs.append(v.data_ptr())
         elif f == "cupy":
             if not v.flags.c_contiguous:
@@ -105,31 +106,36 @@ def _fast_inputs(arrays: dict):
         else:
             return None
         if fw is None:
-            fw = f
+            fw, like = f, v
         elif f != fw:
             return None
-    return tuple(parts), ptrs
+    return tuple(parts), ptrs, like
 
 
-def _run_fast(entry: _Entry, arrays: dict, in_ptrs: list):
+_get_device = None  # cupy.cuda.runtime.getDevice, bound at the first GPU call
+
+
+def _run_fast(entry: _Entry, in_ptrs: list, like, arrays: dict):
+    global _get_device
+    if _get_device is None:
+        import cupy
+
+        _get_device = cupy.cuda.runtime.getDevice
     plan, fe, dev = entry.plan, entry.fe, entry.dev
-    import cupy
-
-    if cupy.cuda.runtime.getDevice() != dev:
+    if _get_device() != dev:
         return None
-    like = next(v for v in arrays.values() if v is not None)
     ptr = fe.ptr
     outs = [fe.empty(shape, dt, like) for shape, dt in plan.outputs]
     if not plan.empty:
-        scratch = [fe.empty(shape, dt, like) for shape, dt in plan.scratch]
-        out_ptrs, scratch_ptrs = [ptr(o) for o in outs], [ptr(s) for s in scratch]
-        all_ptrs = in_ptrs + out_ptrs + scratch_ptrs
+        scratch = [fe.empty(shape, dt, like) for shape, dt in plan.scratch] if plan.scratch else []
+        out_ptrs = [ptr(o) for o in outs]
+        all_ptrs = in_ptrs + out_ptrs + [ptr(s) for s in scratch]
         if entry.replay is not None and _replay.aligned(all_ptrs):
             entry.replay.launch(all_ptrs, fe.stream(dev))
         else:
             names = iter(in_ptrs)
-            plan.launch({k: None if v is None else next(names) for k, v in arrays.items()}, out_ptrs, scratch_ptrs,
-                        fe.stream(dev))
+            plan.launch({k: None if v is None else next(names) for k, v in arrays.items()}, out_ptrs,
+                        all_ptrs[len(in_ptrs) + len(outs):], fe.stream(dev))
     return outs[0] if plan.single else tuple(outs)
 
 
@@ -143,7 +149,7 @@ def run(planner, arrays: dict, **params):
         except TypeError:  # an unhashable parameter: the general path reports it
             entry = key = None
         if entry is not None:
-            result = _run_fast(entry, arrays, fast[1])
+            result = _run_fast(entry, fast[1], fast[2], arrays)
             if result is not None:
                 return result
     return _run(planner, arrays, key, params)

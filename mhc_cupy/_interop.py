@@ -94,7 +94,7 @@ class _Torch:
         return x.detach().contiguous()
 
     def empty(self, shape, dtype: str, like):
-        return self.torch.empty(shape, dtype=self.from_name[dtype], device=like.device)
+        return like.new_empty(shape, dtype=self.from_name[dtype])  # like's device; cheaper than device=like.device
 
     @staticmethod
     def ptr(x) -> int:

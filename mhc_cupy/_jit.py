@@ -152,6 +152,21 @@ def _load(dev: int, filename: str, expr: str):
     return module.get_function(mangled), module  # the module must outlive the function
 
 
+_max_threads: dict = {}
+
+
+def max_threads(filename: str, name_expression: str) -> int:
+    """The largest block the compiled kernel can launch with (its registers
+    per thread decide it) on the current device; compiles it if needed."""
+    fn = get_function(filename, name_expression)
+    v = _max_threads.get(fn.ptr)
+    if v is None:
+        from cupy_backends.cuda.api import driver
+
+        v = _max_threads[fn.ptr] = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, fn.ptr)
+    return v
+
+
 _streams: dict = {}
 _big_smem: set = set()
 

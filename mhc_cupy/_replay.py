@@ -30,7 +30,10 @@ _local = threading.local()
 
 
 def aligned(ptrs) -> bool:
-    return not any(p & (_ALIGN - 1) for p in ptrs)
+    acc = 0
+    for p in ptrs:
+        acc |= p
+    return not acc & (_ALIGN - 1)
 
 
 @contextlib.contextmanager
@@ -56,13 +59,14 @@ def note(fn, grid, block, args, shared_mem) -> None:
 class _Launch:
     """One kernel launch with its parameters packed in 8-byte slots."""
 
-    __slots__ = ("fn", "grid", "block", "shared_mem", "values", "params", "slots")
+    __slots__ = ("fn", "grid", "block", "shared_mem", "values", "params", "params_ptr", "slots")
 
     def __init__(self, fn, grid, block, shared_mem, args, slot_of):
         self.fn, self.grid, self.block, self.shared_mem = fn.ptr, grid, block, shared_mem
         self.values = (ctypes.c_uint64 * max(len(args), 1))()
         base = ctypes.addressof(self.values)
         self.params = (ctypes.c_void_p * max(len(args), 1))(*[base + 8 * i for i in range(len(args))])
+        self.params_ptr = ctypes.addressof(self.params)
         self.slots = []  # (parameter index, index into the call's pointer list)
         for i, a in enumerate(args):
             if a is None:
@@ -96,16 +100,28 @@ class Replay:
         self.lock = threading.Lock()  # the parameter buffers are shared
 
     def launch(self, ptrs, stream: int) -> None:
-        from cupy_backends.cuda.api import driver
-
+        launch_kernel = _driver_launch()
         with self.lock:
             for ln in self.launches:
                 v = ln.values
                 for i, k in ln.slots:
                     v[i] = ptrs[k]
                 g, b = ln.grid, ln.block
-                driver.launchKernel(ln.fn, g[0], g[1], g[2], b[0], b[1], b[2], ln.shared_mem, stream,
-                                    ctypes.addressof(ln.params), 0)
+                launch_kernel(ln.fn, g[0], g[1], g[2], b[0], b[1], b[2], ln.shared_mem, stream, ln.params_ptr, 0)
+
+
+_driver = None
+
+
+def _driver_launch():
+    """CuPy's binding of cuLaunchKernel (its module imported once; the attribute
+    is looked up at each call, so tests can replace it)."""
+    global _driver
+    if _driver is None:
+        from cupy_backends.cuda.api import driver
+
+        _driver = driver
+    return _driver.launchKernel
 
 
 def record(launches, ptrs) -> Replay | None:

@@ -95,15 +95,27 @@ def _run(fn, like: Tensor, *args, **params):
     return fn(*args, **params)
 
 
+_is_compiling = torch.compiler.is_compiling
+
+
+# Both run on every eager call: plain loops (a generator in any() costs more).
 def _use_custom_op(*tensors) -> bool:
     """True inside torch.compile / export, or for tensor subclasses (fake, functional, ...)."""
-    if torch.compiler.is_compiling():
+    if _is_compiling():
         return True
-    return any(t is not None and type(t) not in _PLAIN for t in tensors)
+    for t in tensors:
+        if t is not None and type(t) not in _PLAIN:
+            return True
+    return False
 
 
 def _needs_autograd(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
 
 
 def _validate(planner, tensors: dict, **params) -> None:

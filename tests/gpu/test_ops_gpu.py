@@ -121,9 +121,10 @@ def test_aggregate_distribute(rng, dt, n, T, C, shared):
 
 # ------------------------------------------------------------------ RMSNorm
 @pytest.mark.parametrize("dt", DTYPES)
-# Row widths of the register-cached kernels (K = 1, 2, 4, 8 vectors per thread
-# at 16-bit dtypes) and past them (40000: the two-pass kernels).
-@pytest.mark.parametrize("T,C", SIZES + [(3, 6000), (5, 16384), (2, 28672), (2, 40000)])
+# Row widths of the register-cached kernels (K = 1 to 8 vectors per thread at
+# 16-bit dtypes; see ops/rmsnorm.cached_layout) and past them: 49152 runs the
+# two-pass forward and the cached backward, 57352 two-pass in both directions.
+@pytest.mark.parametrize("T,C", SIZES + [(3, 6000), (5, 16384), (2, 28672), (2, 49152), (2, 57352)])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_rmsnorm(rng, dt, T, C, weighted):
     x = rounded(rng, (T, C), dt, scale=3.0)
