@@ -3,7 +3,7 @@
 # + synccheck on a representative subset, the benchmarks, the training demo and
 # the notebooks; prints a summary at the end.
 # Usage (repo root, on a CUDA machine):  bash scripts/gpu_check.sh [OUT_DIR]
-# Knobs: GPU_CHECK_PYTEST_ARGS (default: tests), GPU_CHECK_BENCH_ARGS,
+# Knobs: GPU_CHECK_PYTEST_ARGS (default: -q tests; two -q hide the count line), GPU_CHECK_BENCH_ARGS,
 # GPU_CHECK_DEMO_ARGS (default: --baseline), GPU_CHECK_WORKERS (pytest-xdist),
 # GPU_CHECK_STEPS (names of the steps to run), GPU_CHECK_NOTEBOOKS, GPU_CHECK_STEP_TIMEOUT (s).
 # Runs from the checkout (PYTHONPATH), no install needed.  Exit status is
@@ -34,7 +34,7 @@ step info $PY -m mhc_cupy info
 step warmup $PY -m mhc_cupy warmup --dtypes bfloat16 --n 4  # the rest compiles in parallel in the tests
 XDIST=""
 $PY -c "import xdist" 2>/dev/null && XDIST="-n ${GPU_CHECK_WORKERS:-8}"
-step tests $PY -m pytest -q -p no:cacheprovider $XDIST ${GPU_CHECK_PYTEST_ARGS:-tests}
+step tests $PY -m pytest -p no:cacheprovider $XDIST ${GPU_CHECK_PYTEST_ARGS:--q tests}
 if command -v compute-sanitizer > /dev/null; then
     step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 $PY scripts/sanitize_subset.py
     step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 $PY scripts/sanitize_subset.py
