@@ -93,6 +93,21 @@ __device__ __forceinline__ void lds(const float* p, float (&v)[E]) {
     }
 }
 
+// x at positions d .. d + E of U consecutive tokens from row0 (rows >= valid read as 0).
+template <typename T, int E, int U>
+__device__ __forceinline__ void load_token_rows(const T* __restrict__ x, i64 row0, int valid, int D, int d,
+                                                float (&xv)[U][E]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        if (u < valid) {
+            mhc::load_vec<T, E>(x + (row0 + u) * (i64)D + d, xv[u]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < E; ++e) xv[u][e] = 0.f;
+        }
+    }
+}
+
 // Group of column k: 0 = pre [0, n), 1 = post [n, 2n), 2 = res [2n, K).
 __device__ __forceinline__ int group_of(int k, int n) { return k < n ? 0 : (k < 2 * n ? 1 : 2); }
 
@@ -365,17 +380,7 @@ mhc_coeffs_bwd_fused_kernel(const T* __restrict__ x, const float* __restrict__ p
         __syncthreads();
         if (!active) continue;
         // x of U tokens at a time; the next U are loaded while these are used
-        auto x_load = [&](int tt0, float (&xv)[U][E]) {
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                if (tt0 + u < nt) {
-                    mhc::load_vec<T, E>(x + (t0 + tt0 + u) * (i64)D + d, xv[u]);
-                } else {
-#pragma unroll
-                    for (int e = 0; e < E; ++e) xv[u][e] = 0.f;
-                }
-            }
-        };
+        auto x_load = [&](int tt0, float (&xv)[U][E]) { load_token_rows<T, E, U>(x, t0 + tt0, nt - tt0, D, d, xv); };
         float xv[U][E];
         x_load(0, xv);
         for (int tt0 = 0; tt0 < nt; tt0 += U) {
@@ -554,15 +559,7 @@ mhc_coeffs_bwd_dphi_kernel(const T* __restrict__ x, const float* __restrict__ dH
         if (!active) continue;
         for (int tt0 = 0; tt0 < nt; tt0 += U) {
             float xv[U][E];
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                if (tt0 + u < nt) {
-                    mhc::load_vec<T, E>(x + (t0 + tt0 + u) * (i64)D + d, xv[u]);
-                } else {
-#pragma unroll
-                    for (int e = 0; e < E; ++e) xv[u][e] = 0.f;
-                }
-            }
+            load_token_rows<T, E, U>(x, t0 + tt0, nt - tt0, D, d, xv);
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 if (tt0 + u >= nt) break;

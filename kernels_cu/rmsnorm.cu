@@ -13,6 +13,29 @@
 
 using mhc::i64;
 
+namespace {
+
+// The weighted backward's per-block dw partial row in shared memory: zeroed
+// at the start (each thread only ever touches its own columns afterwards, the
+// same set as in the zeroing only when E == 1, hence one synchronisation) and
+// written out as row blockIdx.x of dw_part at the end.
+template <bool HAS_W>
+__device__ __forceinline__ void dw_begin(float* dw_acc, int C) {
+    if (HAS_W)
+        for (int c = threadIdx.x; c < C; c += blockDim.x) dw_acc[c] = 0.f;
+    __syncthreads();
+}
+
+template <bool HAS_W>
+__device__ __forceinline__ void dw_end(const float* dw_acc, float* __restrict__ dw_part, int C) {
+    if (HAS_W) {
+        __syncthreads();
+        for (int c = threadIdx.x; c < C; c += blockDim.x) dw_part[blockIdx.x * (i64)C + c] = dw_acc[c];
+    }
+}
+
+}  // namespace
+
 template <typename T, int E, bool HAS_W>
 __global__ void mhc_rmsnorm_fwd_kernel(const T* __restrict__ x, const float* __restrict__ w,
                                        T* __restrict__ y, i64 rows, int C, float eps) {
@@ -49,11 +72,7 @@ __global__ void mhc_rmsnorm_bwd_kernel(const TG* __restrict__ g, const T* __rest
                                        i64 rows_per_block) {
     extern __shared__ float dw_acc[];
     __shared__ float red[2 * 32];
-    if (HAS_W)
-        for (int c = threadIdx.x; c < C; c += blockDim.x) dw_acc[c] = 0.f;
-    // Each thread only ever touches dw_acc at its own columns (c = tid*E + ...),
-    // the same set in the zeroing above only when E == 1; synchronise once.
-    __syncthreads();
+    dw_begin<HAS_W>(dw_acc, C);
     const i64 r0 = blockIdx.x * rows_per_block;
     const i64 r1 = min(rows, r0 + rows_per_block);
     for (i64 t = r0; t < r1; ++t) {
@@ -89,10 +108,7 @@ __global__ void mhc_rmsnorm_bwd_kernel(const TG* __restrict__ g, const T* __rest
         }
         __syncthreads();  // red is reused by the next row
     }
-    if (HAS_W) {
-        __syncthreads();
-        for (int c = threadIdx.x; c < C; c += blockDim.x) dw_part[blockIdx.x * (i64)C + c] = dw_acc[c];
-    }
+    dw_end<HAS_W>(dw_acc, dw_part, C);
 }
 
 // Row in registers: thread tid holds columns (k * blockDim.x + tid) * E + e,
@@ -139,9 +155,7 @@ __global__ void mhc_rmsnorm_bwd_cached_kernel(const TG* __restrict__ g, const T*
                                               i64 rows_per_block) {
     extern __shared__ float dw_acc[];
     __shared__ float red[2 * 32];
-    if (HAS_W)
-        for (int c = threadIdx.x; c < C; c += blockDim.x) dw_acc[c] = 0.f;
-    __syncthreads();
+    dw_begin<HAS_W>(dw_acc, C);
     const i64 r0 = blockIdx.x * rows_per_block;
     const i64 r1 = min(rows, r0 + rows_per_block);
     for (i64 t = r0; t < r1; ++t) {
@@ -181,8 +195,5 @@ __global__ void mhc_rmsnorm_bwd_cached_kernel(const TG* __restrict__ g, const T*
         }
         __syncthreads();  // red is reused by the next row
     }
-    if (HAS_W) {
-        __syncthreads();
-        for (int c = threadIdx.x; c < C; c += blockDim.x) dw_part[blockIdx.x * (i64)C + c] = dw_acc[c];
-    }
+    dw_end<HAS_W>(dw_acc, dw_part, C);
 }

@@ -133,7 +133,7 @@ def _run_fast(entry: _Entry, in_ptrs: list, like, arrays: dict):
     ptr = fe.ptr
     outs = [fe.empty(shape, dt, like) for shape, dt in plan.outputs]
     if not plan.empty:
-        scratch = [fe.empty(shape, dt, like) for shape, dt in plan.scratch] if plan.scratch else []
+        scratch = [fe.empty(shape, dt, like) for shape, dt in plan.scratch]
         out_ptrs = [ptr(o) for o in outs]
         all_ptrs = in_ptrs + out_ptrs + [ptr(s) for s in scratch]
         if entry.replay is not None and _replay.aligned(all_ptrs):

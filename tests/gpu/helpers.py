@@ -18,6 +18,17 @@ ACT_TOL = {"bfloat16": 8e-3, "float16": 1e-3, "float32": 1e-5}
 COEF_TOL = 1e-4
 
 
+def torch_cuda_ok() -> bool:
+    """CuPy and PyTorch both see a CUDA device (the torch adapter's GPU tests need both)."""
+    try:
+        import cupy
+        import torch
+
+        return bool(cupy.cuda.is_available()) and torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - any import or driver failure means: skip
+        return False
+
+
 def rounded(rng, shape, dtype: str, scale=1.0):
     """Random normal data already rounded to ``dtype`` (float64 copy for the reference, typed copy)."""
     a = (rng.standard_normal(shape) * scale).astype(NP_DTYPE[dtype])

@@ -42,17 +42,10 @@ from torch import nn
 
 from mhc_cupy.layers import MHC, MHCReference, mhc_reference
 
-
-def _cuda_ok() -> bool:
-    try:
-        import cupy
-
-        return bool(cupy.cuda.is_available()) and torch.cuda.is_available()
-    except Exception:
-        return False
+from .helpers import torch_cuda_ok
 
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _cuda_ok(), reason="needs CUDA for both CuPy and torch")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch_cuda_ok(), reason="needs CUDA for both CuPy and torch")]
 
 DEV = "cuda"
 U_BF16 = 2.0**-8

@@ -26,17 +26,10 @@ import mhc_cupy as m
 import mhc_cupy.torch as mt
 from mhc_cupy import reference as R
 
-
-def _cuda_ok() -> bool:
-    try:
-        import cupy
-
-        return bool(cupy.cuda.is_available()) and torch.cuda.is_available()
-    except Exception:
-        return False
+from .helpers import torch_cuda_ok
 
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _cuda_ok(), reason="needs CUDA for both CuPy and torch")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch_cuda_ok(), reason="needs CUDA for both CuPy and torch")]
 
 
 DEV = "cuda"
