@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: every test (CPU and GPU), compute-sanitizer memcheck + racecheck
-# + synccheck on a representative subset, the benchmarks, the training demo and
+# + synccheck + initcheck on a representative subset, the benchmarks, the training demo and
 # the notebooks; prints a summary at the end.
 # Usage (repo root, on a CUDA machine):  bash scripts/gpu_check.sh [OUT_DIR]
 # Knobs: GPU_CHECK_PYTEST_ARGS (default: -q tests; two -q hide the count line), GPU_CHECK_BENCH_ARGS,
@@ -18,7 +18,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX must not take 75% of the GPU i
 PY=${PYTHON:-python3}
 declare -A status
 
-STEPS=" ${GPU_CHECK_STEPS:-info warmup tests memcheck racecheck synccheck demo bench notebooks} "
+STEPS=" ${GPU_CHECK_STEPS:-info warmup tests memcheck racecheck synccheck initcheck demo bench notebooks} "
 step() {  # step NAME COMMAND...   (skipped unless NAME is in GPU_CHECK_STEPS)
     local name=$1; shift
     case "$STEPS" in *" $name "*) ;; *) return 0 ;; esac
@@ -39,6 +39,8 @@ if command -v compute-sanitizer > /dev/null; then
     step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 $PY scripts/sanitize_subset.py
     step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 $PY scripts/sanitize_subset.py
     step synccheck compute-sanitizer --tool synccheck --error-exitcode 9 $PY scripts/sanitize_subset.py
+    # reads of device memory that no one wrote (e.g. unused slots of a scratch buffer)
+    step initcheck compute-sanitizer --tool initcheck --error-exitcode 9 $PY scripts/sanitize_subset.py
 else
     status[sanitizer]="compute-sanitizer not found"
 fi
@@ -49,11 +51,11 @@ step notebooks $PY scripts/run_notebooks.py ${GPU_CHECK_NOTEBOOKS:-notebooks/*.i
 echo
 echo "================ gpu_check summary ================"
 rc=0
-for k in info warmup tests memcheck racecheck synccheck sanitizer bench demo notebooks; do
+for k in info warmup tests memcheck racecheck synccheck initcheck sanitizer bench demo notebooks; do
     [ -n "${status[$k]:-}" ] || continue
     echo "$k: ${status[$k]}"
     case "${status[$k]}" in rc=0*) ;; *) rc=1 ;; esac
 done
 grep -E "passed|failed" "$OUT/tests.log" | tail -n 1
-grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/memcheck.log "$OUT"/racecheck.log "$OUT"/synccheck.log 2>/dev/null
+grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/memcheck.log "$OUT"/racecheck.log "$OUT"/synccheck.log "$OUT"/initcheck.log 2>/dev/null
 exit $rc

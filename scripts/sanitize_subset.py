@@ -3,7 +3,8 @@
 Shapes cover: odd C (scalar path, misaligned rows), C split into 3 / 5 / 7
 block-sized chunks (case P2), the vectorised path, n = 1, 3, 4, 8, 17, shared
 coefficients, RMSNorm with a weight and on vec(x), Sinkhorn history in shared and in global
-memory, both gradient modes.  Exits non-zero if any result is not finite.
+memory (n = 17: lanes that own fewer columns than rows), both gradient modes (n = 32: the
+warp-per-matrix implicit backward).  Exits non-zero if any result is not finite.
 """
 
 import cupy as cp
@@ -27,7 +28,7 @@ def check(name, *arrays):
 
 bf16 = m._interop.numpy_dtype("bfloat16")
 for T, n, C, dt in [(3, 3, 13, bf16), (5, 4, 1536, bf16), (2, 4, 2560, bf16), (2, 8, 7168, cp.float32),
-                    (4, 1, 4095, cp.float16), (2, 17, 64, bf16)]:
+                    (4, 1, 4095, cp.float16), (2, 17, 64, bf16), (3, 32, 40, cp.float32)]:
     x, y, g, gy = act(T, n, C, dt=dt), act(T, C, dt=dt), act(T, n, C, dt=dt), act(T, C, dt=dt)
     M, h, hs = act(T, n, n), act(T, n), act(n)
     check("mix", m.stream_mix_fwd(x, M), *m.stream_mix_bwd(g, x, M))
