@@ -22,7 +22,7 @@ namespace {
 template <bool HAS_W>
 __device__ __forceinline__ void dw_begin(float* dw_acc, int C) {
     if (HAS_W)
-        for (int c = threadIdx.x; c < C; c += blockDim.x) dw_acc[c] = 0.f;
+        for (unsigned c = threadIdx.x; c < (unsigned)C; c += blockDim.x) dw_acc[c] = 0.f;
     __syncthreads();
 }
 
@@ -30,7 +30,7 @@ template <bool HAS_W>
 __device__ __forceinline__ void dw_end(const float* dw_acc, float* __restrict__ dw_part, int C) {
     if (HAS_W) {
         __syncthreads();
-        for (int c = threadIdx.x; c < C; c += blockDim.x) dw_part[blockIdx.x * (i64)C + c] = dw_acc[c];
+        for (unsigned c = threadIdx.x; c < (unsigned)C; c += blockDim.x) dw_part[blockIdx.x * (i64)C + c] = dw_acc[c];
     }
 }
 
@@ -43,7 +43,7 @@ __global__ void mhc_rmsnorm_fwd_kernel(const T* __restrict__ x, const float* __r
     for (i64 t = blockIdx.x; t < rows; t += gridDim.x) {
         const T* xt = x + t * (i64)C;
         float acc[1] = {0.f};
-        for (int c = threadIdx.x * E; c < C; c += blockDim.x * E) {
+        for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
             float xv[E];
             mhc::load_vec<T, E>(xt + c, xv);
 #pragma unroll
@@ -51,7 +51,7 @@ __global__ void mhc_rmsnorm_fwd_kernel(const T* __restrict__ x, const float* __r
         }
         mhc::block_sum<1>(acc, red);
         const float r = 1.f / sqrtf(red[0] / (float)C + eps);
-        for (int c = threadIdx.x * E; c < C; c += blockDim.x * E) {
+        for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
             float xv[E], o[E];
             mhc::load_vec<T, E>(xt + c, xv);
 #pragma unroll
@@ -79,7 +79,7 @@ __global__ void mhc_rmsnorm_bwd_kernel(const TG* __restrict__ g, const T* __rest
         const T* xt = x + t * (i64)C;
         const TG* gt = g + t * (i64)C;
         float acc[2] = {0.f, 0.f};  // sum x^2, sum g' x
-        for (int c = threadIdx.x * E; c < C; c += blockDim.x * E) {
+        for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
             float xv[E], gv[E];
             mhc::load_vec<T, E>(xt + c, xv);
             mhc::load_vec<TG, E>(gt + c, gv);
@@ -94,7 +94,7 @@ __global__ void mhc_rmsnorm_bwd_kernel(const TG* __restrict__ g, const T* __rest
         const float r = 1.f / sqrtf(red[0] / (float)C + eps);
         const float m = red[1] / (float)C;
         const float r3m = r * r * r * m;
-        for (int c = threadIdx.x * E; c < C; c += blockDim.x * E) {
+        for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
             float xv[E], gv[E], o[E];
             mhc::load_vec<T, E>(xt + c, xv);
             mhc::load_vec<TG, E>(gt + c, gv);

@@ -12,7 +12,11 @@ _FILE = "rmsnorm.cu"
 #: Blocks of the weighted backward: each sums dw over a contiguous range of
 #: rows; fixed (independent of the device) so results are reproducible anywhere.
 _BWD_BLOCKS = 1024
-_MAX_SMEM = 227 * 1024
+#: Static shared memory of the backward kernels (``red``: 2 x 32 floats); the
+#: weighted backward adds C floats of dynamic shared memory (its dw row).
+_BWD_STATIC_SMEM = 256
+#: Shared memory per block every CUDA GPU since sm_70 grants without opting in.
+_DEFAULT_SMEM = 48 * 1024
 #: Register-cached kernels: the vectors per thread K tried, smallest first,
 #: and the largest block taken, per direction.  Measured on an H200 (bf16,
 #: rows of 4096 / 10240 / 16384 / 28672): the forward was fastest with K >= 2
@@ -39,6 +43,57 @@ def cached_layout(direction: str, C: int, E: int, dtypes) -> tuple | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_optin(ordinal: int) -> int | None:
+    """cudaDevAttrMaxSharedMemoryPerBlockOptin of GPU ``ordinal`` (bytes), or
+    None when no such GPU can be queried (then the launch checks)."""
+    try:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        return rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, ordinal)
+    except Exception:  # noqa: BLE001 - no CuPy / driver / device: nothing to query
+        return None
+
+
+def _weighted_c_error(C: int, optin: int, static: int, device) -> ValueError:
+    return ValueError(
+        f"rmsnorm_bwd with a weight keeps a float32 row of C in shared memory: on {device[0]}:{device[1]} it "
+        f"supports C <= {(optin - static) // 4} ({optin} bytes per block, {static} of them static); x has C = {C}")
+
+
+def check_weighted_c(C: int, device) -> None:
+    """Raise ValueError when the weighted backward's dw row (C floats of
+    dynamic shared memory) cannot fit on ``device`` (a ("cuda", ordinal) tuple;
+    the limit is the device's opt-in shared memory per block minus the
+    kernels' static shared memory: C <= 58048 on sm_90, 41664 on sm_80,
+    25280 on sm_86 / sm_89)."""
+    if device[0] != "cuda" or C * 4 + _BWD_STATIC_SMEM <= _DEFAULT_SMEM:
+        return
+    optin = _smem_optin(device[1])
+    if optin is not None and C * 4 + _BWD_STATIC_SMEM > optin:
+        raise _weighted_c_error(C, optin, _BWD_STATIC_SMEM, device)
+
+
+_static_smem: dict = {}  # function pointer -> its static shared memory (bytes)
+
+
+def _check_launch_smem(expr: str, C: int) -> None:
+    """The exact check at launch: C floats plus the compiled kernel's static
+    shared memory within the current device's opt-in limit."""
+    import cupy
+    from cupy_backends.cuda.api import driver
+
+    dev = cupy.cuda.runtime.getDevice()
+    optin = _smem_optin(dev)
+    fn = _jit.get_function(_FILE, expr)
+    static = _static_smem.get(fn.ptr)
+    if static is None:
+        static = _static_smem[fn.ptr] = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn.ptr)
+    if optin is not None and C * 4 + static > optin:
+        raise _weighted_c_error(C, optin, static, ("cuda", dev))
+
+
 def _kernel(kind: str, types: str, E: int, C: int, has_w: bool, layout):
     """(name expression, threads) of the forward / backward kernel for a row of
     C: the register-cached one when ``layout`` is given and its block fits the
@@ -56,7 +111,7 @@ def _check(infos, eps, with_grad: bool):
     x, w = infos["x"], infos["weight"]
     dt = _checks.activation("x", x)
     _checks.min_ndim("x", x, 1, "[..., C]")
-    C = x.shape[-1]
+    C = _checks.row_length("x", x)
     tg = None
     if with_grad:
         tg = _checks.gradient("grad", infos["grad"], dt)
@@ -64,8 +119,8 @@ def _check(infos, eps, with_grad: bool):
     if w is not None:
         _checks.coefficient("weight", w)
         _checks.expect_shape("weight", w.shape, (C,), "one weight per element of the last dim of x")
-        if with_grad and C * 4 > _MAX_SMEM:
-            raise ValueError(f"rmsnorm_bwd with a weight supports C <= {_MAX_SMEM // 4}; x has C = {C}")
+        if with_grad:
+            check_weighted_c(C, x.device)
     return dt, tg, C, tokens_of(x.shape[:-1]), _checks.eps("eps", eps)
 
 
@@ -94,6 +149,8 @@ def _plan_bwd(infos, eps):
     def run_kernels(p, outs, scratch, stream):
         E = vec_width(1, C, [(p["x"], dt), (p["grad"], tg), (outs[0], dt)])
         expr, threads = _kernel("bwd", f"{CTYPE[dt]},{CTYPE[tg]}", E, C, has_w, cached_layout("bwd", C, E, (dt, tg)))
+        if has_w and C * 4 > _DEFAULT_SMEM // 2:
+            _check_launch_smem(expr, C)
         launch(_FILE, expr, (blocks, 1, 1), (threads, 1, 1),
                (p["grad"], p["x"], p["weight"], outs[0], scratch[0] if has_w else None, rows, i32(C), f32(eps),
                 per_block), stream, shared_mem=C * 4 if has_w else 0)
@@ -146,6 +203,8 @@ def rmsnorm_bwd(grad, x, eps=1e-5, weight=None):
         (deterministic, no atomics).
 
     Raises:
-        TypeError / ValueError: as the forward; grad shape differs from x.
+        TypeError / ValueError: as the forward; grad shape differs from x;
+        with a weight on a GPU, C above what its shared memory per block holds
+        (C floats: C <= 58048 on sm_90, 41664 on sm_80, 25280 on sm_86 / sm_89).
     """
     return run(_plan_bwd, {"grad": grad, "x": x, "weight": weight}, eps=eps)
