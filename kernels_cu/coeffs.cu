@@ -127,6 +127,29 @@ __device__ __forceinline__ float rms_inv(float sumsq, int D, float eps) {
     return 1.f / sqrtf(sumsq / (float)D + eps);
 }
 
+// 1/r of token row xt when its float32 sum of squares overflowed (sumsq inf):
+// summed again with x scaled by mhc::STAT_SCALE, by the 32 lanes of the calling
+// warp (a warp-uniform call) or by one thread.  Never runs for other rows.
+template <typename T>
+__device__ float rms_inv_rescaled_warp(const T* __restrict__ xt, int D, float eps, int lane) {
+    float s = 0.f;
+    for (int d = lane; d < D; d += 32) {
+        const float v = mhc::to_float<T>(xt[d]) * mhc::STAT_SCALE;
+        s = fmaf(v, v, s);
+    }
+    return mhc::rms_inv_scaled(mhc::warp_sum(s), (float)D, eps);
+}
+
+template <typename T>
+__device__ float rms_inv_rescaled_thread(const T* __restrict__ xt, int D, float eps) {
+    float s = 0.f;
+    for (int d = 0; d < D; ++d) {
+        const float v = mhc::to_float<T>(xt[d]) * mhc::STAT_SCALE;
+        s = fmaf(v, v, s);
+    }
+    return mhc::rms_inv_scaled(s, (float)D, eps);
+}
+
 }  // namespace mhc_coeffs
 
 // ------------------------------------------------------------------ forward
@@ -255,6 +278,21 @@ mhc_coeffs_fwd_kernel(const T* __restrict__ x, const float* __restrict__ phi, co
         if (lane == (tt * (KC + 1) + KC) % 32) s_tot[warp][tt][KC] = v;
     }
     __syncwarp();
+    if (part == nullptr) {  // one D range: s_tot[warp][tt][KC] becomes 1/r of token tt (warp-uniform)
+        float rinv[TT];
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt) {
+            const float q = s_tot[warp][tt][KC];
+            rinv[tt] = mhc_coeffs::rms_inv(q, D, eps);
+            if (isinf(q) && tok0 + tt < tokens)
+                rinv[tt] = mhc_coeffs::rms_inv_rescaled_warp<T>(x + (tok0 + tt) * (i64)D, D, eps, lane);
+        }
+        __syncwarp();  // every lane has read the sums
+        if (lane == 0)
+#pragma unroll
+            for (int tt = 0; tt < TT; ++tt) s_tot[warp][tt][KC] = rinv[tt];
+        __syncwarp();
+    }
     for (int idx = lane; idx < TT * kn; idx += 32) {
         const int tt = idx / kn, k = idx - tt * kn;
         const i64 t = tok0 + tt;
@@ -265,15 +303,17 @@ mhc_coeffs_fwd_kernel(const T* __restrict__ x, const float* __restrict__ phi, co
             row[kc0 + k] = H;
             if (cc == 0 && k == 0) row[K] = q;
         } else {
-            mhc_coeffs::finish_column(alpha, bias, h_pre, h_post, h_res, t, kc0 + k, n, H,
-                                      mhc_coeffs::rms_inv(q, D, eps));
+            mhc_coeffs::finish_column(alpha, bias, h_pre, h_post, h_res, t, kc0 + k, n, H, q);
         }
     }
 }
 
 // Forward with several D ranges: h[t, k] from the raw partials, summed in
-// range order.  One thread per (t, k), grid-stride.
-__global__ void mhc_coeffs_fwd_finish_kernel(const float* __restrict__ part, const float* __restrict__ alpha,
+// range order.  One thread per (t, k), grid-stride; x only for a token whose
+// sum of squares overflowed.
+template <typename T>
+__global__ void mhc_coeffs_fwd_finish_kernel(const T* __restrict__ x, const float* __restrict__ part,
+                                             const float* __restrict__ alpha,
                                              const float* __restrict__ bias, float* __restrict__ h_pre,
                                              float* __restrict__ h_post, float* __restrict__ h_res, i64 tokens,
                                              int D, int n, int K, int splits, float eps) {
@@ -287,7 +327,9 @@ __global__ void mhc_coeffs_fwd_finish_kernel(const float* __restrict__ part, con
             H += row[k];
             q += row[K];
         }
-        mhc_coeffs::finish_column(alpha, bias, h_pre, h_post, h_res, t, k, n, H, mhc_coeffs::rms_inv(q, D, eps));
+        const float rinv = isinf(q) ? mhc_coeffs::rms_inv_rescaled_thread<T>(x + t * (i64)D, D, eps)
+                                    : mhc_coeffs::rms_inv(q, D, eps);
+        mhc_coeffs::finish_column(alpha, bias, h_pre, h_post, h_res, t, k, n, H, rinv);
     }
 }
 
@@ -296,7 +338,10 @@ __global__ void mhc_coeffs_fwd_finish_kernel(const float* __restrict__ part, con
 // and the incoming gradients (any may be null = zero), write
 //   dH[t, k] = alpha_grp g_k / r (k < K), dH[t, K] = c = sum_k alpha_grp g_k H_k / (D r^3),
 //   dH[t, K+1 .. KP) = 0 (padding), and qa[t, j] = sum_{k in group j} g_k H_k / r.
-__global__ void mhc_coeffs_bwd_prep_kernel(const float* __restrict__ part, const float* __restrict__ g_pre,
+// x only for a token whose sum of squares overflowed.  blockDim.x: a multiple of 32.
+template <typename T>
+__global__ void mhc_coeffs_bwd_prep_kernel(const T* __restrict__ x, const float* __restrict__ part,
+                                           const float* __restrict__ g_pre,
                                            const float* __restrict__ g_post, const float* __restrict__ g_res,
                                            const float* __restrict__ alpha, float* __restrict__ dH,
                                            float* __restrict__ qa, i64 tokens, int D, int n, int K, int KP,
@@ -307,7 +352,8 @@ __global__ void mhc_coeffs_bwd_prep_kernel(const float* __restrict__ part, const
     for (i64 t = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5); t < tokens; t += warps) {
         float q = 0.f;
         for (int s = 0; s < splits; ++s) q += part[((i64)s * tokens + t) * (K + 1) + K];
-        const float rinv = mhc_coeffs::rms_inv(q, D, eps);
+        float rinv = mhc_coeffs::rms_inv(q, D, eps);
+        if (isinf(q)) rinv = mhc_coeffs::rms_inv_rescaled_warp<T>(x + t * (i64)D, D, eps, lane);  // warp-uniform
         float sc = 0.f, q0 = 0.f, q1 = 0.f, q2 = 0.f;
         for (int k = lane; k < K; k += 32) {
             float H = 0.f;

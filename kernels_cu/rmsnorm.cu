@@ -1,5 +1,5 @@
 // RMSNorm (OPS.md section 2): y_c = x_c * r (* w_c), r = 1/sqrt(mean_c x_c^2 + eps).
-// Backward with g' = g * w:  dx_c = r g'_c - x_c r^3 mean_k(g'_k x_k);
+// Backward with g' = g * w:  dx_c = r (g'_c - x_c r^2 mean_k(g'_k x_k));
 //                            dw_c = sum_tokens g_c x_c r.
 // One block per row (token); the statistics are recomputed from x.
 // The *_cached kernels keep the row (x, and g in the backward) in registers
@@ -34,6 +34,17 @@ __device__ __forceinline__ void dw_end(const float* dw_acc, float* __restrict__ 
     }
 }
 
+// The backward's per-row factors from the block sums ss = sum (x S)^2 and
+// sg = sum g' (x S) (S = 1, or mhc::STAT_SCALE after an overflow):
+// r = 1/sqrt(mean x^2 + eps) and k = r^2 mean(g' x), so that
+// dx = r (g' - x k).  Written as S q, S q (q mean(g' x S)) with q = r / S:
+// no intermediate underflows (r^3 alone does for |x| above ~1e13).
+__device__ __forceinline__ void row_factors(float ss, float sg, float S, float C, float eps, float& r, float& k) {
+    const float q = 1.f / sqrtf(ss / C + eps * S * S);
+    r = S * q;
+    k = S * (q * (q * (sg / C)));
+}
+
 }  // namespace
 
 template <typename T, int E, bool HAS_W>
@@ -50,7 +61,22 @@ __global__ void mhc_rmsnorm_fwd_kernel(const T* __restrict__ x, const float* __r
             for (int e = 0; e < E; ++e) acc[0] = fmaf(xv[e], xv[e], acc[0]);
         }
         mhc::block_sum<1>(acc, red);
-        const float r = 1.f / sqrtf(red[0] / (float)C + eps);
+        float r = 1.f / sqrtf(red[0] / (float)C + eps);
+        if (isinf(red[0])) {  // overflowed (see mhc::STAT_SCALE): sum again, scaled; block-uniform
+            __syncthreads();  // every thread has read red
+            acc[0] = 0.f;
+            for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
+                float xv[E];
+                mhc::load_vec<T, E>(xt + c, xv);
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    const float v = xv[e] * mhc::STAT_SCALE;
+                    acc[0] = fmaf(v, v, acc[0]);
+                }
+            }
+            mhc::block_sum<1>(acc, red);
+            r = mhc::rms_inv_scaled(red[0], (float)C, eps);
+        }
         for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
             float xv[E], o[E];
             mhc::load_vec<T, E>(xt + c, xv);
@@ -91,9 +117,27 @@ __global__ void mhc_rmsnorm_bwd_kernel(const TG* __restrict__ g, const T* __rest
             }
         }
         mhc::block_sum<2>(acc, red);
-        const float r = 1.f / sqrtf(red[0] / (float)C + eps);
-        const float m = red[1] / (float)C;
-        const float r3m = r * r * r * m;
+        float S = 1.f;  // scale of x in the sums
+        if (isinf(red[0]) || isinf(red[1])) {  // overflowed (see mhc::STAT_SCALE): again, scaled
+            __syncthreads();  // every thread has read red
+            acc[0] = acc[1] = 0.f;
+            for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
+                float xv[E], gv[E];
+                mhc::load_vec<T, E>(xt + c, xv);
+                mhc::load_vec<TG, E>(gt + c, gv);
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    const float gp = HAS_W ? gv[e] * w[c + e] : gv[e];
+                    const float v = xv[e] * mhc::STAT_SCALE;
+                    acc[0] = fmaf(v, v, acc[0]);
+                    acc[1] = fmaf(gp, v, acc[1]);
+                }
+            }
+            mhc::block_sum<2>(acc, red);
+            S = mhc::STAT_SCALE;
+        }
+        float r, k;
+        row_factors(red[0], red[1], S, (float)C, eps, r, k);
         for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
             float xv[E], gv[E], o[E];
             mhc::load_vec<T, E>(xt + c, xv);
@@ -101,8 +145,8 @@ __global__ void mhc_rmsnorm_bwd_kernel(const TG* __restrict__ g, const T* __rest
 #pragma unroll
             for (int e = 0; e < E; ++e) {
                 const float gp = HAS_W ? gv[e] * w[c + e] : gv[e];
-                o[e] = r * gp - xv[e] * r3m;
-                if (HAS_W) dw_acc[c + e] = fmaf(gv[e] * xv[e], r, dw_acc[c + e]);
+                o[e] = r * fmaf(-xv[e], k, gp);
+                if (HAS_W) dw_acc[c + e] = fmaf(gv[e], xv[e] * r, dw_acc[c + e]);
             }
             mhc::store_vec<T, E>(dx + t * (i64)C + c, o);
         }
@@ -131,7 +175,24 @@ __global__ void mhc_rmsnorm_fwd_cached_kernel(const T* __restrict__ x, const flo
             }
         }
         mhc::block_sum<1>(acc, red);
-        const float r = 1.f / sqrtf(red[0] / (float)C + eps);
+        float r = 1.f / sqrtf(red[0] / (float)C + eps);
+        if (isinf(red[0])) {  // overflowed (see mhc::STAT_SCALE): sum again, scaled; block-uniform
+            __syncthreads();  // every thread has read red
+            acc[0] = 0.f;
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                const int c = (k * blockDim.x + threadIdx.x) * E;
+                if (c < C) {
+#pragma unroll
+                    for (int e = 0; e < E; ++e) {
+                        const float v = xv[k][e] * mhc::STAT_SCALE;
+                        acc[0] = fmaf(v, v, acc[0]);
+                    }
+                }
+            }
+            mhc::block_sum<1>(acc, red);
+            r = mhc::rms_inv_scaled(red[0], (float)C, eps);
+        }
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             const int c = (k * blockDim.x + threadIdx.x) * E;
@@ -177,8 +238,28 @@ __global__ void mhc_rmsnorm_bwd_cached_kernel(const TG* __restrict__ g, const T*
             }
         }
         mhc::block_sum<2>(acc, red);
-        const float r = 1.f / sqrtf(red[0] / (float)C + eps);
-        const float r3m = r * r * r * (red[1] / (float)C);
+        float S = 1.f;  // scale of x in the sums
+        if (isinf(red[0]) || isinf(red[1])) {  // overflowed (see mhc::STAT_SCALE): again, scaled
+            __syncthreads();  // every thread has read red
+            acc[0] = acc[1] = 0.f;
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                const int c = (k * blockDim.x + threadIdx.x) * E;
+                if (c < C) {
+#pragma unroll
+                    for (int e = 0; e < E; ++e) {
+                        const float gp = HAS_W ? gv[k][e] * w[c + e] : gv[k][e];
+                        const float v = xv[k][e] * mhc::STAT_SCALE;
+                        acc[0] = fmaf(v, v, acc[0]);
+                        acc[1] = fmaf(gp, v, acc[1]);
+                    }
+                }
+            }
+            mhc::block_sum<2>(acc, red);
+            S = mhc::STAT_SCALE;
+        }
+        float r, kf;
+        row_factors(red[0], red[1], S, (float)C, eps, r, kf);
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             const int c = (k * blockDim.x + threadIdx.x) * E;
@@ -187,8 +268,8 @@ __global__ void mhc_rmsnorm_bwd_cached_kernel(const TG* __restrict__ g, const T*
 #pragma unroll
                 for (int e = 0; e < E; ++e) {
                     const float gp = HAS_W ? gv[k][e] * w[c + e] : gv[k][e];
-                    o[e] = r * gp - xv[k][e] * r3m;
-                    if (HAS_W) dw_acc[c + e] = fmaf(gv[k][e] * xv[k][e], r, dw_acc[c + e]);
+                    o[e] = r * fmaf(-xv[k][e], kf, gp);
+                    if (HAS_W) dw_acc[c + e] = fmaf(gv[k][e], xv[k][e] * r, dw_acc[c + e]);
                 }
                 mhc::store_vec<T, E>(dx + t * (i64)C + c, o);
             }

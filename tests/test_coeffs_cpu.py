@@ -267,8 +267,8 @@ def test_missing_gradients_zero_fill_their_bias_slice():
 
 def test_registry_lists_coeffs_kernels():
     specs = [e for f, e in _kernels.all_specialisations() if f == "coeffs.cu"]
-    for name in ("mhc_coeffs_fwd_kernel<__nv_bfloat16,4,4,24>", "mhc_coeffs_fwd_finish_kernel",
-                 "mhc_coeffs_bwd_prep_kernel", "mhc_coeffs_bwd_fused_kernel<__nv_bfloat16,1,24>",
+    for name in ("mhc_coeffs_fwd_kernel<__nv_bfloat16,4,4,24>", "mhc_coeffs_fwd_finish_kernel<__nv_bfloat16>",
+                 "mhc_coeffs_bwd_prep_kernel<__nv_bfloat16>", "mhc_coeffs_bwd_fused_kernel<__nv_bfloat16,1,24>",
                  "mhc_coeffs_bwd_dx_kernel<__nv_bfloat16,2,16>", "mhc_coeffs_transpose_kernel",
                  "mhc_coeffs_zero_kernel"):
         assert name in specs, name

@@ -249,3 +249,67 @@ def test_sinkhorn_implicit_n32_uses_no_local_memory():
 
     fn = _jit.get_function("sinkhorn.cu", "mhc_sinkhorn_knopp_implicit_bwd_warp_kernel<32>")
     assert driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, fn.ptr) == 0
+
+
+# ------------------------------------------------- RMS statistics of huge rows
+# |x| ~ 1e20 overflows a float32 sum of squares (the GPU gave 0 where the CPU is
+# right); 1e36 is near the top of bf16 / f32; 1e15 does not overflow but r^3
+# (2e-45) underflowed in the old backward.  C = 7: two-pass scalar kernels;
+# 1000 / 4096: register-cached; 49152: two-pass forward, cached backward.
+@pytest.mark.parametrize("dt", ["bfloat16", "float32"])
+@pytest.mark.parametrize("C", [7, 1000, 4096, 49152])
+@pytest.mark.parametrize("scale", [1e15, 1e20, 1e36])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_rmsnorm_huge_rows(rng, dt, C, scale, weighted):
+    import cupy as cp
+
+    from mhc_cupy.ops import rmsnorm
+
+    if weighted and C * 4 + 256 > rmsnorm._smem_optin(cp.cuda.runtime.getDevice()):
+        pytest.skip("the weighted backward's row does not fit this GPU's shared memory")
+    T = 3
+    x = rounded(rng, (T, C), dt, scale=scale)
+    x[1] = rounded(rng, (C,), dt)  # an ordinary row in between
+    g = rounded(rng, (T, C), dt)
+    w = (1 + 0.1 * rng.standard_normal(C)).astype(np.float32) if weighted else None
+    wg = None if w is None else to_gpu(w)
+    with poisoned_allocations():
+        y = m.rmsnorm_fwd(to_gpu(x), 1e-5, wg)
+        got = m.rmsnorm_bwd(to_gpu(g), to_gpu(x), 1e-5, wg)
+    assert_close(y, R.rmsnorm_fwd(x, 1e-5, w), ACT_TOL[dt], "y")
+    ref = R.rmsnorm_bwd(g, x, 1e-5, w)
+    r = 1 / np.sqrt(np.mean(f64(x) ** 2, -1, keepdims=True) + 1e-5)
+    term = r * f64(g) * (1 if w is None else w)  # per-row scale of dx (rows differ by 1e36)
+    dx, rdx = (got[0], ref[0]) if weighted else (got, ref)
+    dx = f64(to_host(dx))
+    for t in range(T):
+        assert_close(dx[t], rdx[t], ACT_TOL[dt] * 2, f"dx row {t}", scale=float(np.sqrt(np.mean(term[t] ** 2))))
+    if weighted:
+        assert_close(got[1], ref[1], 1e-4, "dw")
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float32"])
+@pytest.mark.parametrize("T,C", [(1, 4096), (3, 4096), (1000, 64)])
+@pytest.mark.parametrize("scale", [1e18, 1e19, 1e20, 1e36])
+def test_coeffs_huge_tokens(rng, dt, T, C, scale):
+    """n = 4.  C = 4096 (T = 1, 3) splits D over blocks (the finish kernel sums
+    the ranges); T = 1000, C = 64 finishes in the GEMM kernel.  The backward is
+    checked where its c term (~ sqrt(K) / (n C |x|^2), a float32 of its own)
+    stays above 1e-40: beyond that it is a float32 denormal."""
+    from mhc_cupy.ops import coeffs
+
+    from .test_coeffs_gpu import _case, _check_bwd, _run
+
+    n = 4
+    D, K = n * C, n * n + 2 * n
+    x, phi, alpha, bias, g = _case(rng, T, n, C, dt)
+    x = (f64(x) * scale).astype(x.dtype)
+    if T > 1:
+        x[1] = rounded(rng, (n, C), dt)  # an ordinary token in between
+    with poisoned_allocations():
+        h, got = _run(x, phi, alpha, bias, g)
+    for a, b, name in zip(h, R.mhc_coeffs_fwd(x, phi, alpha, bias), ("h_pre_raw", "h_post_raw", "h_res_raw")):
+        assert_close(a, b, 1e-4, name)
+    if np.sqrt(K) / (D * scale**2) > 1e-40:
+        _check_bwd(got, R.mhc_coeffs_bwd(*g, x, phi, alpha, bias), g, x, phi, alpha, dt)
+    assert (coeffs.gemm_layout(T, D, K)[3] > 1) == (C == 4096), "no longer covers both forward finishing paths"
