@@ -1,6 +1,7 @@
 """Sinkhorn-Knopp projection onto doubly-stochastic matrices (OPS.md section 1).
 
-One launch for all tokens, one thread per n x n matrix (``kernels_cu/sinkhorn.cu``).
+One launch for all tokens (``kernels_cu/sinkhorn.cu``): a group of lanes per matrix (forward,
+unrolled backward), one thread per matrix (implicit backward, n <= 8) or one warp (n > 8).
 """
 
 from __future__ import annotations
