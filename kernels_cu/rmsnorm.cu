@@ -9,6 +9,9 @@
 // shared memory (each thread owns fixed columns: no races, no atomics) and
 // written as one partial row per block; mhc_column_sum_kernel then sums the
 // partial rows in a fixed order.
+// Sums of x^2 that overflow float32 are redone with x scaled (mhc::STAT_SCALE):
+// the row_sum* helpers take SCALED as a template flag, so the common pass does
+// not multiply.  Column counters are unsigned: C up to 2^31 - 1 never wraps.
 #include "common.cuh"
 
 using mhc::i64;
@@ -30,7 +33,51 @@ template <bool HAS_W>
 __device__ __forceinline__ void dw_end(const float* dw_acc, float* __restrict__ dw_part, int C) {
     if (HAS_W) {
         __syncthreads();
-        for (unsigned c = threadIdx.x; c < (unsigned)C; c += blockDim.x) dw_part[blockIdx.x * (i64)C + c] = dw_acc[c];
+        for (unsigned c = threadIdx.x; c < (unsigned)C; c += blockDim.x)
+            dw_part[blockIdx.x * (i64)C + c] = dw_acc[c];
+    }
+}
+
+// x (times mhc::STAT_SCALE when SCALED) of one element.  The sums below also
+// serve the register-cached kernels' rare rescaled pass (same columns per
+// thread, same order), which reads the row again from memory.
+template <bool SCALED>
+__device__ __forceinline__ float stat_x(float v) {
+    return SCALED ? v * mhc::STAT_SCALE : v;
+}
+
+// This thread's share of sum x^2 over row xt (two-pass kernels).
+template <typename T, int E, bool SCALED>
+__device__ __forceinline__ float row_sumsq(const T* __restrict__ xt, int C) {
+    float a = 0.f;
+    for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
+        float xv[E];
+        mhc::load_vec<T, E>(xt + c, xv);
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const float v = stat_x<SCALED>(xv[e]);
+            a = fmaf(v, v, a);
+        }
+    }
+    return a;
+}
+
+// This thread's share of sum x^2 and sum g' x over rows xt, gt (two-pass kernels).
+template <typename T, typename TG, int E, bool HAS_W, bool SCALED>
+__device__ __forceinline__ void row_sums(const T* __restrict__ xt, const TG* __restrict__ gt,
+                                         const float* __restrict__ w, int C, float (&acc)[2]) {
+    acc[0] = acc[1] = 0.f;
+    for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
+        float xv[E], gv[E];
+        mhc::load_vec<T, E>(xt + c, xv);
+        mhc::load_vec<TG, E>(gt + c, gv);
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const float gp = HAS_W ? gv[e] * w[c + e] : gv[e];
+            const float v = stat_x<SCALED>(xv[e]);
+            acc[0] = fmaf(v, v, acc[0]);
+            acc[1] = fmaf(gp, v, acc[1]);
+        }
     }
 }
 
@@ -47,33 +94,22 @@ __device__ __forceinline__ void row_factors(float ss, float sg, float S, float C
 
 }  // namespace
 
+// Overflow checks below: red[] holds the block totals, the same in every
+// thread, so the branches are block-uniform; each waits until every thread
+// has read red before summing into it again.
+
 template <typename T, int E, bool HAS_W>
 __global__ void mhc_rmsnorm_fwd_kernel(const T* __restrict__ x, const float* __restrict__ w,
                                        T* __restrict__ y, i64 rows, int C, float eps) {
     __shared__ float red[32];
     for (i64 t = blockIdx.x; t < rows; t += gridDim.x) {
         const T* xt = x + t * (i64)C;
-        float acc[1] = {0.f};
-        for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
-            float xv[E];
-            mhc::load_vec<T, E>(xt + c, xv);
-#pragma unroll
-            for (int e = 0; e < E; ++e) acc[0] = fmaf(xv[e], xv[e], acc[0]);
-        }
+        float acc[1] = {row_sumsq<T, E, false>(xt, C)};
         mhc::block_sum<1>(acc, red);
         float r = 1.f / sqrtf(red[0] / (float)C + eps);
-        if (isinf(red[0])) {  // overflowed (see mhc::STAT_SCALE): sum again, scaled; block-uniform
-            __syncthreads();  // every thread has read red
-            acc[0] = 0.f;
-            for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
-                float xv[E];
-                mhc::load_vec<T, E>(xt + c, xv);
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    const float v = xv[e] * mhc::STAT_SCALE;
-                    acc[0] = fmaf(v, v, acc[0]);
-                }
-            }
+        if (isinf(red[0])) {
+            __syncthreads();
+            acc[0] = row_sumsq<T, E, true>(xt, C);
             mhc::block_sum<1>(acc, red);
             r = mhc::rms_inv_scaled(red[0], (float)C, eps);
         }
@@ -104,35 +140,13 @@ __global__ void mhc_rmsnorm_bwd_kernel(const TG* __restrict__ g, const T* __rest
     for (i64 t = r0; t < r1; ++t) {
         const T* xt = x + t * (i64)C;
         const TG* gt = g + t * (i64)C;
-        float acc[2] = {0.f, 0.f};  // sum x^2, sum g' x
-        for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
-            float xv[E], gv[E];
-            mhc::load_vec<T, E>(xt + c, xv);
-            mhc::load_vec<TG, E>(gt + c, gv);
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                const float gp = HAS_W ? gv[e] * w[c + e] : gv[e];
-                acc[0] = fmaf(xv[e], xv[e], acc[0]);
-                acc[1] = fmaf(gp, xv[e], acc[1]);
-            }
-        }
+        float acc[2];  // sum x^2, sum g' x
+        row_sums<T, TG, E, HAS_W, false>(xt, gt, w, C, acc);
         mhc::block_sum<2>(acc, red);
         float S = 1.f;  // scale of x in the sums
-        if (isinf(red[0]) || isinf(red[1])) {  // overflowed (see mhc::STAT_SCALE): again, scaled
-            __syncthreads();  // every thread has read red
-            acc[0] = acc[1] = 0.f;
-            for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
-                float xv[E], gv[E];
-                mhc::load_vec<T, E>(xt + c, xv);
-                mhc::load_vec<TG, E>(gt + c, gv);
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    const float gp = HAS_W ? gv[e] * w[c + e] : gv[e];
-                    const float v = xv[e] * mhc::STAT_SCALE;
-                    acc[0] = fmaf(v, v, acc[0]);
-                    acc[1] = fmaf(gp, v, acc[1]);
-                }
-            }
+        if (isinf(red[0]) || isinf(red[1])) {
+            __syncthreads();
+            row_sums<T, TG, E, HAS_W, true>(xt, gt, w, C, acc);
             mhc::block_sum<2>(acc, red);
             S = mhc::STAT_SCALE;
         }
@@ -176,20 +190,9 @@ __global__ void mhc_rmsnorm_fwd_cached_kernel(const T* __restrict__ x, const flo
         }
         mhc::block_sum<1>(acc, red);
         float r = 1.f / sqrtf(red[0] / (float)C + eps);
-        if (isinf(red[0])) {  // overflowed (see mhc::STAT_SCALE): sum again, scaled; block-uniform
-            __syncthreads();  // every thread has read red
-            acc[0] = 0.f;
-#pragma unroll
-            for (int k = 0; k < K; ++k) {
-                const int c = (k * blockDim.x + threadIdx.x) * E;
-                if (c < C) {
-#pragma unroll
-                    for (int e = 0; e < E; ++e) {
-                        const float v = xv[k][e] * mhc::STAT_SCALE;
-                        acc[0] = fmaf(v, v, acc[0]);
-                    }
-                }
-            }
+        if (isinf(red[0])) {
+            __syncthreads();
+            acc[0] = row_sumsq<T, E, true>(xt, C);  // from memory: keeps registers as without
             mhc::block_sum<1>(acc, red);
             r = mhc::rms_inv_scaled(red[0], (float)C, eps);
         }
@@ -220,6 +223,8 @@ __global__ void mhc_rmsnorm_bwd_cached_kernel(const TG* __restrict__ g, const T*
     const i64 r0 = blockIdx.x * rows_per_block;
     const i64 r1 = min(rows, r0 + rows_per_block);
     for (i64 t = r0; t < r1; ++t) {
+        const T* xt = x + t * (i64)C;
+        const TG* gt = g + t * (i64)C;
         mhc::Packed<T, E> xv[K];
         mhc::Packed<TG, E> gv[K];
         float acc[2] = {0.f, 0.f};  // sum x^2, sum g' x
@@ -227,8 +232,8 @@ __global__ void mhc_rmsnorm_bwd_cached_kernel(const TG* __restrict__ g, const T*
         for (int k = 0; k < K; ++k) {
             const int c = (k * blockDim.x + threadIdx.x) * E;
             if (c < C) {
-                xv[k].load(x + t * (i64)C + c);
-                gv[k].load(g + t * (i64)C + c);
+                xv[k].load(xt + c);
+                gv[k].load(gt + c);
 #pragma unroll
                 for (int e = 0; e < E; ++e) {
                     const float gp = HAS_W ? gv[k][e] * w[c + e] : gv[k][e];
@@ -239,22 +244,9 @@ __global__ void mhc_rmsnorm_bwd_cached_kernel(const TG* __restrict__ g, const T*
         }
         mhc::block_sum<2>(acc, red);
         float S = 1.f;  // scale of x in the sums
-        if (isinf(red[0]) || isinf(red[1])) {  // overflowed (see mhc::STAT_SCALE): again, scaled
-            __syncthreads();  // every thread has read red
-            acc[0] = acc[1] = 0.f;
-#pragma unroll
-            for (int k = 0; k < K; ++k) {
-                const int c = (k * blockDim.x + threadIdx.x) * E;
-                if (c < C) {
-#pragma unroll
-                    for (int e = 0; e < E; ++e) {
-                        const float gp = HAS_W ? gv[k][e] * w[c + e] : gv[k][e];
-                        const float v = xv[k][e] * mhc::STAT_SCALE;
-                        acc[0] = fmaf(v, v, acc[0]);
-                        acc[1] = fmaf(gp, v, acc[1]);
-                    }
-                }
-            }
+        if (isinf(red[0]) || isinf(red[1])) {
+            __syncthreads();
+            row_sums<T, TG, E, HAS_W, true>(xt, gt, w, C, acc);  // from memory: keeps registers as without
             mhc::block_sum<2>(acc, red);
             S = mhc::STAT_SCALE;
         }
