@@ -57,5 +57,5 @@ for k in info warmup tests memcheck racecheck synccheck initcheck sanitizer benc
     case "${status[$k]}" in rc=0*) ;; *) rc=1 ;; esac
 done
 grep -E "passed|failed" "$OUT/tests.log" | tail -n 1
-grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/memcheck.log "$OUT"/racecheck.log "$OUT"/synccheck.log "$OUT"/initcheck.log 2>/dev/null
+grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/{memcheck,racecheck,synccheck,initcheck}.log 2>/dev/null
 exit $rc

@@ -135,7 +135,8 @@ def _plan_fwd(infos, eps):
         launch_gemm(dt, n, D, K, tokens, p["x"], p["phi"], p["alpha"], p["bias"], outs, part, layout, eps, stream)
         if splits > 1:
             launch(_FILE, f"mhc_coeffs_fwd_finish_kernel<{CTYPE[dt]}>", (min(_cdiv(tokens * K, _NT), MAX_GRID), 1, 1),
-                   (_NT, 1, 1), (p["x"], part, p["alpha"], p["bias"], *outs, tokens, i32(D), i32(n), i32(K), i32(splits), f32(eps)), stream)
+                   (_NT, 1, 1), (p["x"], part, p["alpha"], p["bias"], *outs, tokens, i32(D), i32(n), i32(K),
+                                 i32(splits), f32(eps)), stream)
 
     return Plan([(lead + (n,), "float32"), (lead + (n,), "float32"), (lead + (n, n), "float32")], run_kernels,
                 lambda a: reference.mhc_coeffs_fwd(a["x"], a["phi"], a["alpha"], a["bias"], eps),
@@ -183,8 +184,8 @@ def _plan_bwd(infos, eps):
         launch_gemm(dt, n, D, K, tokens, p["x"], p["phi"], None, None, None, part, layout, eps, stream)
         warps_grid = min(_cdiv(tokens, _WARPS), MAX_GRID)
         launch(_FILE, f"mhc_coeffs_bwd_prep_kernel<{CTYPE[dt]}>", (warps_grid, 1, 1), (_NT, 1, 1),
-               (p["x"], part, p["grad_h_pre_raw"], p["grad_h_post_raw"], p["grad_h_res_raw"], p["alpha"], dH, qa, tokens,
-                i32(D), i32(n), i32(K), i32(KP), i32(splits), f32(eps)), stream)
+               (p["x"], part, p["grad_h_pre_raw"], p["grad_h_post_raw"], p["grad_h_res_raw"], p["alpha"], dH, qa,
+                tokens, i32(D), i32(n), i32(K), i32(KP), i32(splits), f32(eps)), stream)
         column_sum(qa, dalpha, tokens, 3, stream)
         for name, offset, cols in grads:
             if p[name] is None:

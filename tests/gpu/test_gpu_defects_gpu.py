@@ -98,7 +98,9 @@ def test_mixed_frameworks_other_stream_waits_for_the_kernel(rng, torch_cupy):
     for contiguous in (True, False):
         with cs:
             # the transpose of a contiguous array: a view that needs a copy
-            M = cp.asarray(Mh) if contiguous else cp.ascontiguousarray(cp.asarray(Mh).transpose(0, 2, 1)).transpose(0, 2, 1)
+            M = cp.asarray(Mh)
+            if not contiguous:
+                M = cp.ascontiguousarray(M.transpose(0, 2, 1)).transpose(0, 2, 1)
         cs.synchronize()
         _spin(cp.cuda.ExternalStream(ts.cuda_stream))
         with cs, torch.cuda.stream(ts):
