@@ -56,6 +56,7 @@ def _cases(dt: str, n: int, C: int, ptr: int, tg: str):
              {"num_iters": _NUM_ITERS, "eps": 1e-8, "grad_mode": mode}),
         ]
     cases += _coeffs_cases(x, h, M, n, C, ptr)
+    cases += _layer_cases(x, y, gx, gy, h, M, n, C, ptr)
     return cases
 
 
@@ -80,6 +81,23 @@ def _coeffs_cases(x, h, M, n: int, C: int, ptr: int):
         (coeffs._plan_bwd, {"grad_h_pre_raw": h, "grad_h_post_raw": h, "grad_h_res_raw": M, **cx}, {"eps": 1e-5}),
         (coeffs._plan_bwd, {**none, **cx}, {"eps": 1e-5}),
     ]
+
+
+def _layer_cases(x, y, gx, gy, h, M, n: int, C: int, ptr: int):
+    """The fused layer pieces (OPS.md section 9, ops/layer.py); the backward on the GPU for n <= 4."""
+    from .ops import coeffs, layer
+
+    K = coeffs.columns(n)
+    cx = {"x": x, "phi": _info((n * C, K), "float32", ptr), "alpha": _info((3,), "float32", ptr),
+          "bias": _info((K,), "float32", ptr)}
+    params = {"num_iters": _NUM_ITERS, "eps": 1e-8, "rms_eps": 1e-5}
+    cases = [(layer._plan_pre_fwd, cx, params),
+             (layer._plan_post_bwd, {"grad": gx, "layer_out": y, "x": x, "H_post": h, "H_res": M}, {})]
+    if K <= 32:
+        saved = {"stats": _info(x.shape[:-2] + (K + 1,), "float32", ptr), "H_pre": h, "H_res": M}
+        cases.append((layer._plan_pre_bwd, {"grad_layer_in": gy, "grad_out": gx, "grad_H_post": h, "grad_H_res": M,
+                                            **cx, **saved}, {**params, "grad_mode": "unrolled"}))
+    return cases
 
 
 def specialisations(dtypes=("bfloat16", "float16", "float32"), ns=(4,), Cs=(4096, 7), aligned=(True, False),

@@ -74,6 +74,7 @@ def launch(filename, expr, grid, block, args, stream, shared_mem=0):
 
 
 def column_sum(part_ptr, out_ptr, rows: int, cols: int, stream) -> None:
-    """out[c] = sum_r part[r, c] in a fixed order (deterministic)."""
-    launch("stream_ops.cu", "mhc_column_sum_kernel", (-(-cols // 32), 1, 1), (32, 8, 1),
+    """out[c] = sum_r part[r, c] in a fixed order (deterministic; the order depends on rows only)."""
+    ty = 32 if rows > 256 else 8  # tall (a sum over tokens): more threads per column
+    launch("stream_ops.cu", "mhc_column_sum_kernel", (-(-cols // 32), 1, 1), (32, ty, 1),
            (part_ptr, out_ptr, rows, i32(cols)), stream)
