@@ -252,8 +252,42 @@ def max_threads(filename: str, name_expression: str) -> int:
     return v
 
 
+class DynamicSharedLimit:
+    """Per kernel function, the largest dynamic shared memory a launch has needed.
+
+    A launch above the 48 KiB default needs the function's
+    MAX_DYNAMIC_SHARED_SIZE_BYTES attribute at least that large.  The value set
+    only ever grows (a smaller launch never lowers it, so a recorded launch stays
+    valid for every later replay), and is set under a lock, only when a launch
+    needs more than set so far.  ``set_attribute(fn_ptr, size)`` does the setting.
+    """
+
+    DEFAULT = 48 * 1024
+
+    def __init__(self, set_attribute):
+        self._set_attribute = set_attribute
+        self._max: dict = {}
+        self._lock = threading.Lock()
+
+    def ensure(self, fn_ptr: int, size: int) -> None:
+        if size <= self._max.get(fn_ptr, self.DEFAULT):  # the common case: no lock
+            return
+        with self._lock:
+            if size > self._max.get(fn_ptr, self.DEFAULT):
+                self._set_attribute(fn_ptr, size)  # raises if the device cannot give that much
+                self._max[fn_ptr] = size
+
+
+def _set_max_dynamic_shared(fn_ptr: int, size: int) -> None:
+    from cupy_backends.cuda.api import driver
+
+    driver.funcSetAttribute(fn_ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, size)
+
+
+#: The dynamic shared memory bookkeeping of every loaded kernel (also used by ``_replay``).
+shared_limit = DynamicSharedLimit(_set_max_dynamic_shared)
+
 _streams: dict = {}
-_big_smem: set = set()
 
 
 def launch(filename, name_expression, grid, block, args, stream_ptr, shared_mem=0):
@@ -266,15 +300,9 @@ def launch(filename, name_expression, grid, block, args, stream_ptr, shared_mem=
     import cupy
 
     fn = get_function(filename, name_expression)
-    if shared_mem > 48 * 1024 and (fn.ptr, shared_mem) not in _big_smem:
-        from cupy_backends.cuda.api import driver
-
-        driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
-        _big_smem.add((fn.ptr, shared_mem))
+    shared_limit.ensure(fn.ptr, shared_mem)
     stream = _streams.get(stream_ptr)
     if stream is None:
-        import warnings
-
         with warnings.catch_warnings():  # CuPy 14 prefers Stream.from_external(obj), which needs an object
             warnings.simplefilter("ignore", DeprecationWarning)
             stream = _streams[stream_ptr] = cupy.cuda.ExternalStream(stream_ptr)

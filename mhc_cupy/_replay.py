@@ -93,14 +93,20 @@ class _NotReplayable(Exception):
 class Replay:
     """The recorded launches of one plan, replayable with new pointers."""
 
-    __slots__ = ("launches", "lock")
+    __slots__ = ("launches", "lock", "shared")
 
     def __init__(self, launches):
         self.launches = launches
         self.lock = threading.Lock()  # the parameter buffers are shared
+        self.shared = [(ln.fn, ln.shared_mem) for ln in launches if ln.shared_mem]
 
     def launch(self, ptrs, stream: int) -> None:
         launch_kernel = _driver_launch()
+        if self.shared:  # each kernel's dynamic shared memory limit (see _jit.DynamicSharedLimit)
+            from ._jit import shared_limit
+
+            for fn, size in self.shared:
+                shared_limit.ensure(fn, size)
         with self.lock:
             for ln in self.launches:
                 v = ln.values

@@ -88,3 +88,85 @@ def test_nested_recording_reaches_the_outer_one():
     assert [g[0] for _, g, *_ in outer] == [1, 2, 3]
     _replay.note(FakeFunction(), (4, 1, 1), (32, 1, 1), (BASE,), 0)  # outside any recording: dropped
     assert len(outer) == 3
+
+
+# --------------------------------------------------------------------------- dynamic shared memory
+
+class FakeSetter:
+    """Stands in for cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES): records the
+    calls and the attribute per function, and notices two calls at once."""
+
+    def __init__(self, delay=0.0):
+        self.calls, self.value, self.busy, self.overlaps, self.delay = [], {}, False, 0, delay
+
+    def __call__(self, fn_ptr, size):
+        import time
+
+        self.overlaps += self.busy
+        self.busy = True
+        time.sleep(self.delay)
+        self.calls.append((fn_ptr, size))
+        self.value[fn_ptr] = size
+        self.busy = False
+
+    def allows(self, fn_ptr, size):
+        return size <= max(self.value.get(fn_ptr, 0), 48 * 1024)
+
+
+def test_shared_limit_only_grows():
+    """Weighted rmsnorm_bwd at C 20000, 16384, 20000 (bf16: C * 4 bytes): the third
+    launch must still be allowed (the attribute was lowered to 64 KiB before)."""
+    from mhc_cupy._jit import DynamicSharedLimit
+
+    setter = FakeSetter()
+    limit = DynamicSharedLimit(setter)
+    fn, other = 0xA, 0xB
+    for C in (20000, 16384, 20000):
+        limit.ensure(fn, C * 4)
+        assert setter.allows(fn, C * 4), f"launch at C {C} refused"
+    assert setter.calls == [(fn, 80000)]
+    limit.ensure(other, 1024)
+    limit.ensure(other, 48 * 1024)  # within the default: no call
+    limit.ensure(fn, 90000)
+    assert setter.calls == [(fn, 80000), (fn, 90000)]
+
+
+def test_shared_limit_threads():
+    import random
+    import threading
+
+    from mhc_cupy._jit import DynamicSharedLimit
+
+    setter = FakeSetter(delay=0.001)
+    limit = DynamicSharedLimit(setter)
+    sizes = [random.Random(k).randrange(40_000, 200_000) for k in range(64)]
+    refused = []
+
+    def worker(k):
+        for s in sizes[k::8]:
+            limit.ensure(0xC, s)
+            if not setter.allows(0xC, s):
+                refused.append(s)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not refused and setter.overlaps == 0
+    values = [s for _, s in setter.calls]
+    assert values == sorted(set(values)) and values[-1] == max(sizes)
+
+
+def test_replay_ensures_shared_memory(driver_calls, monkeypatch):
+    """A replayed launch needing more than 48 KiB sets the limit before launching."""
+    from mhc_cupy import _jit
+
+    calls, nargs = driver_calls
+    setter = FakeSetter()
+    monkeypatch.setattr(_jit, "shared_limit", _jit.DynamicSharedLimit(setter))
+    x = BASE
+    rp = _replay.record(_launches((x, np.int32(20000)), smem=80000), [x])
+    nargs[0] = 2
+    rp.launch([x + 4096], stream=1)
+    assert setter.calls == [(FakeFunction.ptr, 80000)] and calls[0]["smem"] == 80000
