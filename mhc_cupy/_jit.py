@@ -26,6 +26,7 @@ the folder, renamed into place (removed if the write fails).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -35,6 +36,8 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
+
+import numpy as np
 
 from . import _headers, _nvrtc, _replay, _sources
 
@@ -242,7 +245,10 @@ _max_threads: dict = {}
 
 def max_threads(filename: str, name_expression: str) -> int:
     """The largest block the compiled kernel can launch with (its registers
-    per thread decide it) on the current device; compiles it if needed."""
+    per thread decide it) on the current device; compiles it if needed.
+    1024 inside :func:`dry_run`."""
+    if getattr(_local, "dry_run", None) is not None:
+        return 1024
     fn = get_function(filename, name_expression)
     v = _max_threads.get(fn.ptr)
     if v is None:
@@ -287,16 +293,63 @@ def _set_max_dynamic_shared(fn_ptr: int, size: int) -> None:
 #: The dynamic shared memory bookkeeping of every loaded kernel (also used by ``_replay``).
 shared_limit = DynamicSharedLimit(_set_max_dynamic_shared)
 
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def dry_run():
+    """Within the block, this thread's :func:`launch` touches no GPU: it checks the
+    arguments and appends ``(file, normalised name expression, grid, block, args,
+    shared_mem)`` to the list the block gets; :func:`max_threads` answers 1024.
+    Lists the kernels calls would compile, and their launch configurations."""
+    launches, outer = [], getattr(_local, "dry_run", None)
+    _local.dry_run = launches
+    try:
+        yield launches
+    finally:
+        _local.dry_run = outer
+
+
+#: NumPy scalar types a kernel scalar may be passed as (its C type: int, unsigned, long long, ...).
+SCALAR_TYPES = frozenset((np.int32, np.uint32, np.int64, np.uint64, np.float32))
+#: No device pointer lies below this address: a smaller Python int is a scalar left bare.
+_LOWEST_POINTER = 1 << 16
+
+
+def check_args(name_expression: str, args) -> None:
+    """Kernel arguments: device pointers as Python ints, null pointers as None, and
+    every scalar as a NumPy scalar of its C type (:data:`SCALAR_TYPES`), so that no
+    scalar's width is guessed (a bare int would reach the kernel as 8 bytes).
+
+    Raises:
+        TypeError: a bool, float, other type, or an int below 65536 (a bare scalar).
+    """
+    for i, a in enumerate(args):
+        t = type(a)
+        if (a is not None and t not in SCALAR_TYPES) and (t is not int or a < _LOWEST_POINTER):
+            raise TypeError(
+                f"argument {i} of kernel {name_expression} is {a!r} ({t.__name__}): pass device pointers as "
+                "Python ints, null pointers as None and scalars as np.int32 / np.int64 / np.uint32 / np.uint64 / "
+                "np.float32 matching the kernel's parameter")
+
+
 _streams: dict = {}
 
 
 def launch(filename, name_expression, grid, block, args, stream_ptr, shared_mem=0):
     """Launch a kernel on the raw CUDA stream ``stream_ptr`` of the current device.
 
-    ``args``: Python ints (pointers, 64-bit integers), None (null pointers),
-    or numpy scalars (np.int32 / np.float32) matching the kernel signature.
-    Raises ``cupy.cuda.driver.CUDADriverError`` if the launch is refused.
+    ``args``: as :func:`check_args` says, matching the kernel signature.
+
+    Raises:
+        TypeError: a bad argument (:func:`check_args`).
+        cupy.cuda.driver.CUDADriverError: the launch is refused.
     """
+    check_args(name_expression, args)
+    dry = getattr(_local, "dry_run", None)
+    if dry is not None:
+        dry.append((filename, normalise(name_expression), grid, block, args, shared_mem))
+        return
     import cupy
 
     fn = get_function(filename, name_expression)

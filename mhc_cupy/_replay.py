@@ -10,9 +10,9 @@ code and CuPy's per-argument conversion (about half of the host cost of a
 tiny call).
 
 A recording is refused (``record`` returns None) unless every kernel argument
-is either one of the call's pointers, matched exactly, or a scalar constant:
-an argument that looks like any other pointer (a derived address such as
-``ptr + offset``), or two call pointers that are equal, keep the general path.
+is either one of the call's pointers, matched exactly, or a NumPy scalar
+constant: any other pointer (a derived address such as ``ptr + offset``), or
+two call pointers that are equal, keep the general path.
 """
 
 from __future__ import annotations
@@ -71,16 +71,13 @@ class _Launch:
         for i, a in enumerate(args):
             if a is None:
                 continue
-            if type(a) is int:
-                if a in slot_of:
-                    self.slots.append((i, slot_of[a]))
-                elif 0 <= a < _POINTER_MIN:
-                    self.values[i] = a
-                else:
+            if type(a) is int:  # a pointer (scalars are NumPy scalars: _jit.check_args)
+                if a not in slot_of:
                     raise _NotReplayable
+                self.slots.append((i, slot_of[a]))
             elif isinstance(a, (np.int32, np.uint32, np.float32)):
                 self.values[i] = int(np.asarray(a).view(np.uint32))
-            elif isinstance(a, np.int64):
+            elif isinstance(a, (np.int64, np.uint64)):
                 self.values[i] = int(a) & 0xFFFFFFFFFFFFFFFF
             else:
                 raise _NotReplayable

@@ -209,18 +209,13 @@ def test_token_splits(tokens, n, C):
 
 
 def _record(planner, infos, **params):
-    calls = []
     from mhc_cupy import _jit
 
-    saved = _jit.launch
-    _jit.launch = lambda f, expr, grid, block, args, stream, smem=0: calls.append((expr, grid, block, args))
-    try:
+    with _jit.dry_run() as launches:
         plan = planner(infos, **params)
         ptrs = {k: (None if v is None else v.ptr) for k, v in infos.items()}
         plan.launch(ptrs, [1 << 20] * len(plan.outputs), [1 << 21] * len(plan.scratch), 0)
-    finally:
-        _jit.launch = saved
-    return plan, calls
+    return plan, [(expr, grid, block, args) for _, expr, grid, block, args, _ in launches]
 
 
 @pytest.mark.parametrize("n,C,T", [(4, 4096, 16384), (4, 7, 3), (1, 1, 1), (8, 1000, 1000), (16, 64, 5)])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .. import _checks, reference
 from .._dispatch import Plan, run
-from ._launch import CTYPE, MAX_GRID, column_sum, f32, i32, launch, tokens_of, vec_width
+from ._launch import CTYPE, MAX_GRID, column_sum, f32, i32, i64, launch, tokens_of, vec_width
 from .stream import check_x
 
 _FILE = "coeffs.cu"
@@ -110,7 +110,7 @@ def launch_gemm(dt, n, D, K, tokens, x, phi, alpha, bias, outs, part, layout, ep
     E = vec_width(1, D, [(x, dt)], budget=4)
     h_pre, h_post, h_res = outs if outs is not None else (None, None, None)
     launch(_FILE, f"mhc_coeffs_fwd_kernel<{CTYPE[dt]},{E},{_TT},{KC}>", (ncc * tiles * splits, 1, 1), (_NT, 1, 1),
-           (x, phi, alpha, bias, h_pre, h_post, h_res, part, tokens, i32(D), i32(n), i32(K), i32(ncc), tiles,
+           (x, phi, alpha, bias, h_pre, h_post, h_res, part, i64(tokens), i32(D), i32(n), i32(K), i32(ncc), i64(tiles),
             i32(d_split), f32(eps)), stream)
 
 
@@ -118,7 +118,7 @@ def _zero(ptr, count: int, stream, offset: int = 0) -> None:
     """float32 zeros over ptr[offset : offset + count]."""
     if count:
         launch(_FILE, "mhc_coeffs_zero_kernel", (min(_cdiv(count, _NT), 1024), 1, 1), (_NT, 1, 1),
-               (ptr + 4 * offset, count), stream)
+               (ptr + 4 * offset, i64(count)), stream)
 
 
 def _plan_fwd(infos, eps):
@@ -132,7 +132,7 @@ def _plan_fwd(infos, eps):
         launch_gemm(dt, n, D, K, tokens, p["x"], p["phi"], p["alpha"], p["bias"], outs, part, layout, eps, stream)
         if splits > 1:
             launch(_FILE, "mhc_coeffs_fwd_finish_kernel", (min(_cdiv(tokens * K, _NT), MAX_GRID), 1, 1), (_NT, 1, 1),
-                   (part, p["alpha"], p["bias"], *outs, tokens, i32(D), i32(n), i32(K), i32(splits), f32(eps)), stream)
+                   (part, p["alpha"], p["bias"], *outs, i64(tokens), i32(D), i32(n), i32(K), i32(splits), f32(eps)), stream)
 
     return Plan([(lead + (n,), "float32"), (lead + (n,), "float32"), (lead + (n, n), "float32")], run_kernels,
                 lambda a: reference.mhc_coeffs_fwd(a["x"], a["phi"], a["alpha"], a["bias"], eps),
@@ -180,7 +180,7 @@ def _plan_bwd(infos, eps):
         launch_gemm(dt, n, D, K, tokens, p["x"], p["phi"], None, None, None, part, layout, eps, stream)
         warps_grid = min(_cdiv(tokens, _WARPS), MAX_GRID)
         launch(_FILE, "mhc_coeffs_bwd_prep_kernel", (warps_grid, 1, 1), (_NT, 1, 1),
-               (part, p["grad_h_pre_raw"], p["grad_h_post_raw"], p["grad_h_res_raw"], p["alpha"], dH, qa, tokens,
+               (part, p["grad_h_pre_raw"], p["grad_h_post_raw"], p["grad_h_res_raw"], p["alpha"], dH, qa, i64(tokens),
                 i32(D), i32(n), i32(K), i32(KP), i32(splits), f32(eps)), stream)
         column_sum(qa, dalpha, tokens, 3, stream)
         for name, offset, cols in grads:
@@ -193,17 +193,17 @@ def _plan_bwd(infos, eps):
         dblocks = _cdiv(D, _NT * E)
         if fused:
             launch(_FILE, f"mhc_coeffs_bwd_fused_kernel<{CTYPE[dt]},{E},{K}>", (dblocks, t_splits, 1), (_NT, 1, 1),
-                   (p["x"], p["phi"], dH, dx, dphi_out, tokens, i32(D), t_split), stream)
+                   (p["x"], p["phi"], dH, dx, dphi_out, i64(tokens), i32(D), i64(t_split)), stream)
         else:
             phi_t = s[-1]
             launch(_FILE, "mhc_coeffs_transpose_kernel", (_cdiv(D, 32), _cdiv(K, 32), 1), (32, 8, 1),
                    (p["phi"], phi_t, i32(D), i32(K)), stream)
             launch(_FILE, f"mhc_coeffs_bwd_dx_kernel<{CTYPE[dt]},{E},{_DX_KC}>",
                    (dblocks * _cdiv(tokens, _TS), 1, 1), (_NT, 1, 1),
-                   (p["x"], phi_t, dH, dx, tokens, i32(D), i32(K), i32(KP), i32(dblocks)), stream)
+                   (p["x"], phi_t, dH, dx, i64(tokens), i32(D), i32(K), i32(KP), i32(dblocks)), stream)
             launch(_FILE, f"mhc_coeffs_bwd_dphi_kernel<{CTYPE[dt]},{E},{kc_phi}>",
                    (ncc_phi * dblocks * t_splits, 1, 1), (_NT, 1, 1),
-                   (p["x"], dH, dphi_out, tokens, i32(D), i32(K), i32(KP), i32(ncc_phi), i32(dblocks), t_split),
+                   (p["x"], dH, dphi_out, i64(tokens), i32(D), i32(K), i32(KP), i32(ncc_phi), i32(dblocks), i64(t_split)),
                    stream)
         if t_splits > 1:
             column_sum(dphi_out, dphi, t_splits, D * K, stream)
