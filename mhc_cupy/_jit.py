@@ -26,7 +26,6 @@ the folder, renamed into place (removed if the write fails).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -71,10 +70,14 @@ def target_arch(compute_capability: str) -> str:
     """NVRTC's ``--gpu-architecture`` for a device: its own cubin (``sm_90``) when this
     NVRTC supports it, else PTX of the newest architecture it supports (the driver
     compiles that for the device)."""
-    supported = _nvrtc.supported_archs()
-    if int(compute_capability) in supported:
-        return f"sm_{compute_capability}"
-    return f"compute_{max(a for a in supported if a < int(compute_capability))}"
+    cc, supported = int(compute_capability), _nvrtc.supported_archs()
+    if cc in supported:
+        return f"sm_{cc}"
+    older = [a for a in supported if a < cc]
+    if not older:
+        raise RuntimeError(f"NVRTC {'.'.join(map(str, nvrtc_version()))} cannot compile for this GPU (sm_{cc}); "
+                           f"it supports {', '.join(f'sm_{a}' for a in supported)}")
+    return f"compute_{max(older)}"
 
 
 def _key(source: str, include_dirs, target: str, expr: str) -> str:
@@ -141,7 +144,7 @@ def _read_cache(key: str):
         return None
     path = d / f"{key}.bin"
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError:  # missing, or a symlink (ELOOP)
         if os.path.islink(path):
             _drop(path)
@@ -296,18 +299,12 @@ shared_limit = DynamicSharedLimit(_set_max_dynamic_shared)
 _local = threading.local()
 
 
-@contextlib.contextmanager
 def dry_run():
     """Within the block, this thread's :func:`launch` touches no GPU: it checks the
     arguments and appends ``(file, normalised name expression, grid, block, args,
     shared_mem)`` to the list the block gets; :func:`max_threads` answers 1024.
     Lists the kernels calls would compile, and their launch configurations."""
-    launches, outer = [], getattr(_local, "dry_run", None)
-    _local.dry_run = launches
-    try:
-        yield launches
-    finally:
-        _local.dry_run = outer
+    return _replay.thread_list(_local, "dry_run")
 
 
 #: NumPy scalar types a kernel scalar may be passed as (its C type: int, unsigned, long long, ...).

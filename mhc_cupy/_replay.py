@@ -37,16 +37,23 @@ def aligned(ptrs) -> bool:
 
 
 @contextlib.contextmanager
-def recording():
-    """Collect the launches this thread makes: yields the list they go to."""
-    launches, outer = [], getattr(_local, "launches", None)
-    _local.launches = launches
+def thread_list(local: threading.local, name: str, nested_into_outer: bool = False):
+    """For the block, ``local.<name>`` is a fresh list (yielded); the outer one (or None) is
+    restored after it, and with ``nested_into_outer`` receives the block's items too."""
+    items, outer = [], getattr(local, name, None)
+    setattr(local, name, items)
     try:
-        yield launches
+        yield items
     finally:
-        _local.launches = outer
-        if outer is not None:  # a nested recording's launches belong to the outer one too
-            outer.extend(launches)
+        setattr(local, name, outer)
+        if nested_into_outer and outer is not None:
+            outer.extend(items)
+
+
+def recording():
+    """Collect the launches this thread makes: yields the list they go to (a nested
+    recording's launches belong to the outer one too)."""
+    return thread_list(_local, "launches", nested_into_outer=True)
 
 
 def note(fn, grid, block, args, shared_mem) -> None:

@@ -209,3 +209,26 @@ def test_digest_follows_includes(tmp_path):
     (tmp_path / "b.h").write_text("int b2;\n")
     _headers._digest.cache_clear()
     assert _headers.digest(src, [str(tmp_path)]) != d0
+
+
+def test_target_arch(monkeypatch):
+    """A device NVRTC supports gets its own cubin; a newer one PTX of the newest older
+    architecture (the driver compiles it); an older one a clear error."""
+    monkeypatch.setattr(_jit._nvrtc, "supported_archs", lambda: [75, 80, 86, 89, 90])
+    monkeypatch.setattr(_jit, "nvrtc_version", lambda: (12, 4))
+    assert _jit.target_arch("90") == "sm_90" and _jit.target_arch("80") == "sm_80"
+    assert _jit.target_arch("100") == "compute_90"
+    with pytest.raises(RuntimeError, match="NVRTC 12.4 cannot compile for this GPU .sm_70.; it supports sm_75"):
+        _jit.target_arch("70")
+
+
+def test_fifo_entry_does_not_block(cache):
+    """Opening an entry never waits (a FIFO in the folder is not a regular file)."""
+    d, calls = cache
+    _get()
+    (entry,) = _entries(d)
+    os.unlink(d / entry)
+    os.mkfifo(d / entry, 0o600)
+    with pytest.warns(RuntimeWarning, match="not a regular file"):
+        assert _get()[1][:4] == b"\x7fELF" and len(calls) == 2
+    assert (d / entry).is_file()
