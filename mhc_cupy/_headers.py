@@ -47,9 +47,11 @@ def _unique_existing(paths) -> list[str]:
 def include_dirs() -> list[str]:
     """Existing folders to pass to NVRTC as ``-I``: ``$MHC_CUPY_INCLUDE_DIRS``, then the
     CUDA runtime headers ``cuda.pathfinder`` locates; no duplicates."""
-    from cuda.pathfinder import find_nvidia_header_directory
-
     env = os.environ.get(ENV_INCLUDE_DIRS, "").split(os.pathsep)
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+    except ImportError:  # no CuPy (it brings cuda-pathfinder): nothing can compile anyway
+        return _unique_existing(env)
     return _unique_existing([*env, find_nvidia_header_directory("cudart")])
 
 

@@ -240,13 +240,24 @@ def test_error_class_importable_without_cupy():
     code = textwrap.dedent(
         """
         import sys
-        sys.modules["cupy"] = None  # any `import cupy` now raises ImportError
-        from mhc_cupy import KernelCompileError, _jit, _nvrtc
+        for name in ("cupy", "cupy_backends", "cuda", "cuda.pathfinder"):
+            sys.modules[name] = None  # any import of CuPy or cuda-pathfinder now raises ImportError
+        from mhc_cupy import KernelCompileError, _headers, _jit, _nvrtc
+        from mhc_cupy.__main__ import info
         assert issubclass(KernelCompileError, RuntimeError)
+        assert _headers.include_dirs() == []
+        try:
+            _nvrtc.version()
+        except _nvrtc.NVRTCNotFoundError as e:
+            assert "mhc-cupy[cuda12]" in str(e)
+        else:
+            raise AssertionError("no NVRTCNotFoundError")
+        assert "not available" in info()["cupy"]
         print("OK")
         """
     )
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop(_headers.ENV_INCLUDE_DIRS, None)
     p = subprocess.run([sys.executable, "-c", code], cwd=str(REPO), env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "OK" in p.stdout, (
