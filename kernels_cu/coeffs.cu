@@ -7,65 +7,27 @@
 //   dx~ = dH phi^T - c x~,  dphi = sum_t x~^T dH,
 //   dalpha_j = sum_t sum_{k in group j} g_k H~_k / r,  dbias = sum_t g.
 //
-// Kernels (all float32 arithmetic; x is read in its own dtype, E contiguous
-// elements per access, E > 1 only when D % E == 0 and x / dx are aligned):
+// The GEMMs run on tensor cores (the "tensor-core path" at the end of this
+// file: the forward GEMM and the sum of squares for every n; dx and dphi for
+// K <= 32, i.e. n <= 4); the small per-token kernels and the CUDA-core
+// backward for n > 4 are here:
 //
-// * mhc_coeffs_fwd_kernel<T, E, TT, KC>: the skinny GEMM H~ = x~ phi and the
-//   sum of squares, from one read of x.  256 threads = 8 warps; a block owns
-//   8 * TT tokens (TT per warp), one chunk of KC columns and one range of D.
-//   It walks its D range in steps of 32*E positions: each step the block
-//   stages phi[d..d+32E, kc0..kc0+KC) in shared memory (transposed, double
-//   buffered: one __syncthreads per step; the global loads of the next step
-//   are issued before the FMAs of this one), and each lane loads its E
-//   positions of x for its warp's TT tokens (prefetched one step ahead) and
-//   accumulates TT*KC dot products + TT sums of squares in registers.  Each
-//   phi value read from shared memory feeds TT FMAs; phi comes from L2 once per
-//   block, i.e. once per 32 tokens.  At the end each warp reduces its lanes
-//   (fixed butterfly, mhc::warp_sum) and either finishes the outputs (one D
-//   range) or writes raw per-range sums to `part` [splits, T, K+1] (column K:
-//   sum of squares), summed in order by mhc_coeffs_fwd_finish_kernel /
-//   mhc_coeffs_bwd_prep_kernel.  Columns are chunked (KC <= 24, chosen by the
-//   host) so per-thread accumulators stay ~100 at any n; the chunk index is
-//   the fastest-varying block index, so blocks re-reading the same tokens of x
-//   for other chunks run together and hit L2.  The D split is used only when
-//   there are too few token tiles to fill the GPU (small T).
+// * mhc_coeffs_fwd_finish_kernel: h from the raw per-D-range sums part
+//   [splits, T, K+1] (column K: the sum of squares), summed in range order.
 // * mhc_coeffs_bwd_prep_kernel: one warp per token: sums the D-range
 //   partials, writes dH [T, KP] (column K holds c, padded to KP, a multiple of
 //   4) and the per-token dalpha terms [T, 3] (summed over tokens by
 //   mhc_column_sum_kernel; dbias is the column sum of the incoming gradients).
-// * mhc_coeffs_bwd_fused_kernel<T, E, K> (K <= 24, i.e. n <= 4): dx and dphi
-//   from one more read of x.  A thread owns E positions d and keeps phi[d, :]
-//   and its dphi[d, :] accumulators in registers (2*E*K floats); the block
-//   walks a range of tokens, staging 32 rows of dH in shared memory at a time
-//   (read as broadcasts), writing dx and accumulating dphi.  blockIdx.y splits
-//   the tokens; with several splits dphi goes to partials [splits, D, K] that
-//   mhc_column_sum_kernel sums in order.
-// * n > 4 (K > 24): mhc_coeffs_bwd_dx_kernel<T, E, KC> (a thread owns E
+// * n > 4 (K > 32): mhc_coeffs_bwd_dx_kernel<T, E, KC> (a thread owns E
 //   positions x TS tokens of dx, loops over K in chunks of KC columns of the
 //   transposed phi (mhc_coeffs_transpose_kernel, coalesced) and of dH staged
 //   in shared memory) and mhc_coeffs_bwd_dphi_kernel<T, E, KC> (a thread owns
-//   E positions x KC columns of dphi and walks a token range, like the fused
-//   kernel; the column chunk is the fastest block index).
+//   E positions x KC columns of dphi and walks a token range; the column chunk
+//   is the fastest block index), on CUDA cores: correct, not tuned.
 //
 // Determinism: every sum has a fixed order (per-lane sequential, fixed
-// butterflies, partials summed in index order); no atomics.
-//
-// Performance (measured on one H200, bf16 x, n = 4, C = 4096, T = 16384 tokens,
-// CUDA-event timing of the public calls): forward 0.89 ms, backward 2.5 ms
-// (0.9 ms of it the same GEMM pass, ~1.6 ms the fused dx / dphi kernel).  One
-// read of x at 4.3 TB/s takes 0.125 ms; for comparison cuBLAS takes 0.52 ms
-// for the FP32 GEMM on an f32 copy of x and 0.14 ms for a bf16 tensor-core
-// GEMM (which would round phi).  Both passes are bound by FP32 FMA issue and
-// latency, not by memory: the forward does 25 FMAs per element of x (~15
-// TFLOP/s, a quarter of the FP32 peak), the backward 48 more.  Measured
-// alternatives: TT = 2 (fewer registers, 2 blocks / SM) is 2.3x slower; TT =
-// 8 with 12- or 8-column chunks is 1.4-1.7x slower; E = 2 in the fused
-// backward is ~8% slower than E = 1.  The forward uses 212 registers (one
-// block of 8 warps per SM), no spills at n <= 4.  For n > 4 the backward
-// re-reads phi^T from L2 once per 32 tokens (dx) and x once per column chunk
-// (n = 8, C = 2048, T = 8192: forward 1.8 ms, backward 4.9 ms): correct, not
-// tuned.  A tensor-core version (bf16 x times phi split into bf16 hi + lo,
-// float32 accumulation) is the next step if this path shows up in profiles.
+// butterflies, the tensor cores' fixed accumulation, partials summed in index
+// order); no atomics.
 #include "common.cuh"
 
 using mhc::i64;
@@ -74,11 +36,10 @@ namespace mhc_coeffs {
 
 enum : int {
     NT = 256,      // threads per block of the GEMM kernels
-    NW = NT / 32,  // warps per block
     TS = 32,       // tokens of dH staged per step of the backward
 };
 
-// E consecutive floats from shared memory (16-, 8- or 4-byte aligned for E = 4, 2, 1).
+// E consecutive floats (16-, 8- or 4-byte aligned for E = 4, 2, 1).
 template <int E>
 __device__ __forceinline__ void lds(const float* p, float (&v)[E]) {
     if constexpr (E == 4) {
@@ -130,147 +91,6 @@ __device__ __forceinline__ float rms_inv(float sumsq, int D, float eps) {
 }  // namespace mhc_coeffs
 
 // ------------------------------------------------------------------ forward
-// Grid: one block per (column chunk cc, token tile, D range), flattened with
-// cc fastest: blockIdx.x = (split * tiles + tile) * ncc + cc.  D range
-// `split` is [split * d_split, min(D, (split + 1) * d_split)), d_split a
-// multiple of 32 * E.  part == nullptr: finish the outputs here (one D
-// range); else write raw sums part[split, t, k] (k < K) and part[split, t, K]
-// (sum of squares, written by the cc == 0 blocks).
-template <typename T, int E, int TT, int KC>
-__global__ void __launch_bounds__(256)
-mhc_coeffs_fwd_kernel(const T* __restrict__ x, const float* __restrict__ phi, const float* __restrict__ alpha,
-                      const float* __restrict__ bias, float* __restrict__ h_pre, float* __restrict__ h_post,
-                      float* __restrict__ h_res, float* __restrict__ part, i64 tokens, int D, int n, int K,
-                      int ncc, i64 tiles, int d_split, float eps) {
-    using namespace mhc_coeffs;
-    constexpr int DC = 32 * E;                  // positions of D per step (E per lane)
-    constexpr int DP = DC + E;                  // padded row: keeps E-vector alignment, spreads staging stores
-    constexpr int STG = (KC * DC + NT - 1) / NT;  // phi values staged per thread per step
-    __shared__ __align__(16) float s_phi[2][KC][DP];
-    __shared__ float s_tot[NW][TT][KC + 1];
-
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // 32-bit index arithmetic (the host keeps the grid below 2^31 blocks)
-    const unsigned b = blockIdx.x, rest = b / (unsigned)ncc;
-    const int cc = (int)(b - rest * (unsigned)ncc);
-    const unsigned split_u = rest / (unsigned)tiles;
-    const i64 tile = rest - split_u * (unsigned)tiles;
-    const int split = (int)split_u;
-    const int kc0 = cc * KC;
-    const int kn = min(KC, K - kc0);            // columns in this chunk
-    const int d_begin = split * d_split;
-    const int d_end = min(D, d_begin + d_split);
-    const int steps = (d_end - d_begin + DC - 1) / DC;
-    const i64 tok0 = (tile * NW + warp) * TT;
-
-    float acc[TT][KC], ss[TT];
-#pragma unroll
-    for (int tt = 0; tt < TT; ++tt) {
-        ss[tt] = 0.f;
-#pragma unroll
-        for (int k = 0; k < KC; ++k) acc[tt][k] = 0.f;
-    }
-
-    // staged element j of a step: position p = j / KC, column k = j % KC
-    // (consecutive threads read consecutive columns of one row of phi).
-    float stg[STG];
-    auto stage_load = [&](int db) {
-#pragma unroll
-        for (int s = 0; s < STG; ++s) {
-            const int j = threadIdx.x + s * NT;
-            const int p = j / KC, k = j - p * KC;
-            const int d = db + p;
-            stg[s] = (j < KC * DC && k < kn && d < d_end) ? phi[(i64)d * K + kc0 + k] : 0.f;
-        }
-    };
-    auto stage_store = [&](int buf) {
-#pragma unroll
-        for (int s = 0; s < STG; ++s) {
-            const int j = threadIdx.x + s * NT;
-            const int p = j / KC, k = j - p * KC;
-            if (j < KC * DC) s_phi[buf][k][p] = stg[s];
-        }
-    };
-    auto x_load = [&](int db, float (&xv)[TT][E]) {
-        const int d = db + lane * E;
-#pragma unroll
-        for (int tt = 0; tt < TT; ++tt) {
-            const i64 t = tok0 + tt;
-            if (t < tokens && d < d_end) {
-                mhc::load_vec<T, E>(x + t * (i64)D + d, xv[tt]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < E; ++e) xv[tt][e] = 0.f;
-            }
-        }
-    };
-
-    float xv[TT][E];
-    if (steps > 0) {
-        stage_load(d_begin);
-        stage_store(0);
-        x_load(d_begin, xv);
-    }
-    for (int i = 0; i < steps; ++i) {
-        const int db = d_begin + i * DC;
-        const bool more = i + 1 < steps;
-        __syncthreads();  // s_phi[i & 1] staged; every warp is done with s_phi[(i + 1) & 1]
-        float xn[TT][E];
-        if (more) {
-            stage_load(db + DC);
-            x_load(db + DC, xn);
-        }
-        const float* sp = &s_phi[i & 1][0][lane * E];
-#pragma unroll
-        for (int k = 0; k < KC; ++k) {
-            float pv[E];
-            mhc_coeffs::lds<E>(sp + k * DP, pv);
-#pragma unroll
-            for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-                for (int e = 0; e < E; ++e) acc[tt][k] = fmaf(xv[tt][e], pv[e], acc[tt][k]);
-        }
-#pragma unroll
-        for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-            for (int e = 0; e < E; ++e) ss[tt] = fmaf(xv[tt][e], xv[tt][e], ss[tt]);
-        if (more) {
-            stage_store((i + 1) & 1);
-#pragma unroll
-            for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-                for (int e = 0; e < E; ++e) xv[tt][e] = xn[tt][e];
-        }
-    }
-
-    // Warp totals (fixed butterfly), spread over the lanes through shared memory.
-#pragma unroll
-    for (int tt = 0; tt < TT; ++tt) {
-#pragma unroll
-        for (int k = 0; k < KC; ++k) {
-            const float v = mhc::warp_sum(acc[tt][k]);
-            if (lane == (tt * (KC + 1) + k) % 32) s_tot[warp][tt][k] = v;
-        }
-        const float v = mhc::warp_sum(ss[tt]);
-        if (lane == (tt * (KC + 1) + KC) % 32) s_tot[warp][tt][KC] = v;
-    }
-    __syncwarp();
-    for (int idx = lane; idx < TT * kn; idx += 32) {
-        const int tt = idx / kn, k = idx - tt * kn;
-        const i64 t = tok0 + tt;
-        if (t >= tokens) continue;
-        const float H = s_tot[warp][tt][k], q = s_tot[warp][tt][KC];
-        if (part != nullptr) {
-            float* row = part + ((i64)split * tokens + t) * (K + 1);
-            row[kc0 + k] = H;
-            if (cc == 0 && k == 0) row[K] = q;
-        } else {
-            mhc_coeffs::finish_column(alpha, bias, h_pre, h_post, h_res, t, kc0 + k, n, H,
-                                      mhc_coeffs::rms_inv(q, D, eps));
-        }
-    }
-}
-
 // Forward with several D ranges: h[t, k] from the raw partials, summed in
 // range order.  One thread per (t, k), grid-stride.  stats (may be null):
 // the summed raw H~ and sum of squares [T, K+1] (the fused layer's saved state).
@@ -349,86 +169,6 @@ __global__ void mhc_coeffs_bwd_prep_kernel(const float* __restrict__ part, const
             qa[t * 3 + 1] = q1;
             qa[t * 3 + 2] = q2;
         }
-    }
-}
-
-// dx and dphi for K <= 24 (n <= 4).  Grid (ceil(D / (256 E)), splits): block
-// (bx, s) owns positions [bx * 256 E, ...) and tokens [s * t_split, ...).
-// dphi: the output (one split) or partials [splits, D, K].  KP = K + 1
-// rounded up to a multiple of 4 (the row stride of dH).
-template <typename T, int E, int K>
-__global__ void __launch_bounds__(256)
-mhc_coeffs_bwd_fused_kernel(const T* __restrict__ x, const float* __restrict__ phi, const float* __restrict__ dH,
-                            T* __restrict__ dx, float* __restrict__ dphi, i64 tokens, int D, i64 t_split) {
-    using namespace mhc_coeffs;
-    constexpr int KP = (K + 1 + 3) / 4 * 4;
-    constexpr int U = 4;  // tokens whose x loads are issued together
-    __shared__ __align__(16) float s_dH[TS][KP];
-
-    const int d = (blockIdx.x * NT + threadIdx.x) * E;
-    const bool active = d < D;
-    const i64 t_begin = blockIdx.y * t_split;
-    const i64 t_end = min(tokens, t_begin + t_split);
-
-    float ph[E][K], dp[E][K];
-#pragma unroll
-    for (int e = 0; e < E; ++e)
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            ph[e][k] = active ? phi[(i64)(d + e) * K + k] : 0.f;
-            dp[e][k] = 0.f;
-        }
-
-    for (i64 t0 = t_begin; t0 < t_end; t0 += TS) {
-        const int nt = (int)min((i64)TS, t_end - t0);
-        __syncthreads();  // everyone is done with the previous rows
-        for (int j = threadIdx.x; j < nt * KP; j += NT) (&s_dH[0][0])[j] = dH[t0 * KP + j];
-        __syncthreads();
-        if (!active) continue;
-        // x of U tokens at a time; the next U are loaded while these are used
-        auto x_load = [&](int tt0, float (&xv)[U][E]) { load_token_rows<T, E, U>(x, t0 + tt0, nt - tt0, D, d, xv); };
-        float xv[U][E];
-        x_load(0, xv);
-        for (int tt0 = 0; tt0 < nt; tt0 += U) {
-            const bool more = tt0 + U < nt;
-            float xn[U][E];
-            if (more) x_load(tt0 + U, xn);
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                if (tt0 + u >= nt) break;
-                float q[KP];
-#pragma unroll
-                for (int k = 0; k < KP; k += 4) {
-                    const float4 r = *reinterpret_cast<const float4*>(&s_dH[tt0 + u][k]);
-                    q[k] = r.x; q[k + 1] = r.y; q[k + 2] = r.z; q[k + 3] = r.w;
-                }
-                float o[E];
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    float s = -xv[u][e] * q[K];
-#pragma unroll
-                    for (int k = 0; k < K; ++k) {
-                        s = fmaf(ph[e][k], q[k], s);
-                        dp[e][k] = fmaf(xv[u][e], q[k], dp[e][k]);
-                    }
-                    o[e] = s;
-                }
-                mhc::store_vec<T, E>(dx + (t0 + tt0 + u) * (i64)D + d, o);
-            }
-            if (more) {
-#pragma unroll
-                for (int u = 0; u < U; ++u)
-#pragma unroll
-                    for (int e = 0; e < E; ++e) xv[u][e] = xn[u][e];
-            }
-        }
-    }
-    if (active) {
-        float* out = dphi + (i64)blockIdx.y * D * K + (i64)d * K;
-#pragma unroll
-        for (int e = 0; e < E; ++e)
-#pragma unroll
-            for (int k = 0; k < K; ++k) out[e * K + k] = dp[e][k];
     }
 }
 

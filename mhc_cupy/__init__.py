@@ -12,6 +12,7 @@ shadowed by the ``mhc_cupy.torch`` submodule).
 
 from ._checks import MAX_N, MIN_N
 from ._kernels import warmup
+from ._nvrtc import KernelCompileError
 from .ops import (
     mhc_coeffs_bwd,
     mhc_coeffs_fwd,
@@ -42,4 +43,5 @@ __all__ = [
     "stream_distribute_fwd", "stream_distribute_bwd", "mhc_post_op_fwd", "mhc_post_op_bwd",
     "mhc_pre_op_fwd", "mhc_pre_op_bwd", "mhc_coeffs_fwd", "mhc_coeffs_bwd",
     "mhc_layer_pre_fwd", "mhc_layer_pre_bwd", "mhc_layer_post_bwd", "warmup", "MIN_N", "MAX_N",
+    "KernelCompileError",
 ]

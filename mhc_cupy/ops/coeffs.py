@@ -11,32 +11,23 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
 
 from .. import _checks, reference
 from .._dispatch import Plan, run
-from ._launch import ITEMSIZE, CTYPE, MAX_GRID, column_sum, f32, i32, launch, tokens_of, vec_width
+from ._launch import ITEMSIZE, CTYPE, MAX_GRID, column_sum, f32, i32, i64, launch, tokens_of, vec_width
 from .stream import check_x
 
 _FILE = "coeffs.cu"
 _NT = 256  # threads per block of the GEMM kernels (kernels_cu/coeffs.cu NT)
 _WARPS = _NT // 32
-_TT = 4  # tokens per warp of the forward GEMM
-_KC = 24  # at most this many columns of phi per block (accumulators per thread ~ TT * (KC + 1))
-_FUSED_K = 24  # K <= this: dx and dphi in one kernel (n <= 4)
+_KC = 24  # columns of phi per chunk of the CUDA-core dphi kernel (n > 4)
 _TS = 32  # tokens of dH staged per step of the backward (kernels_cu/coeffs.cu TS)
 _DX_KC = 16  # columns per chunk of the general dx kernel
-#: Widest x access (elements) of the backward kernels.  The fused kernel keeps 2 * E * K
-#: floats per thread: E = 1 (100 registers, 2 blocks per SM) measured ~8% faster than
-#: E = 2 (158 registers) on an H200 (n = 4, C = 4096, bf16).
-_FUSED_E = 1
 _BWD_E = 2
-#: D positions per step of the widest forward (32 lanes x 4); D ranges are multiples of it.
-_D_UNIT = 128
 #: Block count the D / token splits aim for.  A constant (not the SM count) so the
 #: summation order, hence every bit of the result, is the same on every GPU.
 _TARGET_BLOCKS = 512
-_MIN_STEPS_PER_RANGE = 4  # a D range spans at least this many _D_UNITs
+_MIN_STEPS_PER_RANGE = 4  # a D range of the forward GEMM spans at least this many steps
 _MIN_TOKENS_PER_SPLIT = 64
 _MAX_SPLITS = 64
 _MAX_PARTIAL_FLOATS = 16 * 2**20  # dphi partials of the backward: at most 64 MiB
@@ -86,43 +77,11 @@ def _check(infos, eps, with_grads: bool):
     return dt, lead, n, C, D, K, tokens_of(lead), _checks.eps("eps", eps)
 
 
-# ---------------------------------------------------------- forward GEMM layout
-def gemm_layout(tokens: int, D: int, K: int):
-    """(KC, ncc, tiles, splits, d_split) of mhc_coeffs_fwd_kernel.
-
-    The D range of a block (d_split, a multiple of _D_UNIT) is split only when
-    the token tiles x column chunks give fewer than _TARGET_BLOCKS blocks, and
-    never below _MIN_STEPS_PER_RANGE units per range.
-    """
-    KC = column_chunk(K)
-    ncc = _cdiv(K, KC)
-    tiles = max(1, _cdiv(tokens, _WARPS * _TT))
-    units = _cdiv(D, _D_UNIT)
-    want = _cdiv(_TARGET_BLOCKS, ncc * tiles)
-    splits = max(1, min(want, units // _MIN_STEPS_PER_RANGE, _MAX_SPLITS))
-    per = _cdiv(units, splits)
-    splits = _cdiv(units, per)  # no empty range
-    if ncc * tiles * splits > MAX_GRID:
-        raise ValueError(f"x has {tokens} tokens; mhc_coeffs supports at most "
-                         f"{MAX_GRID // (ncc * splits) * _WARPS * _TT} tokens at this n")
-    return KC, ncc, tiles, splits, per * _D_UNIT
-
-
-def launch_gemm(dt, n, D, K, tokens, x, phi, alpha, bias, outs, part, layout, eps, stream):
-    """H~ and the sum of squares: finished outputs (part None) or raw sums into part."""
-    KC, ncc, tiles, splits, d_split = layout
-    E = vec_width(1, D, [(x, dt)], budget=4)
-    h_pre, h_post, h_res = outs if outs is not None else (None, None, None)
-    launch(_FILE, f"mhc_coeffs_fwd_kernel<{CTYPE[dt]},{E},{_TT},{KC}>", (ncc * tiles * splits, 1, 1), (_NT, 1, 1),
-           (x, phi, alpha, bias, h_pre, h_post, h_res, part, tokens, i32(D), i32(n), i32(K), i32(ncc), tiles,
-            i32(d_split), f32(eps)), stream)
-
-
 def _zero(ptr, count: int, stream, offset: int = 0) -> None:
     """float32 zeros over ptr[offset : offset + count]."""
     if count:
         launch(_FILE, "mhc_coeffs_zero_kernel", (min(_cdiv(count, _NT), 1024), 1, 1), (_NT, 1, 1),
-               (ptr + 4 * offset, count), stream)
+               (ptr + 4 * offset, i64(count)), stream)
 
 
 # ------------------------------------------------ tensor-core forward GEMM layout
@@ -190,8 +149,8 @@ def launch_mma_gemm(dt, D, K, tokens, x, phi, part, planes, mma: MmaLayout, stre
     smem = _MMA_STAGES * (_MMA_TOK * 32 * ITEMSIZE[dt] + 3 * mma.ntile * 8 * 64)
     launch(_FILE, f"mhc_coeffs_mma_fwd_kernel<{CTYPE[dt]},{vec},{_MMA_MT},{mma.ntile},{_MMA_STAGES}>",
            (mma.ncc * mma.tiles * mma.splits, 1, 1), (128, 1, 1),
-           (x, planes, part, np.int64(tokens), i32(D), i32(mma.Dp), i32(K), i32(mma.Kp), i32(mma.ncc),
-            np.int64(mma.tiles), i32(mma.d_split)), stream, smem)
+           (x, planes, part, i64(tokens), i32(D), i32(mma.Dp), i32(K), i32(mma.Kp), i32(mma.ncc),
+            i64(mma.tiles), i32(mma.d_split)), stream, smem)
 
 
 def _plan_fwd(infos, eps):
@@ -203,7 +162,7 @@ def _plan_fwd(infos, eps):
         part, planes = s
         launch_mma_gemm(dt, D, K, tokens, p["x"], p["phi"], part, planes, mma, stream)
         launch(_FILE, "mhc_coeffs_fwd_finish_kernel", (min(_cdiv(tokens * K, _NT), MAX_GRID), 1, 1), (_NT, 1, 1),
-               (part, p["alpha"], p["bias"], *outs, None, tokens, i32(D), i32(n), i32(K), i32(mma.splits),
+               (part, p["alpha"], p["bias"], *outs, None, i64(tokens), i32(D), i32(n), i32(K), i32(mma.splits),
                 f32(eps)), stream)
 
     return Plan([(lead + (n,), "float32"), (lead + (n,), "float32"), (lead + (n, n), "float32")], run_kernels,
@@ -287,18 +246,18 @@ def launch_mma_bwd(b: MmaBwd, dt: str, x, phi, dH, KP: int, dx, dphi, sc: dict, 
     layer = g is not None
     tg = tg or dt
     launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(D * b.K16), (_NT, 1, 1),
-           (phi, sc["phi_r"], np.int64(D), i32(b.K), i32(b.K), np.int64(D), i32(b.K16)), stream)
+           (phi, sc["phi_r"], i64(D), i32(b.K), i32(b.K), i64(D), i32(b.K16)), stream)
     launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(b.tokens_p * b.K16), (_NT, 1, 1),
-           (dH, sc["dH_r"], np.int64(b.tokens), i32(b.K), i32(KP), np.int64(b.tokens_p), i32(b.K16)), stream)
+           (dH, sc["dH_r"], i64(b.tokens), i32(b.K), i32(KP), i64(b.tokens_p), i32(b.K16)), stream)
     launch(_FILE, "mhc_coeffs_split_cols_kernel", _grid_stride(b.tokens_p * b.Kp8), (_NT, 1, 1),
-           (dH, sc["dH_c"], np.int64(b.tokens), i32(b.K), i32(KP), np.int64(b.tokens_p), i32(b.Kp8)), stream)
+           (dH, sc["dH_c"], i64(b.tokens), i32(b.K), i32(KP), i64(b.tokens_p), i32(b.Kp8)), stream)
     vec = "true" if _vec8(dt, b.C, x, dx, g, g_li) else "false"
     out = sc["dphi_part"] if b.splits > 1 else dphi
     launch(_FILE, f"mhc_coeffs_mma_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{vec},{'true' if layer else 'false'},"
                   f"{b.K16 // 16},{b.Kp8 // 8},{_MMA_BWD_STAGES}>",
            (_cdiv(b.C, 64), b.splits, 1), (32 * b.n, 1, 1),
-           (x, sc["phi_r"], sc["dH_r"], sc["dH_c"], dH, g, g_li, H_pre, H_res, dx, out, np.int64(b.tokens),
-            np.int64(b.tokens_p), i32(b.n), i32(b.C), i32(b.K), i32(KP), np.int64(b.t_split)),
+           (x, sc["phi_r"], sc["dH_r"], sc["dH_c"], dH, g, g_li, H_pre, H_res, dx, out, i64(b.tokens),
+            i64(b.tokens_p), i32(b.n), i32(b.C), i32(b.K), i32(KP), i64(b.t_split)),
            stream, b.smem(dt, tg, layer))
     if b.splits > 1:
         column_sum(out, dphi, b.splits, D * b.K, stream)
@@ -308,11 +267,9 @@ def _plan_bwd(infos, eps):
     dt, lead, n, C, D, K, tokens, eps = _check(infos, eps, True)
     mma = mma_layout(tokens, D, K)
     KP = padded_row(K)
-    tensor_core = K <= _MMA_BWD_MAX_K
-    fused = K <= _FUSED_K
-    kc_phi = K if fused else column_chunk(K)
+    tc = mma_bwd(tokens, n, C, K) if K <= _MMA_BWD_MAX_K else None
+    kc_phi = column_chunk(K)
     ncc_phi = _cdiv(K, kc_phi)
-    tc = mma_bwd(tokens, n, C, K) if tensor_core else None
     t_splits, t_split = token_splits(tokens, D, K, ncc_phi) if tc is None else (tc.splits, tc.t_split)
     named = [("part", ((mma.splits, tokens, K + 1), "float32")),  # raw H~ and sum of squares per D range
              ("dH", ((tokens, KP), "float32")),  # dH | c
@@ -321,12 +278,10 @@ def _plan_bwd(infos, eps):
     if tc is not None:
         named += tc.scratch()
     else:
+        named.append(("phi_t", ((K, D), "float32")))
         if t_splits > 1:
             named.append(("dphi_part", ((t_splits, D, K), "float32")))
-        if not fused:
-            named.append(("phi_t", ((K, D), "float32")))
     names = [name for name, _ in named]
-    scratch = [spec for _, spec in named]
     outputs = [(infos["x"].shape, dt), ((D, K), "float32"), ((3,), "float32"), ((K,), "float32")]
     grads = (("grad_h_pre_raw", 0, n), ("grad_h_post_raw", n, n), ("grad_h_res_raw", 2 * n, n * n))
 
@@ -341,7 +296,7 @@ def _plan_bwd(infos, eps):
         launch_mma_gemm(dt, D, K, tokens, p["x"], p["phi"], part, sc["planes"], mma, stream)
         warps_grid = min(_cdiv(tokens, _WARPS), MAX_GRID)
         launch(_FILE, "mhc_coeffs_bwd_prep_kernel", (warps_grid, 1, 1), (_NT, 1, 1),
-               (part, p["grad_h_pre_raw"], p["grad_h_post_raw"], p["grad_h_res_raw"], p["alpha"], dH, qa, tokens,
+               (part, p["grad_h_pre_raw"], p["grad_h_post_raw"], p["grad_h_res_raw"], p["alpha"], dH, qa, i64(tokens),
                 i32(D), i32(n), i32(K), i32(KP), i32(mma.splits), f32(eps)), stream)
         column_sum(qa, dalpha, tokens, 3, stream)
         for name, offset, cols in grads:
@@ -352,23 +307,18 @@ def _plan_bwd(infos, eps):
         if tc is not None:
             launch_mma_bwd(tc, dt, p["x"], p["phi"], dH, KP, dx, dphi, sc, stream)
             return
-        dphi_out = sc["dphi_part"] if t_splits > 1 else dphi
-        E = vec_width(1, D, [(p["x"], dt), (dx, dt)], budget=_FUSED_E if fused else _BWD_E)
+        # n > 4: CUDA cores (dx, then dphi over token ranges)
+        dphi_out = sc.get("dphi_part", dphi)
+        E = vec_width(1, D, [(p["x"], dt), (dx, dt)], budget=_BWD_E)
         dblocks = _cdiv(D, _NT * E)
-        if fused:
-            launch(_FILE, f"mhc_coeffs_bwd_fused_kernel<{CTYPE[dt]},{E},{K}>", (dblocks, t_splits, 1),
-                   (_NT, 1, 1), (p["x"], p["phi"], dH, dx, dphi_out, tokens, i32(D), t_split), stream)
-        else:
-            phi_t = sc["phi_t"]
-            launch(_FILE, "mhc_coeffs_transpose_kernel", (_cdiv(D, 32), _cdiv(K, 32), 1), (32, 8, 1),
-                   (p["phi"], phi_t, i32(D), i32(K)), stream)
-            launch(_FILE, f"mhc_coeffs_bwd_dx_kernel<{CTYPE[dt]},{E},{_DX_KC}>",
-                   (dblocks * _cdiv(tokens, _TS), 1, 1), (_NT, 1, 1),
-                   (p["x"], phi_t, dH, dx, tokens, i32(D), i32(K), i32(KP), i32(dblocks)), stream)
-            launch(_FILE, f"mhc_coeffs_bwd_dphi_kernel<{CTYPE[dt]},{E},{kc_phi}>",
-                   (ncc_phi * dblocks * t_splits, 1, 1), (_NT, 1, 1),
-                   (p["x"], dH, dphi_out, tokens, i32(D), i32(K), i32(KP), i32(ncc_phi), i32(dblocks), t_split),
-                   stream)
+        phi_t = sc["phi_t"]
+        launch(_FILE, "mhc_coeffs_transpose_kernel", (_cdiv(D, 32), _cdiv(K, 32), 1), (32, 8, 1),
+               (p["phi"], phi_t, i32(D), i32(K)), stream)
+        launch(_FILE, f"mhc_coeffs_bwd_dx_kernel<{CTYPE[dt]},{E},{_DX_KC}>", (dblocks * _cdiv(tokens, _TS), 1, 1),
+               (_NT, 1, 1), (p["x"], phi_t, dH, dx, i64(tokens), i32(D), i32(K), i32(KP), i32(dblocks)), stream)
+        launch(_FILE, f"mhc_coeffs_bwd_dphi_kernel<{CTYPE[dt]},{E},{kc_phi}>", (ncc_phi * dblocks * t_splits, 1, 1),
+               (_NT, 1, 1), (p["x"], dH, dphi_out, i64(tokens), i32(D), i32(K), i32(KP), i32(ncc_phi),
+                             i32(dblocks), i64(t_split)), stream)
         if t_splits > 1:
             column_sum(dphi_out, dphi, t_splits, D * K, stream)
 
@@ -376,7 +326,7 @@ def _plan_bwd(infos, eps):
         return reference.mhc_coeffs_bwd(a["grad_h_pre_raw"], a["grad_h_post_raw"], a["grad_h_res_raw"], a["x"],
                                         a["phi"], a["alpha"], a["bias"], eps)
 
-    return Plan(outputs, run_kernels, ref, scratch=scratch, empty=False)
+    return Plan(outputs, run_kernels, ref, scratch=[spec for _, spec in named], empty=False)
 
 
 # ------------------------------------------------------------------ public

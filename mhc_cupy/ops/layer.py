@@ -21,11 +21,10 @@ and the pre / post op kernels.
 
 from __future__ import annotations
 
-import numpy as np
 
 from .. import _checks, reference
 from .._dispatch import Plan, run
-from ._launch import MAX_GRID, column_sum, f32, i32, launch, tokens_of
+from ._launch import MAX_GRID, column_sum, f32, i32, i64, launch, tokens_of
 from .coeffs import (_FILE, _NT, _WARPS, _MMA_BWD_MAX_K, _check as _check_coeffs, _cdiv, _zero, launch_mma_bwd,
                      launch_mma_gemm, mma_bwd, mma_layout, padded_row)
 from .sinkhorn import bwd_history, launch_bwd, launch_fwd
@@ -56,7 +55,7 @@ def _plan_pre_fwd(infos, num_iters, eps, rms_eps):
         part, planes, h_pre, h_post, h_res = s
         launch_mma_gemm(dt, D, K, tokens, p["x"], p["phi"], part, planes, mma, stream)
         launch(_FILE, "mhc_coeffs_fwd_finish_kernel", (min(_cdiv(tokens * K, _NT), MAX_GRID), 1, 1), (_NT, 1, 1),
-               (part, p["alpha"], p["bias"], h_pre, h_post, h_res, stats, tokens, i32(D), i32(n), i32(K),
+               (part, p["alpha"], p["bias"], h_pre, h_post, h_res, stats, i64(tokens), i32(D), i32(n), i32(K),
                 i32(mma.splits), f32(rms_eps)), stream)
         launch_fwd(n, tokens, iters, eps, h_res, H_res, stream, h_pre, h_post, H_pre, H_post)
         launch_aggregate_fwd(dt, n, C, tokens, p["x"], H_pre, n, layer_in, stream)
@@ -166,7 +165,7 @@ def _plan_pre_bwd(infos, num_iters, eps, rms_eps, grad_mode):
         stats = p["stats"]
         # raw coefficients from the saved sums (no second GEMM)
         launch(_FILE, "mhc_coeffs_fwd_finish_kernel", (min(_cdiv(tokens * K, _NT), MAX_GRID), 1, 1), (_NT, 1, 1),
-               (stats, p["alpha"], p["bias"], sc["h_pre"], sc["h_post"], sc["h_res"], None, tokens, i32(D), i32(n),
+               (stats, p["alpha"], p["bias"], sc["h_pre"], sc["h_post"], sc["h_res"], None, i64(tokens), i32(D), i32(n),
                 i32(K), i32(1), f32(rms_eps)), stream)
         # Sinkhorn and H_post activation backward (null incoming gradients read as zero)
         launch_bwd(n, tokens, iters, eps, mode, p["grad_H_res"], sc["h_res"], sc["dh_res"], sc.get("hist"), stream,
@@ -176,7 +175,7 @@ def _plan_pre_bwd(infos, num_iters, eps, rms_eps, grad_mode):
                              stream, act=1)
         warps_grid = min(_cdiv(tokens, _WARPS), MAX_GRID)
         launch(_FILE, "mhc_coeffs_bwd_prep_kernel", (warps_grid, 1, 1), (_NT, 1, 1),
-               (stats, sc["dh_pre"], sc["dh_post"], sc["dh_res"], p["alpha"], sc["dH"], sc["qa"], tokens, i32(D),
+               (stats, sc["dh_pre"], sc["dh_post"], sc["dh_res"], p["alpha"], sc["dH"], sc["qa"], i64(tokens), i32(D),
                 i32(n), i32(K), i32(KP), i32(1), f32(rms_eps)), stream)
         column_sum(sc["qa"], dalpha, tokens, 3, stream)
         for name, offset, cols in (("dh_pre", 0, n), ("dh_post", n, n), ("dh_res", 2 * n, n * n)):
