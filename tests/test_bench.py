@@ -1,7 +1,8 @@
 """CPU tests of ``mhc_cupy.bench``: everything that does not need a GPU.
 
-* the byte model ``BYTES`` against the issue's formula, against ``SPECS`` and against the
-  bytes of the arrays the functional API really reads and writes (CPU path);
+* the byte model (``nbytes``, derived from ``SPECS``) against the issue's formula, against the
+  formula table of benchmarks/README.md and against the bytes of the arrays the functional API
+  really reads and writes (CPU path);
 * argument parsing (defaults, --quick, flags, errors), the rotation and case plans;
 * the report, JSON, plot and --merge writers on a fake result, and the targets;
 * the baseline math (PyTorch and JAX, run on the CPU) against ``mhc_cupy.reference``,
@@ -26,6 +27,7 @@ import pytest
 import mhc_cupy as m
 from mhc_cupy import bench
 from mhc_cupy import reference as R
+from mhc_cupy.bench import cases, env, inputs, timing
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = [(3, 8, 4), (2, 5, 3), (4, 7, 1)]  # (T, C, n): n = 4, odd n and C, n = 1 (trivial Sinkhorn)
@@ -49,13 +51,41 @@ def test_byte_model_stream_mix_formula():
     assert T * n * C * 2 == 83_886_080
 
 
+# The byte model as benchmarks/README.md writes it.  With A = T*n*C*s (one [T, n, C] activation),
+# Y = T*C*s (one [T, C] activation), K = 4*T (one float32 per token), m = n*n + 2n,
+# P = 4*(n*C*m + 3 + m) (phi, alpha, bias), s the activation itemsize:
+README_BYTES = {
+    ("stream_mix", "fwd"): lambda A, Y, K, n, P: 2 * A + n * n * K,                 # x, M -> out
+    ("stream_mix", "bwd"): lambda A, Y, K, n, P: 3 * A + 2 * n * n * K,             # g, x, M -> dx, dM
+    ("stream_aggregate", "fwd"): lambda A, Y, K, n, P: A + Y + n * K,               # x, h -> out
+    ("stream_aggregate", "bwd"): lambda A, Y, K, n, P: 2 * A + Y + 2 * n * K,       # g, x, h -> dx, dh
+    ("stream_distribute", "fwd"): lambda A, Y, K, n, P: A + Y + n * K,              # y, h -> out
+    ("stream_distribute", "bwd"): lambda A, Y, K, n, P: A + 2 * Y + 2 * n * K,      # g, y, h -> dy, dh
+    ("mhc_post_op", "fwd"): lambda A, Y, K, n, P: 2 * A + Y + (n * n + n) * K,      # y, x, H_post, H_res -> out
+    ("mhc_post_op", "bwd"): lambda A, Y, K, n, P: 3 * A + 2 * Y + 2 * (n * n + n) * K,  # g, y, x, H -> dy, dx, dH
+    ("mhc_pre_op", "fwd"): lambda A, Y, K, n, P: A + Y + 2 * (n * n + 2 * n) * K,   # x, raw -> layer_in, H
+    ("mhc_pre_op", "bwd"): lambda A, Y, K, n, P: 2 * A + Y + 3 * (n * n + 2 * n) * K,  # g, gH, x, raw -> dx, draw
+    ("sinkhorn_knopp", "fwd"): lambda A, Y, K, n, P: 2 * n * n * K,                 # logits -> P
+    ("sinkhorn_knopp", "bwd"): lambda A, Y, K, n, P: 3 * n * n * K,                 # g, logits -> dlogits
+    ("rmsnorm", "fwd"): lambda A, Y, K, n, P: 2 * A,                                # x [T, n*C] -> out
+    ("rmsnorm", "bwd"): lambda A, Y, K, n, P: 3 * A,                                # g, x -> dx
+    ("mhc_coeffs", "fwd"): lambda A, Y, K, n, P: A + P + (n * n + 2 * n) * K,       # x, phi, alpha, bias -> h raw
+    ("mhc_coeffs", "bwd"): lambda A, Y, K, n, P: 2 * A + 2 * P + (n * n + 2 * n) * K,  # gh, x, params -> dx, dparams
+}
+
+
 @pytest.mark.parametrize("itemsize", [2, 4])
 @pytest.mark.parametrize("T,C,n", [(4096, 2560, 4), (1, 64, 8), (32768, 7168, 4)])
 def test_byte_model_table_matches_specs(T, C, n, itemsize):
-    assert {k[0] for k in bench.BYTES} == set(bench.SPECS)
+    """``nbytes`` (derived from ``SPECS``) equals the README's formula table, and ``BYTES`` is that model."""
+    assert {k[0] for k in README_BYTES} == set(bench.SPECS) == {k[0] for k in bench.BYTES}
+    A, Y, K = T * n * C * itemsize, T * C * itemsize, 4 * T
+    P = 4 * (n * C * (n * n + 2 * n) + 3 + (n * n + 2 * n))
     for op in bench.SPECS:
         for d in ("fwd", "bwd"):
-            assert bench.nbytes(op, d, T, C, n, itemsize) == bench.spec_nbytes(op, d, T, C, n, itemsize), (op, d)
+            want = README_BYTES[(op, d)](A, Y, K, n, P)
+            assert bench.nbytes(op, d, T, C, n, itemsize) == want, (op, d)
+            assert bench.BYTES[(op, d)](T, C, n, itemsize) == want, (op, d)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -65,13 +95,13 @@ def test_byte_model_matches_functional_api(op, dtype):
     takes and returns (its CPU path returns the real output dtypes and shapes)."""
     T, C, n = 3, 8, 4
     s = bench.make_inputs(op, T, C, n, dtype, seed=0)
-    outs = bench._as_tuple(getattr(m, f"{op}_fwd")(*s["in"]))
+    outs = inputs._as_tuple(getattr(m, f"{op}_fwd")(*s["in"]))
     assert [o.shape for o in outs] == [a.shape for a in s["grads"]]
     assert [o.dtype for o in outs] == [a.dtype for a in s["grads"]]
-    isz = np.dtype(bench._np_dtype(dtype)).itemsize
+    isz = np.dtype(inputs._np_dtype(dtype)).itemsize
     read = sum(a.nbytes for a in s["in"])
     assert read + sum(o.nbytes for o in outs) == bench.nbytes(op, "fwd", T, C, n, isz)
-    grads = bench._as_tuple(getattr(m, f"{op}_bwd")(*s["grads"], *s["in"]))
+    grads = inputs._as_tuple(getattr(m, f"{op}_bwd")(*s["grads"], *s["in"]))
     assert [g.shape for g in grads] == [a.shape for a in s["in"]]
     assert [g.dtype for g in grads] == [a.dtype for a in s["in"]]
     moved = sum(a.nbytes for a in s["grads"]) + read + sum(g.nbytes for g in grads)
@@ -305,11 +335,11 @@ def test_torch_baseline_matches_reference(op, T, C, n, dtype):
     f = bench.torch_fwd(op)
     out = f(*ins)
     assert [o.dtype for o in out] == [t.dtype for t in gs]
-    _check([_torch_numpy(torch, o) for o in out], bench._as_tuple(fref(*s["in"])), _kinds(op, "outputs"), dtype,
+    _check([_torch_numpy(torch, o) for o in out], inputs._as_tuple(fref(*s["in"])), _kinds(op, "outputs"), dtype,
            f"torch {op} fwd")
     grads = bench.torch_bwd(f, ins, gs)
     assert [g.dtype for g in grads] == [t.dtype for t in ins]
-    _check([_torch_numpy(torch, g) for g in grads], bench._as_tuple(bref(*s["grads"], *s["in"])),
+    _check([_torch_numpy(torch, g) for g in grads], inputs._as_tuple(bref(*s["grads"], *s["in"])),
            _kinds(op, "inputs"), dtype, f"torch {op} bwd")
 
 
@@ -327,11 +357,11 @@ def test_jax_baseline_matches_reference(op, T, C, n, dtype):
     f = bench.jax_fwd(op)  # eagerly: the same jnp math the benchmark jits (XLA:CPU compiles Sinkhorn slowly)
     out = f(*ins)
     assert [o.dtype for o in out] == [g.dtype for g in gs]
-    _check([np.asarray(o, np.float64) for o in out], bench._as_tuple(fref(*s["in"])), _kinds(op, "outputs"), dtype,
+    _check([np.asarray(o, np.float64) for o in out], inputs._as_tuple(fref(*s["in"])), _kinds(op, "outputs"), dtype,
            f"jax {op} fwd")
     grads = bench.jax_bwd(f, ins, gs)
     assert [g.dtype for g in grads] == [a.dtype for a in ins]
-    _check([np.asarray(g, np.float64) for g in grads], bench._as_tuple(bref(*s["grads"], *s["in"])),
+    _check([np.asarray(g, np.float64) for g in grads], inputs._as_tuple(bref(*s["grads"], *s["in"])),
            _kinds(op, "inputs"), dtype, f"jax {op} bwd")
 
 
@@ -401,7 +431,7 @@ def test_time_jax_and_per_call_on_cpu():
         seen.append(k)
         return f(sets[k])
 
-    r = bench._time_jax(call, 3, 6, 1, 4)
+    r = timing._time_jax(call, 3, 6, 1, 4)
     assert r["samples"] == 4 and 0 < r["us_min"] <= r["us"] <= r["us_max"]
     assert seen[:6] == [0, 1, 2, 0, 1, 2]  # every set in turn
     assert bench.per_call_us(lambda: None, lambda last: None, calls=50, warmup=2) > 0
@@ -431,26 +461,26 @@ def test_run_orchestration_without_gpu(monkeypatch, tmp_path, capsys):
 
     def np_rel_err(ours, theirs):
         worst = 0.0
-        for a, b in zip(bench._as_tuple(ours), bench._as_tuple(theirs), strict=True):
+        for a, b in zip(inputs._as_tuple(ours), inputs._as_tuple(theirs), strict=True):
             b = _torch_numpy(torch, b) if isinstance(b, torch.Tensor) else b
             a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
             worst = max(worst, float(np.linalg.norm(a - b) / np.linalg.norm(b)))
         return worst
 
-    monkeypatch.setattr(bench, "gpu_problem", lambda: None)
-    monkeypatch.setattr(bench, "_device_meta", lambda: {"name": "Fake GPU", "sm": "90", "l2_bytes": 1 << 16})
-    monkeypatch.setattr(bench, "_versions", lambda: {"mhc_cupy": m.__version__})
-    monkeypatch.setattr(bench, "copy_bandwidth", lambda: {"GBps": 1000.0, "kernel_GBps": 900.0, "bytes": 2,
+    monkeypatch.setattr(env, "gpu_problem", lambda: None)
+    monkeypatch.setattr(env, "_device_meta", lambda: {"name": "Fake GPU", "sm": "90", "l2_bytes": 1 << 16})
+    monkeypatch.setattr(env, "_versions", lambda: {"mhc_cupy": m.__version__})
+    monkeypatch.setattr(cases, "copy_bandwidth", lambda: {"GBps": 1000.0, "kernel_GBps": 900.0, "bytes": 2,
                                                           "method": "fake"})
-    monkeypatch.setattr(bench, "_sync", lambda: None)
-    monkeypatch.setattr(bench, "_free_gpu_memory", lambda: None)
-    monkeypatch.setattr(bench, "_torch_status", lambda: None)
-    monkeypatch.setattr(bench, "_jax_status", lambda: "no GPU backend (test)")
-    monkeypatch.setattr(bench, "make_inputs", lambda *a, xp="numpy", **k: real_make(*a, **k))
-    monkeypatch.setattr(bench, "_time_cupy", fake_time)
-    monkeypatch.setattr(bench, "_torch_case", fake_torch_case)
-    monkeypatch.setattr(bench, "_max_rel_err", np_rel_err)
-    monkeypatch.setattr(bench, "host_overhead", lambda dtype, ops, torch_ok, jax_ok: {
+    monkeypatch.setattr(env, "_sync", lambda: None)
+    monkeypatch.setattr(env, "_free_gpu_memory", lambda: None)
+    monkeypatch.setattr(env, "_torch_status", lambda: None)
+    monkeypatch.setattr(env, "_jax_status", lambda: "no GPU backend (test)")
+    monkeypatch.setattr(cases, "make_inputs", lambda *a, xp="numpy", **k: real_make(*a, **k))
+    monkeypatch.setattr(cases, "_time_cupy", fake_time)
+    monkeypatch.setattr(cases, "_torch_case", fake_torch_case)
+    monkeypatch.setattr(cases, "_max_rel_err", np_rel_err)
+    monkeypatch.setattr(cases, "host_overhead", lambda dtype, ops, torch_ok, jax_ok: {
         "shape": {"tokens": 1, "C": 64, "n": 4, "dtype": dtype},
         "routes": {"native torch.add (no grad)": 5.0, "mhc_cupy.torch.stream_mix (no grad)": 7.0}, "per_op": {}})
 
