@@ -44,10 +44,10 @@ def _b_mhc_post_op(B, layer_out, x, H_post, H_res):
     return (B.cast(_mix(B, x, H_res) + H_post[..., :, None] * B.f32(layer_out)[..., None, :], x),)
 
 
-def _b_mhc_pre_op(B, x, h_pre_raw, h_post_raw, h_res_raw):
+def _b_mhc_pre_op(B, x, h_pre_raw, h_post_raw, h_res_raw, num_iters=20, eps=1e-8):
     H_pre = B.sigmoid(h_pre_raw)
     H_post = 2.0 * B.sigmoid(h_post_raw)
-    H_res = _sinkhorn(B, h_res_raw)
+    H_res = _sinkhorn(B, h_res_raw, num_iters, eps)
     return B.cast((H_pre[..., :, None] * B.f32(x)).sum(-2), x), H_pre, H_post, H_res
 
 
@@ -71,6 +71,15 @@ def _b_mhc_coeffs(B, x, phi, alpha, bias, eps=1e-5):
 
 
 _MATH = {op: globals()[f"_b_{op}"] for op in SPECS}
+
+
+def _b_mhc_layer(B, x, phi, alpha, bias, f, num_iters=20, eps=1e-8, rms_eps=1e-5):
+    """The whole mHC layer from the op maths above (paper Eq. 3, OPS.md sections 6-8):
+    coefficients -> pre op (layer_in rounded to x's dtype) -> f -> post op (rounded once)."""
+    h_pre_raw, h_post_raw, h_res_raw = _b_mhc_coeffs(B, x, phi, alpha, bias, rms_eps)
+    layer_in, _, H_post, H_res = _b_mhc_pre_op(B, x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps)
+    (out,) = _b_mhc_post_op(B, B.cast(f(layer_in), x), x, H_post, H_res)
+    return out
 
 
 def _torch_backend():
@@ -161,6 +170,27 @@ def torch_fwd(op: str):
 def jax_fwd(op: str):
     """The jax.numpy baseline forward of ``op``."""
     return _baseline_fwd(_jax_backend(), "jax", op)
+
+
+def jnp_mhc_layer(params: dict, x, f, num_iters: int = 20, eps: float = 1e-8, rms_eps: float = 1e-5):
+    """The mHC layer of :func:`mhc_cupy.jax.mhc_layer` in plain ``jax.numpy`` (no mhc_cupy kernels).
+
+    x_{l+1} = H_res x_l + H_post^T f(H_pre x_l) (paper Eq. 3) with the coefficient path of
+    OPS.md section 8: float32 maths (the GEMM at ``Precision.HIGHEST``), layer_in and the
+    output rounded once to x's dtype, Sinkhorn-Knopp with the row-max shift (OPS.md section 1).
+
+    Args:
+        params: {"phi" [n*C, n*n + 2n], "alpha" [3], "bias" [n*n + 2n]}, float32
+            (:func:`mhc_cupy.jax.mhc_init`).
+        x: [..., n, C], bfloat16 / float16 / float32.
+        f: the sublayer [..., C] -> [..., C]; its output is cast to x's dtype.
+        num_iters, eps: Sinkhorn-Knopp iterations and eps; rms_eps: the coefficient path's eps.
+
+    Returns:
+        [..., n, C], dtype of x; differentiable with ``jax.grad`` / ``jax.vjp``.
+    """
+    return _b_mhc_layer(_jax_backend(), x, params["phi"], params["alpha"], params["bias"], f, num_iters, eps,
+                        rms_eps)
 
 
 def torch_bwd(f, inputs, grads) -> tuple:

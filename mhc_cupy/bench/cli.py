@@ -10,7 +10,8 @@ from pathlib import Path
 
 from . import __doc__ as _PACKAGE_DOC
 from . import cases, env
-from .report import format_report, merge_results, write_outputs
+from .report import format_report, merge_results, write_json, write_outputs
+from .layer import LAYER_BASELINES, LAYER_SHAPES, SUBLAYERS
 from .specs import BASELINES, DEFAULT_OPS, DTYPE_ALIASES, SPECS
 
 QUICK = {"tokens": "32768", "C": "2560", "n": "4", "reps": 10, "warmup": 3}
@@ -40,11 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="bfloat16", help="activation dtype: bfloat16, float16 or float32")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement (median; default 30)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up calls before capture (default 5)")
-    ap.add_argument("--min-calls", type=int, default=10, help="at least this many calls per timed graph")
+    ap.add_argument("--min-calls", type=int, default=None,
+                    help="at least this many calls per timed sample (default 10; 4 with --layer / --block)")
     ap.add_argument("--quick", action="store_true",
                     help=f"one shape ({QUICK['tokens']}x{QUICK['C']}x{QUICK['n']}), {QUICK['reps']} reps")
-    ap.add_argument("--baselines", default=",".join(BASELINES),
-                    help="comma-separated: torch, torch.compile, jax.jit (default: all three)")
+    ap.add_argument("--baselines", default=None,
+                    help="comma-separated: torch, torch.compile, jax.jit (default: all three); with --layer also "
+                         "transformer_engine (default: all four); with --block only torch.compile counts "
+                         "(default: it)")
     ap.add_argument("--no-baselines", action="store_true", help="time mhc_cupy only")
     ap.add_argument("--no-host", action="store_true", help="skip the host-overhead measurements")
     ap.add_argument("--check-tol", type=float, default=1e-2,
@@ -52,11 +56,43 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="bench_out", help="output directory (bench.json, bench.txt, bench.png)")
     ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                     help="no GPU needed: merge saved bench.json files and write the report, JSON and plot to --out")
+    mode = ap.add_argument_group("layer and block modes (benchmarks/README.md)")
+    one = mode.add_mutually_exclusive_group()
+    one.add_argument("--layer", action="store_true",
+                     help="the whole mHC layer, fwd and fwd+bwd, against torch / torch.compile of MHCReference, "
+                          "jax.jit of plain jnp and TransformerEngine (writes layer.json, layer.md)")
+    mode.add_argument("--shapes", default=None,
+                      help="--layer: TxCxn shapes, comma-separated (default "
+                           + ",".join("x".join(map(str, s)) for s in LAYER_SHAPES) + ")")
+    mode.add_argument("--sublayers", default=",".join(SUBLAYERS), help="--layer: identity, tanh (default: both)")
+    mode.add_argument("--fused", default="both", choices=("both", "true", "false", "default"),
+                      help="MHC(..., fused=...) variants to time when MHC takes that keyword (default: both)")
+    mode.add_argument("--graph", action="store_true",
+                      help="--layer / --block: capture the PyTorch calls into a CUDA graph (default: eager calls)")
     return ap
 
 
 _BASELINE_ALIASES = {"torch": "torch", "eager": "torch", "torch.compile": "torch.compile", "compile": "torch.compile",
-                     "inductor": "torch.compile", "jax": "jax.jit", "jax.jit": "jax.jit"}
+                     "inductor": "torch.compile", "jax": "jax.jit", "jax.jit": "jax.jit",
+                     "te": "transformer_engine", "transformer_engine": "transformer_engine"}
+_MODE_BASELINES = {"ops": BASELINES, "layer": LAYER_BASELINES}
+
+
+def _shape_list(text: str, flag: str, ap, form: str = "TxCxn") -> list[tuple]:
+    """'AxBxC,...' (``form`` "TxCxn") or 'A:B:C,...' (``form`` "C:heads:ffn") -> [(A, B, C), ...]."""
+    sep = ":" if ":" in form else "x"
+    out = []
+    for item in (e.strip() for e in text.split(",") if e.strip()):
+        try:
+            vals = tuple(int(v) for v in item.lower().split(sep))
+        except ValueError:
+            vals = ()
+        if len(vals) != 3 or any(v <= 0 for v in vals):
+            ap.error(f"{flag}: expected {form} of positive integers, got {item!r}")
+        out.append(vals)
+    if not out:
+        ap.error(f"{flag}: no entries in {text!r}")
+    return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -73,32 +109,39 @@ def parse_args(argv=None) -> argparse.Namespace:
     if dt is None:
         ap.error(f"--dtype: expected bfloat16, float16 or float32, got {args.dtype!r}")
     args.dtype = dt
+    args.mode = "layer" if args.layer else "ops"
+    allowed = _MODE_BASELINES[args.mode]
     if args.no_baselines:
         args.baselines = []
+    elif args.baselines is None:
+        args.baselines = list(allowed)
     else:
         names = [b.strip() for b in args.baselines.split(",") if b.strip()]
         bad = [b for b in names if b not in _BASELINE_ALIASES]
         if bad:
-            ap.error(f"--baselines: unknown {bad}; choose from torch, torch.compile, jax.jit")
-        args.baselines = [b for b in BASELINES if b in {_BASELINE_ALIASES[x] for x in names}]
+            ap.error(f"--baselines: unknown {bad}; choose from {', '.join(allowed)}")
+        args.baselines = [b for b in allowed if b in {_BASELINE_ALIASES[x] for x in names}]
+    args.sizes_given = args.shapes is not None
+    args.layer_shapes = _shape_list(args.shapes, "--shapes", ap) if args.shapes is not None else list(LAYER_SHAPES)
+    args.sublayers = [s.strip() for s in args.sublayers.split(",") if s.strip()]
+    if not args.sublayers or any(s not in SUBLAYERS for s in args.sublayers):
+        ap.error(f"--sublayers: choose from {', '.join(SUBLAYERS)}, got {args.sublayers}")
     q = args.quick
     tokens = _ints(args.tokens or (QUICK["tokens"] if q else "4096,16384,32768"), "--tokens")
     Cs = _ints(args.C or (QUICK["C"] if q else "2560,4096,7168"), "--C")
     ns = _ints(args.n or (QUICK["n"] if q else "4"), "--n")
-    args.reps = args.reps if args.reps is not None else (QUICK["reps"] if q else 30)
-    args.warmup = args.warmup if args.warmup is not None else (QUICK["warmup"] if q else 5)
+    big = args.mode != "ops"  # layer and block calls take milliseconds: fewer samples
+    args.reps = args.reps if args.reps is not None else (QUICK["reps"] if q else 20 if big else 30)
+    args.warmup = args.warmup if args.warmup is not None else (QUICK["warmup"] if q else 3 if big else 5)
+    args.min_calls = args.min_calls if args.min_calls is not None else (4 if big else 10)
     if args.reps < 1 or args.warmup < 0 or args.min_calls < 1:
         ap.error("--reps and --min-calls must be >= 1, --warmup >= 0")
     shapes = [(T, C, n) for n in ns for T in tokens for C in Cs]
     extra = args.extra_shapes if args.extra_shapes is not None else ("" if q else DEFAULT_EXTRA)
-    for item in (e.strip() for e in extra.split(",") if e.strip()):
-        try:
-            T, C, n = (int(v) for v in item.lower().split("x"))
-        except ValueError:
-            ap.error(f"--extra-shapes: expected TxCxn, got {item!r}")
+    for T, C, n in (_shape_list(extra, "--extra-shapes", ap) if extra.strip() else []):
         if (T, C, n) not in shapes:
             shapes.append((T, C, n))
-    args.shapes = shapes
+    args.shapes = args.layer_shapes if args.mode == "layer" else shapes
     return args
 
 
@@ -111,6 +154,8 @@ def main(argv=None) -> int:
             print(f"python -m mhc_cupy.bench --merge: cannot read {e}", file=sys.stderr)
             return 2
         result = merge_results(results)
+    elif cfg.mode != "ops":
+        return _run_mode(cfg)
     else:
         why = env.gpu_problem()
         if why:
@@ -123,4 +168,26 @@ def main(argv=None) -> int:
     paths = write_outputs(result, cfg.out)
     print(format_report(result))
     print(f"\nwritten: {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def _run_mode(cfg) -> int:
+    """``--layer`` / ``--block``: run, write ``<mode>.json`` and ``<mode>.md``, print the report."""
+    from . import layer
+
+    why = env._import_status("torch") or env._torch_status()
+    if why and (not cfg.sizes_given or "not importable" in why):
+        print(f"python -m mhc_cupy.bench --{cfg.mode} needs a CUDA GPU for its default sizes: {why}.\n"
+              f"(Give {'--shapes' if cfg.mode == 'layer' else '--block-configs'} with tiny sizes to run it on the CPU "
+              f"with wall-clock timing.)", file=sys.stderr)
+        return 2
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    result = layer.run_layer(cfg)
+    text = layer.format_layer_report(result)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(result, out / f"{cfg.mode}.json")
+    (out / f"{cfg.mode}.md").write_text(text + "\n")
+    print(text)
+    print(f"\nwritten: {out / (cfg.mode + '.json')}, {out / (cfg.mode + '.md')}")
     return 0

@@ -31,6 +31,15 @@ def _torch_status() -> str | None:
     return None
 
 
+def _import_status(module: str) -> str | None:
+    """None when ``module`` imports, else why not."""
+    try:
+        __import__(module)
+    except Exception as e:  # noqa: BLE001
+        return f"{module} is not importable ({type(e).__name__}: {e})"
+    return None
+
+
 def _jax_status() -> str | None:
     try:
         import jax
@@ -96,9 +105,10 @@ def _free_gpu_memory() -> None:
     import gc
 
     gc.collect()
-    import cupy as cp
+    if gpu_problem() is None:  # the layer and block modes also run without a GPU
+        import cupy as cp
 
-    cp.get_default_memory_pool().free_all_blocks()
+        cp.get_default_memory_pool().free_all_blocks()
     if "torch" in sys.modules:
         import torch
 

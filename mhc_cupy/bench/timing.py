@@ -45,9 +45,10 @@ def _time_cupy(call, sets: int, calls: int, warmup: int, reps: int) -> dict:
     return dict(_stats(times), method="cuda graph")
 
 
-def _time_torch(prepare, sets: int, calls: int, warmup: int, reps: int) -> dict:
+def _time_torch(prepare, sets: int, calls: int, warmup: int, reps: int, graph: bool = True) -> dict:
     """GPU time of PyTorch calls.  ``prepare()`` runs on the capture stream and returns
-    ``call(k)``; calls are captured into a CUDA graph (fallback: eager calls between events)."""
+    ``call(k)``; calls are captured into a CUDA graph (fallback, or ``graph=False``: ``calls``
+    eager calls between two CUDA events, so host overhead that the GPU does not hide counts)."""
     import torch
 
     torch.cuda.synchronize()  # inputs were made by CuPy on the null stream
@@ -60,17 +61,19 @@ def _time_torch(prepare, sets: int, calls: int, warmup: int, reps: int) -> dict:
             keep.append(call(i % sets))
     s.synchronize()
     keep.clear()
-    graph, method = None, "cuda graph"
-    try:
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA calls of other threads (JAX's, say) cannot invalidate the capture
-        with torch.cuda.graph(graph, stream=s, capture_error_mode="thread_local"):
-            for i in range(calls):
-                keep.append(call(i % sets))
-    except Exception as e:  # noqa: BLE001 - any capture failure: time eagerly instead
-        graph, method = None, f"events, eager calls (graph capture failed: {type(e).__name__}: {str(e)[:120]})"
-        keep.clear()
-        torch.cuda.synchronize()
+    capture, graph, method = graph, None, "events, eager calls"
+    if capture:
+        try:
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: CUDA calls of other threads (JAX's, say) cannot invalidate the capture
+            with torch.cuda.graph(graph, stream=s, capture_error_mode="thread_local"):
+                for i in range(calls):
+                    keep.append(call(i % sets))
+            method = "cuda graph"
+        except Exception as e:  # noqa: BLE001 - any capture failure: time eagerly instead
+            graph, method = None, f"events, eager calls (graph capture failed: {type(e).__name__}: {str(e)[:120]})"
+            keep.clear()
+            torch.cuda.synchronize()
 
     def once():
         if graph is not None:
@@ -95,23 +98,30 @@ def _time_torch(prepare, sets: int, calls: int, warmup: int, reps: int) -> dict:
     return dict(_stats(times), method=method)
 
 
-def _time_jax(call, sets: int, calls: int, warmup: int, reps: int) -> dict:
-    """Wall-clock time per ``call(k)`` of a jitted JAX function (dispatch included)."""
-    import jax
-
+def _time_wall(call, sets: int, calls: int, warmup: int, reps: int, sync) -> dict:
+    """Wall-clock time per ``call(k)`` (k = input set, in turn): ``calls`` calls then
+    ``sync(last results)``, per call, median of ``reps`` (host dispatch included)."""
     keep = collections.deque(maxlen=sets)
     for i in range(max(warmup, sets)):
         keep.append(call(i % sets))
-    jax.block_until_ready(list(keep))
+    sync(list(keep))
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         for i in range(calls):
             keep.append(call(i % sets))
-        jax.block_until_ready(list(keep))
+        sync(list(keep))
         times.append((time.perf_counter() - t) * 1e3 / calls)
     keep.clear()
-    return dict(_stats(times), method="wall clock + block_until_ready")
+    return dict(_stats(times), method="wall clock")
+
+
+def _time_jax(call, sets: int, calls: int, warmup: int, reps: int) -> dict:
+    """Wall-clock time per ``call(k)`` of a jitted JAX function (dispatch included)."""
+    import jax
+
+    return dict(_time_wall(call, sets, calls, warmup, reps, jax.block_until_ready),
+                method="wall clock + block_until_ready")
 
 
 def time_ms(fn, warmup: int = 3, reps: int = 20, per_graph: int = 10) -> float:
@@ -156,6 +166,23 @@ def copy_bandwidth(nbytes: int = 2 << 30, reps: int = 20, warmup: int = 3) -> di
             "method": f"cupy.copyto eager (not in a graph), 2 x {nbytes / 2**30:g} GiB buffers, CUDA events, "
                       f"median of {reps}; bytes = read + written.  kernel_GBps: an elementwise copy kernel, "
                       f"same method"}
+
+
+def host_copy_bandwidth(nbytes: int = 64 << 20, reps: int = 5) -> dict:
+    """Host memory copy bandwidth (``numpy.copyto``, wall clock, median of ``reps``; bytes read +
+    written): the 100 % line of the layer and block modes when they run on the CPU."""
+    import numpy as np
+
+    a = np.ones(nbytes // 4, np.float32)
+    b = np.empty_like(a)
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        np.copyto(b, a)
+        times.append(time.perf_counter() - t)
+    s = statistics.median(times[1:])
+    return {"GBps": 2 * nbytes / s / 1e9, "bytes": 2 * nbytes,
+            "method": f"numpy.copyto on the host, 2 x {nbytes / 2**20:g} MiB, wall clock, median of {reps}"}
 
 
 def per_call_us(fn, sync, calls: int = 2000, warmup: int = 100, repeats: int = 5) -> float:
