@@ -592,6 +592,7 @@ def test_jnp_mhc_layer_matches_mhc_cupy_jax_and_reference(T, C, n, dtype):
 
 
 def test_parse_args_layer_and_block():
+    from mhc_cupy.bench.block import BLOCK_CONFIGS
     from mhc_cupy.bench.layer import LAYER_BASELINES, LAYER_SHAPES
 
     a = bench.parse_args(["--layer"])
@@ -602,11 +603,16 @@ def test_parse_args_layer_and_block():
                           "--graph", "--fused", "false"])
     assert a.shapes == [(3, 8, 4), (5, 7, 1)] and a.sublayers == ["tanh"] and a.sizes_given
     assert a.baselines == ["jax.jit", "transformer_engine"] and a.graph and a.fused == "false"
+    b = bench.parse_args(["--block"])
+    assert (b.mode, b.block_configs, b.batch, b.seq, b.streams) == ("block", list(BLOCK_CONFIGS), 4, 4096, 4)
+    assert b.baselines == ["torch.compile"]
+    assert bench.parse_args(["--block", "--block-configs", "64:4:128", "--no-baselines"]).block_configs == [(64, 4, 128)]
     assert bench.parse_args([]).mode == "ops" and bench.parse_args([]).min_calls == 10
 
 
-@pytest.mark.parametrize("argv", [["--layer", "--shapes", "1x2"], ["--layer", "--shapes", ""],
-                                  ["--layer", "--sublayers", "relu"], ["--layer", "--fused", "maybe"]])
+@pytest.mark.parametrize("argv", [["--layer", "--block"], ["--layer", "--shapes", "1x2"], ["--layer", "--shapes", ""],
+                                  ["--layer", "--sublayers", "relu"], ["--block", "--block-configs", "64:4"],
+                                  ["--block", "--seq", "0"], ["--layer", "--fused", "maybe"]])
 def test_parse_args_layer_block_errors(argv):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(argv)
@@ -614,7 +620,7 @@ def test_parse_args_layer_block_errors(argv):
 
 
 @pytest.mark.skipif(_gpu(), reason="a GPU is present: the default sizes would run")
-@pytest.mark.parametrize("mode", ["--layer"])
+@pytest.mark.parametrize("mode", ["--layer", "--block"])
 def test_layer_block_default_sizes_need_a_gpu(mode, tmp_path, capsys):
     pytest.importorskip("torch")
     assert bench.main([mode, "--out", str(tmp_path / "o")]) == 2
@@ -693,6 +699,48 @@ def test_evaluate_layer_targets():
     assert "| identity | 16384x4096x4 | jax.jit | 0.800 | 3.200 |" in table and "1.60x" in table
 
 
+def test_block_mhc_equals_plain_at_phi_zero():
+    """The block mode's mHC block is the plain block with each residual wrapped: with phi = 0 (the
+    coefficients are the identity-residual biases) on n copies of h, every stream is the plain output
+    (mHC takes float32 at most, so float32 here)."""
+    torch = pytest.importorskip("torch")
+    from mhc_cupy.bench.block import build_blocks
+    from mhc_cupy.layers import collapse_streams, expand_streams
+
+    torch.manual_seed(0)
+    plain, mhc = build_blocks(16, 2, 24, 4, "cpu", torch.float32, {"phi_init_std": 0.0})
+    h = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        want, got = plain(h), mhc(expand_streams(h, 4))
+    assert got.shape == (2, 5, 4, 16)
+    # float32 rounding and the Sinkhorn eps (measured ~1e-7 relative)
+    torch.testing.assert_close(collapse_streams(got), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[..., 3, :], want, rtol=1e-5, atol=1e-5)
+    assert (want - h).abs().max() > 0.1  # the sublayers do something
+    with pytest.raises(ValueError, match="multiple of heads"):
+        build_blocks(10, 3, 8, 4, "cpu", torch.float32)
+
+
+def test_block_mode_runs_tiny(tmp_path):
+    """``--block`` end to end at a tiny block (CPU: wall clock): plain and mHC timed, overhead reported."""
+    pytest.importorskip("torch")
+    out = tmp_path / "o"
+    argv = ["--block", "--block-configs", "16:2:24", "--batch", "1", "--seq", "4", "--streams", "2", "--reps", "2",
+            "--warmup", "1", "--dtype", "float32", "--no-baselines", "--out", str(out)]
+    assert bench.main(argv) == 0
+    res = json.loads((out / "block.json").read_text())
+    (row,) = res["results"]
+    assert (row["C"], row["heads"], row["ffn"], row["n"]) == (16, 2, 24, 2)
+    mhc = [k for k in row["impls"] if k.startswith("mhc")]
+    assert "plain" in row["impls"] and mhc and not any(k.endswith("compiled") for k in row["impls"])
+    for k in ["plain", *mhc]:
+        assert row["impls"][k]["us"] > 0, row["impls"][k]
+    assert row["overhead"][mhc[0]] == pytest.approx(row["impls"][mhc[0]]["us"] / row["impls"]["plain"]["us"] - 1)
+    assert row["floor_share"] > 0
+    text = (out / "block.md").read_text()
+    assert "| 16 | 2 | 24 | plain |" in text and "overhead" in text and "targets:" in text
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_layer_and_block_modes_on_gpu(tmp_path):
@@ -715,3 +763,10 @@ def test_layer_and_block_modes_on_gpu(tmp_path):
                 assert v["fwd+bwd"]["peak_bytes"] > 0
             if "max_rel_err" in v:  # bf16: one rounding of out and dx, TE's TF32 GEMM
                 assert max(v["max_rel_err"].values()) < 2e-2, (name, v["max_rel_err"])
+    out = tmp_path / "block"
+    argv = ["--block", "--block-configs", "256:4:512", "--batch", "2", "--seq", "256", "--reps", "3", "--out", str(out)]
+    assert bench.main(argv) == 0
+    row = json.loads((out / "block.json").read_text())["results"][0]
+    for k, v in row["impls"].items():
+        assert "us" in v, (k, v)
+    assert {"plain", "plain compiled"} <= set(row["impls"]) and len(row["overhead"]) >= 2

@@ -11,6 +11,7 @@ from pathlib import Path
 from . import __doc__ as _PACKAGE_DOC
 from . import cases, env
 from .report import format_report, merge_results, write_json, write_outputs
+from .block import BLOCK_BATCH, BLOCK_CONFIGS, BLOCK_N, BLOCK_SEQ
 from .layer import LAYER_BASELINES, LAYER_SHAPES, SUBLAYERS
 from .specs import BASELINES, DEFAULT_OPS, DTYPE_ALIASES, SPECS
 
@@ -61,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("--layer", action="store_true",
                      help="the whole mHC layer, fwd and fwd+bwd, against torch / torch.compile of MHCReference, "
                           "jax.jit of plain jnp and TransformerEngine (writes layer.json, layer.md)")
+    one.add_argument("--block", action="store_true",
+                     help="a pre-norm transformer block, plain residual vs mHC, fwd+bwd (writes block.json, block.md)")
     mode.add_argument("--shapes", default=None,
                       help="--layer: TxCxn shapes, comma-separated (default "
                            + ",".join("x".join(map(str, s)) for s in LAYER_SHAPES) + ")")
@@ -69,13 +72,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="MHC(..., fused=...) variants to time when MHC takes that keyword (default: both)")
     mode.add_argument("--graph", action="store_true",
                       help="--layer / --block: capture the PyTorch calls into a CUDA graph (default: eager calls)")
+    mode.add_argument("--block-configs", default=None,
+                      help="--block: C:heads:ffn, comma-separated (default "
+                           + ",".join(":".join(map(str, c)) for c in BLOCK_CONFIGS) + ")")
+    mode.add_argument("--batch", type=int, default=BLOCK_BATCH, help=f"--block: batch (default {BLOCK_BATCH})")
+    mode.add_argument("--seq", type=int, default=BLOCK_SEQ, help=f"--block: sequence length (default {BLOCK_SEQ})")
+    mode.add_argument("--streams", type=int, default=BLOCK_N, help=f"--block: mHC streams n (default {BLOCK_N})")
     return ap
 
 
 _BASELINE_ALIASES = {"torch": "torch", "eager": "torch", "torch.compile": "torch.compile", "compile": "torch.compile",
                      "inductor": "torch.compile", "jax": "jax.jit", "jax.jit": "jax.jit",
                      "te": "transformer_engine", "transformer_engine": "transformer_engine"}
-_MODE_BASELINES = {"ops": BASELINES, "layer": LAYER_BASELINES}
+_MODE_BASELINES = {"ops": BASELINES, "layer": LAYER_BASELINES, "block": ("torch.compile",)}
 
 
 def _shape_list(text: str, flag: str, ap, form: str = "TxCxn") -> list[tuple]:
@@ -109,7 +118,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if dt is None:
         ap.error(f"--dtype: expected bfloat16, float16 or float32, got {args.dtype!r}")
     args.dtype = dt
-    args.mode = "layer" if args.layer else "ops"
+    args.mode = "layer" if args.layer else "block" if args.block else "ops"
     allowed = _MODE_BASELINES[args.mode]
     if args.no_baselines:
         args.baselines = []
@@ -121,11 +130,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         if bad:
             ap.error(f"--baselines: unknown {bad}; choose from {', '.join(allowed)}")
         args.baselines = [b for b in allowed if b in {_BASELINE_ALIASES[x] for x in names}]
-    args.sizes_given = args.shapes is not None
+    args.sizes_given = args.shapes is not None or args.block_configs is not None
     args.layer_shapes = _shape_list(args.shapes, "--shapes", ap) if args.shapes is not None else list(LAYER_SHAPES)
     args.sublayers = [s.strip() for s in args.sublayers.split(",") if s.strip()]
     if not args.sublayers or any(s not in SUBLAYERS for s in args.sublayers):
         ap.error(f"--sublayers: choose from {', '.join(SUBLAYERS)}, got {args.sublayers}")
+    args.block_configs = (_shape_list(args.block_configs, "--block-configs", ap, "C:heads:ffn") if args.block_configs is not None
+                          else list(BLOCK_CONFIGS))
+    if min(args.batch, args.seq, args.streams) < 1:
+        ap.error("--batch, --seq and --streams must be >= 1")
     q = args.quick
     tokens = _ints(args.tokens or (QUICK["tokens"] if q else "4096,16384,32768"), "--tokens")
     Cs = _ints(args.C or (QUICK["C"] if q else "2560,4096,7168"), "--C")
@@ -173,7 +186,7 @@ def main(argv=None) -> int:
 
 def _run_mode(cfg) -> int:
     """``--layer`` / ``--block``: run, write ``<mode>.json`` and ``<mode>.md``, print the report."""
-    from . import layer
+    from . import block, layer
 
     why = env._import_status("torch") or env._torch_status()
     if why and (not cfg.sizes_given or "not importable" in why):
@@ -182,8 +195,12 @@ def _run_mode(cfg) -> int:
               f"with wall-clock timing.)", file=sys.stderr)
         return 2
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    result = layer.run_layer(cfg)
-    text = layer.format_layer_report(result)
+    if cfg.mode == "layer":
+        result = layer.run_layer(cfg)
+        text = layer.format_layer_report(result)
+    else:
+        result = block.run_block(cfg)
+        text = block.format_block_report(result)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(result, out / f"{cfg.mode}.json")
