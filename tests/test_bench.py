@@ -606,7 +606,8 @@ def test_parse_args_layer_and_block():
     b = bench.parse_args(["--block"])
     assert (b.mode, b.block_configs, b.batch, b.seq, b.streams) == ("block", list(BLOCK_CONFIGS), 4, 4096, 4)
     assert b.baselines == ["torch.compile"]
-    assert bench.parse_args(["--block", "--block-configs", "64:4:128", "--no-baselines"]).block_configs == [(64, 4, 128)]
+    b = bench.parse_args(["--block", "--block-configs", "64:4:128", "--no-baselines"])
+    assert b.block_configs == [(64, 4, 128)] and b.baselines == []
     assert bench.parse_args([]).mode == "ops" and bench.parse_args([]).min_calls == 10
 
 

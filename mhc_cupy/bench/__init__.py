@@ -62,7 +62,8 @@ from .inputs import make_inputs
 from .report import (BANDWIDTH_TARGET_OPS, BANDWIDTH_TARGETS, HOST_TARGET_RATIO, TARGET_DOMAIN, evaluate_targets,
                      format_host, format_report, format_table, format_targets, in_target_domain, merge_results,
                      write_json, write_outputs, write_plot)
-from .specs import BASELINES, BYTES, DEFAULT_OPS, IMPLS, SPECS, nbytes, plan_cases, rotation, shape_of, shape_str, uses_C
+from .specs import (BASELINES, BYTES, DEFAULT_OPS, IMPLS, SPECS, nbytes, plan_cases, rotation, shape_of, shape_str,
+                    uses_C)
 from .timing import copy_bandwidth, per_call_us, time_ms
 
 __all__ = [

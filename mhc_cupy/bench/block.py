@@ -215,7 +215,8 @@ def format_block_report(result: dict) -> str:
     lines = [f"# mhc_cupy.bench --block  {meta.get('date', '')}  {meta.get('device', {}).get('name', '?')}  "
              f"dtype {st.get('dtype', '?')}", "",
              f"pre-norm block, {st.get('batch')} x {st.get('seq')} tokens, mHC n = {st.get('n')}; fwd+bwd of one "
-             f"block ({timing_words(result)}, median of {st.get('reps')}); overhead = mHC time / plain time - 1; floor share = byte floor of the two mHC "
+             f"block ({timing_words(result)}, median of {st.get('reps')}); overhead = mHC time / plain time - 1; "
+             f"floor share = byte floor of the two mHC "
              f"layers at the copy bandwidth ({copy.get('GBps', 0):.0f} GB/s) / plain block time", "",
              "```", format_targets(result.get("targets") or evaluate_block_targets(result)), "```", "",
              "| C | heads | SwiGLU | impl | fwd+bwd ms | overhead | floor share |", "|---|---|---|---|---|---|---|"]

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from . import __doc__ as _PACKAGE_DOC
 from . import cases, env
-from .report import format_report, merge_results, write_json, write_outputs
 from .block import BLOCK_BATCH, BLOCK_CONFIGS, BLOCK_N, BLOCK_SEQ
 from .layer import LAYER_BASELINES, LAYER_SHAPES, SUBLAYERS
+from .report import format_report, merge_results, write_json, write_outputs
 from .specs import BASELINES, DEFAULT_OPS, DTYPE_ALIASES, SPECS
 
 QUICK = {"tokens": "32768", "C": "2560", "n": "4", "reps": 10, "warmup": 3}
@@ -105,7 +105,9 @@ def _shape_list(text: str, flag: str, ap, form: str = "TxCxn") -> list[tuple]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """Parse and resolve: adds ``shapes`` [(T, C, n)], ``ops``, ``baselines`` lists and ``argv``."""
+    """Parse and resolve: adds ``mode`` ("ops", "layer" or "block"), ``shapes`` [(T, C, n)] (the op grid,
+    or the layer shapes with --layer), ``ops``, ``baselines`` (of the mode), ``sublayers``,
+    ``block_configs`` [(C, heads, ffn)], ``sizes_given`` and ``argv``."""
     ap = build_parser()
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -135,8 +137,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.sublayers = [s.strip() for s in args.sublayers.split(",") if s.strip()]
     if not args.sublayers or any(s not in SUBLAYERS for s in args.sublayers):
         ap.error(f"--sublayers: choose from {', '.join(SUBLAYERS)}, got {args.sublayers}")
-    args.block_configs = (_shape_list(args.block_configs, "--block-configs", ap, "C:heads:ffn") if args.block_configs is not None
-                          else list(BLOCK_CONFIGS))
+    args.block_configs = (list(BLOCK_CONFIGS) if args.block_configs is None
+                          else _shape_list(args.block_configs, "--block-configs", ap, "C:heads:ffn"))
     if min(args.batch, args.seq, args.streams) < 1:
         ap.error("--batch, --seq and --streams must be >= 1")
     q = args.quick
@@ -188,7 +190,7 @@ def _run_mode(cfg) -> int:
     """``--layer`` / ``--block``: run, write ``<mode>.json`` and ``<mode>.md``, print the report."""
     from . import block, layer
 
-    why = env._import_status("torch") or env._torch_status()
+    why = env._torch_status()
     if why and (not cfg.sizes_given or "not importable" in why):
         print(f"python -m mhc_cupy.bench --{cfg.mode} needs a CUDA GPU for its default sizes: {why}.\n"
               f"(Give {'--shapes' if cfg.mode == 'layer' else '--block-configs'} with tiny sizes to run it on the CPU "

@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 
-# ------------------------------------------------------------------------ environment
+
+def _import(module: str, label: str):
+    """(the module, None) when ``module`` imports, else (None, why not)."""
+    try:
+        return importlib.import_module(module), None
+    except Exception as e:  # noqa: BLE001
+        return None, f"{label} is not importable ({type(e).__name__}: {e})"
+
+
+def _import_status(module: str) -> str | None:
+    """None when ``module`` imports, else why not."""
+    return _import(module, module)[1]
+
+
 def gpu_problem() -> str | None:
     """Why the GPU benchmarks cannot run here, or None."""
-    try:
-        import cupy
-    except Exception as e:  # noqa: BLE001
-        return f"CuPy is not importable ({type(e).__name__}: {e})"
+    cupy, why = _import("cupy", "CuPy")
+    if why:
+        return why
     try:
         if not cupy.cuda.is_available():
             return "no CUDA GPU is visible (cupy.cuda.is_available() is False)"
@@ -22,29 +35,19 @@ def gpu_problem() -> str | None:
 
 def _torch_status() -> str | None:
     """None when PyTorch with a CUDA device is usable, else why not."""
-    try:
-        import torch
-    except Exception as e:  # noqa: BLE001
-        return f"PyTorch is not importable ({type(e).__name__}: {e})"
+    torch, why = _import("torch", "PyTorch")
+    if why:
+        return why
     if not torch.cuda.is_available():
         return f"PyTorch {torch.__version__} sees no CUDA device"
     return None
 
 
-def _import_status(module: str) -> str | None:
-    """None when ``module`` imports, else why not."""
-    try:
-        __import__(module)
-    except Exception as e:  # noqa: BLE001
-        return f"{module} is not importable ({type(e).__name__}: {e})"
-    return None
-
-
 def _jax_status() -> str | None:
-    try:
-        import jax
-    except Exception as e:  # noqa: BLE001
-        return f"JAX is not importable ({type(e).__name__}: {e})"
+    """None when JAX with a GPU backend is usable, else why not."""
+    jax, why = _import("jax", "JAX")
+    if why:
+        return why
     try:
         jax.devices("gpu")
     except Exception as e:  # noqa: BLE001

@@ -116,12 +116,6 @@ def _jnp_tanh(y):
 
 
 # ------------------------------------------------------------------------- plumbing
-def _torch_dtype(dtype: str):
-    import torch
-
-    return getattr(torch, dtype)
-
-
 def torch_timer(on_gpu: bool, cfg):
     """``time(call, sets, calls) -> stats`` for PyTorch calls: CUDA events around eager calls
     (``cfg.graph``: a CUDA graph replay) on a GPU, wall clock on the CPU."""
@@ -292,7 +286,7 @@ def layer_case(sublayer_name: str, T: int, C: int, n: int, cfg, copy_GBps, l2: i
     from .baselines import jnp_mhc_layer
 
     dev = torch.device("cuda" if on_gpu else "cpu")
-    dt = _torch_dtype(cfg.dtype)
+    dt = getattr(torch, cfg.dtype)
     isz = torch.empty((), dtype=dt).element_size()
     floor = {d: layer_bytes(d, T, C, n, isz) for d in DIRS}
     R, calls = rotation(floor["fwd"], l2, cfg.min_calls)
@@ -529,7 +523,8 @@ def format_layer_table(result: dict) -> str:
                 speed.append(f"{t / tr:.2f}x" if t and tr else "-")
             errs = v.get("max_rel_err", {})
             err = " / ".join(f"{errs[k]:.1e}" if k in errs else "-" for k in ("out", "dx")) if errs else ""
-            lines.append(f"| {r['sublayer']} | {shape} | {impl} | {_fmt_ms(v.get('fwd'))} | {_fmt_ms(v.get('fwd+bwd'))} "
+            lines.append(f"| {r['sublayer']} | {shape} | {impl} | {_fmt_ms(v.get('fwd'))} "
+                         f"| {_fmt_ms(v.get('fwd+bwd'))} "
                          f"| {_fmt_frac(v.get('fwd'))} | {_fmt_frac(v.get('fwd+bwd'))} | {_fmt_mib(v.get('fwd+bwd'))} "
                          f"| {' / '.join(speed) if ref != impl else ''} | {err} |")
     return "\n".join(lines)
