@@ -700,6 +700,28 @@ def test_evaluate_layer_targets():
     assert "| identity | 16384x4096x4 | jax.jit | 0.800 | 3.200 |" in table and "1.60x" in table
 
 
+def test_layer_merge(tmp_path):
+    """``--layer --merge``: rows of later files replace the same (sublayer, shape); targets re-evaluated."""
+    def result(rows):
+        return {"schema": "mhc_cupy.bench.layer/1", "meta": {"date": "d", "argv": [], "device": {"name": "Fake GPU"},
+                                                             "settings": {"dtype": "bfloat16"}},
+                "copy": {"GBps": 4000.0}, "results": rows, "targets": [], "skipped": ["a"]}
+
+    a = result([_layer_row(16384, 4096, 4, 2.5), _layer_row(32768, 7168, 4, 7.0)])
+    b = result([_layer_row(16384, 4096, 4, 1.9)])
+    b["skipped"] = ["b"]
+    for name, r in (("a.json", a), ("b.json", b)):
+        (tmp_path / name).write_text(json.dumps(r))
+    out = tmp_path / "m"
+    assert bench.main(["--layer", "--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                       "--out", str(out)]) == 0
+    merged = json.loads((out / "layer.json").read_text())
+    assert len(merged["results"]) == 2 and merged["skipped"] == ["a", "b"] and len(merged["meta"]["merged_from"]) == 2
+    t = {x["name"]: x for x in merged["targets"]}
+    assert t["layer fwd+bwd, 16384x4096x4 <= 2 ms"]["status"] == "met"  # the later 1.9 ms row won
+    assert "| identity | 16384x4096x4 | mhc_cupy | 0.475 | 1.900 |" in (out / "layer.md").read_text()
+
+
 def test_block_mhc_equals_plain_at_phi_zero():
     """The block mode's mHC block is the plain block with each residual wrapped: with phi = 0 (the
     coefficients are the identity-residual biases) on n copies of h, every stream is the plain output

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 from . import __doc__ as _PACKAGE_DOC
-from . import cases, env
+from . import block, cases, env, layer
 from .block import BLOCK_BATCH, BLOCK_CONFIGS, BLOCK_N, BLOCK_SEQ
 from .layer import LAYER_BASELINES, LAYER_SHAPES, SUBLAYERS
-from .report import format_report, merge_results, write_json, write_outputs
+from .report import format_report, merge_results, merged_from, write_json, write_outputs
 from .specs import BASELINES, DEFAULT_OPS, DTYPE_ALIASES, SPECS
 
 QUICK = {"tokens": "32768", "C": "2560", "n": "4", "reps": 10, "warmup": 3}
@@ -168,6 +168,8 @@ def main(argv=None) -> int:
         except (OSError, json.JSONDecodeError) as e:
             print(f"python -m mhc_cupy.bench --merge: cannot read {e}", file=sys.stderr)
             return 2
+        if cfg.mode != "ops":
+            return _write_mode(cfg, merge_mode_results(results, cfg.mode))
         result = merge_results(results)
     elif cfg.mode != "ops":
         return _run_mode(cfg)
@@ -188,8 +190,6 @@ def main(argv=None) -> int:
 
 def _run_mode(cfg) -> int:
     """``--layer`` / ``--block``: run, write ``<mode>.json`` and ``<mode>.md``, print the report."""
-    from . import block, layer
-
     why = env._torch_status()
     if why and (not cfg.sizes_given or "not importable" in why):
         print(f"python -m mhc_cupy.bench --{cfg.mode} needs a CUDA GPU for its default sizes: {why}.\n"
@@ -197,12 +197,33 @@ def _run_mode(cfg) -> int:
               f"with wall-clock timing.)", file=sys.stderr)
         return 2
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    if cfg.mode == "layer":
-        result = layer.run_layer(cfg)
-        text = layer.format_layer_report(result)
-    else:
-        result = block.run_block(cfg)
-        text = block.format_block_report(result)
+    return _write_mode(cfg, layer.run_layer(cfg) if cfg.mode == "layer" else block.run_block(cfg))
+
+
+#: Per mode: the fields that name a result row (a later file's row replaces an earlier one's).
+_ROW_KEYS = {"layer": ("sublayer", "tokens", "C", "n", "dtype"),
+             "block": ("C", "heads", "ffn", "batch", "seq", "n", "dtype")}
+
+
+def merge_mode_results(results: list[dict], mode: str) -> dict:
+    """Combine saved ``layer.json`` (or ``block.json``) results: rows of later files replace rows
+    with the same shape (``_ROW_KEYS``); targets re-evaluated; ``meta.merged_from`` lists the runs."""
+    merged = json.loads(json.dumps(results[0]))
+    rows = {}
+    for res in results:
+        for r in res.get("results", []):
+            rows[tuple(r.get(k) for k in _ROW_KEYS[mode])] = r
+    merged["results"] = list(rows.values())
+    merged["skipped"] = sorted({s for res in results for s in res.get("skipped", [])})
+    merged["meta"]["merged_from"] = merged_from(results)
+    evaluate = layer.evaluate_layer_targets if mode == "layer" else block.evaluate_block_targets
+    merged["targets"] = evaluate(merged)
+    return merged
+
+
+def _write_mode(cfg, result: dict) -> int:
+    """Write ``<mode>.json`` and ``<mode>.md`` to ``cfg.out`` and print the report."""
+    text = (layer.format_layer_report if cfg.mode == "layer" else block.format_block_report)(result)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(result, out / f"{cfg.mode}.json")

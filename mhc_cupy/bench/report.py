@@ -227,6 +227,12 @@ def write_outputs(result: dict, out_dir) -> dict:
     return paths
 
 
+def merged_from(results: list[dict]) -> list[dict]:
+    """What a merged result records of each run: date, argv and copy bandwidth."""
+    return [{"date": r.get("meta", {}).get("date"), "argv": r.get("meta", {}).get("argv"),
+             "copy_GBps": (r.get("copy") or {}).get("GBps")} for r in results]
+
+
 def merge_results(results: list[dict]) -> dict:
     """Combine several bench.json results (e.g. one per --tokens value): rows of later
     files replace rows of the same (op, dir, shape, dtype); targets are re-evaluated."""
@@ -242,8 +248,7 @@ def merge_results(results: list[dict]) -> dict:
         if res.get("host_overhead_us"):
             merged["host_overhead_us"] = res["host_overhead_us"]
         merged["skipped"] = sorted(set(merged.get("skipped", [])) | set(res.get("skipped", [])))
-    merged["meta"]["merged_from"] = [{"date": r.get("meta", {}).get("date"), "argv": r.get("meta", {}).get("argv"),
-                                      "copy_GBps": (r.get("copy") or {}).get("GBps")} for r in results]
+    merged["meta"]["merged_from"] = merged_from(results)
     merged["targets"] = evaluate_targets(merged)
     return merged
 
