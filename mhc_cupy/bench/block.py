@@ -137,6 +137,7 @@ def block_case(C: int, heads: int, ffn: int, cfg, copy_GBps, on_gpu: bool, fused
 
     for label in [""] + ([" compiled"] if compile_ else []):
         for i, (suffix, kw) in enumerate(fused):
+            torch.manual_seed(0)  # the same weights for every variant and run
             try:
                 plain, mhc = build_blocks(C, heads, ffn, n, dev, dt, kw)
             except Exception as e:  # noqa: BLE001

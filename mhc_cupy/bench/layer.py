@@ -320,6 +320,7 @@ def layer_case(sublayer_name: str, T: int, C: int, n: int, cfg, copy_GBps, l2: i
         env._log(f"  {impl}: " + ", ".join(f"{d} {r['us'] / 1e3:.3f} ms" if "us" in r else f"{d} error"
                                          for d, r in rows.items()))
 
+    torch.manual_seed(0)  # the same parameters in every run
     base = None
     for suffix, kw in fused:
         layer = mt.MHC(C, n, sublayer=sub_t, device=dev, **kw)
