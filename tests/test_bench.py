@@ -530,7 +530,7 @@ def test_layer_byte_floor():
 
 
 def test_fused_options():
-    from mhc_cupy.bench.layer import fused_options
+    from mhc_cupy.bench.layer import fused_options, pin_fused
 
     def with_kw(x, fused=True):
         return x
@@ -538,10 +538,19 @@ def test_fused_options():
     def without(x):
         return x
 
-    assert fused_options(without, "both") == [("", {})]
-    assert fused_options(with_kw, "both") == [(" fused", {"fused": True}), (" unfused", {"fused": False})]
-    assert fused_options(with_kw, "false") == [(" unfused", {"fused": False})]
-    assert fused_options(with_kw, "default") == [("", {})]
+    class Layer:  # the layer decides per call: the variants pin its method
+        def fused(self, x):
+            return True
+
+    assert fused_options(without, "both") == [("", {}, None)]
+    assert fused_options(with_kw, "both") == [(" fused", {"fused": True}, None), (" unfused", {"fused": False}, None)]
+    assert fused_options(with_kw, "false") == [(" unfused", {"fused": False}, None)]
+    assert fused_options(with_kw, "default") == [("", {}, None)]
+    assert fused_options(Layer, "both") == [(" fused", {}, True), (" unfused", {}, False)]
+    assert fused_options(Layer, "default") == [("", {}, None)]
+    layer = pin_fused(Layer(), False)
+    assert layer.fused(None) is False and Layer().fused(None) is True
+    assert pin_fused(Layer(), None).fused(None) is True
 
 
 @pytest.mark.parametrize("T,C,n,dtype", [(3, 8, 4, "float32"), (1, 5, 3, "float32"), (4, 7, 1, "float32"),

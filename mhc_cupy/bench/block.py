@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from . import env
-from .layer import fused_options, layer_bytes, measure_torch, timing_words, torch_timer
+from .layer import fused_options, layer_bytes, measure_torch, pin_fused, timing_words, torch_timer
 from .report import format_targets, write_json
 from .timing import copy_bandwidth, host_copy_bandwidth
 
@@ -40,11 +40,13 @@ BLOCK_BATCH, BLOCK_SEQ, BLOCK_N = 4, 4096, 4
 BLOCK_TARGETS = {4096: 0.12, 2048: 0.20}
 
 
-def build_blocks(C: int, heads: int, ffn: int, n: int, device, dtype, mhc_kwargs=None):
+def build_blocks(C: int, heads: int, ffn: int, n: int, device, dtype, mhc_kwargs=None, fused: bool | None = None):
     """(plain block, mHC block) with the same attention and MLP weights.
 
     Both are ``torch.nn.Module``; the plain block maps ``[B, S, C] -> [B, S, C]``, the mHC
     block ``[B, S, n, C] -> [B, S, n, C]`` (its MHC coefficients float32, the rest ``dtype``).
+    ``mhc_kwargs`` go to both ``MHC`` constructors; ``fused`` pins their fused path
+    (:func:`mhc_cupy.bench.layer.pin_fused`).
     """
     import copy
 
@@ -94,8 +96,8 @@ def build_blocks(C: int, heads: int, ffn: int, n: int, device, dtype, mhc_kwargs
     class MHCBlock(nn.Module):
         def __init__(self, attn, mlp):
             super().__init__()
-            self.attn = mt.MHC(C, n, sublayer=attn, device=device, **(mhc_kwargs or {}))
-            self.mlp = mt.MHC(C, n, sublayer=mlp, device=device, **(mhc_kwargs or {}))
+            self.attn = pin_fused(mt.MHC(C, n, sublayer=attn, device=device, **(mhc_kwargs or {})), fused)
+            self.mlp = pin_fused(mt.MHC(C, n, sublayer=mlp, device=device, **(mhc_kwargs or {})), fused)
 
         def forward(self, x):
             return self.mlp(self.attn(x))
@@ -136,10 +138,10 @@ def block_case(C: int, heads: int, ffn: int, cfg, copy_GBps, on_gpu: bool, fused
         env._free_gpu_memory()
 
     for label in [""] + ([" compiled"] if compile_ else []):
-        for i, (suffix, kw) in enumerate(fused):
+        for i, (suffix, kw, pin) in enumerate(fused):
             torch.manual_seed(0)  # the same weights for every variant and run
             try:
-                plain, mhc = build_blocks(C, heads, ffn, n, dev, dt, kw)
+                plain, mhc = build_blocks(C, heads, ffn, n, dev, dt, kw, pin)
             except Exception as e:  # noqa: BLE001
                 row["impls"][f"mhc{suffix}{label}"] = env._error(e)
                 continue

@@ -5,8 +5,9 @@ inputs ``x [T, n, C]`` and upstream gradients ``g [T, n, C]`` (``R`` sets in tur
 the op mode, so that the reads come from HBM), after warm-up:
 
 * ``mhc_cupy``: ``mhc_cupy.torch.MHC(C, n, sublayer)`` (whatever the layer uses
-  inside); with ``MHC(..., fused=True)`` and ``fused=False`` as two rows when the
-  constructor has that keyword.
+  inside); as two rows, fused and unfused, when the constructor has a ``fused``
+  keyword or the layer a ``fused(x)`` method (pinned per instance), see
+  :func:`fused_options`.
 * ``torch`` / ``torch.compile``: ``mhc_cupy.layers.MHCReference`` (the same layer and
   parameters in plain torch ops), eager and ``torch.compile(dynamic=False)``.
 * ``jax mhc_cupy``: ``mhc_cupy.jax.mhc_layer``; ``jax.jit``: the same maths in plain
@@ -88,14 +89,31 @@ def layer_bytes(direction: str, T: int, C: int, n: int, itemsize: int) -> int:
     return table[direction]
 
 
-def fused_options(fn, choice: str) -> list[tuple[str, dict]]:
-    """(label suffix, keyword arguments) of each variant of ``fn`` (a layer class or function)
-    to time: ``fused=True`` and ``fused=False`` when ``fn`` takes ``fused`` and ``choice`` is
-    "both" (or one of them for "true" / "false"); else one default variant."""
-    if choice == "default" or "fused" not in inspect.signature(fn).parameters:
-        return [("", {})]
+def fused_options(fn, choice: str) -> list[tuple[str, dict, bool | None]]:
+    """(label suffix, keyword arguments, pinned ``fused``) of each variant of ``fn`` (a layer class
+    or function) to time, for ``choice`` "both" (two variants), "true", "false" or "default" (one
+    variant, as the library chooses).
+
+    * ``fn`` takes a ``fused`` keyword: the variants pass ``fused=True`` / ``fused=False``.
+    * ``fn`` is a class with a ``fused(x)`` method (the layer decides per call): the variants
+      pin it to True / False on the instance (:func:`pin_fused`).
+    * otherwise one default variant.
+    """
+    if choice == "default":
+        return [("", {}, None)]
     pick = {"both": (True, False), "true": (True,), "false": (False,)}[choice]
-    return [(" fused" if f else " unfused", {"fused": f}) for f in pick]
+    if "fused" in inspect.signature(fn).parameters:
+        return [(" fused" if f else " unfused", {"fused": f}, None) for f in pick]
+    if isinstance(fn, type) and callable(getattr(fn, "fused", None)):
+        return [(" fused" if f else " unfused", {}, f) for f in pick]
+    return [("", {}, None)]
+
+
+def pin_fused(layer, fused: bool | None):
+    """Make ``layer.fused(x)`` return ``fused`` (None: leave the library's choice); returns ``layer``."""
+    if fused is not None:
+        layer.fused = lambda x, _f=fused: _f
+    return layer
 
 
 def sublayers(name: str):
@@ -322,8 +340,8 @@ def layer_case(sublayer_name: str, T: int, C: int, n: int, cfg, copy_GBps, l2: i
 
     torch.manual_seed(0)  # the same parameters in every run
     base = None
-    for suffix, kw in fused:
-        layer = mt.MHC(C, n, sublayer=sub_t, device=dev, **kw)
+    for suffix, kw, pin in fused:
+        layer = pin_fused(mt.MHC(C, n, sublayer=sub_t, device=dev, **kw), pin)
         if base is None:
             base = layer
         else:
@@ -348,7 +366,7 @@ def layer_case(sublayer_name: str, T: int, C: int, n: int, cfg, copy_GBps, l2: i
     if "jax.jit" in baselines:
         jparams = {k: torch_to_jax(p.detach().contiguous()) for k, p in zip(("phi", "alpha", "bias"), params)}
         jxs, jgs = [torch_to_jax(x) for x in xs], [torch_to_jax(g) for g in gs]
-        for suffix, kw in fused_options(mj.mhc_layer, cfg.fused):
+        for suffix, kw, _ in fused_options(mj.mhc_layer, cfg.fused):
             rows, firsts = measure_jax(lambda p, x, _kw=kw: mj.mhc_layer(p, x, sub_j, **_kw), jparams, jxs, jgs,
                                        calls, cfg)
             record(JAX_OURS + suffix, rows, firsts)
