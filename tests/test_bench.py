@@ -1,4 +1,4 @@
-"""CPU tests of ``mhc_cupy.bench``: everything that does not need a GPU.
+"""Tests of ``mhc_cupy.bench``: on the CPU, everything that does not need a GPU.
 
 * the byte model (``nbytes``, derived from ``SPECS``) against the issue's formula, against the
   formula table of benchmarks/README.md and against the bytes of the arrays the functional API
@@ -10,7 +10,12 @@
   float32 inputs within float32 rounding (1e-4 of the scale: 20 Sinkhorn iterations and
   sums over C in float32), bf16 activations within one bf16 rounding of each activation
   output (2^-8) and float32 rounding of each coefficient output;
-* ``python -m mhc_cupy.bench`` without a GPU: a clear message and a non-zero exit.
+* ``python -m mhc_cupy.bench`` without a GPU: a clear message and a non-zero exit;
+* the layer and block modes: the layer's byte floor, the fused / unfused variants, the plain-jnp
+  layer against ``mhc_cupy.jax.mhc_layer`` and float64 ``MHCReference``, the mHC block against
+  the plain block, the targets, table and --merge on fake results, and ``--layer`` / ``--block``
+  end to end at tiny sizes (wall clock on the CPU).  One GPU test (marked) runs both modes at
+  small sizes on a GPU.
 """
 
 from __future__ import annotations
