@@ -468,6 +468,23 @@ __device__ __forceinline__ void fill16(void* dst, const T* __restrict__ row, boo
     }
 }
 
+// 8 elements row[pos .. pos + 8) of T from global memory as floats (zeros at positions >= lim).
+// VEC: one aligned vector access, all or nothing (lim and pos multiples of 8).
+template <typename T, bool VEC>
+__device__ __forceinline__ void load8(const T* __restrict__ row, int pos, int lim, float (&v)[8]) {
+    if (VEC) {
+        if (pos < lim) {
+            mhc::load_vec<T, 8>(row + pos, v);
+            return;
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = 0.f;
+    } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = pos + e < lim ? mhc::to_float<T>(row[pos + e]) : 0.f;
+    }
+}
+
 // 8 elements of T from shared memory (16-byte aligned for 16-bit T, 32 bytes for float).
 template <typename T>
 __device__ __forceinline__ void lds8(const T* p, float (&v)[8]) {
@@ -717,13 +734,14 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
     const i64 plane_r = tokens_p * K16, plane_c = (i64)Kp8 * tokens_p, plane_phi = (i64)D * K16;
 
     // shared memory: phi rows of the block, then STAGES stages of
-    // x [16][n][64] T | dH_r [3][16][K16] | dH_c [3][Kp8][16] (| g [16][n][64] TG | g_li [16][64] TG),
-    // the token rows of x and g padded by 16 bytes (no bank conflicts between tokens)
+    // x [16][n][64] T | dH_r [3][16][K16] | dH_c [3][Kp8][16], the token rows of x padded by
+    // 16 bytes (no bank conflicts between tokens).  LAYER's g and g_li are read in the
+    // epilogue straight from global memory (each once from HBM; the block's other warps
+    // find them in L1): staging them too would halve the blocks per SM.
     __nv_bfloat16* s_phi = reinterpret_cast<__nv_bfloat16*>(smem);
-    const int XR = nw * (int)sizeof(T) + 16, GR = nw * (int)sizeof(TG) + 16;  // token row bytes
+    const int XR = nw * (int)sizeof(T) + 16;  // token row bytes
     const int XB = 16 * XR, RB = 3 * 16 * K16 * 2, CB = 3 * Kp8 * 16 * 2;
-    const int GB = LAYER ? 16 * GR : 0, LB = LAYER ? 16 * 64 * (int)sizeof(TG) : 0;
-    const int SB = XB + RB + CB + GB + LB;
+    const int SB = XB + RB + CB;
     unsigned char* stages = smem + 3 * nw * K16 * 2;
 
     // phi rows of the block's positions (zero where the column is past C)
@@ -752,25 +770,6 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
         for (int c = threadIdx.x; c < 3 * Kp8 * 2; c += blockDim.x) {
             const int r = c >> 1, q = c & 1, p = r / Kp8, k = r - p * Kp8;
             cp_async16(st + XB + RB + c * 16, dH_c + p * plane_c + (i64)k * tokens_p + t0 + q * 8, true);
-        }
-        if (LAYER) {
-            constexpr int GC = 64 * (int)sizeof(TG) / 16;
-            // a null g / g_li is a zero gradient (rows filled with zeros; x stands in as the address)
-            const TG* gx = reinterpret_cast<const TG*>(x);
-            for (int c = threadIdx.x; c < 16 * n * GC; c += blockDim.x) {
-                const int r = c / GC, q = c - r * GC, u = r / n, i = r - u * n;
-                const i64 t = t0 + u;
-                const bool ok = t < t_end && g != nullptr;
-                fill16<TG, VEC>(st + XB + RB + CB + u * GR + i * 64 * (int)sizeof(TG) + q * 16,
-                                ok ? g + t * (i64)D + i * C : gx, ok, cb0 + q * (16 / (int)sizeof(TG)), C);
-            }
-            for (int c = threadIdx.x; c < 16 * GC; c += blockDim.x) {
-                const int u = c / GC, q = c - u * GC;
-                const i64 t = t0 + u;
-                const bool ok = t < t_end && g_li != nullptr;
-                fill16<TG, VEC>(st + XB + RB + CB + GB + u * 64 * (int)sizeof(TG) + q * 16,
-                                ok ? g_li + t * (i64)C : gx, ok, cb0 + q * (16 / (int)sizeof(TG)), C);
-            }
         }
     };
 
@@ -912,15 +911,19 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
 #pragma unroll
                     for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(-c, xv[e8], acc[4 * half + (e8 >> 1)][2 * h + (e8 & 1)]);
                     if (LAYER) {
-                        const unsigned char* gst = st + XB + RB + CB;
+                        const int col = cb0 + cl;
                         float gv[8];
-                        lds8<TG>(reinterpret_cast<const TG*>(gst + GB) + u * 64 + cl, gv);
+                        if (g_li != nullptr) {
+                            load8<TG, VEC>(g_li + t * (i64)C, col, C, gv);
 #pragma unroll
-                        for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(hp, gv[e8], o[e8]);
-                        for (int j = 0; j < n; ++j) {
-                            lds8<TG>(reinterpret_cast<const TG*>(gst + u * GR) + j * 64 + cl, gv);
+                            for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(hp, gv[e8], o[e8]);
+                        }
+                        if (g != nullptr) {
+                            for (int j = 0; j < n; ++j) {
+                                load8<TG, VEC>(g + t * (i64)D + j * C, col, C, gv);
 #pragma unroll
-                            for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(hr[j], gv[e8], o[e8]);
+                                for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(hr[j], gv[e8], o[e8]);
+                            }
                         }
                     }
                     T* out = dx + t * (i64)D + warp * C;

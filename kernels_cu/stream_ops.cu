@@ -296,3 +296,39 @@ __global__ void mhc_column_sum_kernel(const float* __restrict__ part, float* __r
         out[c] = tot;
     }
 }
+
+// The same sum for narrow matrices (cols <= 32, many rows: per-token terms summed over
+// tokens): one block, thread l on column c = l % cols, rows j, j + J, ... (j = l / cols,
+// J = blockDim.x / cols) into 8 interleaved accumulators added in order; then warp c adds
+// column c's J partials (lane-strided, fixed butterfly).  The order depends only on
+// rows, cols and blockDim.  blockDim = (1024, 1, 1), one block.
+__global__ void mhc_column_sum_narrow_kernel(const float* __restrict__ part, float* __restrict__ out, i64 rows,
+                                             int cols) {
+    __shared__ float s[1024];
+    const int l = threadIdx.x, J = blockDim.x / cols, c = l % cols, j = l / cols;
+    float acc[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+    if (j < J) {
+        i64 r = j;
+        for (; r + 7 * (i64)J < rows; r += 8 * (i64)J) {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) acc[k] += part[(r + k * (i64)J) * cols + c];
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k)
+            if (r + k * (i64)J < rows) acc[k] += part[(r + k * (i64)J) * cols + c];
+    }
+    float v = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v += acc[k];
+    s[l] = v;
+    __syncthreads();
+    const int warp = l >> 5, lane = l & 31;
+    if (warp < cols) {
+        float t = 0.f;
+        for (int jj = lane; jj < J; jj += 32) t += s[jj * cols + warp];
+        t = mhc::warp_sum(t);
+        if (lane == 0) out[warp] = t;
+    }
+}

@@ -318,12 +318,14 @@ def check_args(name_expression: str, args) -> None:
     every scalar as a NumPy scalar of its C type (:data:`SCALAR_TYPES`), so that no
     scalar's width is guessed (a bare int would reach the kernel as 8 bytes).
 
+    0 is a null pointer too (an empty buffer has address 0).
+
     Raises:
-        TypeError: a bool, float, other type, or an int below 65536 (a bare scalar).
+        TypeError: a bool, float, other type, or a nonzero int below 65536 (a bare scalar).
     """
     for i, a in enumerate(args):
         t = type(a)
-        if (a is not None and t not in SCALAR_TYPES) and (t is not int or a < _LOWEST_POINTER):
+        if (a is not None and t not in SCALAR_TYPES) and (t is not int or (a < _LOWEST_POINTER and a != 0)):
             raise TypeError(
                 f"argument {i} of kernel {name_expression} is {a!r} ({t.__name__}): pass device pointers as "
                 "Python ints, null pointers as None and scalars as np.int32 / np.int64 / np.uint32 / np.uint64 / "

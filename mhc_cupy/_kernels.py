@@ -81,6 +81,9 @@ def _coeffs_cases(x, h, M, n: int, C: int, ptr: int):
         (coeffs._plan_fwd, cx, {"eps": 1e-5}),
         (coeffs._plan_bwd, {"grad_h_pre_raw": h, "grad_h_post_raw": h, "grad_h_res_raw": M, **cx}, {"eps": 1e-5}),
         (coeffs._plan_bwd, {**none, **cx}, {"eps": 1e-5}),
+        # many tokens: the narrow column sums over tokens (dalpha, dbias)
+        (coeffs._plan_bwd, {"grad_h_pre_raw": _info((300, n), "float32", ptr), "grad_h_post_raw": None,
+                            "grad_h_res_raw": None, **cx, "x": _info((300, n, C), x.dtype, ptr)}, {"eps": 1e-5}),
     ]
 
 

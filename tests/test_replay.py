@@ -177,7 +177,7 @@ def test_replay_ensures_shared_memory(driver_calls, monkeypatch):
 
 # --------------------------------------------------------------------------- launch arguments
 
-@pytest.mark.parametrize("bad", [3, 0, -1, 65535, 2.5, True, np.float64(1.0), np.int16(2), "7", [BASE]])
+@pytest.mark.parametrize("bad", [3, 1, -1, 65535, 2.5, True, np.float64(1.0), np.int16(2), "7", [BASE]])
 def test_launch_refuses_scalars_without_an_explicit_width(bad):
     """A bare int used to reach the kernel as 8 bytes whatever its parameter's type."""
     from mhc_cupy import _jit
@@ -191,7 +191,8 @@ def test_launch_refuses_scalars_without_an_explicit_width(bad):
 def test_launch_accepts_pointers_none_and_numpy_scalars():
     from mhc_cupy import _jit
 
-    args = (BASE, None, np.int32(-1), np.uint32(2), np.int64(3), np.uint64(4), np.float32(0.5))
+    # 0 is a null pointer: the address of an empty buffer (a zero-token scratch on the GPU)
+    args = (BASE, None, 0, np.int32(-1), np.uint32(2), np.int64(3), np.uint64(4), np.float32(0.5))
     with _jit.dry_run() as launches:
         _jit.launch("stream_ops.cu", "k<float, 4>", (1, 1, 1), (32, 1, 1), args, 0, shared_mem=64)
     assert launches == [("stream_ops.cu", "k<float,4>", (1, 1, 1), (32, 1, 1), args, 64)]

@@ -228,12 +228,10 @@ class MmaBwd(NamedTuple):
             out.append(("dphi_part", ((self.splits, D, self.K), "float32")))
         return out
 
-    def smem(self, dt: str, tg: str, layer: bool) -> int:
+    def smem(self, dt: str) -> int:
         """Dynamic shared memory bytes (the kernel's layout, kernels_cu/coeffs.cu)."""
         nw, K16, Kp8 = 64 * self.n, self.K16, self.Kp8
         stage = 16 * (nw * ITEMSIZE[dt] + 16) + 3 * 16 * K16 * 2 + 3 * Kp8 * 32
-        if layer:
-            stage += 16 * (nw * ITEMSIZE[tg] + 16) + 16 * 64 * ITEMSIZE[tg]
         return 3 * nw * K16 * 2 + _MMA_BWD_STAGES * stage
 
 
@@ -261,7 +259,7 @@ def launch_mma_bwd(b: MmaBwd, dt: str, x, phi, dH, KP: int, dx, dphi, sc: dict, 
            (_cdiv(b.C, 64), b.splits, 1), (32 * b.n, 1, 1),
            (x, sc["phi_r"], sc["dH_r"], sc["dH_c"], dH, g, g_li, H_pre, H_res, dx, out, i64(b.tokens),
             i64(b.tokens_p), i32(b.n), i32(b.C), i32(b.K), i32(KP), i64(b.t_split)),
-           stream, b.smem(dt, tg, layer))
+           stream, b.smem(dt))
     if b.splits > 1:
         column_sum(out, dphi, b.splits, D * b.K, stream)
 
