@@ -292,14 +292,14 @@ def test_rmsnorm_huge_rows(rng, dt, C, scale, weighted):
 
 @pytest.mark.parametrize("dt", ["bfloat16", "float32"])
 @pytest.mark.parametrize("T,C", [(1, 4096), (3, 4096), (1000, 64)])
-@pytest.mark.parametrize("scale", [1e18, 1e19, 1e20, 1e36])
+@pytest.mark.parametrize("scale", [5e17, 1e19, 1e20, 1e36])
 def test_coeffs_huge_tokens(rng, dt, T, C, scale):
-    """n = 4.  C = 4096 (T = 1, 3) splits D over blocks (the finish kernel sums
-    the ranges); T = 1000, C = 64 finishes in the GEMM kernel.  The backward is
-    checked where its c term (~ sqrt(K) / (n C |x|^2), a float32 of its own)
-    stays above 1e-40: beyond that it is a float32 denormal."""
-    from mhc_cupy.ops import coeffs
-
+    """n = 4; the forward sums squares per D range (64 ranges of 256 at C = 4096,
+    2 of 128 at C = 64).  5e17 at C = 4096: every range finite, the total
+    overflows; 1e19 and up: the ranges themselves overflow (summed again,
+    scaled, in the forward kernel).  The backward is checked where its c term
+    (~ sqrt(K) / (n C |x|^2), a float32 of its own) stays above 1e-40: beyond
+    that it is a float32 denormal."""
     from .test_coeffs_gpu import _case, _check_bwd, _run
 
     n = 4
@@ -314,4 +314,34 @@ def test_coeffs_huge_tokens(rng, dt, T, C, scale):
         assert_close(a, b, 1e-4, name)
     if np.sqrt(K) / (D * scale**2) > 1e-40:
         _check_bwd(got, R.mhc_coeffs_bwd(*g, x, phi, alpha, bias), g, x, phi, alpha, dt)
-    assert (coeffs.gemm_layout(T, D, K)[3] > 1) == (C == 4096), "no longer covers both forward finishing paths"
+
+
+@pytest.mark.parametrize("scale", [5e17, 1e20])
+def test_layer_pre_huge_tokens(rng, scale):
+    """The fused layer's saved sums (stats) carry an overflowed sum of squares to
+    its backward (negative: minus the scaled sum); forward and the coefficient
+    gradients dphi, dalpha against the float64 reference."""
+    from .test_coeffs_gpu import _case
+
+    if not hasattr(m, "mhc_layer_pre_fwd"):
+        pytest.skip("no fused layer op")
+    n, T, C = 4, 3, 4096
+    x, phi, alpha, bias, _ = _case(rng, T, n, C, "bfloat16")
+    x = (f64(x) * scale).astype(x.dtype)
+    with poisoned_allocations():
+        got = m.mhc_layer_pre_fwd(to_gpu(x), to_gpu(phi), to_gpu(alpha), to_gpu(bias))
+    ref = R.mhc_layer_pre_fwd(x, phi, alpha, bias)
+    assert_close(got[0], ref[0], ACT_TOL["bfloat16"], "layer_in")
+    for a, b, name in zip(got[1:4], ref[1:4], ("H_pre", "H_post", "H_res")):
+        assert_close(a, b, 1e-3, name)
+    q = f64(to_host(got[4]))[..., -1]
+    assert np.all(np.isfinite(q) & (q < 0)), f"an overflowed sum of squares is saved as minus the scaled sum: {q}"
+    gli = rounded(rng, (T, C), "bfloat16")
+    gH_res = _coef(rng, (T, n, n))
+    with poisoned_allocations():
+        bwd = m.mhc_layer_pre_bwd(to_gpu(gli), None, None, to_gpu(gH_res), to_gpu(x), to_gpu(phi), to_gpu(alpha),
+                                  to_gpu(bias), got[4], got[1], got[3])
+    rbwd = R.mhc_layer_pre_bwd(gli, None, None, gH_res, x, phi, alpha, bias, ref[4], ref[1], ref[3])
+    # dphi = sum_t x~^T dH and dalpha ~ g H~ / r: O(1) although x is huge (r is right)
+    assert_close(bwd[1], rbwd[1], 1e-3, "dphi")
+    assert_close(bwd[2], rbwd[2], 1e-3, "dalpha")
