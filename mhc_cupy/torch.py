@@ -34,6 +34,12 @@ tensors there (zero copy).  CPU tensors run the NumPy reference
 (``mhc_cupy.reference``) and return CPU tensors.  Backward is deterministic
 (no atomics).
 
+Gradients are first order only: the backward is not itself differentiable,
+so a second-order gradient through any of these ops (``create_graph=True``,
+then a backward through the result) raises ``RuntimeError`` ("trying to
+differentiate twice a function that was marked with @once_differentiable"
+eagerly; under ``torch.compile`` the custom op's missing double backward).
+
 This module imports torch as a plain ``import torch``: it *is* the submodule
 ``mhc_cupy.torch`` (STYLE.md: ``mhc_cupy/__init__.py`` must not import torch).
 """
@@ -161,9 +167,12 @@ def _function(name: str, forward, setup_context, backward):
         setup_context(ctx, args, out)
         return out
 
+    # The backward runs the functional API on raw pointers: it records no graph,
+    # so a second-order gradient through it would silently treat it as a
+    # constant.  once_differentiable makes double backward raise instead.
     return type(name, (torch.autograd.Function,), {
         "forward": staticmethod(fwd),
-        "backward": staticmethod(backward),
+        "backward": staticmethod(torch.autograd.function.once_differentiable(backward)),
     })
 
 

@@ -426,3 +426,13 @@ def test_demo_text_file(tmp_path):
     assert summary["corpus_bytes"] == 45 * 400 and summary["config"]["streams"] == 2
     assert math.isfinite(summary["mhc"]["final_eval_loss"])
     assert (tmp_path / "o" / "summary.json").exists()
+
+
+def test_double_backward_raises():
+    """Second-order gradients through the layer raise (the eager backward records no graph)."""
+    torch.manual_seed(0)
+    layer = MHC(8, n_streams=4, sublayer=torch.nn.Linear(8, 8))
+    x = torch.randn(3, 4, 8, requires_grad=True)
+    (g,) = torch.autograd.grad((layer(x) ** 2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()

@@ -600,3 +600,35 @@ def test_import_order(first):
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+# ------------------------------------------------------------------ second order
+def _double_backward(outs, args):
+    """First-order gradients with create_graph=True, then a backward through them."""
+    loss = sum((o.float() ** 2).sum() for o in as_tuple(outs)) + sum((a.float() ** 3).sum() for a in args)
+    grads = torch.autograd.grad(loss, args, create_graph=True)
+    sum(g.float().sum() for g in grads).backward()
+
+
+@pytest.mark.parametrize("op", OPS + ["rmsnorm_no_weight", "mhc_coeffs"])
+def test_double_backward_raises(rng, op):
+    """The eager backward runs on raw pointers (no graph): a second-order
+    gradient through it must raise, never silently treat it as a constant."""
+    if op == "mhc_coeffs":
+        n, C = 4, 7
+        args = [tensor(rng, (3, n, C)), tensor(rng, (n * C, n * n + 2 * n), scale=0.1), tensor(rng, (3,)),
+                tensor(rng, (n * n + 2 * n,))]
+        outs = mt.mhc_coeffs(*args)
+    else:
+        c = case(op.replace("_no_weight", ""), rng, (3,), 4, 7, weight=op == "rmsnorm")
+        args, outs = c["args"], call(c)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        _double_backward(outs, args)
+
+
+def test_double_backward_raises_issue_repro(rng):
+    x = tensor(rng, (3, 4, 7))
+    M = tensor(rng, (3, 4, 4), grad=False)
+    (g,) = torch.autograd.grad((mt.stream_mix(x, M) ** 2).sum() + (x**3).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()
