@@ -110,17 +110,20 @@ def _use_custom_op(*tensors) -> bool:
     if _is_compiling():
         return True
     for t in tensors:
-        if t is not None and type(t) not in _PLAIN:
+        if t is not None and type(t) not in _PLAIN and isinstance(t, Tensor):
             return True
-    return False
+    return False  # non-tensors (a list, None for a tensor) go on to the functional API, which names them
 
 
 def _needs_autograd(*tensors) -> bool:
     if not torch.is_grad_enabled():
         return False
-    for t in tensors:
-        if t is not None and t.requires_grad:
-            return True
+    try:
+        for t in tensors:
+            if t is not None and t.requires_grad:
+                return True
+    except AttributeError:  # not a tensor: the functional API raises a TypeError naming it
+        return False
     return False
 
 

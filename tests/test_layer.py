@@ -436,3 +436,25 @@ def test_double_backward_raises():
     (g,) = torch.autograd.grad((layer(x) ** 2).sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         g.sum().backward()
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(dim=4096, n_streams=33, num_iters=-1, eps=-1.0), ValueError, "n_streams must be in 1..32, got 33"),
+    (dict(dim=64, n_streams=0), ValueError, "n_streams must be in 1..32"),
+    (dict(dim=0), ValueError, "dim must be >= 1"),
+    (dict(dim=64.0), TypeError, "dim must be an int"),
+    (dict(dim=64, num_iters=-1), ValueError, "num_iters must be in 0..10000"),
+    (dict(dim=64, num_iters=2**31), ValueError, "num_iters must be in 0..10000"),
+    (dict(dim=64, num_iters=True), TypeError, "num_iters must be an int"),
+    (dict(dim=64, eps=-1.0), ValueError, "eps must be finite and >= 0"),
+    (dict(dim=64, rms_eps="1e-5"), TypeError, "rms_eps must be a float"),
+    (dict(dim=64, grad_mode="exact"), ValueError, "grad_mode must be"),
+])
+def test_constructor_validates_before_allocating(monkeypatch, kw, exc, match):
+    """Bad settings raise in MHC(...) before phi is allocated, not at the first forward."""
+    def no_alloc(*a, **k):
+        raise AssertionError("allocated before validating")
+
+    monkeypatch.setattr(torch, "empty", no_alloc)
+    with pytest.raises(exc, match=match):
+        MHC(**kw)
