@@ -661,3 +661,22 @@ def test_functional_bf16_dlpack_producer_on_cpu(rng):
     assert isinstance(out, np.ndarray) and out.dtype == ml_dtypes.bfloat16
     want = mhc_cupy.rmsnorm_fwd(x.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
     np.testing.assert_array_equal(out.view(np.int16), want.view(np.int16))
+
+
+def test_sinkhorn_logit_scale_1000_and_eps_0_as_documented(rng):
+    """OPS.md section 1, edge cases: at logit scale ~1000 a column that is no row's maximum
+    stays 0 (finite, not doubly stochastic, ~zero gradient); eps = 0 then gives NaN."""
+    L = np.array([[0.0, 1000.0, -500.0], [900.0, 0.0, -1000.0], [0.0, 950.0, 10.0]])[None]  # maxima: 1, 0, 1
+    P = R.sinkhorn_knopp_fwd(L)
+    assert np.isfinite(P).all()
+    np.testing.assert_array_equal(P[0, :, 2], 0.0)  # column 2 holds no row maximum
+    np.testing.assert_allclose(P.sum(-2)[0], [1.0, 1.0, 0.0], atol=1e-7)
+    np.testing.assert_allclose(P[0, [0, 2], 1], [0.5, 0.5], atol=1e-7)  # two rows share column 1: 1/2 each
+    G = rng.standard_normal(L.shape)
+    for mode in ("unrolled", "implicit"):
+        np.testing.assert_allclose(R.sinkhorn_knopp_bwd(G, L, grad_mode=mode), 0.0, atol=1e-6)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        assert np.isnan(R.sinkhorn_knopp_fwd(L, eps=0.0)).all()
+        L0 = rng.standard_normal((2, 4, 4))
+        np.testing.assert_allclose(R.sinkhorn_knopp_fwd(L0, eps=0.0).sum(-2), 1.0, atol=1e-12)
+        assert np.isnan(R.rmsnorm_fwd(np.zeros((1, 4)), eps=0.0)).all()
