@@ -64,9 +64,13 @@ import ctypes
 import functools
 from dataclasses import dataclass
 
-import jax as _jax
-import jax.numpy as _jnp
 import numpy as np
+
+from ._deps import require
+
+require("jax", "jax", "mhc_cupy.jax")  # missing: an ImportError naming the extra
+import jax as _jax  # noqa: E402
+import jax.numpy as _jnp  # noqa: E402
 
 from . import _checks, _interop
 from ._interop import ArrayInfo

@@ -46,10 +46,13 @@ This module imports torch as a plain ``import torch``: it *is* the submodule
 
 from typing import Optional
 
-import torch
-from torch import Tensor
+from ._deps import require
 
-from . import _checks
+require("torch", "torch", "mhc_cupy.torch")  # missing: an ImportError naming the extra
+import torch  # noqa: E402
+from torch import Tensor  # noqa: E402
+
+from . import _checks  # noqa: E402
 from ._interop import ArrayInfo
 from .ops import coeffs as _coeffs
 from .ops import post as _post

@@ -458,3 +458,18 @@ def test_constructor_validates_before_allocating(monkeypatch, kw, exc, match):
     monkeypatch.setattr(torch, "empty", no_alloc)
     with pytest.raises(exc, match=match):
         MHC(**kw)
+
+
+def test_demo_plot_labels_the_running_mean(tmp_path, monkeypatch):
+    """The loss plot's train curve is a running mean: its legend says over how many steps."""
+    import matplotlib.pyplot as plt
+
+    from mhc_cupy import demo
+
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    steps = list(range(1, 201))
+    hist = {"step": steps, "train_loss": [5.0 - s / 100 for s in steps], "eval_step": [0, 200], "eval_loss": [5.0, 3.0]}
+    demo.plot({"mhc": hist}, str(tmp_path / "p.png"), "t")
+    labels = [t.get_text() for t in figs[0].axes[0].get_legend().get_texts()]
+    assert labels == ["mhc train (running mean of 4 steps)", "mhc held-out"]
