@@ -4,6 +4,7 @@
 # the notebooks; prints a summary at the end.
 # Usage (repo root, on a CUDA machine):  bash scripts/gpu_check.sh [OUT_DIR]
 # Knobs: GPU_CHECK_PYTEST_ARGS (default: -q tests; two -q hide the count line), GPU_CHECK_BENCH_ARGS,
+# GPU_CHECK_BENCH_LAYER_ARGS, GPU_CHECK_BENCH_BLOCK_ARGS (the --layer / --block runs),
 # GPU_CHECK_DEMO_ARGS (default: --baseline), GPU_CHECK_WORKERS (pytest-xdist),
 # GPU_CHECK_STEPS (names of the steps to run), GPU_CHECK_NOTEBOOKS, GPU_CHECK_STEP_TIMEOUT (s).
 # Runs from the checkout (PYTHONPATH), no install needed.  Exit status is
@@ -18,7 +19,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX must not take 75% of the GPU i
 PY=${PYTHON:-python3}
 declare -A status
 
-STEPS=" ${GPU_CHECK_STEPS:-info warmup tests memcheck racecheck synccheck demo bench notebooks} "
+STEPS=" ${GPU_CHECK_STEPS:-info warmup tests memcheck racecheck synccheck demo bench bench_layer bench_block notebooks} "
 step() {  # step NAME COMMAND...   (skipped unless NAME is in GPU_CHECK_STEPS)
     local name=$1; shift
     case "$STEPS" in *" $name "*) ;; *) return 0 ;; esac
@@ -44,12 +45,14 @@ else
 fi
 step demo $PY -m mhc_cupy.demo ${GPU_CHECK_DEMO_ARGS:---baseline} --out "$OUT/demo"
 step bench $PY -m mhc_cupy.bench ${GPU_CHECK_BENCH_ARGS:-} --out "$OUT/bench"
+step bench_layer $PY -m mhc_cupy.bench --layer ${GPU_CHECK_BENCH_LAYER_ARGS:-} --out "$OUT/bench"
+step bench_block $PY -m mhc_cupy.bench --block ${GPU_CHECK_BENCH_BLOCK_ARGS:-} --out "$OUT/bench"
 step notebooks $PY scripts/run_notebooks.py ${GPU_CHECK_NOTEBOOKS:-notebooks/*.ipynb}
 
 echo
 echo "================ gpu_check summary ================"
 rc=0
-for k in info warmup tests memcheck racecheck synccheck sanitizer bench demo notebooks; do
+for k in info warmup tests memcheck racecheck synccheck sanitizer bench bench_layer bench_block demo notebooks; do
     [ -n "${status[$k]:-}" ] || continue
     echo "$k: ${status[$k]}"
     case "${status[$k]}" in rc=0*) ;; *) rc=1 ;; esac
