@@ -356,6 +356,9 @@ def mhc_coeffs_fwd(x, phi, alpha, bias, eps=1e-5):
         Zero tokens return empty outputs and launch nothing.  One or two
         launches on the caller's current stream; the backward recomputes
         everything from x (nothing but the inputs needs saving).
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_coeffs`` for gradients.
     """
     return run(_plan_fwd, {"x": x, "phi": phi, "alpha": alpha, "bias": bias}, eps=eps)
 
@@ -383,6 +386,9 @@ def mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alph
         Sums over tokens (dphi, dalpha, dbias) are per-block partials added in
         a fixed order: bitwise reproducible, no atomics.  Zero tokens give an
         empty dx and zero parameter gradients.
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_coeffs`` for gradients.
     """
     return run(_plan_bwd, {"grad_h_pre_raw": grad_h_pre_raw, "grad_h_post_raw": grad_h_post_raw,
                            "grad_h_res_raw": grad_h_res_raw, "x": x, "phi": phi, "alpha": alpha, "bias": bias},

@@ -86,6 +86,9 @@ def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=20, eps=1e-8, rms_eps=1e-5)
 
     Raises:
         TypeError / ValueError: as mhc_coeffs_fwd and mhc_pre_op_fwd.
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_layer_pre`` for gradients.
     """
     return run(_plan_pre_fwd, {"x": x, "phi": phi, "alpha": alpha, "bias": bias}, num_iters=num_iters, eps=eps,
                rms_eps=rms_eps)
@@ -120,6 +123,9 @@ def mhc_layer_post_bwd(grad, layer_out, x, H_post, H_res):
 
     Returns:
         (d_layer_out [..., C] dtype of x, dH_post float32 [..., n], dH_res float32 [..., n, n]).
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_layer_post`` for gradients.
     """
     return run(_plan_post_bwd, {"grad": grad, "layer_out": layer_out, "x": x, "H_post": H_post, "H_res": H_res})
 
@@ -215,6 +221,9 @@ def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, 
 
     Raises:
         TypeError / ValueError: bad dtypes or shapes; on the GPU, n > 4 (use the unfused ops).
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_layer_pre`` for gradients.
     """
     return run(_plan_pre_bwd, {"grad_layer_in": grad_layer_in, "grad_out": grad_out, "grad_H_post": grad_H_post,
                                "grad_H_res": grad_H_res, "x": x, "phi": phi, "alpha": alpha, "bias": bias,

@@ -126,6 +126,9 @@ def rmsnorm_fwd(x, eps=1e-5, weight=None):
 
     Raises:
         TypeError: bad dtypes.  ValueError: weight shape, devices, eps.
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.rmsnorm`` for gradients.
     """
     return run(_plan_fwd, {"x": x, "weight": weight}, eps=eps)
 
@@ -147,5 +150,8 @@ def rmsnorm_bwd(grad, x, eps=1e-5, weight=None):
 
     Raises:
         TypeError / ValueError: as the forward; grad shape differs from x.
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.rmsnorm`` for gradients.
     """
     return run(_plan_bwd, {"grad": grad, "x": x, "weight": weight}, eps=eps)
