@@ -131,6 +131,17 @@ class FakeSetter:
         return DynamicSharedLimit(self, self.initial)
 
 
+def _in_threads(worker, n):
+    """Run worker(0) ... worker(n - 1), each in its own thread, and wait for all."""
+    import threading
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def test_shared_limit_only_grows():
     """Weighted rmsnorm_bwd at C 20000, 16384, 20000 (bf16: C * 4 bytes): the third
     launch must still be allowed (the attribute was lowered to 64 KiB before)."""
@@ -149,7 +160,6 @@ def test_shared_limit_only_grows():
 
 def test_shared_limit_threads():
     import random
-    import threading
 
     setter = FakeSetter(delay=0.001)
     limit = setter.limit()
@@ -162,11 +172,7 @@ def test_shared_limit_threads():
             if not setter.allows(0xC, s):
                 refused.append(s)
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _in_threads(worker, 8)
     assert not refused and setter.overlaps == 0
     values = [s for _, s in setter.calls]
     assert values == sorted(set(values)) and values[-1] == max(sizes)
@@ -229,8 +235,6 @@ def test_shared_limit_threads_like_the_gpu_test():
     """tests/gpu/test_replay_gpu.py::test_shared_memory_sizes_from_many_threads on fake
     functions: eight threads, C 12288 ... 19456 in rotated orders, three rounds, kernels with
     256 bytes of static shared memory (one kernel up to C 14336, another above)."""
-    import threading
-
     setter = FakeSetter(delay=0.0005, static=256)
     limit = setter.limit()
     sizes = [12288 + 1024 * k for k in range(8)]
@@ -243,11 +247,7 @@ def test_shared_limit_threads_like_the_gpu_test():
             if not setter.allows(fn, C * 4):
                 refused.append((k, C))
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _in_threads(worker, 8)
     assert not refused and setter.overlaps == 0
     for fn in (0xA, 0xB):
         values = [s for f, s in setter.calls if f == fn]
@@ -283,12 +283,8 @@ def test_initial_dynamic_shared_reads_the_function(monkeypatch):
 # --------------------------------------------------------------------------- CUDA context per thread
 
 def _in_a_new_thread(fn):
-    import threading
-
     box = []
-    t = threading.Thread(target=lambda: box.append(fn()))
-    t.start()
-    t.join()
+    _in_threads(lambda k: box.append(fn()), 1)
     return box[0]
 
 
