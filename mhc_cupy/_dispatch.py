@@ -189,6 +189,7 @@ def _run_fast(entry: _Entry, in_ptrs: list, like, arrays: dict):
         out_ptrs = [ptr(o) for o in outs]
         all_ptrs = in_ptrs + out_ptrs + [ptr(s) for s in scratch]
         if entry.replay is not None and _replay.aligned(all_ptrs):
+            _replay.ensure_context(dev)
             entry.replay.launch(all_ptrs, fe.stream(dev))
         else:
             names = iter(in_ptrs)

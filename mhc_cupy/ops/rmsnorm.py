@@ -12,7 +12,11 @@ _FILE = "rmsnorm.cu"
 #: Blocks of the weighted backward: each sums dw over a contiguous range of
 #: rows; fixed (independent of the device) so results are reproducible anywhere.
 _BWD_BLOCKS = 1024
+#: Shared memory a block may use on an H100 / H200 (static and dynamic together); the
+#: weighted backward kernels take C floats of dynamic shared memory on top of their
+#: static ``red[2 * 32]`` floats.
 _MAX_SMEM = 227 * 1024
+_BWD_STATIC_SMEM = 2 * 32 * 4
 #: Register-cached kernels: the vectors per thread K tried, smallest first,
 #: and the largest block taken, per direction.  Measured on an H200 (bf16,
 #: rows of 4096 / 10240 / 16384 / 28672): the forward was fastest with K >= 2
@@ -64,8 +68,9 @@ def _check(infos, eps, with_grad: bool):
     if w is not None:
         _checks.coefficient("weight", w)
         _checks.expect_shape("weight", w.shape, (C,), "one weight per element of the last dim of x")
-        if with_grad and C * 4 > _MAX_SMEM:
-            raise ValueError(f"rmsnorm_bwd with a weight supports C <= {_MAX_SMEM // 4}; x has C = {C}")
+        if with_grad and C * 4 + _BWD_STATIC_SMEM > _MAX_SMEM:
+            raise ValueError(f"rmsnorm_bwd with a weight supports C <= {(_MAX_SMEM - _BWD_STATIC_SMEM) // 4}; "
+                             f"x has C = {C}")
     return dt, tg, C, tokens_of(x.shape[:-1]), _checks.eps("eps", eps)
 
 
