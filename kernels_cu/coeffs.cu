@@ -798,6 +798,18 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
         const __nv_bfloat16* dhr = reinterpret_cast<const __nv_bfloat16*>(st + XB);
         const __nv_bfloat16* dhc = reinterpret_cast<const __nv_bfloat16*>(st + XB + RB);
         const i64 t0 = t_begin + step * 16;
+        // Per-token scalars of this thread's two dx rows (tokens g8, g8 + 8), loaded now so their
+        // latency hides behind the MMAs: c, and with LAYER H_pre[t, i] and H_res[t, :, i].
+        float cs[2], hp[2], hr[2][4];  // n <= 4 here (K <= 32)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const i64 t = t0 + g8 + 8 * h;
+            const bool ok = t < t_end;
+            cs[h] = ok ? dH[t * KP + K] : 0.f;
+            hp[h] = (LAYER && ok) ? H_pre[t * n + warp] : 0.f;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) hr[h][j] = (LAYER && ok && j < n) ? H_res[(t * n + j) * n + warp] : 0.f;
+        }
 
         // ---- dphi += x^T dH.  A row g of m tile m: column 8 g8 + 2m (row g8 + 8: + 1);
         // the reduction index is the token: 2tq, 2tq+1 | 2tq+8, 2tq+9.
@@ -863,6 +875,28 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
             for (int j = 0; j < 8; ++j)
 #pragma unroll
                 for (int r = 0; r < 4; ++r) acc[j][r] = 0.f;
+            // LAYER, 16-bit gradients, vector path: g (n streams) and g_li of this thread's 2 rows x
+            // 16 columns, issued before the MMAs (raw words; 5 x 4 x 4 registers at n = 4)
+            constexpr bool PRE = LAYER && VEC && sizeof(TG) == 2;
+            uint4 gw[PRE ? 2 : 1][2][5];  // [row half][column half][stream j | 4: g_li]
+            if constexpr (PRE) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const i64 t = t0 + g8 + 8 * h;
+                        const int col = cb0 + 16 * tq + 8 * half;
+                        const bool ok = t < t_end && col < C;
+#pragma unroll
+                        for (int j = 0; j < 5; ++j) {
+                            const TG* src = j < 4 ? (g != nullptr && j < n ? g + t * (i64)D + j * C : nullptr)
+                                                  : g_li + t * (i64)C;
+                            gw[h][half][j] = (ok && src != nullptr && (j < 4 || g_li != nullptr))
+                                                 ? *reinterpret_cast<const uint4*>(src + col)
+                                                 : make_uint4(0u, 0u, 0u, 0u);
+                        }
+                    }
+            }
             unsigned aw[3][2][2 * KS];  // [part][row half][word]: words 2s, 2s + 1 of k-step s
 #pragma unroll
             for (int p = 0; p < 3; ++p)
@@ -897,37 +931,46 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
                 const int u = g8 + 8 * h;
                 const i64 t = t0 + u;
                 if (t >= t_end) continue;
-                const float c = dH[t * KP + K];
-                float hp = 0.f, hr[4];  // n <= 4 here (K <= 32)
-                if (LAYER) {
-                    hp = H_pre[t * n + warp];
-                    for (int j = 0; j < n; ++j) hr[j] = H_res[(t * n + j) * n + warp];
-                }
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int cl = 16 * tq + 8 * half;
+                    const int col = cb0 + cl;
                     float xv[8], o[8];
                     lds8<T>(xrow(u, warp) + cl, xv);
 #pragma unroll
-                    for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(-c, xv[e8], acc[4 * half + (e8 >> 1)][2 * h + (e8 & 1)]);
-                    if (LAYER) {
-                        const int col = cb0 + cl;
+                    for (int e8 = 0; e8 < 8; ++e8)
+                        o[e8] = fmaf(-cs[h], xv[e8], acc[4 * half + (e8 >> 1)][2 * h + (e8 & 1)]);
+                    if constexpr (PRE) {
+                        // g_li, then the streams in order (the order of the path below)
+#pragma unroll
+                        for (int k = 0; k < 5; ++k) {
+                            const int j = k == 0 ? 4 : k - 1;
+                            if (j < 4 && j >= n) continue;
+                            const float w = j == 4 ? hp[h] : hr[h][j];
+                            const unsigned ww[4] = {gw[h][half][j].x, gw[h][half][j].y, gw[h][half][j].z,
+                                                    gw[h][half][j].w};
+#pragma unroll
+                            for (int e8 = 0; e8 < 8; ++e8)
+                                o[e8] = fmaf(w, mhc::from_bits<TG>((ww[e8 >> 1] >> (16 * (e8 & 1))) & 0xffffu), o[e8]);
+                        }
+                    } else if (LAYER) {
                         float gv[8];
                         if (g_li != nullptr) {
                             load8<TG, VEC>(g_li + t * (i64)C, col, C, gv);
 #pragma unroll
-                            for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(hp, gv[e8], o[e8]);
+                            for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(hp[h], gv[e8], o[e8]);
                         }
                         if (g != nullptr) {
-                            for (int j = 0; j < n; ++j) {
+#pragma unroll
+                            for (int j = 0; j < 4; ++j) {
+                                if (j >= n) break;
                                 load8<TG, VEC>(g + t * (i64)D + j * C, col, C, gv);
 #pragma unroll
-                                for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(hr[j], gv[e8], o[e8]);
+                                for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(hr[h][j], gv[e8], o[e8]);
                             }
                         }
                     }
                     T* out = dx + t * (i64)D + warp * C;
-                    const int col = cb0 + cl;
                     if (VEC) {
                         if (col < C) mhc::store_vec<T, 8>(out + col, o);
                     } else {

@@ -261,68 +261,53 @@ __global__ void mhc_stream_aggregate_bwd_kernel(const TG* __restrict__ g, const 
 }
 
 // ------------------------------------------------------------- column sum
-// out[c] = sum_r part[r, c] for a row-major [rows, cols] float32 matrix, in a
-// fixed order: thread row y sums rows y, y + Y, y + 2Y, ... (Y = blockDim.y)
-// into 8 interleaved accumulators (row index / Y mod 8) added in order, then
-// the Y thread rows are added in sequence.  The order depends only on rows
-// and blockDim, never on timing: the deterministic sum over tokens of
+// sum_{r = r0, r0 + S, r0 + 2S, ... < rows} part[r, c] into 8 interleaved accumulators
+// (index (r - r0) / S mod 8) added in order: a fixed order that depends on the shape only.
+__device__ __forceinline__ float strided_column_sum(const float* __restrict__ part, i64 rows, int cols, int c,
+                                                   i64 r0, i64 S) {
+    float acc[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+    i64 r = r0;
+    for (; r + 7 * S < rows; r += 8 * S) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k] += part[(r + k * S) * cols + c];
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+        if (r + k * S < rows) acc[k] += part[(r + k * S) * cols + c];
+    float v = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v += acc[k];
+    return v;
+}
+
+// out[c] = sum_r part[r, c] for a row-major [rows, cols] float32 matrix, in a fixed
+// order: thread row y sums rows y, y + Y, ... (Y = blockDim.y, strided_column_sum),
+// then the Y thread rows are added in sequence: the deterministic sum over tokens of
 // shared-coefficient and RMSNorm-weight gradients.  blockDim = (32, Y), Y <= 32.
 __global__ void mhc_column_sum_kernel(const float* __restrict__ part, float* __restrict__ out,
                                                  i64 rows, int cols) {
     __shared__ float s[32][33];
     const int c = blockIdx.x * 32 + threadIdx.x;
-    const int Y = blockDim.y;
-    float acc[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) acc[k] = 0.f;
-    if (c < cols) {
-        i64 r = threadIdx.y;
-        for (; r + 7 * (i64)Y < rows; r += 8 * (i64)Y) {
-#pragma unroll
-            for (int k = 0; k < 8; ++k) acc[k] += part[(r + k * (i64)Y) * cols + c];
-        }
-#pragma unroll
-        for (int k = 0; k < 8; ++k)
-            if (r + k * (i64)Y < rows) acc[k] += part[(r + k * (i64)Y) * cols + c];
-    }
-    float v = 0.f;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) v += acc[k];
-    s[threadIdx.y][threadIdx.x] = v;
+    s[threadIdx.y][threadIdx.x] = c < cols ? strided_column_sum(part, rows, cols, c, threadIdx.y, blockDim.y) : 0.f;
     __syncthreads();
     if (threadIdx.y == 0 && c < cols) {
         float tot = 0.f;
-        for (int k = 0; k < Y; ++k) tot += s[k][threadIdx.x];
+        for (int k = 0; k < (int)blockDim.y; ++k) tot += s[k][threadIdx.x];
         out[c] = tot;
     }
 }
 
 // The same sum for narrow matrices (cols <= 32, many rows: per-token terms summed over
 // tokens): one block, thread l on column c = l % cols, rows j, j + J, ... (j = l / cols,
-// J = blockDim.x / cols) into 8 interleaved accumulators added in order; then warp c adds
-// column c's J partials (lane-strided, fixed butterfly).  The order depends only on
-// rows, cols and blockDim.  blockDim = (1024, 1, 1), one block.
+// J = blockDim.x / cols, strided_column_sum); then warp c adds column c's J partials
+// (lane-strided, fixed butterfly).  blockDim = (1024, 1, 1), one block.
 __global__ void mhc_column_sum_narrow_kernel(const float* __restrict__ part, float* __restrict__ out, i64 rows,
                                              int cols) {
     __shared__ float s[1024];
     const int l = threadIdx.x, J = blockDim.x / cols, c = l % cols, j = l / cols;
-    float acc[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) acc[k] = 0.f;
-    if (j < J) {
-        i64 r = j;
-        for (; r + 7 * (i64)J < rows; r += 8 * (i64)J) {
-#pragma unroll
-            for (int k = 0; k < 8; ++k) acc[k] += part[(r + k * (i64)J) * cols + c];
-        }
-#pragma unroll
-        for (int k = 0; k < 8; ++k)
-            if (r + k * (i64)J < rows) acc[k] += part[(r + k * (i64)J) * cols + c];
-    }
-    float v = 0.f;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) v += acc[k];
-    s[l] = v;
+    s[l] = j < J ? strided_column_sum(part, rows, cols, c, j, J) : 0.f;
     __syncthreads();
     const int warp = l >> 5, lane = l & 31;
     if (warp < cols) {

@@ -41,13 +41,16 @@ def info() -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mhc_cupy", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(dest="cmd")
     sub.add_parser("info", help="print versions (CuPy, CUDA, NVRTC, driver, device, cache dir)")
     w = sub.add_parser("warmup", help="precompile the common kernel specialisations into the disk cache")
     w.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated activation dtypes")
     w.add_argument("--n", default="4", help="comma-separated stream counts")
     w.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
+    if args.cmd is None:  # no command: the help, listing the commands
+        ap.print_help()
+        return 2
     if args.cmd == "info":
         for k, v in info().items():
             print(f"{k:>15}: {v}")

@@ -7,6 +7,9 @@ devices, parameters) naming the argument, what it got and what it needs.
 from __future__ import annotations
 
 import math
+import numbers
+
+import numpy as np
 
 #: Activation dtypes (x, y, layer_in, out, dx, dy).  Coefficients are float32.
 ACTIVATION_DTYPES = ("bfloat16", "float16", "float32")
@@ -40,6 +43,17 @@ def coefficient(name: str, info) -> None:
         raise TypeError(f"{name} has dtype {info.dtype}; coefficients need float32")
 
 
+#: Array arguments that may be None (an absent weight; a None gradient counts as zero).
+OPTIONAL_ARRAYS = frozenset(("weight", "grad_layer_in", "grad_out", "grad_H_pre", "grad_H_post", "grad_H_res",
+                             "grad_h_pre_raw", "grad_h_post_raw", "grad_h_res_raw"))
+
+
+def absent(name: str) -> None:
+    """An array argument is None: fine for OPTIONAL_ARRAYS, else TypeError naming it."""
+    if name not in OPTIONAL_ARRAYS:
+        raise TypeError(f"{name} is None; it needs an array")
+
+
 def min_ndim(name: str, info, ndim: int, what: str) -> None:
     if len(info.shape) < ndim:
         raise ValueError(f"{name} has shape {info.shape}; it needs {what}")
@@ -63,21 +77,31 @@ def expect_shape(name: str, shape, expected, why: str) -> None:
         raise ValueError(f"{name} has shape {tuple(shape)}; it needs {tuple(expected)} ({why})")
 
 
+#: Largest accepted Sinkhorn ``num_iters`` (OPS.md section 1): far beyond
+#: convergence (the paper uses 20), and small enough that no call loops for hours.
+MAX_NUM_ITERS = 10_000
+
+
+def _int(name: str, value) -> int:
+    """A Python or NumPy integer (not bool, not float), as an int."""
+    if isinstance(value, (bool, np.bool_)) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
 def num_iters(value) -> int:
-    """An int >= 0 (Python or NumPy integer; not bool, not float)."""
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"num_iters must be an int, got {type(value).__name__}")
-    value = int(value)
-    if value < 0:
-        raise ValueError(f"num_iters must be >= 0, got {value}")
+    """An int in 0..MAX_NUM_ITERS (Python or NumPy integer; not bool, not float)."""
+    value = _int("num_iters", value)
+    if not 0 <= value <= MAX_NUM_ITERS:
+        raise ValueError(f"num_iters must be in 0..{MAX_NUM_ITERS}, got {value}")
     return value
 
 
 def eps(name: str, value) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}") from None
+    """A finite real >= 0 (Python or NumPy int / float; not bool, not str)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+    v = float(value)
     if not math.isfinite(v) or v < 0:
         raise ValueError(f"{name} must be finite and >= 0, got {value}")
     return v
@@ -87,6 +111,21 @@ def grad_mode(value) -> str:
     if value not in ("unrolled", "implicit"):
         raise ValueError(f"grad_mode must be 'unrolled' or 'implicit', got {value!r}")
     return value
+
+
+def layer_size(dim, n_streams) -> tuple:
+    """(dim, n_streams) of one mHC layer: ints, dim >= 1, n_streams in MIN_N..MAX_N."""
+    dim, n = _int("dim", dim), _int("n_streams", n_streams)
+    if dim < 1:
+        raise ValueError(f"dim must be >= 1, got {dim}")
+    if not MIN_N <= n <= MAX_N:
+        raise ValueError(f"n_streams must be in {MIN_N}..{MAX_N}, got {n}")
+    return dim, n
+
+
+def layer_settings(num_iters_, eps_, rms_eps, grad_mode_) -> tuple:
+    """(num_iters, eps, rms_eps, grad_mode) of one mHC layer, checked."""
+    return num_iters(num_iters_), eps("eps", eps_), eps("rms_eps", rms_eps), grad_mode(grad_mode_)
 
 
 def same_device(infos: dict) -> tuple:

@@ -28,7 +28,8 @@ finishes the launch stream before it returns (eager JAX only; under jit
 mhc_cupy.jax runs on XLA's own stream and buffers instead).
 
 Fast path: a GPU call whose inputs are all contiguous torch (or all CuPy)
-arrays is keyed by planner, shapes, dtypes, devices and parameters.  The
+arrays is keyed by planner, shapes, dtypes, devices and parameters (values
+and types: ``num_iters=True`` must not hit the plan of ``num_iters=1``).  The
 first such call records its launches (``_replay``); a repeat call with the
 same key skips steps 1-2 and, when every pointer is 16-byte aligned, replays
 those launches with its own pointers (else it runs the cached plan).
@@ -36,6 +37,8 @@ those launches with its own pointers (else it runs the cached plan).
 
 from __future__ import annotations
 
+import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
@@ -52,6 +55,52 @@ class Plan:
     scratch: list = field(default_factory=list)  # [(shape, dtype name)] temporaries
     single: bool = False  # return outputs[0] alone
     empty: bool = False  # nothing to compute (zero tokens): no launch
+
+
+class AutogradNotRecordedWarning(UserWarning):
+    """The functional API got torch tensors that require grad, with grad mode on.
+
+    ``mhc_cupy.*_fwd`` / ``*_bwd`` record no autograd graph: their outputs have
+    no ``grad_fn``.  Use ``mhc_cupy.torch`` for differentiable ops.  Issued once
+    per op and process.
+    """
+
+
+_autograd_warned: set = set()  # planners already warned about
+
+
+def _grad_enabled() -> bool:
+    """torch.is_grad_enabled(); this stub replaces itself with it at the first call
+    (made only once a torch tensor was seen), so the fast path pays one C call."""
+    global _grad_enabled
+    _grad_enabled = sys.modules["torch"].is_grad_enabled
+    return _grad_enabled()
+
+
+def _params_key(params: dict) -> tuple:
+    """Parameters as a cache key: values and their types (True == 1 == 1.0 in Python)."""
+    if not params:
+        return ()
+    return tuple(params.items()), tuple(map(type, params.values()))
+
+
+def _autograd_dropped(planner, depth: int) -> None:
+    """Warn (once per op) that a torch input requiring grad gets no autograd here.
+
+    Called only when some torch input requires grad with grad mode on; names
+    the public op from the frame ``depth`` levels up (the ``*_fwd`` / ``*_bwd``
+    that called ``run``).
+    """
+    if planner in _autograd_warned:
+        return
+    _autograd_warned.add(planner)
+    op = sys._getframe(depth).f_code.co_name
+    base = op.rsplit("_", 1)[0] if op.endswith(("_fwd", "_bwd")) else op
+    warnings.warn(AutogradNotRecordedWarning(
+        f"mhc_cupy.{op} got torch tensors that require grad, but the functional API records no autograd "
+        f"graph: its outputs have no grad_fn and backward() will not reach its inputs. Use "
+        f"mhc_cupy.torch.{base} for gradients; pass detached tensors or call it under torch.no_grad() "
+        "to silence this warning."), stacklevel=depth + 2)
 
 
 def _cast(a, dtype: str):
@@ -75,7 +124,7 @@ def _framework(v) -> str:
 def _plan(planner, infos: dict, params: dict) -> Plan:
     """The plan for these shapes / dtypes / params (pure, so cached)."""
     key = (planner, tuple((k, None) if i is None else (k, i.shape, i.dtype, i.device) for k, i in infos.items()),
-           tuple(params.items()))
+           _params_key(params))
     try:
         plan = _plans.get(key)
     except TypeError:  # an unhashable parameter: let the planner name it
@@ -101,11 +150,12 @@ _fast: dict = {}  # fast-path key -> _Entry
 
 
 def _fast_inputs(arrays: dict):
-    """(key parts, input pointers, first input) of a call whose inputs are all
-    contiguous torch CUDA tensors, or all contiguous CuPy arrays (the hot path
-    of training loops), else None."""
+    """(key parts, input pointers, first input, some input requires grad) of a
+    call whose inputs are all contiguous torch CUDA tensors, or all contiguous
+    CuPy arrays (the hot path of training loops), else None."""
     parts, ptrs = [], []
     fw = like = None
+    grad = False
     for v in arrays.values():
         if v is None:
             parts.append(None)
@@ -117,6 +167,8 @@ def _fast_inputs(arrays: dict):
                 return None
             parts.append((v.shape, v.dtype, dev))
             ptrs.append(v.data_ptr())
+            if v.requires_grad:
+                grad = True
         elif f == "cupy":
             if not v.flags.c_contiguous:
                 return None
@@ -128,7 +180,7 @@ def _fast_inputs(arrays: dict):
             fw, like = f, v
         elif f != fw:
             return None
-    return tuple(parts), ptrs, like
+    return tuple(parts), ptrs, like, grad
 
 
 _get_device = None  # cupy.cuda.runtime.getDevice, bound at the first GPU call
@@ -150,6 +202,7 @@ def _run_fast(entry: _Entry, in_ptrs: list, like, arrays: dict):
         out_ptrs = [ptr(o) for o in outs]
         all_ptrs = in_ptrs + out_ptrs + [ptr(s) for s in scratch]
         if entry.replay is not None and _replay.aligned(all_ptrs):
+            _replay.ensure_context(dev)
             entry.replay.launch(all_ptrs, fe.stream(dev))
         else:
             names = iter(in_ptrs)
@@ -162,7 +215,9 @@ def run(planner, arrays: dict, **params):
     fast = _fast_inputs(arrays)
     key = None
     if fast is not None:
-        key = (planner, fast[0], tuple(params.items()))
+        if fast[3] and _grad_enabled():
+            _autograd_dropped(planner, 2)
+        key = (planner, fast[0], _params_key(params))
         try:
             entry = _fast.get(key)
         except TypeError:  # an unhashable parameter: the general path reports it
@@ -192,16 +247,23 @@ def _run(planner, arrays: dict, fast_key, params: dict):
     out_fw = None
     like = None
     has_jax = False
+    grad = False  # some torch input requires grad
     for name, v in arrays.items():
         if v is None:
+            _checks.absent(name)
             infos[name] = None
             continue
-        fw = _framework(v)
-        if fw == "dlpack":
-            v = _interop.import_foreign(v)
+        try:
             fw = _framework(v)
+            if fw == "dlpack":
+                v = _interop.import_foreign(v)
+                fw = _framework(v)
+        except TypeError as exc:
+            raise TypeError(f"{name}: {exc}") from None
         fe = _interop.frontend(fw)
         info = fe.info(v)
+        if fw == "torch" and v.requires_grad:
+            grad = True
         if fw == "jax" and info.device[0] == "cuda":
             has_jax = True
             if out_fw is None:
@@ -215,8 +277,14 @@ def _run(planner, arrays: dict, fast_key, params: dict):
         infos[name] = info
     device = _checks.same_device(infos)
     plan = _plan(planner, infos, params)
+    if grad and _grad_enabled():
+        _autograd_dropped(planner, 3)
 
     if device[0] == "cpu":
+        if plan.empty:  # zero tokens (or C = 0): every output is empty; skip the reference
+            fe = _interop.frontend(out_fw if out_fw != "dlpack" else "numpy")
+            outs = [fe.from_numpy(np.empty(shape, _interop.numpy_dtype(dt)), like) for shape, dt in plan.outputs]
+            return outs[0] if plan.single else tuple(outs)
         nps = {k: (None if v is None else _interop.frontend(objs[k][0]).to_numpy(objs[k][1]))
                for k, v in arrays.items()}
         results = plan.reference(nps)

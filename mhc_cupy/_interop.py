@@ -245,12 +245,27 @@ def frontend(name: str):
     return _get(name)
 
 
+def _cpu_dlpack_via_torch(x, exc):
+    """A CPU DLPack array NumPy cannot import (bfloat16) as a NumPy (ml_dtypes) array, via torch."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        raise TypeError(f"NumPy cannot import this CPU DLPack array ({exc}); bfloat16 needs torch installed "
+                        "(pip install \"mhc-cupy[torch]\") or pass a NumPy ml_dtypes.bfloat16 array") from None
+    import torch
+
+    return _get("torch").to_numpy(torch.from_dlpack(x))
+
+
 def import_foreign(x):
     """A generic DLPack / CUDA-array-interface object as a CuPy (GPU) or NumPy (CPU) array."""
     if hasattr(x, "__dlpack_device__"):
         dev_type, _ = x.__dlpack_device__()
         if int(dev_type) in (1, 3):  # kDLCPU, kDLCUDAHost
-            return np.from_dlpack(x)
+            try:
+                return np.from_dlpack(x)
+            except (RuntimeError, BufferError) as exc:  # NumPy has no bfloat16: read it through torch
+                return _cpu_dlpack_via_torch(x, exc)
     import cupy
 
     if hasattr(x, "__dlpack__"):

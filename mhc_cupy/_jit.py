@@ -257,44 +257,74 @@ def max_threads(filename: str, name_expression: str) -> int:
     if v is None:
         from cupy_backends.cuda.api import driver
 
+        _driver_context()
         v = _max_threads[fn.ptr] = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, fn.ptr)
     return v
 
 
 class DynamicSharedLimit:
-    """Per kernel function, the largest dynamic shared memory a launch has needed.
+    """Per kernel function, the largest dynamic shared memory its launches may use.
 
-    A launch above the 48 KiB default needs the function's
-    MAX_DYNAMIC_SHARED_SIZE_BYTES attribute at least that large.  The value set
-    only ever grows (a smaller launch never lowers it, so a recorded launch stays
-    valid for every later replay), and is set under a lock, only when a launch
-    needs more than set so far.  ``set_attribute(fn_ptr, size)`` does the setting.
+    A launch with more dynamic shared memory than the function's
+    MAX_DYNAMIC_SHARED_SIZE_BYTES attribute is refused (CUDA_ERROR_INVALID_VALUE).
+    That attribute starts at 48 KiB *less the function's static shared memory*
+    (a kernel with ``__shared__ float red[64]`` cannot take 48 KiB of dynamic
+    shared memory without raising it), so the first launch of a function that
+    needs dynamic shared memory reads what it allows (``initial(fn_ptr)``),
+    and a launch needing more sets the attribute (``set_attribute(fn_ptr,
+    size)``).  The value set only ever grows (a smaller launch never lowers it,
+    so a recorded launch stays valid for every later replay); reading and
+    setting happen under a lock, and the limit is published only once set.
     """
 
     DEFAULT = 48 * 1024
 
-    def __init__(self, set_attribute):
-        self._set_attribute = set_attribute
+    def __init__(self, set_attribute, initial):
+        self._set_attribute, self._initial = set_attribute, initial
         self._max: dict = {}
         self._lock = threading.Lock()
 
     def ensure(self, fn_ptr: int, size: int) -> None:
-        if size <= self._max.get(fn_ptr, self.DEFAULT):  # the common case: no lock
+        if size <= self._max.get(fn_ptr, 0):  # the common case (and every launch without any): no lock
             return
         with self._lock:
-            if size > self._max.get(fn_ptr, self.DEFAULT):
+            allowed = self._max.get(fn_ptr)
+            if allowed is None:
+                allowed = self._initial(fn_ptr)
+            if size > allowed:
                 self._set_attribute(fn_ptr, size)  # raises if the device cannot give that much
-                self._max[fn_ptr] = size
+                allowed = size
+            self._max[fn_ptr] = allowed
+
+
+def _initial_dynamic_shared(fn_ptr: int) -> int:
+    """The dynamic shared memory function ``fn_ptr`` allows before its attribute is
+    set: its MAX_DYNAMIC_SHARED_SIZE_BYTES, and never more than 48 KiB less its
+    static shared memory."""
+    from cupy_backends.cuda.api import driver
+
+    _driver_context()
+    get = driver.funcGetAttribute
+    return min(get(driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, fn_ptr),
+               DynamicSharedLimit.DEFAULT - get(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn_ptr))
 
 
 def _set_max_dynamic_shared(fn_ptr: int, size: int) -> None:
     from cupy_backends.cuda.api import driver
 
+    _driver_context()
     driver.funcSetAttribute(fn_ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, size)
 
 
+def _driver_context() -> None:
+    """The current device's context made current on this thread, for a direct driver call."""
+    import cupy
+
+    _replay.ensure_context(cupy.cuda.runtime.getDevice())
+
+
 #: The dynamic shared memory bookkeeping of every loaded kernel (also used by ``_replay``).
-shared_limit = DynamicSharedLimit(_set_max_dynamic_shared)
+shared_limit = DynamicSharedLimit(_set_max_dynamic_shared, _initial_dynamic_shared)
 
 _local = threading.local()
 

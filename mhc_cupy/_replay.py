@@ -120,6 +120,22 @@ class Replay:
                 launch_kernel(ln.fn, g[0], g[1], g[2], b[0], b[1], b[2], ln.shared_mem, stream, ln.params_ptr, 0)
 
 
+def ensure_context(dev: int) -> None:
+    """Make device ``dev``'s primary context current on this thread, once per thread and
+    device, as CuPy does before its own launches.  The driver calls made here directly
+    (cuLaunchKernel, cuFuncGetAttribute, cuFuncSetAttribute) need a current context, and a
+    thread whose first CUDA work is a replayed call has made none current: its outputs
+    may come from a memory pool without any CUDA call, and cudaGetDevice makes none."""
+    ready = getattr(_local, "contexts", None)
+    if ready is None:
+        ready = _local.contexts = set()
+    if dev not in ready:
+        import cupy
+
+        cupy.cuda.runtime.memGetInfo()  # any runtime call needing the context makes it current
+        ready.add(dev)
+
+
 _driver = None
 
 

@@ -34,9 +34,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+from ._deps import require
+
+for _module in ("torch", "matplotlib", "tqdm"):  # missing: an ImportError naming the extra
+    require(_module, "demo", "python -m mhc_cupy.demo")
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
 from .layers import MHC, collapse_streams, expand_streams
 
@@ -320,7 +324,8 @@ def plot(histories, path, title):
         k = max(1, len(h["train_loss"]) // 50)  # running mean over ~2% of the steps
         tl = h["train_loss"]
         smooth = [sum(tl[max(0, i - k + 1):i + 1]) / (i + 1 - max(0, i - k + 1)) for i in range(len(tl))]
-        ax.plot(h["step"], smooth, color=c, alpha=0.5, lw=1, label=f"{name} train")
+        ax.plot(h["step"], smooth, color=c, alpha=0.5, lw=1,
+                label=f"{name} train (running mean of {k} step{'s' if k > 1 else ''})")
         ax.plot(h["eval_step"], h["eval_loss"], color=c, marker="o", ms=3, lw=2, label=f"{name} held-out")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / byte)")

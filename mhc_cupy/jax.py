@@ -64,9 +64,13 @@ import ctypes
 import functools
 from dataclasses import dataclass
 
-import jax as _jax
-import jax.numpy as _jnp
 import numpy as np
+
+from ._deps import require
+
+require("jax", "jax", "mhc_cupy.jax")  # missing: an ImportError naming the extra
+import jax as _jax  # noqa: E402
+import jax.numpy as _jnp  # noqa: E402
 
 from . import _checks, _interop
 from ._interop import ArrayInfo
@@ -274,6 +278,11 @@ def _dtype_name(a) -> str:
 
 def _bind(name: str, params: tuple, arrays: tuple) -> tuple:
     """Plan at trace time and emit the buffer_callback custom call."""
+    for k, a in zip(_SPECS[name].inputs, arrays):  # None or a list for an array: name the argument
+        if a is None:
+            _checks.absent(k)
+        elif not hasattr(a, "dtype"):
+            raise TypeError(f"{k} has type {type(a).__name__}; it needs an array")
     signature = tuple(None if a is None else (tuple(a.shape), _dtype_name(a)) for a in arrays)
     plan, callback = _planned(name, params, signature)
     if plan.empty:
@@ -696,9 +705,13 @@ def mhc_init(key, dim: int, n_streams: int = 4, alpha_init: float = 0.01) -> dic
     (small, paper section 4); bias from :func:`mhc_cupy._layer_init.identity_bias`,
     so that the layer starts close to a plain residual connection (H_pre = 1/n,
     H_post = 1, H_res = 0.95 on the diagonal).  All float32.
+
+    Raises:
+        TypeError / ValueError: dim not an int >= 1, n_streams not in 1..32.
     """
     from ._layer_init import identity_bias
 
+    dim, n_streams = _checks.layer_size(dim, n_streams)
     n, D = n_streams, n_streams * dim
     phi = _jax.random.normal(key, (D, n * n + 2 * n), _jnp.float32) / np.sqrt(D)
     return {"phi": phi, "alpha": _jnp.full((3,), alpha_init, _jnp.float32),
@@ -720,7 +733,14 @@ def mhc_layer(params: dict, x, f, num_iters: int = 20, eps: float = 1e-8, rms_ep
 
     Returns:
         x_{l+1}: [..., n, C], dtype of x.  Differentiable (jit / grad / vmap).
+
+    Raises:
+        TypeError / ValueError: bad num_iters (an int in 0..10000), eps, rms_eps
+        or grad_mode, or shapes (x's n and C must match params["phi"]).
     """
+    if not isinstance(params, dict) or any(k not in params for k in ("phi", "alpha", "bias")):
+        raise TypeError(f"params must be the dict of mhc_init (phi, alpha, bias), got {type(params).__name__}")
+    num_iters, eps, rms_eps, grad_mode = _checks.layer_settings(num_iters, eps, rms_eps, grad_mode)
     h_pre, h_post, h_res = mhc_coeffs(x, params["phi"], params["alpha"], params["bias"], rms_eps)
     layer_in, _, H_post, H_res = mhc_pre_op(x, h_pre, h_post, h_res, num_iters, eps, grad_mode)
     return mhc_post_op(f(layer_in).astype(x.dtype), x, H_post, H_res)

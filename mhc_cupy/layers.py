@@ -61,7 +61,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from . import _layer_init
+from . import _checks, _layer_init
 
 
 __all__ = [
@@ -215,6 +215,12 @@ class MHC(nn.Module):
     Shapes:
         forward(x [..., n, C], *args, **kwargs) -> [..., n, C], dtype of x
         (bfloat16 / float16 / float32; coefficients are always float32).
+
+    Raises:
+        TypeError / ValueError in the constructor (before allocating): dim not an
+        int >= 1, n_streams not in 1..32, num_iters not an int in 0..10000
+        (``mhc_cupy.MAX_NUM_ITERS``), eps / rms_eps not a finite float >= 0,
+        bad grad_mode.
     """
 
     def __init__(self, dim: int, n_streams: int = 4, sublayer: Optional[nn.Module] = None, num_iters: int = 20,
@@ -222,10 +228,9 @@ class MHC(nn.Module):
                  phi_init_std: Optional[float] = None, pre_init: Optional[float] = None, post_init: float = 1.0,
                  res_diag_init: float = 0.95, grad_mode: str = "unrolled", device=None):
         super().__init__()
-        if dim < 1 or n_streams < 1:
-            raise ValueError(f"dim and n_streams must be >= 1, got dim={dim}, n_streams={n_streams}")
-        if grad_mode not in ("unrolled", "implicit"):
-            raise ValueError(f"grad_mode must be 'unrolled' or 'implicit', got {grad_mode!r}")
+        # checked before phi (n*C x (n*n + 2n) floats) is allocated
+        dim, n_streams = _checks.layer_size(dim, n_streams)
+        num_iters, eps, rms_eps, grad_mode = _checks.layer_settings(num_iters, eps, rms_eps, grad_mode)
         self.dim, self.n_streams = dim, n_streams
         self.num_iters, self.eps, self.rms_eps, self.grad_mode = num_iters, eps, rms_eps, grad_mode
         self.alpha_init = alpha_init

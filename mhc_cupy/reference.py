@@ -22,6 +22,8 @@ Conventions shared by every function:
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 __all__ = [
@@ -91,7 +93,7 @@ def _check_grad_mode(grad_mode):
 def _sinkhorn_shifted_exp(L):
     """K = exp(L - max_k L_ik) and the (first) argmax index of each row."""
     idx = np.argmax(L, axis=-1)                                  # [..., n]
-    m = np.take_along_axis(L, idx[..., None], axis=-1)           # [..., n, 1]
+    m = L.max(axis=-1, keepdims=True)                            # [..., n, 1], = L[..., idx]
     return np.exp(L - m), idx
 
 
@@ -604,12 +606,12 @@ def mhc_coeffs_fwd(x, phi, alpha, bias, eps=1e-5):
     bias = _f64(bias)
     n, C = x.shape[-2], x.shape[-1]
     lead = x.shape[:-2]
-    xt = x.reshape(lead + (n * C,))
-    Ht = xt @ phi                                                # [..., n*n + 2n]
-    rinv = _rms_inv(xt, eps)                                     # [..., 1]
+    xt = x.reshape(math.prod(lead), n * C)                       # tokens flattened: one 2-D matmul
+    Ht = xt @ phi                                                # [T, n*n + 2n]
+    rinv = _rms_inv(xt, eps)                                     # [T, 1]
     h = _alpha_per_column(alpha, n) * Ht * rinv + bias
     s_pre, s_post, s_res = _coeff_layout(n)
-    return h[..., s_pre], h[..., s_post], h[..., s_res].reshape(lead + (n, n))
+    return h[:, s_pre].reshape(lead + (n,)), h[:, s_post].reshape(lead + (n,)), h[:, s_res].reshape(lead + (n, n))
 
 
 def mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alpha, bias,
@@ -637,31 +639,28 @@ def mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alph
     n, C = x.shape[-2], x.shape[-1]
     lead = x.shape[:-2]
     m = n * n + 2 * n
-    xt = x.reshape(lead + (n * C,))
+    xt = x.reshape(math.prod(lead), n * C)                       # tokens flattened: 2-D matmuls
+    T = xt.shape[0]
     Ht = xt @ phi
     rinv = _rms_inv(xt, eps)
     a = _alpha_per_column(alpha, n)
 
-    def _grad_or_zero(g, shape):
-        return np.zeros(shape) if g is None else _f64(g).reshape(shape)
+    def _grad_or_zero(g, cols):
+        return np.zeros((T, cols)) if g is None else _f64(g).reshape(T, cols)
 
     gh = np.concatenate(
-        [
-            _grad_or_zero(grad_h_pre_raw, lead + (n,)),
-            _grad_or_zero(grad_h_post_raw, lead + (n,)),
-            _grad_or_zero(grad_h_res_raw, lead + (n * n,)),
-        ],
+        [_grad_or_zero(grad_h_pre_raw, n), _grad_or_zero(grad_h_post_raw, n), _grad_or_zero(grad_h_res_raw, n * n)],
         axis=-1,
-    )                                                            # [..., m]
+    )                                                            # [T, m]
 
-    dbias = gh.reshape(-1, m).sum(axis=0)
-    per_col = (gh * Ht * rinv).reshape(-1, m).sum(axis=0)        # [m]
+    dbias = gh.sum(axis=0)
+    per_col = (gh * Ht * rinv).sum(axis=0)                       # [m]
     s_pre, s_post, s_res = _coeff_layout(n)
     dalpha = np.array([per_col[s_pre].sum(), per_col[s_post].sum(), per_col[s_res].sum()])
 
-    dHt = gh * a * rinv                                          # [..., m]
-    dphi = xt.reshape(-1, n * C).T @ dHt.reshape(-1, m)          # [n*C, m]
-    s = (gh * a * Ht).sum(axis=-1, keepdims=True)                # [..., 1]
+    dHt = gh * a * rinv                                          # [T, m]
+    dphi = xt.T @ dHt                                            # [n*C, m]
+    s = (gh * a * Ht).sum(axis=-1, keepdims=True)                # [T, 1]
     dxt = dHt @ phi.T - s * rinv**3 * xt / (n * C)
     return dxt.reshape(lead + (n, C)), dphi, dalpha, dbias
 

@@ -34,16 +34,25 @@ tensors there (zero copy).  CPU tensors run the NumPy reference
 (``mhc_cupy.reference``) and return CPU tensors.  Backward is deterministic
 (no atomics).
 
+Gradients are first order only: the backward is not itself differentiable,
+so a second-order gradient through any of these ops (``create_graph=True``,
+then a backward through the result) raises ``RuntimeError`` ("trying to
+differentiate twice a function that was marked with @once_differentiable"
+eagerly; under ``torch.compile`` the custom op's missing double backward).
+
 This module imports torch as a plain ``import torch``: it *is* the submodule
 ``mhc_cupy.torch`` (STYLE.md: ``mhc_cupy/__init__.py`` must not import torch).
 """
 
 from typing import Optional
 
-import torch
-from torch import Tensor
+from ._deps import require
 
-from . import _checks
+require("torch", "torch", "mhc_cupy.torch")  # missing: an ImportError naming the extra
+import torch  # noqa: E402
+from torch import Tensor  # noqa: E402
+
+from . import _checks  # noqa: E402
 from ._interop import ArrayInfo
 from .ops import coeffs as _coeffs
 from .ops import layer as _layer
@@ -109,17 +118,20 @@ def _use_custom_op(*tensors) -> bool:
     if _is_compiling():
         return True
     for t in tensors:
-        if t is not None and type(t) not in _PLAIN:
+        if t is not None and type(t) not in _PLAIN and isinstance(t, Tensor):
             return True
-    return False
+    return False  # non-tensors (a list, None for a tensor) go on to the functional API, which names them
 
 
 def _needs_autograd(*tensors) -> bool:
     if not torch.is_grad_enabled():
         return False
-    for t in tensors:
-        if t is not None and t.requires_grad:
-            return True
+    try:
+        for t in tensors:
+            if t is not None and t.requires_grad:
+                return True
+    except AttributeError:  # not a tensor: the functional API raises a TypeError naming it
+        return False
     return False
 
 
@@ -166,9 +178,12 @@ def _function(name: str, forward, setup_context, backward):
         setup_context(ctx, args, out)
         return out
 
+    # The backward runs the functional API on raw pointers: it records no graph,
+    # so a second-order gradient through it would silently treat it as a
+    # constant.  once_differentiable makes double backward raise instead.
     return type(name, (torch.autograd.Function,), {
         "forward": staticmethod(fwd),
-        "backward": staticmethod(backward),
+        "backward": staticmethod(torch.autograd.function.once_differentiable(backward)),
     })
 
 

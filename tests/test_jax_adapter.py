@@ -577,3 +577,33 @@ def test_import_orders_keep_jax_intact():
             "assert all(hasattr(mj, f) for f in mj.__all__) and len(mj.__all__) == 10")
     for a, b in (("jax", "mhc_cupy.jax"), ("mhc_cupy.jax", "jax")):
         subprocess.run([sys.executable, "-c", code.format(a=a, b=b)], check=True, timeout=120)
+
+
+def test_none_or_list_names_the_argument():
+    x, M, h = jnp.ones((3, 4, 7)), jnp.ones((3, 4, 4)), jnp.ones((3, 4))
+    for call, name in ((lambda: mj.stream_mix(None, M), "x"), (lambda: mj.stream_mix([[1.0]], M), "x"),
+                       (lambda: mj.stream_mix(x, None), "M"), (lambda: mj.sinkhorn_knopp(None), "logits"),
+                       (lambda: mj.rmsnorm([1.0, 2.0]), "x"), (lambda: mj.mhc_pre_op(x, None, h, M), "h_pre_raw"),
+                       (lambda: mj.mhc_post_op(jnp.ones((3, 7)), x, h, [1.0]), "H_res")):
+        with pytest.raises(TypeError, match=rf"^{name}\b"):
+            call()
+
+
+def test_layer_arguments_validated():
+    key = jax.random.PRNGKey(0)
+    with pytest.raises(ValueError, match="n_streams must be in 1..32"):
+        mj.mhc_init(key, 64, n_streams=33)
+    with pytest.raises(ValueError, match="dim must be >= 1"):
+        mj.mhc_init(key, 0)
+    with pytest.raises(TypeError, match="dim must be an int"):
+        mj.mhc_init(key, 8.0)
+    params = mj.mhc_init(key, 8)
+    x = jnp.ones((2, 4, 8))
+    for kw, exc, match in ((dict(num_iters=-1), ValueError, "num_iters"), (dict(num_iters=True), TypeError, "num_iters"),
+                           (dict(num_iters=20_000), ValueError, "num_iters must be in 0..10000"),
+                           (dict(eps=-1.0), ValueError, "eps"), (dict(rms_eps="1e-5"), TypeError, "rms_eps"),
+                           (dict(grad_mode="exact"), ValueError, "grad_mode")):
+        with pytest.raises(exc, match=match):
+            mj.mhc_layer(params, x, jnp.tanh, **kw)
+    with pytest.raises(TypeError, match="params must be the dict of mhc_init"):
+        mj.mhc_layer((params["phi"],), x, jnp.tanh)

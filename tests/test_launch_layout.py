@@ -44,3 +44,36 @@ def test_sinkhorn_history_of_n4_fits_one_wave_on_an_h200():
     blocks = -(-32768 * sinkhorn.bwd_group(4) // threads)
     per_sm = (228 * 1024) // (smem + 1024)  # 1 KB reserved per block
     assert blocks <= per_sm * 132
+
+
+def test_rmsnorm_bwd_static_shared_memory_matches_the_kernels():
+    """The weighted backward's C limit counts the kernels' static shared memory
+    (``rmsnorm._BWD_STATIC_SMEM``): it must be what kernels_cu/rmsnorm.cu declares."""
+    import re
+
+    from mhc_cupy import _sources
+
+    src = _sources.load_source("rmsnorm.cu")
+    bodies = re.findall(r"__global__ void mhc_rmsnorm_bwd\w*\(.*?(?=\ntemplate|\Z)", src, re.S)
+    assert len(bodies) == 2
+    for body in bodies:
+        arrays = re.findall(r"(?<!extern )__shared__ float \w+\[([0-9 *]+)\];", body)
+        assert arrays and sum(4 * eval(a) for a in arrays) == rmsnorm._BWD_STATIC_SMEM
+
+
+def test_rmsnorm_bwd_weight_limit_leaves_room_for_static_shared_memory():
+    """C floats of dynamic shared memory plus the static ones fit in 227 KiB (an H100 /
+    H200 block): the largest C is accepted, one more is a clear ValueError (it used to
+    reach cuFuncSetAttribute and fail there with CUDA_ERROR_INVALID_VALUE)."""
+    import numpy as np
+
+    import mhc_cupy as m
+
+    C = (227 * 1024 - rmsnorm._BWD_STATIC_SMEM) // 4
+    assert C * 4 + rmsnorm._BWD_STATIC_SMEM <= 227 * 1024
+    ones = np.ones((1, C), np.float32)
+    dx, dw = m.rmsnorm_bwd(ones, ones, 1e-5, np.ones(C, np.float32))
+    assert dx.shape == (1, C) and dw.shape == (C,)
+    ones = np.ones((1, C + 1), np.float32)
+    with pytest.raises(ValueError, match=rf"supports C <= {C}; x has C = {C + 1}"):
+        m.rmsnorm_bwd(ones, ones, 1e-5, np.ones(C + 1, np.float32))

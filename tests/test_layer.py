@@ -426,3 +426,50 @@ def test_demo_text_file(tmp_path):
     assert summary["corpus_bytes"] == 45 * 400 and summary["config"]["streams"] == 2
     assert math.isfinite(summary["mhc"]["final_eval_loss"])
     assert (tmp_path / "o" / "summary.json").exists()
+
+
+def test_double_backward_raises():
+    """Second-order gradients through the layer raise (the eager backward records no graph)."""
+    torch.manual_seed(0)
+    layer = MHC(8, n_streams=4, sublayer=torch.nn.Linear(8, 8))
+    x = torch.randn(3, 4, 8, requires_grad=True)
+    (g,) = torch.autograd.grad((layer(x) ** 2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(dim=4096, n_streams=33, num_iters=-1, eps=-1.0), ValueError, "n_streams must be in 1..32, got 33"),
+    (dict(dim=64, n_streams=0), ValueError, "n_streams must be in 1..32"),
+    (dict(dim=0), ValueError, "dim must be >= 1"),
+    (dict(dim=64.0), TypeError, "dim must be an int"),
+    (dict(dim=64, num_iters=-1), ValueError, "num_iters must be in 0..10000"),
+    (dict(dim=64, num_iters=2**31), ValueError, "num_iters must be in 0..10000"),
+    (dict(dim=64, num_iters=True), TypeError, "num_iters must be an int"),
+    (dict(dim=64, eps=-1.0), ValueError, "eps must be finite and >= 0"),
+    (dict(dim=64, rms_eps="1e-5"), TypeError, "rms_eps must be a float"),
+    (dict(dim=64, grad_mode="exact"), ValueError, "grad_mode must be"),
+])
+def test_constructor_validates_before_allocating(monkeypatch, kw, exc, match):
+    """Bad settings raise in MHC(...) before phi is allocated, not at the first forward."""
+    def no_alloc(*a, **k):
+        raise AssertionError("allocated before validating")
+
+    monkeypatch.setattr(torch, "empty", no_alloc)
+    with pytest.raises(exc, match=match):
+        MHC(**kw)
+
+
+def test_demo_plot_labels_the_running_mean(tmp_path, monkeypatch):
+    """The loss plot's train curve is a running mean: its legend says over how many steps."""
+    import matplotlib.pyplot as plt
+
+    from mhc_cupy import demo
+
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    steps = list(range(1, 201))
+    hist = {"step": steps, "train_loss": [5.0 - s / 100 for s in steps], "eval_step": [0, 200], "eval_loss": [5.0, 3.0]}
+    demo.plot({"mhc": hist}, str(tmp_path / "p.png"), "t")
+    labels = [t.get_text() for t in figs[0].axes[0].get_legend().get_texts()]
+    assert labels == ["mhc train (running mean of 4 steps)", "mhc held-out"]

@@ -129,3 +129,67 @@ def test_installed_wheel_finds_kernels(wheel, tmp_path):
     p = subprocess.run([sys.executable, "-c", code, str(site)], cwd=str(tmp_path), env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "OK" in p.stdout, p.stdout + p.stderr
+
+
+# ------------------------------------------------------------------ README, CI, CLI, missing extras
+def _readme_commands():
+    """The shell commands of the README's "Two commands" block (comments dropped)."""
+    text = (REPO / "README.md").read_text()
+    block = text.split("## Two commands", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    return [line.strip() for line in block.splitlines() if line.strip() and not line.strip().startswith("#")]
+
+
+def test_readme_commands_each_work_alone():
+    """Each command makes (or enters) its venv and pins torch in the same install, so
+    run alone in a fresh shell it cannot resolve an extra to a CUDA build of PyTorch."""
+    cmds = _readme_commands()
+    assert len(cmds) == 2, cmds
+    for cmd, extra in zip(cmds, ("demo", "test")):
+        assert cmd.startswith("python3 -m venv .venv && . .venv/bin/activate && pip install torch=="), cmd
+        assert f'-e ".[cuda12,{extra}]"' in cmd, cmd
+    pin = cmds[1].split("pip install ", 1)[1].split()[0]
+    ci = (REPO / ".ci" / "run").read_text()
+    assert f'pip install "{pin}" -e ".[cuda12,test]"' in ci  # CI installs what the README says
+    assert cmds[1].endswith("python -m pytest -q --nbmake") and "python -m pytest -q --nbmake" in ci
+
+
+def test_readme_dropout_note_matches_the_demo_configs():
+    pytest.importorskip("torch")
+    from mhc_cupy import demo
+
+    text = " ".join((REPO / "README.md").read_text().split())
+    assert demo.TINY_PRESET["dropout"] == 0.0 and demo.GPU_PRESET["dropout"] > 0
+    assert f"dropout {demo.GPU_PRESET['dropout']}" in text and "tiny CPU configuration has no dropout" in text
+    assert "expected here: the training loss has dropout" not in text
+
+
+@pytest.mark.parametrize("module,extra,blocked", [("mhc_cupy.torch", "torch", "torch"), ("mhc_cupy.jax", "jax", "jax"),
+                                                   ("mhc_cupy.demo", "demo", "torch"),
+                                                   ("mhc_cupy.demo", "demo", "matplotlib")])
+def test_missing_extra_says_what_to_install(module, extra, blocked):
+    code = (f"import sys; sys.modules[{blocked!r}] = None\n"  # as if not installed
+            f"try:\n    import {module}\nexcept ImportError as e:\n    print(type(e).__name__, e)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert f'pip install "mhc-cupy[{extra}]"' in out.stdout, out.stdout + out.stderr
+    assert out.stdout.startswith("ModuleNotFoundError") and blocked in out.stdout
+
+
+def test_cli_without_command_prints_the_help(capsys):
+    from mhc_cupy.__main__ import main
+
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    assert "usage: python -m mhc_cupy" in out and "info" in out and "warmup" in out
+
+
+def test_notebooks_remove_their_temporary_folders():
+    """A notebook that makes a temporary folder (tempfile.mkdtemp) removes it (nbmake runs
+    them in the test suite: they must leave no mhc_demo_* folders behind)."""
+    import json
+
+    for nb in sorted((REPO / "notebooks").glob("*.ipynb")):
+        code = "\n".join("".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code")
+        made = code.count("tempfile.mkdtemp(")
+        if made and "mhc_demo_" in code:
+            assert code.count("shutil.rmtree(") >= made, nb.name

@@ -521,3 +521,162 @@ def test_zero_tokens_all_ops():
     assert dx.shape == x.shape
     for a, s in ((dphi, phi.shape), (dalpha, (3,)), (dbias, (m,))):
         np.testing.assert_array_equal(a, np.zeros(s))
+
+
+# ----------------------------------------------------------------------------------------------
+# the functional API on CPU inputs: bad input gets a clear error, never a hang or a silent answer
+# ----------------------------------------------------------------------------------------------
+
+def _functional_calls(lead, n=4, C=8):
+    """(op name, function, positional array arguments by name, params) of all 16 functional ops."""
+    f = np.float32
+    z = lambda *s: np.zeros(lead + s, f)  # noqa: E731
+    x, y, h, M, K = z(n, C), z(C), z(n), z(n, n), n * n + 2 * n
+    phi, alpha, bias = np.zeros((n * C, K), f), np.ones(3, f), np.zeros(K, f)
+    hs = np.ones(n, f)
+    sk = dict(num_iters=3, eps=1e-8)
+    return [
+        ("sinkhorn_knopp_fwd", dict(logits=M), sk),
+        ("sinkhorn_knopp_bwd", dict(grad_P=M, logits=M), sk),
+        ("rmsnorm_fwd", dict(x=y), dict(eps=1e-5)),
+        ("rmsnorm_bwd", dict(grad=y, x=y), dict(eps=1e-5)),
+        ("stream_mix_fwd", dict(x=x, M=M), {}),
+        ("stream_mix_bwd", dict(grad=x, x=x, M=M), {}),
+        ("stream_aggregate_fwd", dict(x=x, h=hs), {}),
+        ("stream_aggregate_bwd", dict(grad=y, x=x, h=hs), {}),
+        ("stream_distribute_fwd", dict(y=y, h=hs), {}),
+        ("stream_distribute_bwd", dict(grad=x, y=y, h=hs), {}),
+        ("mhc_post_op_fwd", dict(layer_out=y, x=x, H_post=h, H_res=M), {}),
+        ("mhc_post_op_bwd", dict(grad=x, layer_out=y, x=x, H_post=h, H_res=M), {}),
+        ("mhc_pre_op_fwd", dict(x=x, h_pre_raw=h, h_post_raw=h, h_res_raw=M), sk),
+        ("mhc_pre_op_bwd", dict(grad_layer_in=y, grad_H_pre=h, grad_H_post=h, grad_H_res=M, x=x, h_pre_raw=h,
+                                h_post_raw=h, h_res_raw=M), sk),
+        ("mhc_coeffs_fwd", dict(x=x, phi=phi, alpha=alpha, bias=bias), dict(eps=1e-5)),
+        ("mhc_coeffs_bwd", dict(grad_h_pre_raw=h, grad_h_post_raw=h, grad_h_res_raw=M, x=x, phi=phi, alpha=alpha,
+                                bias=bias), dict(eps=1e-5)),
+    ]
+
+
+def _functional(name):
+    import mhc_cupy
+
+    return getattr(mhc_cupy, name)
+
+
+@pytest.mark.parametrize("name", [c[0] for c in _functional_calls((2,))])
+def test_functional_zero_tokens_huge_leading_dim(name):
+    """(2**40, 0, ...) has no tokens: empty outputs at once (it hung, or asked for 8 TiB)."""
+    ((_, arrays, params),) = [c for c in _functional_calls((2**40, 0)) if c[0] == name]
+    outs = _functional(name)(*arrays.values(), **params)
+    for o in (outs if isinstance(outs, tuple) else (outs,)):
+        if o.ndim > 2 and o.shape[:2] == (2**40, 0):
+            continue
+        assert not o.any(), (name, o.shape)  # parameter gradients over no tokens: zero
+
+
+@pytest.mark.parametrize("name", [c[0] for c in _functional_calls((2,))])
+def test_functional_none_or_list_names_the_argument(name):
+    ((_, arrays, params),) = [c for c in _functional_calls((3,)) if c[0] == name]
+    fn = _functional(name)
+    for arg in arrays:
+        for bad, what in ((None, "is None"), ([[1.0, 2.0]], "list")):
+            if bad is None and arg.startswith("grad_") and name in ("mhc_pre_op_bwd", "mhc_coeffs_bwd"):
+                continue  # a None gradient counts as zero there
+            args = dict(arrays, **{arg: bad})
+            with pytest.raises(TypeError, match=rf"^{arg}\b.*{what}"):
+                fn(*args.values(), **params)
+
+
+@pytest.mark.parametrize("name", ["sinkhorn_knopp_fwd", "sinkhorn_knopp_bwd", "mhc_pre_op_fwd", "mhc_pre_op_bwd"])
+def test_functional_num_iters_type_strict_and_bounded(name):
+    """True / 1.0 are rejected whether or not num_iters=1 ran before (the plan cache
+    once treated them as 1); num_iters is bounded by MAX_NUM_ITERS."""
+    import mhc_cupy
+
+    ((_, arrays, params),) = [c for c in _functional_calls((3,)) if c[0] == name]
+    fn = _functional(name)
+    for bad in (True, 1.0, np.bool_(True), "1"):
+        with pytest.raises(TypeError, match="num_iters must be an int"):
+            fn(*arrays.values(), **dict(params, num_iters=bad))
+    fn(*arrays.values(), **dict(params, num_iters=1))
+    for bad in (True, 1.0, np.bool_(True)):
+        with pytest.raises(TypeError, match="num_iters must be an int"):
+            fn(*arrays.values(), **dict(params, num_iters=bad))
+    assert mhc_cupy.MAX_NUM_ITERS == 10_000
+    for bad in (-1, mhc_cupy.MAX_NUM_ITERS + 1, 2**31):
+        with pytest.raises(ValueError, match="num_iters must be in 0..10000"):
+            fn(*arrays.values(), **dict(params, num_iters=bad))
+
+
+@pytest.mark.parametrize("name", ["sinkhorn_knopp_fwd", "rmsnorm_fwd", "rmsnorm_bwd", "mhc_pre_op_fwd",
+                                  "mhc_coeffs_fwd", "mhc_coeffs_bwd"])
+def test_functional_eps_type_strict(name):
+    ((_, arrays, params),) = [c for c in _functional_calls((3,)) if c[0] == name]
+    fn = _functional(name)
+    fn(*arrays.values(), **dict(params, eps=1.0))
+    fn(*arrays.values(), **dict(params, eps=np.float32(1e-5)))
+    for bad in (True, False, "1e-5", None):
+        with pytest.raises(TypeError, match="eps must be a float"):
+            fn(*arrays.values(), **dict(params, eps=bad))
+
+
+def test_functional_shape_error_names_x():
+    """x lacking its stream dim: the message names x and M, not M alone."""
+    import mhc_cupy
+
+    x, M = np.zeros((3, 4), np.float32), np.zeros((3, 4, 4), np.float32)
+    with pytest.raises(ValueError, match=r"x has shape \(3, 4\) .* but M has shape \(3, 4, 4\).* x needs "
+                                         r"\(3, 4, C\)"):
+        mhc_cupy.stream_mix_fwd(x, M)
+    with pytest.raises(ValueError, match=r"x has shape \(3, 4\) .* but h_pre_raw has shape"):
+        mhc_cupy.mhc_pre_op_fwd(x, np.zeros((3, 4), np.float32), np.zeros((3, 4), np.float32), M)
+
+
+def test_functional_rmsnorm_bwd_weight_c0():
+    import mhc_cupy
+
+    x = np.zeros((3, 0), np.float32)
+    dx, dw = mhc_cupy.rmsnorm_bwd(x, x, weight=np.zeros(0, np.float32))
+    assert dx.shape == (3, 0) and dw.shape == (0,) and dw.dtype == np.float32
+
+
+def test_functional_bf16_dlpack_producer_on_cpu(rng):
+    """A generic DLPack producer of CPU bfloat16 (NumPy cannot import it) works: NumPy bf16 out."""
+    import ml_dtypes
+
+    import mhc_cupy
+
+    class Producer:  # not a torch tensor: only the DLPack protocol
+        def __init__(self, t):
+            self.t = t
+
+        def __dlpack__(self, **kw):
+            return self.t.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.t.__dlpack_device__()
+
+    x = torch.from_numpy(rng.standard_normal((3, 8))).to(torch.bfloat16)
+    out = mhc_cupy.rmsnorm_fwd(Producer(x))
+    assert isinstance(out, np.ndarray) and out.dtype == ml_dtypes.bfloat16
+    want = mhc_cupy.rmsnorm_fwd(x.view(torch.int16).numpy().view(ml_dtypes.bfloat16))
+    np.testing.assert_array_equal(out.view(np.int16), want.view(np.int16))
+
+
+def test_sinkhorn_logit_scale_1000_and_eps_0_as_documented(rng):
+    """OPS.md section 1, edge cases: at logit scale ~1000 a column that is no row's maximum
+    stays 0 (finite, not doubly stochastic, ~zero gradient); eps = 0 then gives NaN."""
+    L = np.array([[0.0, 1000.0, -500.0], [900.0, 0.0, -1000.0], [0.0, 950.0, 10.0]])[None]  # maxima: 1, 0, 1
+    P = R.sinkhorn_knopp_fwd(L)
+    assert np.isfinite(P).all()
+    np.testing.assert_array_equal(P[0, :, 2], 0.0)  # column 2 holds no row maximum
+    np.testing.assert_allclose(P.sum(-2)[0], [1.0, 1.0, 0.0], atol=1e-7)
+    np.testing.assert_allclose(P[0, [0, 2], 1], [0.5, 0.5], atol=1e-7)  # two rows share column 1: 1/2 each
+    G = rng.standard_normal(L.shape)
+    for mode in ("unrolled", "implicit"):
+        np.testing.assert_allclose(R.sinkhorn_knopp_bwd(G, L, grad_mode=mode), 0.0, atol=1e-6)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        assert np.isnan(R.sinkhorn_knopp_fwd(L, eps=0.0)).all()
+        L0 = rng.standard_normal((2, 4, 4))
+        np.testing.assert_allclose(R.sinkhorn_knopp_fwd(L0, eps=0.0).sum(-2), 1.0, atol=1e-12)
+        assert np.isnan(R.rmsnorm_fwd(np.zeros((1, 4)), eps=0.0)).all()

@@ -39,6 +39,9 @@ def driver_calls(monkeypatch):
 
     calls_nargs = [0]
     monkeypatch.setattr(driver, "launchKernel", fake_launch)
+    from mhc_cupy import _jit
+
+    monkeypatch.setattr(_jit, "shared_limit", FakeSetter().limit())  # no cuFuncGetAttribute either
     return calls, calls_nargs
 
 
@@ -96,11 +99,14 @@ def test_nested_recording_reaches_the_outer_one():
 # --------------------------------------------------------------------------- dynamic shared memory
 
 class FakeSetter:
-    """Stands in for cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES): records the
-    calls and the attribute per function, and notices two calls at once."""
+    """Stands in for cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES) (called) and for
+    reading what a function allows before that (``initial``): records the calls and the
+    attribute per function, and notices two calls at once.  As on the GPU, a function
+    with ``static`` bytes of static shared memory allows 48 KiB less those until set."""
 
-    def __init__(self, delay=0.0):
+    def __init__(self, delay=0.0, static=0):
         self.calls, self.value, self.busy, self.overlaps, self.delay = [], {}, False, 0, delay
+        self.static, self.reads = static, []
 
     def __call__(self, fn_ptr, size):
         import time
@@ -112,17 +118,35 @@ class FakeSetter:
         self.value[fn_ptr] = size
         self.busy = False
 
+    def initial(self, fn_ptr):
+        self.reads.append(fn_ptr)
+        return self.value.get(fn_ptr, 48 * 1024 - self.static)
+
     def allows(self, fn_ptr, size):
-        return size <= max(self.value.get(fn_ptr, 0), 48 * 1024)
+        return size <= self.value.get(fn_ptr, 48 * 1024 - self.static)
+
+    def limit(self):
+        from mhc_cupy._jit import DynamicSharedLimit
+
+        return DynamicSharedLimit(self, self.initial)
+
+
+def _in_threads(worker, n):
+    """Run worker(0) ... worker(n - 1), each in its own thread, and wait for all."""
+    import threading
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def test_shared_limit_only_grows():
     """Weighted rmsnorm_bwd at C 20000, 16384, 20000 (bf16: C * 4 bytes): the third
     launch must still be allowed (the attribute was lowered to 64 KiB before)."""
-    from mhc_cupy._jit import DynamicSharedLimit
-
     setter = FakeSetter()
-    limit = DynamicSharedLimit(setter)
+    limit = setter.limit()
     fn, other = 0xA, 0xB
     for C in (20000, 16384, 20000):
         limit.ensure(fn, C * 4)
@@ -136,12 +160,9 @@ def test_shared_limit_only_grows():
 
 def test_shared_limit_threads():
     import random
-    import threading
-
-    from mhc_cupy._jit import DynamicSharedLimit
 
     setter = FakeSetter(delay=0.001)
-    limit = DynamicSharedLimit(setter)
+    limit = setter.limit()
     sizes = [random.Random(k).randrange(40_000, 200_000) for k in range(64)]
     refused = []
 
@@ -151,11 +172,7 @@ def test_shared_limit_threads():
             if not setter.allows(0xC, s):
                 refused.append(s)
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _in_threads(worker, 8)
     assert not refused and setter.overlaps == 0
     values = [s for _, s in setter.calls]
     assert values == sorted(set(values)) and values[-1] == max(sizes)
@@ -167,13 +184,162 @@ def test_replay_ensures_shared_memory(driver_calls, monkeypatch):
 
     calls, nargs = driver_calls
     setter = FakeSetter()
-    monkeypatch.setattr(_jit, "shared_limit", _jit.DynamicSharedLimit(setter))
+    monkeypatch.setattr(_jit, "shared_limit", setter.limit())
     x = BASE
     rp = _replay.record(_launches((x, np.int32(20000)), smem=80000), [x])
     nargs[0] = 2
     rp.launch([x + 4096], stream=1)
     assert setter.calls == [(FakeFunction.ptr, 80000)] and calls[0]["smem"] == 80000
 
+
+
+def test_shared_limit_counts_static_shared_memory():
+    """The weighted rmsnorm_bwd kernels also hold ``red[2 * 32]`` floats (256 bytes) of static
+    shared memory, so C = 12288 (exactly 48 KiB of dynamic) needs the attribute raised: it
+    was refused with CUDA_ERROR_INVALID_VALUE when no larger launch had raised it first."""
+    setter = FakeSetter(static=256)
+    limit = setter.limit()
+    fn, other = 0xA, 0xB
+    limit.ensure(fn, 12288 * 4)
+    assert setter.allows(fn, 12288 * 4) and setter.calls == [(fn, 49152)]
+    limit.ensure(fn, 48 * 1024 - 256)  # within what is set: no call, no read
+    assert setter.calls == [(fn, 49152)] and setter.reads == [fn]
+    limit.ensure(other, 0)  # no dynamic shared memory: no driver call at all
+    assert setter.reads == [fn]
+    for _ in range(2):
+        limit.ensure(other, 48 * 1024 - 256)  # within the initial limit: read once, never set
+    assert setter.reads == [fn, other] and setter.calls == [(fn, 49152)]
+
+
+def test_shared_limit_refused_size_changes_nothing():
+    """A size the device cannot give raises and leaves the limit as it was."""
+    calls = []
+
+    def setter(fn_ptr, size):
+        if size > 100_000:
+            raise RuntimeError("CUDA_ERROR_INVALID_VALUE")
+        calls.append(size)
+
+    from mhc_cupy._jit import DynamicSharedLimit
+
+    limit = DynamicSharedLimit(setter, lambda fn_ptr: 48 * 1024)
+    limit.ensure(0xA, 60_000)
+    with pytest.raises(RuntimeError):
+        limit.ensure(0xA, 200_000)
+    limit.ensure(0xA, 80_000)
+    limit.ensure(0xA, 70_000)
+    assert calls == [60_000, 80_000]
+
+
+def test_shared_limit_threads_like_the_gpu_test():
+    """tests/gpu/test_replay_gpu.py::test_shared_memory_sizes_from_many_threads on fake
+    functions: eight threads, C 12288 ... 19456 in rotated orders, three rounds, kernels with
+    256 bytes of static shared memory (one kernel up to C 14336, another above)."""
+    setter = FakeSetter(delay=0.0005, static=256)
+    limit = setter.limit()
+    sizes = [12288 + 1024 * k for k in range(8)]
+    refused = []
+
+    def worker(k):
+        for C in (sizes[k:] + sizes[:k]) * 3:
+            fn = 0xA if C <= 14336 else 0xB
+            limit.ensure(fn, C * 4)
+            if not setter.allows(fn, C * 4):
+                refused.append((k, C))
+
+    _in_threads(worker, 8)
+    assert not refused and setter.overlaps == 0
+    for fn in (0xA, 0xB):
+        values = [s for f, s in setter.calls if f == fn]
+        assert values == sorted(set(values))
+    assert setter.value == {0xA: 14336 * 4, 0xB: 19456 * 4}
+
+
+def test_initial_dynamic_shared_reads_the_function(monkeypatch):
+    """What a function allows before its attribute is set: its attribute, and at most 48 KiB
+    less its static shared memory; read with the context made current."""
+    import cupy
+
+    from mhc_cupy import _jit
+
+    events = []
+    attrs = {driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES: 49152,
+             driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES: 256}
+
+    def get(attr, fn_ptr):
+        events.append("get")
+        return attrs[attr]
+
+    monkeypatch.setattr(driver, "funcGetAttribute", get)
+    monkeypatch.setattr(cupy.cuda.runtime, "getDevice", lambda: 0)
+    monkeypatch.setattr(cupy.cuda.runtime, "memGetInfo", lambda: events.append("context"))
+    monkeypatch.setattr(_replay._local, "contexts", set(), raising=False)
+    assert _jit._initial_dynamic_shared(0xA) == 48 * 1024 - 256
+    attrs[driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES] = 1000
+    assert _jit._initial_dynamic_shared(0xA) == 1000
+    assert events == ["context", "get", "get", "get", "get"]
+
+
+# --------------------------------------------------------------------------- CUDA context per thread
+
+def _in_a_new_thread(fn):
+    box = []
+    _in_threads(lambda k: box.append(fn()), 1)
+    return box[0]
+
+
+def test_ensure_context_once_per_thread_and_device(monkeypatch):
+    import cupy
+
+    made = []
+    monkeypatch.setattr(cupy.cuda.runtime, "memGetInfo", lambda: made.append(1))
+
+    def work():
+        for dev in (0, 0, 1, 0, 1):
+            _replay.ensure_context(dev)
+        return len(made)
+
+    assert _in_a_new_thread(work) == 2
+    assert _in_a_new_thread(work) == 4  # another thread makes its own current
+
+
+def test_fast_path_makes_the_context_current_before_a_replay(driver_calls, monkeypatch):
+    """A thread whose first CUDA work is a replayed call (outputs from a memory pool, no
+    CuPy launch before) must not reach cuLaunchKernel without a current context."""
+    import cupy
+
+    from mhc_cupy import _dispatch
+
+    calls, nargs = driver_calls
+    events = []
+    monkeypatch.setattr(cupy.cuda.runtime, "memGetInfo", lambda: events.append("context"))
+    monkeypatch.setattr(driver, "launchKernel", lambda *a: events.append("launch"))
+    monkeypatch.setattr(_dispatch, "_get_device", lambda: 0)
+
+    class FrontEnd:
+        @staticmethod
+        def empty(shape, dt, like):
+            return BASE + 4096
+
+        @staticmethod
+        def ptr(o):
+            return o
+
+        @staticmethod
+        def stream(dev):
+            return 7
+
+    x = BASE
+    rp = _replay.record(_launches((x, x + 4096, np.int32(3))), [x, x + 4096])
+    plan = _dispatch.Plan([((4,), "float32")], launch=None, reference=None, single=True)
+    entry = _dispatch._Entry(plan, FrontEnd, 0, rp)
+
+    def two_calls():
+        for _ in range(2):
+            _dispatch._run_fast(entry, [BASE + (1 << 20)], None, {"x": None})
+        return list(events)
+
+    assert _in_a_new_thread(two_calls) == ["context", "launch", "launch"]
 
 # --------------------------------------------------------------------------- launch arguments
 

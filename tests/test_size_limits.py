@@ -91,7 +91,8 @@ def test_weighted_rmsnorm_bwd_c_limit_follows_the_device(monkeypatch, arch):
     dev = ("cuda", 1)
     assert LIMIT[arch] == (OPTIN[arch] - 256) // 4
     rmsnorm.check_weighted_c(LIMIT[arch], dev)
-    with pytest.raises(ValueError, match=rf"on cuda:1 it supports C <= {LIMIT[arch]} .*x has C = {LIMIT[arch] + 1}"):
+    with pytest.raises(ValueError, match=rf"supports C <= {LIMIT[arch]}; x has C = {LIMIT[arch] + 1} .*"
+                                         rf"{OPTIN[arch]} bytes per block on cuda:1, 256 of them static"):
         rmsnorm.check_weighted_c(LIMIT[arch] + 1, dev)
     # through the planner (a GPU ArrayInfo: nothing is allocated or launched)
     C = LIMIT[arch] + 1
@@ -102,12 +103,16 @@ def test_weighted_rmsnorm_bwd_c_limit_follows_the_device(monkeypatch, arch):
     rmsnorm._plan_bwd({"grad": info, "x": info, "weight": None}, eps=1e-5)  # no weight: no shared row
 
 
-def test_weighted_rmsnorm_bwd_c_limit_only_on_gpus(monkeypatch):
+def test_weighted_rmsnorm_bwd_c_limit_without_a_device_query(monkeypatch):
     monkeypatch.setattr(rmsnorm, "_smem_optin", lambda ordinal: pytest.fail("queried a device"))
-    rmsnorm.check_weighted_c(10**6, ("cpu", 0))  # the CPU reference has no limit
+    rmsnorm.check_weighted_c(LIMIT["sm_90"], ("cpu", 0))  # the CPU: the H100 / H200 limit, one contract
+    with pytest.raises(ValueError, match=rf"supports C <= {LIMIT['sm_90']}; .* on an H100 / H200"):
+        rmsnorm.check_weighted_c(LIMIT["sm_90"] + 1, ("cpu", 0))
     rmsnorm.check_weighted_c(12000, ("cuda", 0))  # within the 48 KiB every GPU grants: no query
     monkeypatch.setattr(rmsnorm, "_smem_optin", lambda ordinal: None)
-    rmsnorm.check_weighted_c(10**6, ("cuda", 0))  # cannot query (no GPU here): the launch checks
+    rmsnorm.check_weighted_c(LIMIT["sm_90"], ("cuda", 0))  # cannot query (no GPU here): the H100 / H200 limit
+    with pytest.raises(ValueError, match=rf"supports C <= {LIMIT['sm_90']}"):
+        rmsnorm.check_weighted_c(LIMIT["sm_90"] + 1, ("cuda", 0))
 
 
 # ------------------------------------------------- per-thread kernel resources

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -600,3 +601,109 @@ def test_import_order(first):
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+# ------------------------------------------------------------------ second order
+def _double_backward(outs, args):
+    """First-order gradients with create_graph=True, then a backward through them."""
+    loss = sum((o.float() ** 2).sum() for o in as_tuple(outs)) + sum((a.float() ** 3).sum() for a in args)
+    grads = torch.autograd.grad(loss, args, create_graph=True)
+    sum(g.float().sum() for g in grads).backward()
+
+
+@pytest.mark.parametrize("op", OPS + ["rmsnorm_no_weight", "mhc_coeffs"])
+def test_double_backward_raises(rng, op):
+    """The eager backward runs on raw pointers (no graph): a second-order
+    gradient through it must raise, never silently treat it as a constant."""
+    if op == "mhc_coeffs":
+        n, C = 4, 7
+        args = [tensor(rng, (3, n, C)), tensor(rng, (n * C, n * n + 2 * n), scale=0.1), tensor(rng, (3,)),
+                tensor(rng, (n * n + 2 * n,))]
+        outs = mt.mhc_coeffs(*args)
+    else:
+        c = case(op.replace("_no_weight", ""), rng, (3,), 4, 7, weight=op == "rmsnorm")
+        args, outs = c["args"], call(c)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        _double_backward(outs, args)
+
+
+def test_double_backward_raises_issue_repro(rng):
+    x = tensor(rng, (3, 4, 7))
+    M = tensor(rng, (3, 4, 4), grad=False)
+    (g,) = torch.autograd.grad((mt.stream_mix(x, M) ** 2).sum() + (x**3).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()
+
+
+# ------------------------------------------------------------------ functional API and autograd
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """Forget which ops already warned (the warning is once per op and process)."""
+    from mhc_cupy import _dispatch
+
+    monkeypatch.setattr(_dispatch, "_autograd_warned", set())
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_functional_api_warns_once_per_op(rng, fresh_warnings, op):
+    """The functional API records no graph: tensors that require grad give one
+    AutogradNotRecordedWarning per op, naming the op and its mhc_cupy.torch twin."""
+    c = case(op, rng, (3,), 4, 7)
+    args, fwd = c["args"], c["fwd"]
+    with pytest.warns(m.AutogradNotRecordedWarning, match=rf"mhc_cupy\.{fwd.__name__} .*mhc_cupy\.torch\.{op} "):
+        outs = as_tuple(call(c, fn=fwd))
+    assert all(o.grad_fn is None for o in outs)
+    gs = upstream_like(rng, outs)
+    with pytest.warns(m.AutogradNotRecordedWarning, match=rf"mhc_cupy\.{op}_bwd "):
+        c["bwd"](gs, args, c["params"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call(c, fn=fwd)  # once per op
+        c["bwd"](gs, args, c["params"])
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_functional_api_no_warning_without_grad(rng, fresh_warnings, op):
+    """No warning under torch.no_grad, for detached tensors, or from the adapter (eager and custom-op routes)."""
+    c = case(op, rng, (3,), 4, 7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.no_grad():
+            call(c, fn=c["fwd"])
+        call(c, [a.detach() for a in c["args"]], fn=c["fwd"])
+        outs = as_tuple(call(c))
+        grads_of(outs, c["args"], upstream_like(rng, outs))
+        if op != "rmsnorm":  # the custom ops take the parameters positionally, grad_mode last
+            extra = (*c["params"].values(), "unrolled") if c["params"] else ()
+            outs = as_tuple(getattr(torch.ops.mhc_cupy, f"{op}_fwd")(*c["args"], *extra))
+            grads_of(outs, c["args"], upstream_like(rng, outs))
+
+
+def test_functional_docstrings_point_at_the_adapter():
+    for name in m.__all__:
+        if name.endswith(("_fwd", "_bwd")):
+            doc = getattr(m, name).__doc__
+            assert "AutogradNotRecordedWarning" in doc and f"mhc_cupy.torch.{name[:-4]}" in doc, name
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_none_or_list_names_the_argument(rng, op):
+    """None or a list for a tensor: a TypeError naming the argument (not torch's schema RuntimeError)."""
+    import inspect
+
+    c = case(op, rng, (3,), 4, 7, weight=False)
+    names = list(inspect.signature(c["fn"]).parameters)
+    for i, a in enumerate(c["args"]):
+        for bad in (None, a.detach().tolist()):
+            args = list(c["args"])
+            args[i] = bad
+            with pytest.raises(TypeError, match=rf"^{names[i]}\b"):
+                call(c, args)
+
+
+def test_num_iters_bounded(rng):
+    L = tensor(rng, (3, 4, 4))
+    with pytest.raises(ValueError, match="num_iters must be in 0..10000"):
+        mt.sinkhorn_knopp(L, num_iters=10_001)
+    with pytest.raises(TypeError, match="num_iters must be an int"):
+        mt.sinkhorn_knopp(L, num_iters=True)

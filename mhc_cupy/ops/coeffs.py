@@ -86,6 +86,32 @@ def _zero(ptr, count: int, stream, offset: int = 0) -> None:
         launch(_FILE, "mhc_coeffs_zero_kernel", (min(_cdiv(count, _NT), 1024), 1, 1), (_NT, 1, 1),
                (ptr + 4 * offset, i64(count)), stream)
 
+def zero_param_grads(dphi, dalpha, dbias, D: int, K: int, stream) -> None:
+    """Zero parameter gradients (no tokens)."""
+    for ptr, count in ((dphi, D * K), (dalpha, 3), (dbias, K)):
+        _zero(ptr, count, stream)
+
+
+def launch_finish(part, splits: int, alpha, bias, h_pre, h_post, h_res, stats, tokens, D, n, K, eps, stream):
+    """h (and stats, unless None) from the per-D-range sums part [splits, T, K+1]."""
+    launch(_FILE, "mhc_coeffs_fwd_finish_kernel", (min(_cdiv(tokens * K, _NT), MAX_GRID), 1, 1), (_NT, 1, 1),
+           (part, alpha, bias, h_pre, h_post, h_res, stats, i64(tokens), i32(D), i32(n), i32(K), i32(splits),
+            f32(eps)), stream)
+
+
+def launch_prep(part, splits: int, grads: tuple, alpha, dH, qa, dalpha, dbias, tokens, D, n, K, KP, eps, stream):
+    """dH | c and the per-token dalpha terms from the sums and the raw-coefficient gradients
+    ``grads`` = (pre, post, res) pointers (None = zero), then dalpha and dbias summed over tokens."""
+    launch(_FILE, "mhc_coeffs_bwd_prep_kernel", (min(_cdiv(tokens, _WARPS), MAX_GRID), 1, 1), (_NT, 1, 1),
+           (part, *grads, alpha, dH, qa, i64(tokens), i32(D), i32(n), i32(K), i32(KP), i32(splits), f32(eps)), stream)
+    column_sum(qa, dalpha, tokens, 3, stream)
+    for ptr, offset, cols in zip(grads, (0, n, 2 * n), (n, n, n * n)):
+        if ptr is None:
+            _zero(dbias, cols, stream, offset)
+        else:
+            column_sum(ptr, dbias + 4 * offset, tokens, cols, stream)
+
+
 
 # ------------------------------------------------ tensor-core forward GEMM layout
 _MMA_MT = 2  # 16-token MMA tiles per warp of the forward (kernels_cu/coeffs.cu mhc_coeffs_mma_fwd_kernel)
@@ -164,9 +190,7 @@ def _plan_fwd(infos, eps):
     def run_kernels(p, outs, s, stream):
         part, planes = s
         launch_mma_gemm(dt, D, K, tokens, p["x"], p["phi"], part, planes, mma, stream)
-        launch(_FILE, "mhc_coeffs_fwd_finish_kernel", (min(_cdiv(tokens * K, _NT), MAX_GRID), 1, 1), (_NT, 1, 1),
-               (part, p["alpha"], p["bias"], *outs, None, i64(tokens), i32(D), i32(n), i32(K), i32(mma.splits),
-                f32(eps)), stream)
+        launch_finish(part, mma.splits, p["alpha"], p["bias"], *outs, None, tokens, D, n, K, eps, stream)
 
     return Plan([(lead + (n,), "float32"), (lead + (n,), "float32"), (lead + (n, n), "float32")], run_kernels,
                 lambda a: reference.mhc_coeffs_fwd(a["x"], a["phi"], a["alpha"], a["bias"], eps),
@@ -284,27 +308,17 @@ def _plan_bwd(infos, eps):
             named.append(("dphi_part", ((t_splits, D, K), "float32")))
     names = [name for name, _ in named]
     outputs = [(infos["x"].shape, dt), ((D, K), "float32"), ((3,), "float32"), ((K,), "float32")]
-    grads = (("grad_h_pre_raw", 0, n), ("grad_h_post_raw", n, n), ("grad_h_res_raw", 2 * n, n * n))
 
     def run_kernels(p, outs, s, stream):
         dx, dphi, dalpha, dbias = outs
         if tokens == 0:
-            for ptr, count in ((dphi, D * K), (dalpha, 3), (dbias, K)):
-                _zero(ptr, count, stream)
+            zero_param_grads(dphi, dalpha, dbias, D, K, stream)
             return
         sc = dict(zip(names, s))
         part, dH, qa = sc["part"], sc["dH"], sc["qa"]
         launch_mma_gemm(dt, D, K, tokens, p["x"], p["phi"], part, sc["planes"], mma, stream)
-        warps_grid = min(_cdiv(tokens, _WARPS), MAX_GRID)
-        launch(_FILE, "mhc_coeffs_bwd_prep_kernel", (warps_grid, 1, 1), (_NT, 1, 1),
-               (part, p["grad_h_pre_raw"], p["grad_h_post_raw"], p["grad_h_res_raw"], p["alpha"], dH, qa, i64(tokens),
-                i32(D), i32(n), i32(K), i32(KP), i32(mma.splits), f32(eps)), stream)
-        column_sum(qa, dalpha, tokens, 3, stream)
-        for name, offset, cols in grads:
-            if p[name] is None:
-                _zero(dbias, cols, stream, offset)
-            else:
-                column_sum(p[name], dbias + 4 * offset, tokens, cols, stream)
+        launch_prep(part, mma.splits, (p["grad_h_pre_raw"], p["grad_h_post_raw"], p["grad_h_res_raw"]), p["alpha"],
+                    dH, qa, dalpha, dbias, tokens, D, n, K, KP, eps, stream)
         if tc is not None:
             launch_mma_bwd(tc, dt, p["x"], p["phi"], dH, KP, dx, dphi, sc, stream)
             return
@@ -359,6 +373,9 @@ def mhc_coeffs_fwd(x, phi, alpha, bias, eps=1e-5):
         Zero tokens return empty outputs and launch nothing.  One or two
         launches on the caller's current stream; the backward recomputes
         everything from x (nothing but the inputs needs saving).
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_coeffs`` for gradients.
     """
     return run(_plan_fwd, {"x": x, "phi": phi, "alpha": alpha, "bias": bias}, eps=eps)
 
@@ -386,6 +403,9 @@ def mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alph
         Sums over tokens (dphi, dalpha, dbias) are per-block partials added in
         a fixed order: bitwise reproducible, no atomics.  Zero tokens give an
         empty dx and zero parameter gradients.
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_coeffs`` for gradients.
     """
     return run(_plan_bwd, {"grad_h_pre_raw": grad_h_pre_raw, "grad_h_post_raw": grad_h_post_raw,
                            "grad_h_res_raw": grad_h_res_raw, "x": x, "phi": phi, "alpha": alpha, "bias": bias},

@@ -24,11 +24,10 @@ from __future__ import annotations
 
 from .. import _checks, reference
 from .._dispatch import Plan, run
-from ._launch import MAX_GRID, column_sum, f32, i32, i64, launch, tokens_of
-from .coeffs import (_FILE, _NT, _WARPS, _MMA_BWD_MAX_K, _check as _check_coeffs, _cdiv, _zero, launch_mma_bwd,
-                     launch_mma_gemm, mma_bwd, mma_layout, padded_row)
+from .coeffs import (_MMA_BWD_MAX_K, _check as _check_coeffs, launch_finish, launch_mma_bwd, launch_mma_gemm,
+                     launch_prep, mma_bwd, mma_layout, padded_row, zero_param_grads)
 from .sinkhorn import bwd_history, launch_bwd, launch_fwd
-from .stream import check_grad, check_h, check_matrix, launch_aggregate_bwd, launch_aggregate_fwd, launch_post_bwd
+from .stream import check_grad, launch_aggregate_bwd, launch_aggregate_fwd, launch_post_bwd
 from .post import _check as _check_post
 
 
@@ -54,9 +53,8 @@ def _plan_pre_fwd(infos, num_iters, eps, rms_eps):
         layer_in, H_pre, H_post, H_res, stats = outs
         part, planes, h_pre, h_post, h_res = s
         launch_mma_gemm(dt, D, K, tokens, p["x"], p["phi"], part, planes, mma, stream)
-        launch(_FILE, "mhc_coeffs_fwd_finish_kernel", (min(_cdiv(tokens * K, _NT), MAX_GRID), 1, 1), (_NT, 1, 1),
-               (part, p["alpha"], p["bias"], h_pre, h_post, h_res, stats, i64(tokens), i32(D), i32(n), i32(K),
-                i32(mma.splits), f32(rms_eps)), stream)
+        launch_finish(part, mma.splits, p["alpha"], p["bias"], h_pre, h_post, h_res, stats, tokens, D, n, K, rms_eps,
+                      stream)
         launch_fwd(n, tokens, iters, eps, h_res, H_res, stream, h_pre, h_post, H_pre, H_post)
         launch_aggregate_fwd(dt, n, C, tokens, p["x"], H_pre, n, layer_in, stream)
 
@@ -86,6 +84,9 @@ def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=20, eps=1e-8, rms_eps=1e-5)
 
     Raises:
         TypeError / ValueError: as mhc_coeffs_fwd and mhc_pre_op_fwd.
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_layer_pre`` for gradients.
     """
     return run(_plan_pre_fwd, {"x": x, "phi": phi, "alpha": alpha, "bias": bias}, num_iters=num_iters, eps=eps,
                rms_eps=rms_eps)
@@ -120,6 +121,9 @@ def mhc_layer_post_bwd(grad, layer_out, x, H_post, H_res):
 
     Returns:
         (d_layer_out [..., C] dtype of x, dH_post float32 [..., n], dH_res float32 [..., n, n]).
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_layer_post`` for gradients.
     """
     return run(_plan_post_bwd, {"grad": grad, "layer_out": layer_out, "x": x, "H_post": H_post, "H_res": H_res})
 
@@ -158,28 +162,21 @@ def _plan_pre_bwd(infos, num_iters, eps, rms_eps, grad_mode):
     def run_kernels(p, outs, s, stream):
         dx, dphi, dalpha, dbias = outs
         if tokens == 0:
-            for ptr, count in ((dphi, D * K), (dalpha, 3), (dbias, K)):
-                _zero(ptr, count, stream)
+            zero_param_grads(dphi, dalpha, dbias, D, K, stream)
             return
         sc = dict(zip(names, s))
         stats = p["stats"]
         # raw coefficients from the saved sums (no second GEMM)
-        launch(_FILE, "mhc_coeffs_fwd_finish_kernel", (min(_cdiv(tokens * K, _NT), MAX_GRID), 1, 1), (_NT, 1, 1),
-               (stats, p["alpha"], p["bias"], sc["h_pre"], sc["h_post"], sc["h_res"], None, i64(tokens), i32(D), i32(n),
-                i32(K), i32(1), f32(rms_eps)), stream)
+        launch_finish(stats, 1, p["alpha"], p["bias"], sc["h_pre"], sc["h_post"], sc["h_res"], None, tokens, D, n, K,
+                      rms_eps, stream)
         # Sinkhorn and H_post activation backward (null incoming gradients read as zero)
         launch_bwd(n, tokens, iters, eps, mode, p["grad_H_res"], sc["h_res"], sc["dh_res"], sc.get("hist"), stream,
                    p["grad_H_post"], sc["h_post"], sc["dh_post"])
         # dh_pre_raw = (sum_c g_c x_ic) H_pre (1 - H_pre); no dx here
         launch_aggregate_bwd(dt, tg, n, C, tokens, p["grad_layer_in"], p["x"], sc["h_pre"], n, None, sc["dh_pre"],
                              stream, act=1)
-        warps_grid = min(_cdiv(tokens, _WARPS), MAX_GRID)
-        launch(_FILE, "mhc_coeffs_bwd_prep_kernel", (warps_grid, 1, 1), (_NT, 1, 1),
-               (stats, sc["dh_pre"], sc["dh_post"], sc["dh_res"], p["alpha"], sc["dH"], sc["qa"], i64(tokens), i32(D),
-                i32(n), i32(K), i32(KP), i32(1), f32(rms_eps)), stream)
-        column_sum(sc["qa"], dalpha, tokens, 3, stream)
-        for name, offset, cols in (("dh_pre", 0, n), ("dh_post", n, n), ("dh_res", 2 * n, n * n)):
-            column_sum(sc[name], dbias + 4 * offset, tokens, cols, stream)
+        launch_prep(stats, 1, (sc["dh_pre"], sc["dh_post"], sc["dh_res"]), p["alpha"], sc["dH"], sc["qa"], dalpha,
+                    dbias, tokens, D, n, K, KP, rms_eps, stream)
         launch_mma_bwd(tc, dt, p["x"], p["phi"], sc["dH"], KP, dx, dphi, sc, stream, tg=tg, g=p["grad_out"],
                        g_li=p["grad_layer_in"], H_pre=p["H_pre"], H_res=p["H_res"])
 
@@ -215,6 +212,9 @@ def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, 
 
     Raises:
         TypeError / ValueError: bad dtypes or shapes; on the GPU, n > 4 (use the unfused ops).
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_layer_pre`` for gradients.
     """
     return run(_plan_pre_bwd, {"grad_layer_in": grad_layer_in, "grad_out": grad_out, "grad_H_post": grad_H_post,
                                "grad_H_res": grad_H_res, "x": x, "phi": phi, "alpha": alpha, "bias": bias,

@@ -11,8 +11,8 @@ from .stream import check_grad, check_h, check_matrix, check_x, check_y, launch_
 def _check(infos):
     dt, lead, n, C = check_x("x", infos["x"])
     check_y("layer_out", infos["layer_out"], lead, C, dt)
-    check_h("H_post", infos["H_post"], lead, n, False)
-    check_matrix("H_res", infos["H_res"], lead, n)
+    check_h("H_post", infos["H_post"], lead, n, False, infos["x"].shape)
+    check_matrix("H_res", infos["H_res"], lead, n, infos["x"].shape)
     return dt, lead, n, C, tokens_of(lead)
 
 
@@ -57,6 +57,9 @@ def mhc_post_op_fwd(layer_out, x, H_post, H_res):
 
     Raises:
         TypeError: bad dtypes.  ValueError: shapes / devices disagree, n out of range.
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_post_op`` for gradients.
     """
     return run(_plan_fwd, {"layer_out": layer_out, "x": x, "H_post": H_post, "H_res": H_res})
 
@@ -72,5 +75,8 @@ def mhc_post_op_bwd(grad, layer_out, x, H_post, H_res):
 
     Returns:
         (d_layer_out [..., C], dx [..., n, C], dH_post float32 [..., n], dH_res float32 [..., n, n]).
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_post_op`` for gradients.
     """
     return run(_plan_bwd, {"grad": grad, "layer_out": layer_out, "x": x, "H_post": H_post, "H_res": H_res})

@@ -11,9 +11,9 @@ from .stream import check_grad, check_h, check_matrix, check_x, launch_aggregate
 
 def _check(infos, num_iters, eps):
     dt, lead, n, C = check_x("x", infos["x"])
-    check_h("h_pre_raw", infos["h_pre_raw"], lead, n, False)
-    check_h("h_post_raw", infos["h_post_raw"], lead, n, False)
-    check_matrix("h_res_raw", infos["h_res_raw"], lead, n)
+    check_h("h_pre_raw", infos["h_pre_raw"], lead, n, False, infos["x"].shape)
+    check_h("h_post_raw", infos["h_post_raw"], lead, n, False, infos["x"].shape)
+    check_matrix("h_res_raw", infos["h_res_raw"], lead, n, infos["x"].shape)
     return dt, lead, n, C, tokens_of(lead), _checks.num_iters(num_iters), _checks.eps("eps", eps)
 
 
@@ -78,6 +78,9 @@ def mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=20, eps=1e-8):
     Notes:
         Two launches on the caller's stream: the per-token coefficients (one
         thread per token), then the weighted stream sum.
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_pre_op`` for gradients.
     """
     return run(_plan_fwd, {"x": x, "h_pre_raw": h_pre_raw, "h_post_raw": h_post_raw, "h_res_raw": h_res_raw},
                num_iters=num_iters, eps=eps)
@@ -102,6 +105,9 @@ def mhc_pre_op_bwd(grad_layer_in, grad_H_pre, grad_H_post, grad_H_res, x, h_pre_
 
     Returns:
         (dx [..., n, C] dtype of x, dh_pre_raw, dh_post_raw float32 [..., n], dh_res_raw float32 [..., n, n]).
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_pre_op`` for gradients.
     """
     return run(_plan_bwd, {"grad_layer_in": grad_layer_in, "grad_H_pre": grad_H_pre, "grad_H_post": grad_H_post,
                            "grad_H_res": grad_H_res, "x": x, "h_pre_raw": h_pre_raw, "h_post_raw": h_post_raw,

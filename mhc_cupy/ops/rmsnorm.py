@@ -14,7 +14,12 @@ _FILE = "rmsnorm.cu"
 _BWD_BLOCKS = 1024
 #: Static shared memory of the backward kernels (``red``: 2 x 32 floats); the
 #: weighted backward adds C floats of dynamic shared memory (its dw row).
-_BWD_STATIC_SMEM = 256
+_BWD_STATIC_SMEM = 2 * 32 * 4
+#: Shared memory a block may use on an H100 / H200 (static and dynamic together),
+#: the most of any supported GPU: the weighted backward's C limit everywhere (the
+#: CPU too: one contract) is at most (_MAX_SMEM - _BWD_STATIC_SMEM) / 4; a GPU with
+#: less opt-in shared memory per block lowers it.
+_MAX_SMEM = 227 * 1024
 #: Shared memory per block every CUDA GPU since sm_70 grants without opting in.
 _DEFAULT_SMEM = 48 * 1024
 #: Register-cached kernels: the vectors per thread K tried, smallest first,
@@ -56,23 +61,25 @@ def _smem_optin(ordinal: int) -> int | None:
         return None
 
 
-def _weighted_c_error(C: int, optin: int, static: int, device) -> ValueError:
+def _weighted_c_error(C: int, smem: int, static: int, where: str) -> ValueError:
     return ValueError(
-        f"rmsnorm_bwd with a weight keeps a float32 row of C in shared memory: on {device[0]}:{device[1]} it "
-        f"supports C <= {(optin - static) // 4} ({optin} bytes per block, {static} of them static); x has C = {C}")
+        f"rmsnorm_bwd with a weight supports C <= {(smem - static) // 4}; x has C = {C} (the backward keeps a "
+        f"float32 row of C in shared memory: {smem} bytes per block {where}, {static} of them static)")
 
 
 def check_weighted_c(C: int, device) -> None:
     """Raise ValueError when the weighted backward's dw row (C floats of
-    dynamic shared memory) cannot fit on ``device`` (a ("cuda", ordinal) tuple;
-    the limit is the device's opt-in shared memory per block minus the
-    kernels' static shared memory: C <= 58048 on sm_90, 41664 on sm_80,
-    25280 on sm_86 / sm_89)."""
-    if device[0] != "cuda" or C * 4 + _BWD_STATIC_SMEM <= _DEFAULT_SMEM:
-        return
-    optin = _smem_optin(device[1])
-    if optin is not None and C * 4 + _BWD_STATIC_SMEM > optin:
-        raise _weighted_c_error(C, optin, _BWD_STATIC_SMEM, device)
+    dynamic shared memory) cannot fit: C <= (S - 256) / 4 with S the opt-in
+    shared memory per block of ``device`` (a ("cuda", ordinal) tuple), at most
+    _MAX_SMEM: C <= 58048 on sm_90 and on the CPU, 41664 on sm_80, 25280 on
+    sm_86 / sm_89."""
+    smem, where = _MAX_SMEM, "on an H100 / H200"
+    if device[0] == "cuda" and C * 4 + _BWD_STATIC_SMEM > _DEFAULT_SMEM:
+        optin = _smem_optin(device[1])
+        if optin is not None and optin < smem:
+            smem, where = optin, f"on {device[0]}:{device[1]}"
+    if C * 4 + _BWD_STATIC_SMEM > smem:
+        raise _weighted_c_error(C, smem, _BWD_STATIC_SMEM, where)
 
 
 _static_smem: dict = {}  # function pointer -> its static shared memory (bytes)
@@ -93,7 +100,7 @@ def _check_launch_smem(expr: str, C: int) -> None:
     if static is None:
         static = _static_smem[fn.ptr] = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn.ptr)
     if optin is not None and C * 4 + static > optin:
-        raise _weighted_c_error(C, optin, static, ("cuda", dev))
+        raise _weighted_c_error(C, optin, static, f"on cuda:{dev}")
 
 
 def _kernel(kind: str, types: str, E: int, C: int, has_w: bool, layout):
@@ -185,6 +192,9 @@ def rmsnorm_fwd(x, eps=1e-5, weight=None):
 
     Raises:
         TypeError: bad dtypes.  ValueError: weight shape, devices, eps.
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.rmsnorm`` for gradients.
     """
     return run(_plan_fwd, {"x": x, "weight": weight}, eps=eps)
 
@@ -206,7 +216,11 @@ def rmsnorm_bwd(grad, x, eps=1e-5, weight=None):
 
     Raises:
         TypeError / ValueError: as the forward; grad shape differs from x;
-        with a weight on a GPU, C above what its shared memory per block holds
-        (C floats: C <= 58048 on sm_90, 41664 on sm_80, 25280 on sm_86 / sm_89).
+        with a weight, C above what a GPU's shared memory per block holds
+        (C floats: C <= 58048 on sm_90 and on the CPU, 41664 on sm_80, 25280 on
+        sm_86 / sm_89).
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.rmsnorm`` for gradients.
     """
     return run(_plan_bwd, {"grad": grad, "x": x, "weight": weight}, eps=eps)

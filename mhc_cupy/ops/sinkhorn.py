@@ -154,6 +154,9 @@ def sinkhorn_knopp_fwd(logits, num_iters=20, eps=1e-8):
     Notes:
         GPU: one launch for all tokens on the caller's current stream.  CPU
         inputs run the NumPy reference.
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.sinkhorn_knopp`` for gradients.
     """
     return run(_plan_fwd, {"logits": logits}, num_iters=num_iters, eps=eps)
 
@@ -180,5 +183,8 @@ def sinkhorn_knopp_bwd(grad_P, logits, num_iters=20, eps=1e-8, grad_mode="unroll
 
     Raises:
         TypeError / ValueError: as the forward; grad_P shape differs; bad grad_mode.
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.sinkhorn_knopp`` for gradients.
     """
     return run(_plan_bwd, {"grad_P": grad_P, "logits": logits}, num_iters=num_iters, eps=eps, grad_mode=grad_mode)

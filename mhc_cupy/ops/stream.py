@@ -39,18 +39,34 @@ def check_y(name: str, info, lead, C, dtype):
     _checks.expect_shape(name, info.shape, lead + (C,), "[..., C] with the token dims and C of x")
 
 
-def check_matrix(name: str, info, lead, n):
+def _expect_per_token(name: str, info, lead, n, tail: tuple, why: str, x_shape=None):
+    """ValueError unless info.shape == lead + tail.  With ``x_shape`` (the
+    [..., n, C] tensor x that gave lead and n) a mismatch names both x and
+    ``name``: either may be the wrong one (say x lacking its stream dim)."""
+    shape, expected = tuple(info.shape), tuple(lead) + tail
+    if shape == expected:
+        return
+    k = len(tail)
+    if x_shape is None or len(shape) < k or any(s != shape[-1] for s in shape[-k:]):
+        _checks.expect_shape(name, shape, expected, why)
+    raise ValueError(
+        f"x has shape {tuple(x_shape)} (read as [..., n, C]: token dims {tuple(lead)}, n = {n}) but {name} has "
+        f"shape {shape} ({why}: token dims {shape[:-k]}, n = {shape[-1]}); they disagree: {name} needs "
+        f"{expected} for this x, or x needs ({', '.join(map(str, shape[:-k] + (shape[-1],)))}, C) for this {name}")
+
+
+def check_matrix(name: str, info, lead, n, x_shape=None):
     _checks.coefficient(name, info)
-    _checks.expect_shape(name, info.shape, lead + (n, n), "one n x n matrix per token")
+    _expect_per_token(name, info, lead, n, (n, n), "one n x n matrix per token", x_shape)
 
 
-def check_h(name: str, info, lead, n, allow_shared: bool) -> bool:
+def check_h(name: str, info, lead, n, allow_shared: bool, x_shape=None) -> bool:
     """True when h is shared ([n]), False when per token ([..., n])."""
     _checks.coefficient(name, info)
     if allow_shared and tuple(info.shape) == (n,) and lead != ():
         return True
-    _checks.expect_shape(name, info.shape, lead + (n,),
-                         "per-token [..., n]" + (" or shared [n]" if allow_shared else ""))
+    _expect_per_token(name, info, lead, n, (n,), "per-token [..., n]" + (" or shared [n]" if allow_shared else ""),
+                      None if allow_shared and len(info.shape) == 1 else x_shape)
     return False
 
 
@@ -93,7 +109,7 @@ def launch_aggregate_bwd(dt, tg, n, C, tokens, g, x, h, h_stride, dx, dh, stream
 # ------------------------------------------------------------------- mix
 def _plan_mix_fwd(infos):
     dt, lead, n, C = check_x("x", infos["x"])
-    check_matrix("M", infos["M"], lead, n)
+    check_matrix("M", infos["M"], lead, n, infos["x"].shape)
     tokens = tokens_of(lead)
 
     def run_kernels(p, outs, scratch, stream):
@@ -105,7 +121,7 @@ def _plan_mix_fwd(infos):
 
 def _plan_mix_bwd(infos):
     dt, lead, n, C = check_x("x", infos["x"])
-    check_matrix("M", infos["M"], lead, n)
+    check_matrix("M", infos["M"], lead, n, infos["x"].shape)
     tg = check_grad("grad", infos["grad"], infos["x"].shape, dt)
     tokens = tokens_of(lead)
 
@@ -135,6 +151,9 @@ def stream_mix_fwd(x, M):
         Zero copy for contiguous inputs (a non-contiguous view is copied
         first); output allocated by the caller's framework, kernel launched on
         its current stream.
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.stream_mix`` for gradients.
     """
     return run(_plan_mix_fwd, {"x": x, "M": M})
 
@@ -151,6 +170,9 @@ def stream_mix_bwd(grad, x, M):
 
     Returns:
         (dx [..., n, C] dtype of x, dM float32 [..., n, n]).
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.stream_mix`` for gradients.
     """
     return run(_plan_mix_bwd, {"grad": grad, "x": x, "M": M})
 
@@ -158,7 +180,7 @@ def stream_mix_bwd(grad, x, M):
 # -------------------------------------------------------------- aggregate
 def _plan_aggregate_fwd(infos):
     dt, lead, n, C = check_x("x", infos["x"])
-    shared = check_h("h", infos["h"], lead, n, True)
+    shared = check_h("h", infos["h"], lead, n, True, infos["x"].shape)
     tokens = tokens_of(lead)
 
     def run_kernels(p, outs, scratch, stream):
@@ -170,7 +192,7 @@ def _plan_aggregate_fwd(infos):
 
 def _plan_aggregate_bwd(infos):
     dt, lead, n, C = check_x("x", infos["x"])
-    shared = check_h("h", infos["h"], lead, n, True)
+    shared = check_h("h", infos["h"], lead, n, True, infos["x"].shape)
     tg = check_grad("grad", infos["grad"], lead + (C,), dt)
     tokens = tokens_of(lead)
 
@@ -196,6 +218,9 @@ def stream_aggregate_fwd(x, h):
 
     Returns:
         out: [..., C], dtype of x.
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.stream_aggregate`` for gradients.
     """
     return run(_plan_aggregate_fwd, {"x": x, "h": h})
 
@@ -212,6 +237,9 @@ def stream_aggregate_bwd(grad, x, h):
 
     Returns:
         (dx [..., n, C] dtype of x, dh float32 of h's shape).
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.stream_aggregate`` for gradients.
     """
     return run(_plan_aggregate_bwd, {"grad": grad, "x": x, "h": h})
 
@@ -269,6 +297,9 @@ def stream_distribute_fwd(y, h):
 
     Returns:
         out: [..., n, C], dtype of y.
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.stream_distribute`` for gradients.
     """
     return run(_plan_distribute_fwd, {"y": y, "h": h})
 
@@ -280,5 +311,8 @@ def stream_distribute_bwd(grad, y, h):
 
     Returns:
         (dy [..., C] dtype of y, dh float32 of h's shape).
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.stream_distribute`` for gradients.
     """
     return run(_plan_distribute_bwd, {"grad": grad, "y": y, "h": h})

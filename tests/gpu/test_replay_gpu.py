@@ -92,7 +92,7 @@ from mhc_cupy import _dispatch
 from mhc_cupy import reference as R
 
 mode, rng = sys.argv[1], np.random.default_rng(0)
-for call, C in enumerate(%r):
+for call, C in enumerate(map(int, sys.argv[3].split(","))):
     g, x = rounded(rng, (3, C), "bfloat16"), rounded(rng, (3, C), "bfloat16")
     w = rng.standard_normal(C).astype(np.float32)
     if mode == "planned":
@@ -111,17 +111,24 @@ for call, C in enumerate(%r):
     assert_close(dx, rdx, ACT_TOL["bfloat16"], f"dx at C {C}")
     assert_close(dw, rdw, COEF_TOL, f"d_weight at C {C}")
 print("OK")
-""" % (_SMEM_SEQUENCE,)
+"""
+
+#: C 12288 and 12250 need 49152 and 49000 bytes of dynamic shared memory: within 48 KiB,
+#: but the kernels also hold 256 bytes of static shared memory, so a function allows only
+#: 48896 until its limit is raised.  The first launch of each (two kernels: E = 8 and E = 2)
+#: failed with CUDA_ERROR_INVALID_VALUE when no larger launch had raised the limit before
+#: (thread 0 of test_shared_memory_sizes_from_many_threads, which starts at C 12288).
+_SMEM_AT_48_KIB = (12288, 12250, 12288)
 
 
-def _run_smem_sequence(mode):
+def _run_smem_sequence(mode, sizes=_SMEM_SEQUENCE):
     import os
     import subprocess
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    out = subprocess.run([sys.executable, "-c", _SMEM_SCRIPT, mode, here], capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run([sys.executable, "-c", _SMEM_SCRIPT, mode, here, ",".join(map(str, sizes))],
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
 
 
@@ -141,8 +148,21 @@ def test_shared_memory_after_a_smaller_size_replayed():
     _run_smem_sequence("torch")
 
 
+@pytest.mark.parametrize("mode", ["planned", "torch"])
+def test_shared_memory_just_under_48_kib_first(mode):
+    """C 12288 -> 12250 -> 12288 in a fresh process, planned or (torch) replayed: dynamic
+    shared memory within 48 KiB but above 48 KiB less the kernels' static shared memory."""
+    if mode == "torch":
+        pytest.importorskip("torch")
+        from .helpers import torch_cuda_ok
+
+        if not torch_cuda_ok():
+            pytest.skip("needs CUDA for both CuPy and torch")
+    _run_smem_sequence(mode, _SMEM_AT_48_KIB)
+
+
 def test_shared_memory_sizes_from_many_threads(rng):
-    """Eight threads launch the weighted backward at eight sizes above 48 KiB in
+    """Eight threads launch the weighted backward at eight sizes from 48 KiB up in
     different orders (planned and replayed calls mixed): every result is right."""
     import threading
 
