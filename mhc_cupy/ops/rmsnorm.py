@@ -76,7 +76,7 @@ def check_weighted_c(C: int, device) -> None:
     smem, where = _MAX_SMEM, "on an H100 / H200"
     if device[0] == "cuda" and C * 4 + _BWD_STATIC_SMEM > _DEFAULT_SMEM:
         optin = _smem_optin(device[1])
-        if optin is not None and optin < smem:
+        if optin is not None and optin <= smem:
             smem, where = optin, f"on {device[0]}:{device[1]}"
     if C * 4 + _BWD_STATIC_SMEM > smem:
         raise _weighted_c_error(C, smem, _BWD_STATIC_SMEM, where)
