@@ -40,6 +40,18 @@ gradient summed per example; ``rmsnorm`` with a ``weight`` whose per-example
 gradient is needed (or that is batched) runs sequentially over the batch
 (``jax.lax.map``).
 
+Sharding: every kernel call is per token, and under ``jax.jit`` with the
+token (leading) dims sharded over a mesh (``NamedSharding(mesh, P("data"))``
+or any token dim, Shardy or GSPMD) each device runs it on its own tokens:
+outputs and token gradients keep the token sharding, no activation is
+gathered, and the gradient of a parameter shared by all tokens (phi, alpha,
+bias, a shared ``h`` [n], the RMSNorm weight) is reduced across the mesh
+(``psum``) once, inside the op, and comes back replicated
+(``mhc_cupy._jax_shard.token_sharded``, a ``custom_partitioning`` rule).
+A sharded C or n dim, or a sharded parameter, is replicated for the op
+(correct, but that operand is gathered); so is a token dim whose size its
+mesh axes do not divide.
+
 Gradients: the forward saves its inputs; the backward calls the op's ``_bwd``
 kernels (statistics and Sinkhorn iterations are recomputed on chip).
 Cotangents of unused outputs (symbolic zeros) give zero gradients; for
@@ -69,6 +81,7 @@ import jax.numpy as _jnp
 import numpy as np
 
 from . import _checks, _interop
+from . import _jax_shard as _shard
 from ._interop import ArrayInfo
 from .ops import coeffs as _coeffs
 from .ops import post as _post
@@ -119,6 +132,11 @@ class _Spec:
     #: they stay unbatched when only token inputs are batched; otherwise, or
     #: when their per-example gradient is computed, the kernel runs per example.
     fixed: tuple = ()
+    #: Trailing rank of each output that carries the token dims; None for an
+    #: output summed over tokens (a shared parameter's gradient).  A rank that
+    #: does not match the output's dims (e.g. the gradient of a shared h [n])
+    #: also means summed.
+    out_ranks: tuple = ()
 
     def rank(self, name: str) -> int:
         return self.ranks[self.inputs.index(name)]
@@ -137,27 +155,34 @@ class _Spec:
 def _specs():
     S = _Spec
     return {s.name: s for s in (
-        S("sinkhorn_fwd", _sk._plan_fwd, ("logits",), (2,), "logits"),
-        S("sinkhorn_bwd", _sk._plan_bwd, ("grad_P", "logits"), (2, 2), "logits"),
-        S("rmsnorm_fwd", _rms._plan_fwd, ("x", "weight"), (1, 1), "x", "weight", None, "sequential"),
-        S("rmsnorm_bwd", _rms._plan_bwd, ("grad", "x", "weight"), (1, 1, 1), "x", "weight", 1, "sequential"),
-        S("mix_fwd", _stream._plan_mix_fwd, ("x", "M"), (2, 2), "x"),
-        S("mix_bwd", _stream._plan_mix_bwd, ("grad", "x", "M"), (2, 2, 2), "x"),
-        S("aggregate_fwd", _stream._plan_aggregate_fwd, ("x", "h"), (2, 1), "x", "h"),
-        S("aggregate_bwd", _stream._plan_aggregate_bwd, ("grad", "x", "h"), (1, 2, 1), "x", "h", 1),
-        S("distribute_fwd", _stream._plan_distribute_fwd, ("y", "h"), (1, 1), "y", "h"),
-        S("distribute_bwd", _stream._plan_distribute_bwd, ("grad", "y", "h"), (2, 1, 1), "y", "h", 1),
-        S("post_fwd", _post._plan_fwd, ("layer_out", "x", "H_post", "H_res"), (1, 2, 1, 2), "x"),
-        S("post_bwd", _post._plan_bwd, ("grad", "layer_out", "x", "H_post", "H_res"), (2, 1, 2, 1, 2), "x"),
-        S("pre_fwd", _pre._plan_fwd, ("x", "h_pre_raw", "h_post_raw", "h_res_raw"), (2, 1, 1, 2), "x"),
+        S("sinkhorn_fwd", _sk._plan_fwd, ("logits",), (2,), "logits", out_ranks=(2,)),
+        S("sinkhorn_bwd", _sk._plan_bwd, ("grad_P", "logits"), (2, 2), "logits", out_ranks=(2,)),
+        S("rmsnorm_fwd", _rms._plan_fwd, ("x", "weight"), (1, 1), "x", "weight", None, "sequential",
+          out_ranks=(1,)),
+        S("rmsnorm_bwd", _rms._plan_bwd, ("grad", "x", "weight"), (1, 1, 1), "x", "weight", 1, "sequential",
+          out_ranks=(1, None)),
+        S("mix_fwd", _stream._plan_mix_fwd, ("x", "M"), (2, 2), "x", out_ranks=(2,)),
+        S("mix_bwd", _stream._plan_mix_bwd, ("grad", "x", "M"), (2, 2, 2), "x", out_ranks=(2, 2)),
+        S("aggregate_fwd", _stream._plan_aggregate_fwd, ("x", "h"), (2, 1), "x", "h", out_ranks=(1,)),
+        S("aggregate_bwd", _stream._plan_aggregate_bwd, ("grad", "x", "h"), (1, 2, 1), "x", "h", 1,
+          out_ranks=(2, 1)),
+        S("distribute_fwd", _stream._plan_distribute_fwd, ("y", "h"), (1, 1), "y", "h", out_ranks=(2,)),
+        S("distribute_bwd", _stream._plan_distribute_bwd, ("grad", "y", "h"), (2, 1, 1), "y", "h", 1,
+          out_ranks=(1, 1)),
+        S("post_fwd", _post._plan_fwd, ("layer_out", "x", "H_post", "H_res"), (1, 2, 1, 2), "x", out_ranks=(2,)),
+        S("post_bwd", _post._plan_bwd, ("grad", "layer_out", "x", "H_post", "H_res"), (2, 1, 2, 1, 2), "x",
+          out_ranks=(1, 2, 1, 2)),
+        S("pre_fwd", _pre._plan_fwd, ("x", "h_pre_raw", "h_post_raw", "h_res_raw"), (2, 1, 1, 2), "x",
+          out_ranks=(1, 1, 1, 2)),
         S("pre_bwd", _pre._plan_bwd,
           ("grad_layer_in", "grad_H_pre", "grad_H_post", "grad_H_res", "x", "h_pre_raw", "h_post_raw", "h_res_raw"),
-          (1, 1, 1, 2, 2, 1, 1, 2), "x"),
+          (1, 1, 1, 2, 2, 1, 1, 2), "x", out_ranks=(2, 1, 1, 2)),
         S("coeffs_fwd", _coeffs._plan_fwd, ("x", "phi", "alpha", "bias"), (2, 2, 1, 1), "x",
-          fixed=("phi", "alpha", "bias")),
+          fixed=("phi", "alpha", "bias"), out_ranks=(1, 1, 2)),
         S("coeffs_bwd", _coeffs._plan_bwd,
           ("grad_h_pre_raw", "grad_h_post_raw", "grad_h_res_raw", "x", "phi", "alpha", "bias"),
-          (1, 1, 2, 2, 2, 1, 1), "x", shared_grad=1, fixed=("phi", "alpha", "bias")),
+          (1, 1, 2, 2, 2, 1, 1), "x", shared_grad=1, fixed=("phi", "alpha", "bias"),
+          out_ranks=(2, None, None, None)),
     )}
 
 
@@ -286,9 +311,32 @@ def _bind(name: str, params: tuple, arrays: tuple) -> tuple:
     # re-planning); "sequential" is the safe statement should it ever do.
     # Not command-buffer compatible (the default): the callback may compile
     # kernels on first use, and jaxlib's command-buffer target name has varied.
-    call = _buffer_callback(callback, results, vmap_method="sequential")
-    outs = call(*[a for a in arrays if a is not None])
+    given = [a for a in arrays if a is not None]
+
+    def default():
+        return _buffer_callback(callback, results, vmap_method="sequential")(*given)
+
+    present = tuple(a is not None for a in arrays)
+    outs = _shard.emit((name, params, present), _host(name, params, present), given, results, default)
     return tuple(outs[:len(plan.outputs)])
+
+
+@functools.lru_cache(maxsize=None)
+def _host(name: str, params: tuple, present: tuple):
+    """Kernel ``name`` as a host callback in XLA's FFI protocol, planned from
+    the buffers it gets: the per-device program of a token-sharded op
+    (``mhc_cupy._jax_shard``) calls it with its local shapes."""
+    n_in = sum(present)
+
+    def host(ctx, *buffers):
+        ins, outs = buffers[:n_in], buffers[n_in:]
+        it = iter(ins)
+        signature = tuple((tuple(b.shape), _dtype_name(b)) if p and (b := next(it)) is not None else None
+                          for p in present)
+        plan, callback = _planned(name, params, signature)
+        callback(ctx, outs, *ins)
+
+    return host
 
 
 # ------------------------------------------------------------------ vmap
@@ -358,10 +406,15 @@ def _vmap_rule(name: str, params: tuple, axis_size: int, in_batched, *arrays):
 def _kernel(name: str, params: tuple):
     """The custom_vmap function running kernel ``name`` with static ``params``."""
 
+    spec = _SPECS[name]
+
     def run(*arrays):
         return _bind(name, params, arrays)
 
     run.__name__ = f"mhc_{name}"
+    # Per token: under jit with the token dims sharded, each device runs the
+    # kernel on its own tokens (see mhc_cupy._jax_shard).
+    run = _shard.token_sharded(run, spec.ranks, spec.out_ranks, spec.inputs.index(spec.ref))
     f = _jax.custom_batching.custom_vmap(run)
     f.def_vmap(functools.partial(_vmap_rule, name, params))
     return f
