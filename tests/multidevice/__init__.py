@@ -29,3 +29,10 @@ def pytest_cases(module: str, env=None, timeout=300) -> str:
     out = run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(HERE / module)], env, timeout)
     assert " skipped" not in out, out[-3000:]
     return out
+
+
+def torchrun(script_args, nproc=2, env=None, timeout=300) -> str:
+    """``torchrun --standalone --nproc-per-node nproc script_args...`` (one thread per rank)."""
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    return run(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script_args], env,
+               timeout)
