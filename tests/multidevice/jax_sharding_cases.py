@@ -33,8 +33,11 @@ import mhc_cupy.jax as mj
 
 PLATFORM = os.environ.get("MHC_SHARDING_PLATFORM", "cpu")
 DEVICES = jax.devices(PLATFORM)
-pytestmark = pytest.mark.skipif(len(DEVICES) < 2, reason=f"needs 2 {PLATFORM} devices")
+if len(DEVICES) < 2:
+    pytest.skip(f"needs 2 {PLATFORM} devices, JAX sees {len(DEVICES)}", allow_module_level=True)
 MESH = Mesh(np.array(DEVICES[:2]), ("data",))
+# Unsharded reference programs run on the first of them.
+jax.config.update("jax_default_device", DEVICES[0])
 REL = 1e-6
 N, C = 4, 24
 
