@@ -22,89 +22,94 @@ One complication: the kernels run as host callbacks (``buffer_callback``),
 which XLA finds by an index into the callbacks of the program being compiled.
 The per-device function of a custom partitioning is lowered into a separate
 module while XLA compiles, too late to add callbacks to the program.  So the
-program registers the callbacks when it is lowered (a no-op "anchor" on the
-op's outputs) and the per-device function emits its custom calls with those
-indices (:func:`emit`).
+program registers the callbacks of the wrapped function when it is lowered (a
+no-op "anchor" on the op's outputs), and the per-device function's
+``buffer_callback`` custom calls use those indices (this module's lowering of
+``buffer_callback`` for callbacks marked with :data:`HOST_ATTR`; any other
+``buffer_callback`` lowers as before).
 """
 
 from __future__ import annotations
 
-import contextlib
+import collections
 import functools
 import sys
-import threading
 
 import jax as _jax
 import numpy as np
+from jax._src import buffer_callback as _bc
 from jax._src import core as _core
 from jax._src import ffi as _ffi
 from jax._src.interpreters import mlir as _mlir
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-__all__ = ["token_sharded", "emit"]
+__all__ = ["token_sharded", "HOST_ATTR"]
 
-_state = threading.local()
+#: Attribute of a ``buffer_callback`` callback: ``(key, host)``, the kernel's
+#: family (hashable, the same for every shape) and its callback in XLA's FFI
+#: protocol, ``host(exec_ctx, *inputs, *outputs)``, planning from the buffers'
+#: shapes.  Only marked callbacks can run inside :func:`token_sharded`.
+HOST_ATTR = "_mhc_token_sharded_host"
 
 # ------------------------------------------------ host-callback bookkeeping
-#: (id of a program's host-callback list, key) -> index of the key's callback in it.
-_INDEX: dict = {}
+#: id of a program's host-callback list -> (the list, {key: index of the key's callback in it}),
+#: for the most recently lowered programs (a program is compiled right after it is lowered).
+_INDEX: collections.OrderedDict = collections.OrderedDict()
+_INDEX_PROGRAMS = 256
 _FFI_TARGET = {"cpu": "xla_buffer_python_cpu_callback", "cuda": "xla_buffer_python_gpu_callback",
                "rocm": "xla_buffer_python_gpu_callback"}
 
 
-def _recorders() -> list:
-    if not hasattr(_state, "recorders"):
-        _state.recorders = []
-    return _state.recorders
+def _partitioning_callbacks():
+    """While JAX's partition hook runs (it traces and lowers the per-device
+    function), the host-callback list of the program being compiled, else None.
 
-
-def emit(key, host, arrays, results, default):
-    """Run a host-callback kernel, partition-aware.
-
-    Args:
-        key: hashable name of the kernel family (the same for every shape).
-        host: its callback in XLA's FFI protocol, ``host(exec_ctx, *inputs, *outputs)``
-            (XLA buffers; it plans from their shapes).
-        arrays: the input arrays (no None).
-        results: ``jax.ShapeDtypeStruct`` of every result (outputs and scratch).
-        default: ``default()`` emits the ordinary ``buffer_callback`` and returns its results.
-
-    Outside :func:`token_sharded` this is ``default()``.  While a token-sharded
-    function is traced at global shapes, ``host`` is recorded so that the
-    program registers it; in the per-device function it becomes a custom call
-    to that registered callback.
+    The hook keeps the lowering context of the custom call in its ``info``
+    local; the list is shared by every copy of that context.
     """
-    for rec in _recorders():
-        rec.setdefault(key, host)
-    inner = getattr(_state, "inner", None)
-    if inner is None:
-        return default()
-    index = inner.get(key)
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name == "_custom_partitioning_partition":
+            info = f.f_locals.get("info")
+            if info is None or not hasattr(info, "module_context"):
+                raise RuntimeError("mhc_cupy.jax: cannot find the program being partitioned "
+                                   "(jax.experimental.custom_partitioning internals changed)")
+            return info.module_context.host_callbacks
+        f = f.f_back
+    return None
+
+
+def _buffer_callback_lowering(ctx, *args, callback, has_side_effect, input_output_aliases,
+                              command_buffer_compatible, **params):
+    """``buffer_callback`` as before, except a marked callback in a per-device
+    function: a custom call to the callback that the program registered."""
+    marked = getattr(callback, HOST_ATTR, None)
+    callbacks = _partitioning_callbacks() if marked is not None else None
+    if callbacks is None:
+        return _bc._buffer_callback_lowering(ctx, *args, callback=callback, has_side_effect=has_side_effect,
+                                             input_output_aliases=input_output_aliases,
+                                             command_buffer_compatible=command_buffer_compatible, **params)
+    entry = _INDEX.get(id(callbacks))
+    index = entry[1].get(marked[0]) if entry is not None and entry[0] is callbacks else None
     if index is None:
-        raise RuntimeError(f"mhc_cupy.jax: host callback {key!r} was not registered by the program "
-                           "being compiled (lowered and compiled in a different order?)")
-    avals = tuple(_core.ShapedArray(tuple(r.shape), r.dtype) for r in results)
-    return _local_p.bind(*arrays, index=index, results=avals)
-
-
-_local_p = _core.Primitive("mhc_local_host_callback")
-_local_p.multiple_results = True
-_local_p.def_abstract_eval(lambda *args, index, results: results)
-
-
-def _local_lowering(ctx, *args, index, results):
+        raise RuntimeError(f"mhc_cupy.jax: host callback {marked[0]!r} is not registered in the program being "
+                           "partitioned (only mhc_cupy._jax_shard.token_sharded registers them)")
     platform = ctx.module_context.platforms[0]
     target = _FFI_TARGET.get(platform)
     if target is None:
-        raise ValueError(f"mhc_cupy.jax: no host callbacks on the {platform} backend")
-    return _ffi.ffi_lowering(target, has_side_effect=False)(ctx, *args, index=np.uint64(index))
+        raise ValueError(f"mhc_cupy.jax: buffer_callback is not supported on the {platform} backend")
+    if command_buffer_compatible and platform in ("cuda", "rocm"):
+        target += "_cmd_buffer"
+    rule = _ffi.ffi_lowering(target, has_side_effect=has_side_effect,
+                             operand_output_aliases=dict(input_output_aliases))
+    return rule(ctx, *args, index=np.uint64(index))
 
 
-_mlir.register_lowering(_local_p, _local_lowering)
+_mlir.register_lowering(_bc.buffer_callback_p, _buffer_callback_lowering)
 
-#: Identity on the op's outputs whose lowering registers the recorded host
-#: callbacks in the program (params: ``hosts``, tuple of (key, host)).
+#: Identity on the op's outputs whose lowering registers the wrapped
+#: function's host callbacks in the program (params: ``hosts``, tuple of (key, host)).
 _anchor_p = _core.Primitive("mhc_register_host_callbacks")
 _anchor_p.multiple_results = True
 _anchor_p.def_impl(lambda *args, hosts: args)
@@ -113,53 +118,31 @@ _anchor_p.def_abstract_eval(lambda *args, hosts: args)
 
 def _anchor_lowering(ctx, *args, hosts):
     mc = ctx.module_context
+    entry = _INDEX.get(id(mc.host_callbacks))
+    if entry is None or entry[0] is not mc.host_callbacks:
+        entry = _INDEX[id(mc.host_callbacks)] = (mc.host_callbacks, {})
+        while len(_INDEX) > _INDEX_PROGRAMS:
+            _INDEX.popitem(last=False)
     for key, host in hosts:
-        slot = (id(mc.host_callbacks), key)
-        if slot not in _INDEX or _INDEX[slot][0] is not mc.host_callbacks:
+        if key not in entry[1]:
             mc.add_host_callback(host)
-            _INDEX[slot] = (mc.host_callbacks, len(mc.host_callbacks) - 1)
+            entry[1][key] = len(mc.host_callbacks) - 1
     return args
 
 
 _mlir.register_lowering(_anchor_p, _anchor_lowering)
 
 
-def _compiling_callbacks():
-    """The host-callback list of the program whose custom partitioning runs now.
-
-    JAX's partition hook keeps the lowering context of the custom call in its
-    ``info`` local; the list is shared by every copy of that context.
-    """
-    f = sys._getframe(1)
-    while f is not None:
-        info = f.f_locals.get("info") if f.f_code.co_name == "_custom_partitioning_partition" else None
-        if info is not None and hasattr(info, "module_context"):
-            return info.module_context.host_callbacks
-        f = f.f_back
-    raise RuntimeError("mhc_cupy.jax: cannot find the program being partitioned "
-                       "(jax.experimental.custom_partitioning internals changed)")
-
-
-class _Indices:
-    """key -> index of the key's host callback in one program's list."""
-
-    def __init__(self, callbacks):
-        self.callbacks = callbacks
-
-    def get(self, key):
-        entry = _INDEX.get((id(self.callbacks), key))
-        return entry[1] if entry is not None and entry[0] is self.callbacks else None
-
-
-@contextlib.contextmanager
-def _per_device(indices):
-    prev = getattr(_state, "inner", None)
-    _state.inner = indices
-    try:
-        with _jax.disable_jit():
-            yield
-    finally:
-        _state.inner = prev
+def _marked_hosts(jaxpr, found: dict) -> dict:
+    """(key, host) of every marked buffer_callback in ``jaxpr`` and its sub-jaxprs."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is _bc.buffer_callback_p:
+            marked = getattr(eqn.params["callback"], HOST_ATTR, None)
+            if marked is not None:
+                found.setdefault(*marked)
+        for sub in _core.jaxprs_in_params(eqn.params):
+            _marked_hosts(sub, found)
+    return found
 
 
 # ------------------------------------------------------------ partitioning
@@ -186,12 +169,12 @@ def _token_spec(mesh, ref_shape, nlead: int) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def _partitioned(fn, nlead: int, in_kinds: tuple, out_kinds: tuple, ref: int):
+def _partitioned(fn, nlead: int, in_kinds: tuple, out_kinds: tuple, in_ndims: tuple, out_ndims: tuple, ref: int):
     """custom_partitioning of ``fn`` over the present inputs.
 
     ``in_kinds`` / ``out_kinds``: per array, its trailing rank if it carries
     the token dims, else None (an input shared by all tokens / an output
-    summed over tokens).
+    summed over tokens); ``*_ndims``: their numbers of dims.
     """
 
     def shardings(mesh, tok):
@@ -203,11 +186,9 @@ def _partitioned(fn, nlead: int, in_kinds: tuple, out_kinds: tuple, ref: int):
         tok = _token_spec(mesh, arg_shapes[ref], nlead)
         arg_sh, out_sh = shardings(mesh, tok)
         axes = _axes(tok)
-        indices = _Indices(_compiling_callbacks())
 
         def lower_fn(*arrays):
-            with _per_device(indices):
-                outs = fn(*arrays)
+            outs = fn(*arrays)
             return tuple(_jax.lax.psum(o, axes) if k is None and axes else o for o, k in zip(outs, out_kinds))
 
         return mesh, lower_fn, tuple(out_sh), tuple(arg_sh)
@@ -218,27 +199,22 @@ def _partitioned(fn, nlead: int, in_kinds: tuple, out_kinds: tuple, ref: int):
     def propagate(mesh, user_shape):  # GSPMD: the result keeps its own sharding
         return tuple(getattr(s, "sharding", None) for s in user_shape)
 
-    def rule_terms(kinds, prefix):
-        terms, rep = [], []
-        for i, kind in enumerate(kinds):
+    # Shardy: the token dims are pass-through factors shared by every token
+    # array; every other dim has its own factor that must stay replicated.
+    terms, replicated = [], []
+    for side, kinds, ndims in (("i", in_kinds, in_ndims), ("o", out_kinds, out_ndims)):
+        side_terms = []
+        for i, (kind, ndim) in enumerate(zip(kinds, ndims)):
             lead = [f"t{d}" for d in range(nlead)] if kind is not None else []
-            trail = [f"{prefix}{i}_{j}" for j in range(kind if kind is not None else _ndims[prefix][i])]
-            rep += trail
-            terms.append(" ".join(lead + trail) or "")
-        return terms, rep
-
-    _ndims = {}
-
-    def sharding_rule(mesh, value_types, result_types):
-        _ndims["i"] = [len(t.shape) for t in value_types]
-        _ndims["o"] = [len(t.shape) for t in result_types]
-        ins, rep_i = rule_terms(in_kinds, "i")
-        outs, rep_o = rule_terms(out_kinds, "o")
-        return ", ".join(ins) + " -> " + ", ".join(outs), {"need_replication_factors": tuple(rep_i + rep_o)}
+            trail = [f"{side}{i}_{j}" for j in range(ndim - len(lead))]
+            replicated += trail
+            side_terms.append(" ".join(lead + trail))
+        terms.append(", ".join(side_terms))
+    rule = " -> ".join(terms)
 
     cp = custom_partitioning(fn)
     cp.def_partition(partition, infer_sharding_from_operands=infer, propagate_user_sharding=propagate,
-                     sharding_rule=sharding_rule)
+                     sharding_rule=rule, need_replication_factors=tuple(replicated))
     return cp
 
 
@@ -250,8 +226,8 @@ def token_sharded(fn, in_ranks: tuple, out_ranks: tuple, ref: int = 0):
             Every array either carries the token dims in front (the leading
             dims of input ``ref``) followed by a fixed number of trailing dims,
             or has no token dims: an input shared by all tokens, or an output
-            that is a sum over tokens.  Its host-callback kernels must go
-            through :func:`emit`.
+            that is a sum over tokens.  Its ``buffer_callback`` kernels
+            must carry :data:`HOST_ATTR`.
         in_ranks: per input, its trailing rank when it carries the token dims,
             or None if it never does.  An input whose rank does not match
             ``token dims + rank`` is taken as shared.
@@ -266,21 +242,10 @@ def token_sharded(fn, in_ranks: tuple, out_ranks: tuple, ref: int = 0):
     """
 
     def run(*arrays):
-        if getattr(_state, "inner", None) is not None:  # already per device
-            return fn(*arrays)
         nlead = arrays[ref].ndim - in_ranks[ref]
-        if nlead <= 0:
-            return fn(*arrays)
+        if nlead <= 0 or _jax.device_count() < 2 or _partitioning_callbacks() is not None:
+            return fn(*arrays)  # no token dims, nothing to shard over, or already per device
         present = tuple(i for i, a in enumerate(arrays) if a is not None)
-
-        def kind(a, rank):
-            return rank if rank is not None and a.ndim == nlead + rank else None
-
-        in_kinds = tuple(kind(arrays[i], in_ranks[i]) for i in present)
-        out_shapes = _jax.eval_shape(lambda *a: tuple(fn(*a)), *arrays)
-        out_kinds = tuple(kind(o, r) for o, r in zip(out_shapes, out_ranks))
-        if all(k is None for k in out_kinds):
-            return fn(*arrays)  # no token output to carry the sharding
 
         def local(*given):
             full = [None] * len(arrays)
@@ -288,19 +253,23 @@ def token_sharded(fn, in_ranks: tuple, out_ranks: tuple, ref: int = 0):
                 full[i] = a
             return tuple(fn(*full))
 
-        local = _Hashable(local, (fn, len(arrays), present))
-        cp = _partitioned(local, nlead, in_kinds, out_kinds, present.index(ref))
-        recorded: dict = {}
-        _recorders().append(recorded)
-        try:
-            outs = cp(*[arrays[i] for i in present])
-        finally:
-            _recorders().pop()
-        for rec in _recorders():  # an enclosing token_sharded registers them too
-            for k, h in recorded.items():
-                rec.setdefault(k, h)
-        if recorded:
-            outs = _anchor_p.bind(*outs, hosts=tuple(recorded.items()))
+        given = [arrays[i] for i in present]
+        traced = _jax.make_jaxpr(local)(*given)  # output shapes, and the host callbacks to register
+
+        def kind(ndim, rank):
+            return rank if rank is not None and ndim == nlead + rank else None
+
+        in_kinds = tuple(kind(arrays[i].ndim, in_ranks[i]) for i in present)
+        out_ndims = tuple(len(a.shape) for a in traced.out_avals)
+        out_kinds = tuple(kind(d, r) for d, r in zip(out_ndims, out_ranks))
+        if all(k is None for k in out_kinds):
+            return fn(*arrays)  # no token output to carry the sharding
+        cp = _partitioned(_Hashable(local, (fn, len(arrays), present)), nlead, in_kinds, out_kinds,
+                          tuple(a.ndim for a in given), out_ndims, present.index(ref))
+        outs = cp(*given)
+        hosts = _marked_hosts(traced.jaxpr, {})
+        if hosts:
+            outs = _anchor_p.bind(*outs, hosts=tuple(hosts.items()))
         return tuple(outs)
 
     return functools.wraps(fn)(run)

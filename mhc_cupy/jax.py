@@ -290,7 +290,12 @@ def _planned(name: str, params: tuple, signature: tuple):
              for k, sig in zip(spec.inputs, signature)}
     plan = spec.planner(infos, **dict(params))
     present = tuple(k for k, sig in zip(spec.inputs, signature) if sig is not None)
-    return plan, _make_callback(plan, spec.inputs, present)
+    callback = _make_callback(plan, spec.inputs, present)
+    # A token-sharded program runs the kernel per device through a callback
+    # planned from the local buffers (mhc_cupy._jax_shard).
+    mask = tuple(sig is not None for sig in signature)
+    setattr(callback, _shard.HOST_ATTR, ((name, params, mask), _host(name, params, mask)))
+    return plan, callback
 
 
 def _dtype_name(a) -> str:
@@ -311,13 +316,8 @@ def _bind(name: str, params: tuple, arrays: tuple) -> tuple:
     # re-planning); "sequential" is the safe statement should it ever do.
     # Not command-buffer compatible (the default): the callback may compile
     # kernels on first use, and jaxlib's command-buffer target name has varied.
-    given = [a for a in arrays if a is not None]
-
-    def default():
-        return _buffer_callback(callback, results, vmap_method="sequential")(*given)
-
-    present = tuple(a is not None for a in arrays)
-    outs = _shard.emit((name, params, present), _host(name, params, present), given, results, default)
+    call = _buffer_callback(callback, results, vmap_method="sequential")
+    outs = call(*[a for a in arrays if a is not None])
     return tuple(outs[:len(plan.outputs)])
 
 
@@ -325,7 +325,8 @@ def _bind(name: str, params: tuple, arrays: tuple) -> tuple:
 def _host(name: str, params: tuple, present: tuple):
     """Kernel ``name`` as a host callback in XLA's FFI protocol, planned from
     the buffers it gets: the per-device program of a token-sharded op
-    (``mhc_cupy._jax_shard``) calls it with its local shapes."""
+    (``mhc_cupy._jax_shard``) calls it with its local shapes.  ``present``:
+    per input, whether it is given."""
     n_in = sum(present)
 
     def host(ctx, *buffers):

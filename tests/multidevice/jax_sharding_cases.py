@@ -258,3 +258,34 @@ def test_local_shapes_reach_the_kernels(rng, monkeypatch):
     M = jnp.asarray(rng.standard_normal((8, N, N)), jnp.float32)
     jax.block_until_ready(jax.jit(lambda x, M: mj.stream_mix(x, M) * 1.5)(put(x, ("data",)), put(M, ("data",))))
     assert ("mix_fwd", (4, N, C)) in seen, seen
+
+
+def test_token_sharded_wraps_a_whole_layer(rng):
+    """The helper wraps any per-token function: a custom_vjp layer whose forward and backward are
+    each one token_sharded function (kernels inside run per device, no nested partitioning); the
+    backward's parameter gradients (sums over tokens) are reduced once."""
+    from mhc_cupy._jax_shard import token_sharded
+
+    def plain(x, phi, alpha, bias):
+        return mj.mhc_layer({"phi": phi, "alpha": alpha, "bias": bias}, x, jnp.tanh)
+
+    fwd = token_sharded(lambda *a: (plain(*a),), in_ranks=(2, None, None, None), out_ranks=(2,))
+    bwd = token_sharded(lambda g, *a: jax.vjp(plain, *a)[1](g), in_ranks=(2, 2, None, None, None),
+                        out_ranks=(2, None, None, None), ref=1)
+
+    @jax.custom_vjp
+    def layer(x, phi, alpha, bias):
+        return fwd(x, phi, alpha, bias)[0]
+
+    layer.defvjp(lambda *a: (fwd(*a)[0], a), lambda res, g: tuple(bwd(g, *res)))
+    p = mj.mhc_init(jax.random.PRNGKey(0), C, N)
+    args = (jnp.asarray(rng.standard_normal((8, 3, N, C)), jnp.float32), p["phi"], p["alpha"] * 30, p["bias"])
+    g = jax.jit(jax.grad(lambda *a: jnp.sum(layer(*a) ** 2), argnums=(0, 1, 2, 3)))
+    g0 = jax.jit(jax.grad(lambda *a: jnp.sum(plain(*a) ** 2), argnums=(0, 1, 2, 3)))
+    xs = put(args[0], ("data",))
+    got, want = g(xs, *args[1:]), g0(*args)
+    for a, e in zip(got, want):
+        close(a, e)
+    assert spec_of(got[0]) == ("data", None, None, None) and all(spec_of(a) == (None,) * a.ndim for a in got[1:])
+    counts = collectives(g, xs, *args[1:])
+    assert counts.get("all-gather", 0) == 0 and counts.get("all-reduce", 0) <= 2, counts
