@@ -378,7 +378,7 @@ def train(name, model, cfg: Config, train_data, eval_xy, device, autocast, log_e
                 hist["eval_step"].append(done)
                 hist["eval_loss"].append(ev)
                 if main:
-                        bar.write(f"[{name}] step {done:5d}  train {values[-1]:.4f}  held-out {ev:.4f}  "
+                    bar.write(f"[{name}] step {done:5d}  train {values[-1]:.4f}  held-out {ev:.4f}  "
                               f"{tok_s:,.0f} tok/s")
             _sync(device)
             t0 = time.perf_counter()

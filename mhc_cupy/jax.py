@@ -331,9 +331,9 @@ def _host(name: str, params: tuple, present: tuple):
 
     def host(ctx, *buffers):
         ins, outs = buffers[:n_in], buffers[n_in:]
-        it = iter(ins)
-        signature = tuple((tuple(b.shape), _dtype_name(b)) if p and (b := next(it)) is not None else None
-                          for p in present)
+        given = iter(ins)
+        full = [next(given) if p else None for p in present]
+        signature = tuple(None if b is None else (tuple(b.shape), _dtype_name(b)) for b in full)
         plan, callback = _planned(name, params, signature)
         callback(ctx, outs, *ins)
 
