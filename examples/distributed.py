@@ -4,7 +4,7 @@ Run with torchrun (gloo on CPU, NCCL on GPUs), e.g.::
 
     torchrun --nproc-per-node 2 examples/distributed.py --mode ddp
     torchrun --nproc-per-node 2 examples/distributed.py --mode fsdp2          # float32 everywhere
-    torchrun --nproc-per-node 2 examples/distributed.py --mode fsdp2-bf16     # bf16 sublayers, fp32 mHC params
+    torchrun --nproc-per-node 2 examples/distributed.py --mode fsdp2-bf16     # bf16 activations, fp32 mHC params
     torchrun --nproc-per-node 2 examples/distributed.py --mode ddp-compile
     torchrun --nproc-per-node 2 examples/distributed.py --mode ddp fsdp2 fsdp2-bf16 ddp-compile --check
 
@@ -17,17 +17,16 @@ the full-batch gradient, so the training matches one process on the full
 batch.
 
 FSDP2 (``torch.distributed.fsdp.fully_shard``): each sublayer is its own
-FSDP unit with the chosen mixed-precision policy (bf16 compute in
-``fsdp2-bf16``), each MHC layer's own parameters (phi, alpha, bias) a unit whose
-policy keeps them float32 (the coefficient path needs float32 parameters:
-mhc_cupy's coefficient kernels take float32 phi / alpha / bias, OPS.md
-section 8), then the root.
+FSDP unit with the chosen mixed-precision policy (``fsdp2-bf16``: bf16
+compute, and bf16 residual streams), each MHC layer's own parameters (phi,
+alpha, bias) a unit whose policy keeps them float32 (mhc_cupy's coefficient
+kernels take float32 phi / alpha / bias, OPS.md section 8), then the root.
 
 ``--check`` also trains the unwrapped model in one process on the full batch
 (on every rank) and compares losses and parameters after the last step
 (float32: 1e-5 relative; exits 1 on a mismatch).  In ``fsdp2-bf16`` the check
 is that mHC's parameters are float32 and the sublayers run in bfloat16
-during the forward, and that the loss stays within 2e-2 of float32.
+during the forward, and that the loss stays within 2e-2 of float32 training.
 """
 
 from __future__ import annotations
@@ -45,9 +44,11 @@ from mhc_cupy.layers import MHC, collapse_streams, expand_streams
 
 
 class Net(nn.Module):
-    def __init__(self, dim: int, streams: int, layers: int):
+    """expand_streams -> MHC(MLP) x layers -> collapse_streams -> linear head; streams in ``stream_dtype``."""
+
+    def __init__(self, dim: int, streams: int, layers: int, stream_dtype=torch.float32):
         super().__init__()
-        self.n = streams
+        self.n, self.stream_dtype = streams, stream_dtype
         self.blocks = nn.ModuleList(
             MHC(dim, streams, nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim)),
                 alpha_init=0.3)  # a larger alpha_init: coefficients that depend on x from the start
@@ -55,7 +56,7 @@ class Net(nn.Module):
         self.head = nn.Linear(dim, dim)
 
     def forward(self, x):
-        h = expand_streams(x, self.n)
+        h = expand_streams(x.to(self.stream_dtype), self.n)
         for b in self.blocks:
             h = b(h)
         return self.head(collapse_streams(h.float()))
@@ -165,7 +166,9 @@ def run_mode(mode, args, rank, world, device) -> bool:
     """Train with one wrapping; with --check compare with one process on the full batch."""
     torch.manual_seed(0)
     model = Net(args.dim, args.streams, args.layers).to(device)
-    reference = copy.deepcopy(model) if args.check else None
+    reference = copy.deepcopy(model) if args.check else None  # float32 throughout
+    if mode == "fsdp2-bf16":
+        model.stream_dtype = torch.bfloat16  # bf16 residual streams and sublayers, float32 mHC parameters
     probe = dtype_probe(model) if mode.startswith("fsdp2") else None
     wrapped = wrap(model, mode, device, args.compile_backend)
     losses = train(wrapped, args, device, rank, world)
