@@ -7,65 +7,27 @@
 //   dx~ = dH phi^T - c x~,  dphi = sum_t x~^T dH,
 //   dalpha_j = sum_t sum_{k in group j} g_k H~_k / r,  dbias = sum_t g.
 //
-// Kernels (all float32 arithmetic; x is read in its own dtype, E contiguous
-// elements per access, E > 1 only when D % E == 0 and x / dx are aligned):
+// The GEMMs run on tensor cores (the "tensor-core path" at the end of this
+// file: the forward GEMM and the sum of squares for every n; dx and dphi for
+// K <= 32, i.e. n <= 4); the small per-token kernels and the CUDA-core
+// backward for n > 4 are here:
 //
-// * mhc_coeffs_fwd_kernel<T, E, TT, KC>: the skinny GEMM H~ = x~ phi and the
-//   sum of squares, from one read of x.  256 threads = 8 warps; a block owns
-//   8 * TT tokens (TT per warp), one chunk of KC columns and one range of D.
-//   It walks its D range in steps of 32*E positions: each step the block
-//   stages phi[d..d+32E, kc0..kc0+KC) in shared memory (transposed, double
-//   buffered: one __syncthreads per step; the global loads of the next step
-//   are issued before the FMAs of this one), and each lane loads its E
-//   positions of x for its warp's TT tokens (prefetched one step ahead) and
-//   accumulates TT*KC dot products + TT sums of squares in registers.  Each
-//   phi value read from shared memory feeds TT FMAs; phi comes from L2 once per
-//   block, i.e. once per 32 tokens.  At the end each warp reduces its lanes
-//   (fixed butterfly, mhc::warp_sum) and either finishes the outputs (one D
-//   range) or writes raw per-range sums to `part` [splits, T, K+1] (column K:
-//   sum of squares), summed in order by mhc_coeffs_fwd_finish_kernel /
-//   mhc_coeffs_bwd_prep_kernel.  Columns are chunked (KC <= 24, chosen by the
-//   host) so per-thread accumulators stay ~100 at any n; the chunk index is
-//   the fastest-varying block index, so blocks re-reading the same tokens of x
-//   for other chunks run together and hit L2.  The D split is used only when
-//   there are too few token tiles to fill the GPU (small T).
+// * mhc_coeffs_fwd_finish_kernel: h from the raw per-D-range sums part
+//   [splits, T, K+1] (column K: the sum of squares), summed in range order.
 // * mhc_coeffs_bwd_prep_kernel: one warp per token: sums the D-range
 //   partials, writes dH [T, KP] (column K holds c, padded to KP, a multiple of
 //   4) and the per-token dalpha terms [T, 3] (summed over tokens by
 //   mhc_column_sum_kernel; dbias is the column sum of the incoming gradients).
-// * mhc_coeffs_bwd_fused_kernel<T, E, K> (K <= 24, i.e. n <= 4): dx and dphi
-//   from one more read of x.  A thread owns E positions d and keeps phi[d, :]
-//   and its dphi[d, :] accumulators in registers (2*E*K floats); the block
-//   walks a range of tokens, staging 32 rows of dH in shared memory at a time
-//   (read as broadcasts), writing dx and accumulating dphi.  blockIdx.y splits
-//   the tokens; with several splits dphi goes to partials [splits, D, K] that
-//   mhc_column_sum_kernel sums in order.
-// * n > 4 (K > 24): mhc_coeffs_bwd_dx_kernel<T, E, KC> (a thread owns E
+// * n > 4 (K > 32): mhc_coeffs_bwd_dx_kernel<T, E, KC> (a thread owns E
 //   positions x TS tokens of dx, loops over K in chunks of KC columns of the
 //   transposed phi (mhc_coeffs_transpose_kernel, coalesced) and of dH staged
 //   in shared memory) and mhc_coeffs_bwd_dphi_kernel<T, E, KC> (a thread owns
-//   E positions x KC columns of dphi and walks a token range, like the fused
-//   kernel; the column chunk is the fastest block index).
+//   E positions x KC columns of dphi and walks a token range; the column chunk
+//   is the fastest block index), on CUDA cores: correct, not tuned.
 //
 // Determinism: every sum has a fixed order (per-lane sequential, fixed
-// butterflies, partials summed in index order); no atomics.
-//
-// Performance (measured on one H200, bf16 x, n = 4, C = 4096, T = 16384 tokens,
-// CUDA-event timing of the public calls): forward 0.89 ms, backward 2.5 ms
-// (0.9 ms of it the same GEMM pass, ~1.6 ms the fused dx / dphi kernel).  One
-// read of x at 4.3 TB/s takes 0.125 ms; for comparison cuBLAS takes 0.52 ms
-// for the FP32 GEMM on an f32 copy of x and 0.14 ms for a bf16 tensor-core
-// GEMM (which would round phi).  Both passes are bound by FP32 FMA issue and
-// latency, not by memory: the forward does 25 FMAs per element of x (~15
-// TFLOP/s, a quarter of the FP32 peak), the backward 48 more.  Measured
-// alternatives: TT = 2 (fewer registers, 2 blocks / SM) is 2.3x slower; TT =
-// 8 with 12- or 8-column chunks is 1.4-1.7x slower; E = 2 in the fused
-// backward is ~8% slower than E = 1.  The forward uses 212 registers (one
-// block of 8 warps per SM), no spills at n <= 4.  For n > 4 the backward
-// re-reads phi^T from L2 once per 32 tokens (dx) and x once per column chunk
-// (n = 8, C = 2048, T = 8192: forward 1.8 ms, backward 4.9 ms): correct, not
-// tuned.  A tensor-core version (bf16 x times phi split into bf16 hi + lo,
-// float32 accumulation) is the next step if this path shows up in profiles.
+// butterflies, the tensor cores' fixed accumulation, partials summed in index
+// order); no atomics.
 #include "common.cuh"
 
 using mhc::i64;
@@ -74,11 +36,10 @@ namespace mhc_coeffs {
 
 enum : int {
     NT = 256,      // threads per block of the GEMM kernels
-    NW = NT / 32,  // warps per block
     TS = 32,       // tokens of dH staged per step of the backward
 };
 
-// E consecutive floats from shared memory (16-, 8- or 4-byte aligned for E = 4, 2, 1).
+// E consecutive floats (16-, 8- or 4-byte aligned for E = 4, 2, 1).
 template <int E>
 __device__ __forceinline__ void lds(const float* p, float (&v)[E]) {
     if constexpr (E == 4) {
@@ -130,153 +91,14 @@ __device__ __forceinline__ float rms_inv(float sumsq, int D, float eps) {
 }  // namespace mhc_coeffs
 
 // ------------------------------------------------------------------ forward
-// Grid: one block per (column chunk cc, token tile, D range), flattened with
-// cc fastest: blockIdx.x = (split * tiles + tile) * ncc + cc.  D range
-// `split` is [split * d_split, min(D, (split + 1) * d_split)), d_split a
-// multiple of 32 * E.  part == nullptr: finish the outputs here (one D
-// range); else write raw sums part[split, t, k] (k < K) and part[split, t, K]
-// (sum of squares, written by the cc == 0 blocks).
-template <typename T, int E, int TT, int KC>
-__global__ void __launch_bounds__(256)
-mhc_coeffs_fwd_kernel(const T* __restrict__ x, const float* __restrict__ phi, const float* __restrict__ alpha,
-                      const float* __restrict__ bias, float* __restrict__ h_pre, float* __restrict__ h_post,
-                      float* __restrict__ h_res, float* __restrict__ part, i64 tokens, int D, int n, int K,
-                      int ncc, i64 tiles, int d_split, float eps) {
-    using namespace mhc_coeffs;
-    constexpr int DC = 32 * E;                  // positions of D per step (E per lane)
-    constexpr int DP = DC + E;                  // padded row: keeps E-vector alignment, spreads staging stores
-    constexpr int STG = (KC * DC + NT - 1) / NT;  // phi values staged per thread per step
-    __shared__ __align__(16) float s_phi[2][KC][DP];
-    __shared__ float s_tot[NW][TT][KC + 1];
-
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // 32-bit index arithmetic (the host keeps the grid below 2^31 blocks)
-    const unsigned b = blockIdx.x, rest = b / (unsigned)ncc;
-    const int cc = (int)(b - rest * (unsigned)ncc);
-    const unsigned split_u = rest / (unsigned)tiles;
-    const i64 tile = rest - split_u * (unsigned)tiles;
-    const int split = (int)split_u;
-    const int kc0 = cc * KC;
-    const int kn = min(KC, K - kc0);            // columns in this chunk
-    const int d_begin = split * d_split;
-    const int d_end = min(D, d_begin + d_split);
-    const int steps = (d_end - d_begin + DC - 1) / DC;
-    const i64 tok0 = (tile * NW + warp) * TT;
-
-    float acc[TT][KC], ss[TT];
-#pragma unroll
-    for (int tt = 0; tt < TT; ++tt) {
-        ss[tt] = 0.f;
-#pragma unroll
-        for (int k = 0; k < KC; ++k) acc[tt][k] = 0.f;
-    }
-
-    // staged element j of a step: position p = j / KC, column k = j % KC
-    // (consecutive threads read consecutive columns of one row of phi).
-    float stg[STG];
-    auto stage_load = [&](int db) {
-#pragma unroll
-        for (int s = 0; s < STG; ++s) {
-            const int j = threadIdx.x + s * NT;
-            const int p = j / KC, k = j - p * KC;
-            const int d = db + p;
-            stg[s] = (j < KC * DC && k < kn && d < d_end) ? phi[(i64)d * K + kc0 + k] : 0.f;
-        }
-    };
-    auto stage_store = [&](int buf) {
-#pragma unroll
-        for (int s = 0; s < STG; ++s) {
-            const int j = threadIdx.x + s * NT;
-            const int p = j / KC, k = j - p * KC;
-            if (j < KC * DC) s_phi[buf][k][p] = stg[s];
-        }
-    };
-    auto x_load = [&](int db, float (&xv)[TT][E]) {
-        const int d = db + lane * E;
-#pragma unroll
-        for (int tt = 0; tt < TT; ++tt) {
-            const i64 t = tok0 + tt;
-            if (t < tokens && d < d_end) {
-                mhc::load_vec<T, E>(x + t * (i64)D + d, xv[tt]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < E; ++e) xv[tt][e] = 0.f;
-            }
-        }
-    };
-
-    float xv[TT][E];
-    if (steps > 0) {
-        stage_load(d_begin);
-        stage_store(0);
-        x_load(d_begin, xv);
-    }
-    for (int i = 0; i < steps; ++i) {
-        const int db = d_begin + i * DC;
-        const bool more = i + 1 < steps;
-        __syncthreads();  // s_phi[i & 1] staged; every warp is done with s_phi[(i + 1) & 1]
-        float xn[TT][E];
-        if (more) {
-            stage_load(db + DC);
-            x_load(db + DC, xn);
-        }
-        const float* sp = &s_phi[i & 1][0][lane * E];
-#pragma unroll
-        for (int k = 0; k < KC; ++k) {
-            float pv[E];
-            mhc_coeffs::lds<E>(sp + k * DP, pv);
-#pragma unroll
-            for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-                for (int e = 0; e < E; ++e) acc[tt][k] = fmaf(xv[tt][e], pv[e], acc[tt][k]);
-        }
-#pragma unroll
-        for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-            for (int e = 0; e < E; ++e) ss[tt] = fmaf(xv[tt][e], xv[tt][e], ss[tt]);
-        if (more) {
-            stage_store((i + 1) & 1);
-#pragma unroll
-            for (int tt = 0; tt < TT; ++tt)
-#pragma unroll
-                for (int e = 0; e < E; ++e) xv[tt][e] = xn[tt][e];
-        }
-    }
-
-    // Warp totals (fixed butterfly), spread over the lanes through shared memory.
-#pragma unroll
-    for (int tt = 0; tt < TT; ++tt) {
-#pragma unroll
-        for (int k = 0; k < KC; ++k) {
-            const float v = mhc::warp_sum(acc[tt][k]);
-            if (lane == (tt * (KC + 1) + k) % 32) s_tot[warp][tt][k] = v;
-        }
-        const float v = mhc::warp_sum(ss[tt]);
-        if (lane == (tt * (KC + 1) + KC) % 32) s_tot[warp][tt][KC] = v;
-    }
-    __syncwarp();
-    for (int idx = lane; idx < TT * kn; idx += 32) {
-        const int tt = idx / kn, k = idx - tt * kn;
-        const i64 t = tok0 + tt;
-        if (t >= tokens) continue;
-        const float H = s_tot[warp][tt][k], q = s_tot[warp][tt][KC];
-        if (part != nullptr) {
-            float* row = part + ((i64)split * tokens + t) * (K + 1);
-            row[kc0 + k] = H;
-            if (cc == 0 && k == 0) row[K] = q;
-        } else {
-            mhc_coeffs::finish_column(alpha, bias, h_pre, h_post, h_res, t, kc0 + k, n, H,
-                                      mhc_coeffs::rms_inv(q, D, eps));
-        }
-    }
-}
-
 // Forward with several D ranges: h[t, k] from the raw partials, summed in
-// range order.  One thread per (t, k), grid-stride.
+// range order.  One thread per (t, k), grid-stride.  stats (may be null):
+// the summed raw H~ and sum of squares [T, K+1] (the fused layer's saved state).
 __global__ void mhc_coeffs_fwd_finish_kernel(const float* __restrict__ part, const float* __restrict__ alpha,
                                              const float* __restrict__ bias, float* __restrict__ h_pre,
-                                             float* __restrict__ h_post, float* __restrict__ h_res, i64 tokens,
-                                             int D, int n, int K, int splits, float eps) {
+                                             float* __restrict__ h_post, float* __restrict__ h_res,
+                                             float* __restrict__ stats, i64 tokens, int D, int n, int K, int splits,
+                                             float eps) {
     const i64 total = tokens * K;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
         const i64 t = i / K;
@@ -286,6 +108,10 @@ __global__ void mhc_coeffs_fwd_finish_kernel(const float* __restrict__ part, con
             const float* row = part + ((i64)s * tokens + t) * (K + 1);
             H += row[k];
             q += row[K];
+        }
+        if (stats != nullptr) {
+            stats[t * (K + 1) + k] = H;
+            if (k == 0) stats[t * (K + 1) + K] = q;
         }
         mhc_coeffs::finish_column(alpha, bias, h_pre, h_post, h_res, t, k, n, H, mhc_coeffs::rms_inv(q, D, eps));
     }
@@ -343,86 +169,6 @@ __global__ void mhc_coeffs_bwd_prep_kernel(const float* __restrict__ part, const
             qa[t * 3 + 1] = q1;
             qa[t * 3 + 2] = q2;
         }
-    }
-}
-
-// dx and dphi for K <= 24 (n <= 4).  Grid (ceil(D / (256 E)), splits): block
-// (bx, s) owns positions [bx * 256 E, ...) and tokens [s * t_split, ...).
-// dphi: the output (one split) or partials [splits, D, K].  KP = K + 1
-// rounded up to a multiple of 4 (the row stride of dH).
-template <typename T, int E, int K>
-__global__ void __launch_bounds__(256)
-mhc_coeffs_bwd_fused_kernel(const T* __restrict__ x, const float* __restrict__ phi, const float* __restrict__ dH,
-                            T* __restrict__ dx, float* __restrict__ dphi, i64 tokens, int D, i64 t_split) {
-    using namespace mhc_coeffs;
-    constexpr int KP = (K + 1 + 3) / 4 * 4;
-    constexpr int U = 4;  // tokens whose x loads are issued together
-    __shared__ __align__(16) float s_dH[TS][KP];
-
-    const int d = (blockIdx.x * NT + threadIdx.x) * E;
-    const bool active = d < D;
-    const i64 t_begin = blockIdx.y * t_split;
-    const i64 t_end = min(tokens, t_begin + t_split);
-
-    float ph[E][K], dp[E][K];
-#pragma unroll
-    for (int e = 0; e < E; ++e)
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            ph[e][k] = active ? phi[(i64)(d + e) * K + k] : 0.f;
-            dp[e][k] = 0.f;
-        }
-
-    for (i64 t0 = t_begin; t0 < t_end; t0 += TS) {
-        const int nt = (int)min((i64)TS, t_end - t0);
-        __syncthreads();  // everyone is done with the previous rows
-        for (int j = threadIdx.x; j < nt * KP; j += NT) (&s_dH[0][0])[j] = dH[t0 * KP + j];
-        __syncthreads();
-        if (!active) continue;
-        // x of U tokens at a time; the next U are loaded while these are used
-        auto x_load = [&](int tt0, float (&xv)[U][E]) { load_token_rows<T, E, U>(x, t0 + tt0, nt - tt0, D, d, xv); };
-        float xv[U][E];
-        x_load(0, xv);
-        for (int tt0 = 0; tt0 < nt; tt0 += U) {
-            const bool more = tt0 + U < nt;
-            float xn[U][E];
-            if (more) x_load(tt0 + U, xn);
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                if (tt0 + u >= nt) break;
-                float q[KP];
-#pragma unroll
-                for (int k = 0; k < KP; k += 4) {
-                    const float4 r = *reinterpret_cast<const float4*>(&s_dH[tt0 + u][k]);
-                    q[k] = r.x; q[k + 1] = r.y; q[k + 2] = r.z; q[k + 3] = r.w;
-                }
-                float o[E];
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    float s = -xv[u][e] * q[K];
-#pragma unroll
-                    for (int k = 0; k < K; ++k) {
-                        s = fmaf(ph[e][k], q[k], s);
-                        dp[e][k] = fmaf(xv[u][e], q[k], dp[e][k]);
-                    }
-                    o[e] = s;
-                }
-                mhc::store_vec<T, E>(dx + (t0 + tt0 + u) * (i64)D + d, o);
-            }
-            if (more) {
-#pragma unroll
-                for (int u = 0; u < U; ++u)
-#pragma unroll
-                    for (int e = 0; e < E; ++e) xv[u][e] = xn[u][e];
-            }
-        }
-    }
-    if (active) {
-        float* out = dphi + (i64)blockIdx.y * D * K + (i64)d * K;
-#pragma unroll
-        for (int e = 0; e < E; ++e)
-#pragma unroll
-            for (int k = 0; k < K; ++k) out[e * K + k] = dp[e][k];
     }
 }
 
@@ -592,4 +338,582 @@ mhc_coeffs_bwd_dphi_kernel(const T* __restrict__ x, const float* __restrict__ dH
 __global__ void mhc_coeffs_zero_kernel(float* __restrict__ out, i64 count) {
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < count; i += (i64)gridDim.x * blockDim.x)
         out[i] = 0.f;
+}
+
+// ===================================================================== tensor-core path
+// The same coefficient path on tensor cores (sm_80+: mma.sync m16n8k16, bf16
+// operands, float32 accumulation), float32-accurate by splitting: every
+// float32 operand v is written as v = v0 + v1 + v2 + O(2^-24 v) with bf16
+// parts v0 = bf16(v), v1 = bf16(v - v0), v2 = bf16(v - v0 - v1); x is one
+// part (bf16: exact), two (float16: exact) or three (float32).  The products
+// of part pairs (a, b) with a + b <= 2 are accumulated (the others are below
+// 2^-24 of the product); bf16 products are exact and the tensor core sums
+// them in float32, so the result matches a float32 CUDA-core dot product to
+// float32 rounding.  (In dx, rounded to a 16-bit dtype, pairs with a + b <= 1
+// suffice: the dropped terms are 2^-16 of the product, far below its ulp.)
+//
+// The reduction index of an MMA may be permuted freely when both operands
+// agree, and so may the rows / columns of the output when the stores know it:
+// each thread reads 8 contiguous positions of x with one 16-byte access and
+// the other operands are stored in the matching order by the split kernels
+// below (per call; they are small: 3 x K x n*C bf16 values for phi).  Tiles
+// reach shared memory through cp.async in a STAGES-deep pipeline, so the HBM
+// reads of the next steps are in flight while the tensor cores work.
+//
+// * mhc_coeffs_mma_fwd_kernel<T, VEC, MT, NTILE, STAGES>: part[split, t, k]
+//   = raw H~ over one D range and part[split, t, K] = the sum of squares (as
+//   the CUDA-core forward with part != nullptr; mhc_coeffs_fwd_finish_kernel
+//   and mhc_coeffs_bwd_prep_kernel consume it).  4 warps; a warp owns MT x 16
+//   tokens and NTILE x 8 columns and walks the block's D range 32 positions
+//   a step (8 per lane quad member: two MMA k-steps).
+// * mhc_coeffs_mma_bwd_kernel<T, TG, VEC, LAYER, KS, NQ, STAGES>: block of n
+//   warps, warp i owns columns [cb * 64, cb * 64 + 64) of stream i and walks
+//   the block's token range 16 tokens a step: dphi[64 positions, K] += x^T dH
+//   (x as the A operand, rows = positions), dx[16 tokens, 64] = dH phi^T - c x
+//   (dH as the A operand), and with LAYER the rest of the mHC layer's dx:
+//   + H_pre_i g_layer_in + sum_j H_res[j, i] g_j (OPS.md sections 6 and 7),
+//   rounded once.
+namespace mhc_coeffs {
+
+__device__ __forceinline__ unsigned pack2(unsigned lo, unsigned hi) { return lo | (hi << 16); }
+
+// v = sum of P bf16 parts (as bits), each the bf16 rounding of what is left.
+template <int P>
+__device__ __forceinline__ void split_bits(float v, unsigned (&out)[P]) {
+    float r = v;
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+        const __nv_bfloat16 h = __float2bfloat16_rn(r);
+        out[p] = (unsigned)__bfloat16_as_ushort(h);
+        r -= __bfloat162float(h);
+    }
+}
+
+// Parts of an activation dtype: bf16 exactly 1, float16 exactly 2, float32 3.
+template <typename T> struct XParts { static constexpr int value = 3; };
+template <> struct XParts<__nv_bfloat16> { static constexpr int value = 1; };
+template <> struct XParts<__half> { static constexpr int value = 2; };
+
+// d += a * b (m16n8k16, bf16 in, float32 accumulate).
+__device__ __forceinline__ void mma16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 16 bytes global -> shared, asynchronously; src_bytes = 0 writes zeros (src is not read).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// One 16-byte chunk of a row of T into shared memory: asynchronously when
+// VEC (16-byte aligned, all-or-nothing validity), else element by element
+// (elements at positions >= lim, or invalid rows, are zero).
+template <typename T, bool VEC>
+__device__ __forceinline__ void fill16(void* dst, const T* __restrict__ row, bool row_ok, int pos, int lim) {
+    constexpr int E = 16 / (int)sizeof(T);
+    if (VEC) {
+        const bool ok = row_ok && pos < lim;
+        cp_async16(dst, ok ? (const void*)(row + pos) : (const void*)row, ok);
+    } else {
+        T* d = reinterpret_cast<T*>(dst);
+#pragma unroll
+        for (int e = 0; e < E; ++e) d[e] = (row_ok && pos + e < lim) ? row[pos + e] : mhc::from_float<T>(0.f);
+    }
+}
+
+// 8 elements row[pos .. pos + 8) of T from global memory as floats (zeros at positions >= lim).
+// VEC: one aligned vector access, all or nothing (lim and pos multiples of 8).
+template <typename T, bool VEC>
+__device__ __forceinline__ void load8(const T* __restrict__ row, int pos, int lim, float (&v)[8]) {
+    if (VEC) {
+        if (pos < lim) {
+            mhc::load_vec<T, 8>(row + pos, v);
+            return;
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = 0.f;
+    } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = pos + e < lim ? mhc::to_float<T>(row[pos + e]) : 0.f;
+    }
+}
+
+// 8 elements of T from shared memory (16-byte aligned for 16-bit T, 32 bytes for float).
+template <typename T>
+__device__ __forceinline__ void lds8(const T* p, float (&v)[8]) {
+    mhc::load_vec<T, 8>(p, v);
+}
+
+// Position of column k of a K16-column row in the "fragment order" of the backward
+// planes: lane quad member q reads its 4 values (k = 2q, 2q+1, 2q+8, 2q+9) of
+// every k-step s (KS of them) as 4 * KS consecutive values.
+__device__ __forceinline__ int frag_slot(int k, int KS) {
+    const int s = k >> 4, j = k & 15;
+    return ((j & 7) >> 1) * 4 * KS + s * 4 + 2 * (j >> 3) + (j & 1);
+}
+
+}  // namespace mhc_coeffs
+
+// phi [D, K] float32 -> planes [3, Kp, Dp] bf16 (transposed, zero padded):
+// plane p holds part p of each value.  Grid-stride over Kp * Dp.
+__global__ void mhc_coeffs_split_phi_fwd_kernel(const float* __restrict__ phi, __nv_bfloat16* __restrict__ planes,
+                                                int D, int K, int Dp, int Kp) {
+    const i64 total = (i64)Kp * Dp;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+        const int k = (int)(i / Dp), d = (int)(i - (i64)k * Dp);
+        const float v = (k < K && d < D) ? phi[(i64)d * K + k] : 0.f;
+        unsigned p[3];
+        mhc_coeffs::split_bits<3>(v, p);
+#pragma unroll
+        for (int j = 0; j < 3; ++j) planes[j * total + i] = __ushort_as_bfloat16((unsigned short)p[j]);
+    }
+}
+
+// src [rows, K] float32 (row stride ld) -> planes [3, rows_p, K16] bf16, columns in
+// fragment order (mhc_coeffs::frag_slot), zero padded.  For phi (rows = D) and dH
+// (rows = tokens) in the backward.
+__global__ void mhc_coeffs_split_rows_kernel(const float* __restrict__ src, __nv_bfloat16* __restrict__ planes,
+                                             i64 rows, int K, int ld, i64 rows_p, int K16) {
+    const i64 total = rows_p * K16;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+        const i64 r = i / K16;
+        const int k = (int)(i - r * K16);
+        const float v = (r < rows && k < K) ? src[r * ld + k] : 0.f;
+        unsigned p[3];
+        mhc_coeffs::split_bits<3>(v, p);
+        const i64 o = r * K16 + mhc_coeffs::frag_slot(k, K16 / 16);
+#pragma unroll
+        for (int j = 0; j < 3; ++j) planes[j * total + o] = __ushort_as_bfloat16((unsigned short)p[j]);
+    }
+}
+
+// dH [tokens, ld] float32 (first K columns) -> planes [3, Kp8, tokens_p] bf16
+// (transposed, zero padded).  Grid-stride over Kp8 * tokens_p.
+__global__ void mhc_coeffs_split_cols_kernel(const float* __restrict__ src, __nv_bfloat16* __restrict__ planes,
+                                             i64 tokens, int K, int ld, i64 tokens_p, int Kp8) {
+    const i64 total = (i64)Kp8 * tokens_p;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+        const int k = (int)(i / tokens_p);
+        const i64 t = i - (i64)k * tokens_p;
+        const float v = (t < tokens && k < K) ? src[t * ld + k] : 0.f;
+        unsigned p[3];
+        mhc_coeffs::split_bits<3>(v, p);
+#pragma unroll
+        for (int j = 0; j < 3; ++j) planes[j * total + i] = __ushort_as_bfloat16((unsigned short)p[j]);
+    }
+}
+
+// Grid: blockIdx.x = (split * tiles + tile) * ncc + cc, as the CUDA-core forward; 128 threads.
+// planes: [3, Kp, Dp] (mhc_coeffs_split_phi_fwd_kernel), Kp = ncc * NTILE * 8, Dp a
+// multiple of 32 >= D; d_split a multiple of 32.  VEC: D % 8 == 0 and x 16-byte aligned.
+// Dynamic shared memory: STAGES * (4 * MT * 16 * 32 * sizeof(T) + 3 * NTILE * 8 * 64) bytes.
+template <typename T, bool VEC, int MT, int NTILE, int STAGES>
+__global__ void __launch_bounds__(128)
+mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restrict__ planes,
+                          float* __restrict__ part, i64 tokens, int D, int Dp, int K, int Kp, int ncc, i64 tiles,
+                          int d_split) {
+    using namespace mhc_coeffs;
+    constexpr int P = XParts<T>::value;
+    constexpr int TOK = 4 * MT * 16;          // tokens per block
+    constexpr int XROW = 32 * (int)sizeof(T);  // bytes of one token's 32 positions
+    constexpr int XB = TOK * XROW;            // x bytes per stage
+    constexpr int KC = NTILE * 8;             // columns per block
+    constexpr int SB = XB + 3 * KC * 64;      // stage bytes (phi: 3 planes x KC rows x 32 bf16)
+    extern __shared__ __align__(16) unsigned char smem[];
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, tq = lane & 3;
+    const unsigned b = blockIdx.x, rest = b / (unsigned)ncc;
+    const int cc = (int)(b - rest * (unsigned)ncc);
+    const unsigned split_u = rest / (unsigned)tiles;
+    const i64 tile = rest - split_u * (unsigned)tiles;
+    const int split = (int)split_u;
+    const int kc0 = cc * KC;
+    const int d_begin = split * d_split;
+    const int d_end = min(D, d_begin + d_split);
+    const int steps = (d_end - d_begin + 31) / 32;
+    const i64 plane = (i64)Kp * Dp;
+
+    auto fill = [&](int step, int stage) {
+        unsigned char* st = smem + stage * SB;
+        const int d0 = d_begin + step * 32;
+        constexpr int XC = XROW / 16;  // 16-byte chunks per token row
+        for (int c = threadIdx.x; c < TOK * XC; c += 128) {
+            const int r = c / XC, q = c - r * XC;
+            const i64 t = tile * TOK + r;
+            const bool ok = t < tokens;
+            fill16<T, VEC>(st + r * XROW + q * 16, x + (ok ? t : 0) * (i64)D, ok, d0 + q * (16 / (int)sizeof(T)),
+                           d_end);
+        }
+        for (int c = threadIdx.x; c < 3 * KC * 4; c += 128) {
+            const int r = c >> 2, q = c & 3, p = r / KC, k = r - p * KC;
+            cp_async16(st + XB + r * 64 + q * 16, planes + p * plane + (i64)(kc0 + k) * Dp + d0 + q * 8, true);
+        }
+    };
+
+    float acc[MT][NTILE][4], ss[MT][2];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        ss[m][0] = ss[m][1] = 0.f;
+#pragma unroll
+        for (int q = 0; q < NTILE; ++q)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[m][q][r] = 0.f;
+    }
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < steps) fill(s, s);
+        cp_async_commit();
+    }
+    for (int i = 0; i < steps; ++i) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();  // step i is in shared memory; every warp is done with step i - 1
+        if (i + STAGES - 1 < steps) fill(i + STAGES - 1, (i + STAGES - 1) % STAGES);
+        cp_async_commit();
+        const unsigned char* st = smem + (i % STAGES) * SB;
+        // phi: 8 consecutive positions (8 tq ..) of column kc0 + 8q + g, every plane
+        unsigned bw[NTILE][3][4];
+#pragma unroll
+        for (int q = 0; q < NTILE; ++q)
+#pragma unroll
+            for (int p = 0; p < 3; ++p) mhc::load_words<4>(st + XB + (p * KC + 8 * q + g) * 64 + tq * 16, bw[q][p]);
+        // x: the same 8 positions of rows g and g + 8 of each m tile, split into P parts
+        // (bf16: the fragments are the stored words themselves)
+        unsigned aw[MT][P][2][4];  // [m][part][row half][word]
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const unsigned char* src = st + (warp * MT * 16 + m * 16 + g + 8 * h) * XROW + tq * 8 * (int)sizeof(T);
+                if constexpr (P == 1) {
+                    mhc::load_words<4>(src, aw[m][0][h]);
+#pragma unroll
+                    for (int w = 0; w < 4; ++w) {
+                        const float lo = __uint_as_float(aw[m][0][h][w] << 16);
+                        const float hi = __uint_as_float(aw[m][0][h][w] & 0xffff0000u);
+                        ss[m][h] = fmaf(hi, hi, fmaf(lo, lo, ss[m][h]));
+                    }
+                } else {
+                    float v[8];
+                    lds8<T>(reinterpret_cast<const T*>(src), v);
+                    unsigned bits[8][P];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        ss[m][h] = fmaf(v[e], v[e], ss[m][h]);
+                        split_bits<P>(v[e], bits[e]);
+                    }
+#pragma unroll
+                    for (int p = 0; p < P; ++p)
+#pragma unroll
+                        for (int w = 0; w < 4; ++w) aw[m][p][h][w] = pack2(bits[2 * w][p], bits[2 * w + 1][p]);
+                }
+            }
+        // k-step j uses positions 8 tq + 4j .. + 3 (logical k 2tq, 2tq+1 | 2tq+8, 2tq+9); the
+        // accumulator of consecutive MMAs differs (m innermost) so they do not wait on each other
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+            for (int pa = 0; pa < P; ++pa)
+#pragma unroll
+                for (int pb = 0; pb + pa < 3; ++pb)
+#pragma unroll
+                    for (int q = 0; q < NTILE; ++q)
+#pragma unroll
+                        for (int m = 0; m < MT; ++m) {
+                            const unsigned a[4] = {aw[m][pa][0][2 * j], aw[m][pa][1][2 * j], aw[m][pa][0][2 * j + 1],
+                                                   aw[m][pa][1][2 * j + 1]};
+                            mma16816(acc[m][q], a, bw[q][pb][2 * j], bw[q][pb][2 * j + 1]);
+                        }
+    }
+    cp_async_wait<0>();
+
+    const i64 tok0 = tile * TOK + warp * MT * 16;
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float s = ss[m][h];
+            s += __shfl_xor_sync(0xffffffffu, s, 1);
+            s += __shfl_xor_sync(0xffffffffu, s, 2);
+            const i64 t = tok0 + m * 16 + g + 8 * h;
+            if (t >= tokens) continue;
+            float* row = part + ((i64)split * tokens + t) * (K + 1);
+            if (cc == 0 && tq == 0) row[K] = s;
+#pragma unroll
+            for (int q = 0; q < NTILE; ++q)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int k = kc0 + 8 * q + 2 * tq + e;
+                    if (k < K) row[k] = acc[m][q][2 * h + e];
+                }
+        }
+}
+
+// Backward on tensor cores.  Grid (cblocks = ceil(C / 64), splits), n warps per
+// block: warp i owns positions i * C + [cb * 64, cb * 64 + 64) (stream i) and the
+// block walks tokens [s * t_split, min(tokens, (s + 1) * t_split)) (t_split a
+// multiple of 16), 16 a step.
+//   phi_r: [3, D, K16] bf16 (split_rows of phi);  dH_r: [3, tokens_p, K16]
+//   (split_rows of dH);  dH_c: [3, Kp8, tokens_p] (split_cols of dH), tokens_p a
+//   multiple of 16 >= tokens;  dH: [tokens, KP] float32, column K = c.
+//   LAYER: g [tokens, n, C] and g_li [tokens, C] (dtype TG), H_pre [tokens, n],
+//   H_res [tokens, n, n] add the pre and post ops' parts of the layer's dx.
+//   dphi: partials [splits, D, K] (the output with one split).
+// VEC: C % 8 == 0 and x, dx (and g, g_li) 16-byte aligned.  KS = K16 / 16, NQ = Kp8 / 8.
+// Dynamic shared memory: mma_bwd_smem(n, TG, LAYER, KS, NQ, STAGES) bytes (host: same formula).
+template <typename T, typename TG, bool VEC, bool LAYER, int KS, int NQ, int STAGES>
+__global__ void __launch_bounds__(128)
+mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restrict__ phi_r,
+                          const __nv_bfloat16* __restrict__ dH_r, const __nv_bfloat16* __restrict__ dH_c,
+                          const float* __restrict__ dH, const TG* __restrict__ g, const TG* __restrict__ g_li,
+                          const float* __restrict__ H_pre, const float* __restrict__ H_res, T* __restrict__ dx,
+                          float* __restrict__ dphi, i64 tokens, i64 tokens_p, int n, int C, int K, int KP,
+                          i64 t_split) {
+    using namespace mhc_coeffs;
+    constexpr int P = XParts<T>::value;
+    constexpr int PO = sizeof(T) == 4 ? 3 : 2;
+    constexpr int K16 = KS * 16, Kp8 = NQ * 8;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g8 = lane >> 2, tq = lane & 3;
+    const int nw = n * 64;  // positions of the block
+    const int cb0 = blockIdx.x * 64;
+    const int D = n * C;
+    const i64 t_begin = (i64)blockIdx.y * t_split;
+    const i64 t_end = min(tokens, t_begin + t_split);
+    const int steps = (int)((max(t_end - t_begin, (i64)0) + 15) / 16);
+    const i64 plane_r = tokens_p * K16, plane_c = (i64)Kp8 * tokens_p, plane_phi = (i64)D * K16;
+
+    // shared memory: phi rows of the block, then STAGES stages of
+    // x [16][n][64] T | dH_r [3][16][K16] | dH_c [3][Kp8][16], the token rows of x padded by
+    // 16 bytes (no bank conflicts between tokens).  LAYER's g and g_li are read in the
+    // epilogue straight from global memory (each once from HBM; the block's other warps
+    // find them in L1): staging them too would halve the blocks per SM.
+    __nv_bfloat16* s_phi = reinterpret_cast<__nv_bfloat16*>(smem);
+    const int XR = nw * (int)sizeof(T) + 16;  // token row bytes
+    const int XB = 16 * XR, RB = 3 * 16 * K16 * 2, CB = 3 * Kp8 * 16 * 2;
+    const int SB = XB + RB + CB;
+    unsigned char* stages = smem + 3 * nw * K16 * 2;
+
+    // phi rows of the block's positions (zero where the column is past C)
+    for (int c = threadIdx.x; c < 3 * nw * (K16 / 8); c += blockDim.x) {
+        const int r = c / (K16 / 8), q = c - r * (K16 / 8);  // r = p * nw + i * 64 + cl
+        const int p = r / nw, pos = r - p * nw, i = pos >> 6, cl = pos & 63;
+        const bool ok = cb0 + cl < C;
+        cp_async16(s_phi + (i64)r * K16 + q * 8, phi_r + p * plane_phi + (i64)(i * C + (ok ? cb0 + cl : 0)) * K16 + q * 8,
+                   ok);
+    }
+    auto fill = [&](int step, int stage) {
+        unsigned char* st = stages + stage * SB;
+        const i64 t0 = t_begin + step * 16;
+        constexpr int XC = 64 * (int)sizeof(T) / 16;
+        for (int c = threadIdx.x; c < 16 * n * XC; c += blockDim.x) {
+            const int r = c / XC, q = c - r * XC, u = r / n, i = r - u * n;  // r = u * n + i
+            const i64 t = t0 + u;
+            const bool ok = t < t_end;
+            fill16<T, VEC>(st + u * XR + i * 64 * (int)sizeof(T) + q * 16, x + (ok ? t : 0) * (i64)D + i * C, ok,
+                           cb0 + q * (16 / (int)sizeof(T)), C);
+        }
+        for (int c = threadIdx.x; c < 3 * 16 * K16 / 8; c += blockDim.x) {
+            const int p = c / (16 * K16 / 8), o = c - p * (16 * K16 / 8);
+            cp_async16(st + XB + c * 16, dH_r + p * plane_r + t0 * K16 + o * 8, true);
+        }
+        for (int c = threadIdx.x; c < 3 * Kp8 * 2; c += blockDim.x) {
+            const int r = c >> 1, q = c & 1, p = r / Kp8, k = r - p * Kp8;
+            cp_async16(st + XB + RB + c * 16, dH_c + p * plane_c + (i64)k * tokens_p + t0 + q * 8, true);
+        }
+    };
+
+    float accp[4][NQ][4];  // dphi: [m tile of 16 positions][column tile][fragment]
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+        for (int q = 0; q < NQ; ++q)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) accp[m][q][r] = 0.f;
+
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < steps) fill(s, s);
+        cp_async_commit();  // the first group also holds the phi rows
+    }
+    const __nv_bfloat16* ph = s_phi + (warp * 64) * K16;  // this warp's rows, plane 0
+    for (int step = 0; step < steps; ++step) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        if (step + STAGES - 1 < steps) fill(step + STAGES - 1, (step + STAGES - 1) % STAGES);
+        cp_async_commit();
+        const unsigned char* st = stages + (step % STAGES) * SB;
+        // row of stream i of token u of this step's x tile
+        auto xrow = [&](int u, int i) { return reinterpret_cast<const T*>(st + u * XR) + i * 64; };
+        const __nv_bfloat16* dhr = reinterpret_cast<const __nv_bfloat16*>(st + XB);
+        const __nv_bfloat16* dhc = reinterpret_cast<const __nv_bfloat16*>(st + XB + RB);
+        const i64 t0 = t_begin + step * 16;
+
+        // ---- dphi += x^T dH.  A row g of m tile m: column 8 g8 + 2m (row g8 + 8: + 1);
+        // the reduction index is the token: 2tq, 2tq+1 | 2tq+8, 2tq+9.
+        {
+            unsigned afr[4][P][4];  // [m][part][fragment word]
+            if constexpr (P == 1) {
+                // bf16: word m of a row holds columns 2m (low half) and 2m + 1; pair the halves of two tokens
+                unsigned xw[4][4];
+#pragma unroll
+                for (int u = 0; u < 4; ++u)
+                    mhc::load_words<4>(xrow(2 * tq + (u & 1) + 8 * (u >> 1), warp) + 8 * g8, xw[u]);
+#pragma unroll
+                for (int m = 0; m < 4; ++m) {
+                    afr[m][0][0] = __byte_perm(xw[0][m], xw[1][m], 0x5410);
+                    afr[m][0][1] = __byte_perm(xw[0][m], xw[1][m], 0x7632);
+                    afr[m][0][2] = __byte_perm(xw[2][m], xw[3][m], 0x5410);
+                    afr[m][0][3] = __byte_perm(xw[2][m], xw[3][m], 0x7632);
+                }
+            } else {
+                float xv[4][8];
+#pragma unroll
+                for (int u = 0; u < 4; ++u)
+                    lds8<T>(xrow(2 * tq + (u & 1) + 8 * (u >> 1), warp) + 8 * g8, xv[u]);
+#pragma unroll
+                for (int m = 0; m < 4; ++m) {
+                    unsigned bits[4][2][P];  // [token u][h][part]
+#pragma unroll
+                    for (int u = 0; u < 4; ++u)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) split_bits<P>(xv[u][2 * m + h], bits[u][h]);
+#pragma unroll
+                    for (int pa = 0; pa < P; ++pa) {
+                        afr[m][pa][0] = pack2(bits[0][0][pa], bits[1][0][pa]);
+                        afr[m][pa][1] = pack2(bits[0][1][pa], bits[1][1][pa]);
+                        afr[m][pa][2] = pack2(bits[2][0][pa], bits[3][0][pa]);
+                        afr[m][pa][3] = pack2(bits[2][1][pa], bits[3][1][pa]);
+                    }
+                }
+            }
+            unsigned bp[NQ][3][2];
+#pragma unroll
+            for (int q = 0; q < NQ; ++q)
+#pragma unroll
+                for (int p = 0; p < 3; ++p) {
+                    const __nv_bfloat16* col = dhc + (p * Kp8 + 8 * q + g8) * 16 + 2 * tq;
+                    bp[q][p][0] = *reinterpret_cast<const unsigned*>(col);
+                    bp[q][p][1] = *reinterpret_cast<const unsigned*>(col + 8);
+                }
+#pragma unroll
+            for (int pa = 0; pa < P; ++pa)
+#pragma unroll
+                for (int pb = 0; pb + pa < 3; ++pb)
+#pragma unroll
+                    for (int q = 0; q < NQ; ++q)
+#pragma unroll
+                        for (int m = 0; m < 4; ++m) mma16816(accp[m][q], afr[m][pa], bp[q][pb][0], bp[q][pb][1]);
+        }
+        // ---- dx = dH phi^T - c x (+ layer terms).  A rows: tokens g8, g8 + 8; B column g8 of
+        // n tile j: column 16 (g8 >> 1) + 2j + (g8 & 1); accumulator (tq, e) of tile j: column 16 tq + 2j + e.
+        {
+            float acc[8][4];
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int r = 0; r < 4; ++r) acc[j][r] = 0.f;
+            unsigned aw[3][2][2 * KS];  // [part][row half][word]: words 2s, 2s + 1 of k-step s
+#pragma unroll
+            for (int p = 0; p < 3; ++p)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    mhc::load_words<2 * KS>(dhr + (p * 16 + g8 + 8 * h) * K16 + tq * 4 * KS, aw[p][h]);
+#pragma unroll
+            for (int j0 = 0; j0 < 8; j0 += 4) {
+                unsigned bw[4][3][2 * KS];  // [tile][part][word]
+#pragma unroll
+                for (int jj = 0; jj < 4; ++jj) {
+                    const int pos = 16 * (g8 >> 1) + 2 * (j0 + jj) + (g8 & 1);
+#pragma unroll
+                    for (int p = 0; p < 3; ++p)
+                        mhc::load_words<2 * KS>(ph + (p * nw + pos) * K16 + tq * 4 * KS, bw[jj][p]);
+                }
+#pragma unroll
+                for (int s = 0; s < KS; ++s)
+#pragma unroll
+                    for (int pa = 0; pa < 3; ++pa)
+#pragma unroll
+                        for (int pb = 0; pb + pa < PO; ++pb) {
+                            const unsigned a[4] = {aw[pa][0][2 * s], aw[pa][1][2 * s], aw[pa][0][2 * s + 1],
+                                                   aw[pa][1][2 * s + 1]};
+#pragma unroll
+                            for (int jj = 0; jj < 4; ++jj)
+                                mma16816(acc[j0 + jj], a, bw[jj][pb][2 * s], bw[jj][pb][2 * s + 1]);
+                        }
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int u = g8 + 8 * h;
+                const i64 t = t0 + u;
+                if (t >= t_end) continue;
+                const float c = dH[t * KP + K];
+                float hp = 0.f, hr[4];  // n <= 4 here (K <= 32)
+                if (LAYER) {
+                    hp = H_pre[t * n + warp];
+                    for (int j = 0; j < n; ++j) hr[j] = H_res[(t * n + j) * n + warp];
+                }
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int cl = 16 * tq + 8 * half;
+                    float xv[8], o[8];
+                    lds8<T>(xrow(u, warp) + cl, xv);
+#pragma unroll
+                    for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(-c, xv[e8], acc[4 * half + (e8 >> 1)][2 * h + (e8 & 1)]);
+                    if (LAYER) {
+                        const int col = cb0 + cl;
+                        float gv[8];
+                        if (g_li != nullptr) {
+                            load8<TG, VEC>(g_li + t * (i64)C, col, C, gv);
+#pragma unroll
+                            for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(hp, gv[e8], o[e8]);
+                        }
+                        if (g != nullptr) {
+                            for (int j = 0; j < n; ++j) {
+                                load8<TG, VEC>(g + t * (i64)D + j * C, col, C, gv);
+#pragma unroll
+                                for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(hr[j], gv[e8], o[e8]);
+                            }
+                        }
+                    }
+                    T* out = dx + t * (i64)D + warp * C;
+                    const int col = cb0 + cl;
+                    if (VEC) {
+                        if (col < C) mhc::store_vec<T, 8>(out + col, o);
+                    } else {
+#pragma unroll
+                        for (int e8 = 0; e8 < 8; ++e8)
+                            if (col + e8 < C) out[col + e8] = mhc::from_float<T>(o[e8]);
+                    }
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    float* out = dphi + (i64)blockIdx.y * D * (i64)K;
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int col = cb0 + 8 * g8 + 2 * m + h;
+            if (col >= C) continue;
+            const i64 d = (i64)warp * C + col;
+#pragma unroll
+            for (int q = 0; q < NQ; ++q)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int k = 8 * q + 2 * tq + e;
+                    if (k < K) out[d * K + k] = accp[m][q][2 * h + e];
+                }
+        }
 }

@@ -61,7 +61,7 @@ __global__ void mhc_post_op_fwd_kernel(const T* __restrict__ x, const T* __restr
 // dy = sum_i H_post_i g_i ; dx_j = sum_i H_res_ij g_i ;
 // dH_post_i = sum_c g_ic y_c ; dH_res_ij = sum_c g_ic x_jc  (per token).
 // dH_res rows are reduced RB at a time (RB*N accumulators per thread); the
-// first pass also writes dx, dy and dH_post.  d_post is [tokens, N] per token
+// first pass also writes dx (unless null), dy and dH_post.  d_post is [tokens, N] per token
 // (the host sums it over tokens for a shared H_post).
 template <typename T, typename TG, int N, int E, int RB, bool HAS_X, bool HAS_Y>
 __global__ void mhc_post_op_bwd_kernel(const TG* __restrict__ g, const T* __restrict__ x,
@@ -103,7 +103,7 @@ __global__ void mhc_post_op_bwd_kernel(const TG* __restrict__ g, const T* __rest
                 }
                 if (HAS_Y) mhc::load_vec<T, E>(yt + c, yv);
                 if (first) {
-                    if (HAS_X) {
+                    if (HAS_X && dx != nullptr) {  // null dx: the fused layer adds H_res^T g itself
 #pragma unroll
                         for (int j = 0; j < N; ++j) {
                             float o[E];
@@ -205,7 +205,8 @@ __global__ void mhc_stream_aggregate_fwd_kernel(const T* __restrict__ x, const f
 // dx_i = h_i g ; dh_i = sum_c g_c x_ic (per token, [tokens, N]).
 // ACT = 1 (pre op): h = sigmoid(h_raw) and the kernel writes
 //   dh_raw_i = (sum_c g_c x_ic + gh_i) * h_i (1 - h_i), gh (grad of H_pre) may be null.
-// g null means a zero incoming gradient (the pre op's unused layer input).
+// g null means a zero incoming gradient (the pre op's unused layer input); dx null: dh only
+// (the fused layer adds H_pre_i g to its dx itself).
 template <typename T, typename TG, int N, int E, int ACT>
 __global__ void mhc_stream_aggregate_bwd_kernel(const TG* __restrict__ g, const T* __restrict__ x,
                                                 const float* __restrict__ h, i64 h_stride,
@@ -244,7 +245,7 @@ __global__ void mhc_stream_aggregate_bwd_kernel(const TG* __restrict__ g, const 
                     o[e] = s_h[i] * gv[e];
                     acc[i] = fmaf(gv[e], xv[i][e], acc[i]);
                 }
-                mhc::store_vec<T, E>(dx + (t * N + i) * (i64)C + c, o);
+                if (dx != nullptr) mhc::store_vec<T, E>(dx + (t * N + i) * (i64)C + c, o);
             }
         }
         mhc::block_sum<N>(acc, red);
@@ -261,22 +262,73 @@ __global__ void mhc_stream_aggregate_bwd_kernel(const TG* __restrict__ g, const 
 
 // ------------------------------------------------------------- column sum
 // out[c] = sum_r part[r, c] for a row-major [rows, cols] float32 matrix, in a
-// fixed order (strided partial sums per thread row, then rows 0..7 in
-// sequence): the deterministic sum over tokens of shared-coefficient and
-// RMSNorm-weight gradients.  blockDim = (32, 8).
+// fixed order: thread row y sums rows y, y + Y, y + 2Y, ... (Y = blockDim.y)
+// into 8 interleaved accumulators (row index / Y mod 8) added in order, then
+// the Y thread rows are added in sequence.  The order depends only on rows
+// and blockDim, never on timing: the deterministic sum over tokens of
+// shared-coefficient and RMSNorm-weight gradients.  blockDim = (32, Y), Y <= 32.
 __global__ void mhc_column_sum_kernel(const float* __restrict__ part, float* __restrict__ out,
                                                  i64 rows, int cols) {
-    __shared__ float s[8][33];
+    __shared__ float s[32][33];
     const int c = blockIdx.x * 32 + threadIdx.x;
-    float acc = 0.f;
-    if (c < cols)
-        for (i64 r = threadIdx.y; r < rows; r += 8) acc += part[r * cols + c];
-    s[threadIdx.y][threadIdx.x] = acc;
+    const int Y = blockDim.y;
+    float acc[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+    if (c < cols) {
+        i64 r = threadIdx.y;
+        for (; r + 7 * (i64)Y < rows; r += 8 * (i64)Y) {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) acc[k] += part[(r + k * (i64)Y) * cols + c];
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k)
+            if (r + k * (i64)Y < rows) acc[k] += part[(r + k * (i64)Y) * cols + c];
+    }
+    float v = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v += acc[k];
+    s[threadIdx.y][threadIdx.x] = v;
     __syncthreads();
     if (threadIdx.y == 0 && c < cols) {
         float tot = 0.f;
-#pragma unroll
-        for (int k = 0; k < 8; ++k) tot += s[k][threadIdx.x];
+        for (int k = 0; k < Y; ++k) tot += s[k][threadIdx.x];
         out[c] = tot;
+    }
+}
+
+// The same sum for narrow matrices (cols <= 32, many rows: per-token terms summed over
+// tokens): one block, thread l on column c = l % cols, rows j, j + J, ... (j = l / cols,
+// J = blockDim.x / cols) into 8 interleaved accumulators added in order; then warp c adds
+// column c's J partials (lane-strided, fixed butterfly).  The order depends only on
+// rows, cols and blockDim.  blockDim = (1024, 1, 1), one block.
+__global__ void mhc_column_sum_narrow_kernel(const float* __restrict__ part, float* __restrict__ out, i64 rows,
+                                             int cols) {
+    __shared__ float s[1024];
+    const int l = threadIdx.x, J = blockDim.x / cols, c = l % cols, j = l / cols;
+    float acc[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+    if (j < J) {
+        i64 r = j;
+        for (; r + 7 * (i64)J < rows; r += 8 * (i64)J) {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) acc[k] += part[(r + k * (i64)J) * cols + c];
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k)
+            if (r + k * (i64)J < rows) acc[k] += part[(r + k * (i64)J) * cols + c];
+    }
+    float v = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v += acc[k];
+    s[l] = v;
+    __syncthreads();
+    const int warp = l >> 5, lane = l & 31;
+    if (warp < cols) {
+        float t = 0.f;
+        for (int jj = lane; jj < J; jj += 32) t += s[jj * cols + warp];
+        t = mhc::warp_sum(t);
+        if (lane == 0) out[warp] = t;
     }
 }

@@ -12,9 +12,13 @@ shadowed by the ``mhc_cupy.torch`` submodule).
 
 from ._checks import MAX_N, MIN_N
 from ._kernels import warmup
+from ._nvrtc import KernelCompileError
 from .ops import (
     mhc_coeffs_bwd,
     mhc_coeffs_fwd,
+    mhc_layer_post_bwd,
+    mhc_layer_pre_bwd,
+    mhc_layer_pre_fwd,
     mhc_post_op_bwd,
     mhc_post_op_fwd,
     mhc_pre_op_bwd,
@@ -37,5 +41,7 @@ __all__ = [
     "sinkhorn_knopp_fwd", "sinkhorn_knopp_bwd", "rmsnorm_fwd", "rmsnorm_bwd",
     "stream_mix_fwd", "stream_mix_bwd", "stream_aggregate_fwd", "stream_aggregate_bwd",
     "stream_distribute_fwd", "stream_distribute_bwd", "mhc_post_op_fwd", "mhc_post_op_bwd",
-    "mhc_pre_op_fwd", "mhc_pre_op_bwd", "mhc_coeffs_fwd", "mhc_coeffs_bwd", "warmup", "MIN_N", "MAX_N",
+    "mhc_pre_op_fwd", "mhc_pre_op_bwd", "mhc_coeffs_fwd", "mhc_coeffs_bwd",
+    "mhc_layer_pre_fwd", "mhc_layer_pre_bwd", "mhc_layer_post_bwd", "warmup", "MIN_N", "MAX_N",
+    "KernelCompileError",
 ]

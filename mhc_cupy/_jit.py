@@ -6,14 +6,22 @@ instantiation with every baked-in constant (dtype, n, vector width, ...), e.g.
 
 Caches:
   * in process: one loaded function per (device, file, name expression);
-  * on disk: one cubin per key = SHA-256 of (inlined source text, options,
-    include directories, target architecture, NVRTC version, name
-    expression), under ``$MHC_CUPY_CACHE_DIR`` (default
-    ``~/.cache/mhc_cupy``).  A warm process loads the cubin and never calls
-    NVRTC (``stats["compiles"]`` stays 0).
+  * on disk: one entry per key under ``$MHC_CUPY_CACHE_DIR`` (default
+    ``~/.cache/mhc_cupy``); the key is the SHA-256 of the inlined kernel text,
+    the NVRTC options, the include folders, the SHA-256 of every CUDA header the
+    kernel includes from them (``_headers.digest``: ``cuda_bf16.h``,
+    ``cuda_fp16.h``, their ``.hpp`` and what they include), the target
+    architecture, the NVRTC version and the name expression.  A warm process
+    loads the binary and never calls NVRTC (``stats["compiles"]`` stays 0).
 
-The source text is inlined (``_sources.load_source``), so editing a header
-changes the key: a stale binary is never served.
+The disk cache runs code on the GPU, so it trusts only what the user alone can
+write: the folder is created 0700 and is used only when it is a real folder
+(not a symlink) owned by the user and not writable by group or others (else a
+warning, once, and no disk cache); entries are opened without following
+symlinks and must pass the same ownership test.  Each entry stores the binary's
+size and SHA-256: a bad entry (truncated, empty, bad metadata, digest
+mismatch) is a miss, dropped and recompiled.  Writes go to a temporary file in
+the folder, renamed into place (removed if the write fails).
 """
 
 from __future__ import annotations
@@ -22,11 +30,15 @@ import hashlib
 import json
 import os
 import re
+import stat
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
-from . import _headers, _replay, _sources
+import numpy as np
+
+from . import _headers, _nvrtc, _replay, _sources
 
 #: Options handed to NVRTC for every kernel (besides -I and the architecture).
 NVRTC_OPTIONS: tuple[str, ...] = ("-std=c++17",)
@@ -37,10 +49,7 @@ stats = {"compiles": 0, "disk_hits": 0, "loads": 0}
 _lock = threading.Lock()
 _functions: dict = {}
 _SPACES = re.compile(r"\s*([<>,()])\s*")
-
-
-class KernelCompileError(RuntimeError):
-    """NVRTC rejected a kernel; the message carries everything needed to report it."""
+_ENTRY_FORMAT = "mhc_cupy kernel cache entry 2"
 
 
 def normalise(name_expression: str) -> str:
@@ -54,63 +63,156 @@ def cache_dir() -> Path:
 
 
 def nvrtc_version() -> tuple[int, int]:
-    from cupy.cuda import nvrtc
-
-    return tuple(nvrtc.getVersion())
+    return _nvrtc.version()
 
 
-def _options(include_dirs: list[str]) -> tuple[str, ...]:
-    return NVRTC_OPTIONS + tuple(f"-I{d}" for d in include_dirs)
+def target_arch(compute_capability: str) -> str:
+    """NVRTC's ``--gpu-architecture`` for a device: its own cubin (``sm_90``) when this
+    NVRTC supports it, else PTX of the newest architecture it supports (the driver
+    compiles that for the device)."""
+    cc, supported = int(compute_capability), _nvrtc.supported_archs()
+    if cc in supported:
+        return f"sm_{cc}"
+    older = [a for a in supported if a < cc]
+    if not older:
+        raise RuntimeError(f"NVRTC {'.'.join(map(str, nvrtc_version()))} cannot compile for this GPU (sm_{cc}); "
+                           f"it supports {', '.join(f'sm_{a}' for a in supported)}")
+    return f"compute_{max(older)}"
 
 
-def _key(source: str, options, arch: str, expr: str) -> str:
+def _key(source: str, include_dirs, target: str, expr: str) -> str:
     h = hashlib.sha256()
-    for part in (source, "\0".join(options), arch, repr(nvrtc_version()), expr):
+    for part in (_ENTRY_FORMAT, source, "\0".join(NVRTC_OPTIONS), "\0".join(include_dirs),
+                 _headers.digest(source, include_dirs), target, repr(nvrtc_version()), expr):
         h.update(part.encode())
         h.update(b"\1")
     return h.hexdigest()
 
 
-def _read_cache(key: str):
-    path = cache_dir() / f"{key}.cubin"
-    meta = cache_dir() / f"{key}.json"
-    try:
-        mangled = json.loads(meta.read_text())["mangled"]
-        return mangled, path.read_bytes()
-    except (OSError, ValueError, KeyError):
-        return None
+_warned: set = set()
 
 
-def _write_cache(key: str, mangled: str, binary: bytes) -> None:
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _trusted(st) -> str | None:
+    """Why a file or folder with lstat result ``st`` may not be trusted, or None."""
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"writable by group or others (mode {stat.filemode(st.st_mode)})"
+    return None
+
+
+def _usable_cache_dir() -> Path | None:
+    """The cache folder, created 0700 if missing; None (one warning) if it cannot be trusted."""
     d = cache_dir()
     try:
-        d.mkdir(parents=True, exist_ok=True)
-        for suffix, data in ((".cubin", binary), (".json", json.dumps({"mangled": mangled}).encode())):
-            fd, tmp = tempfile.mkstemp(dir=d)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, d / f"{key}{suffix}")
-    except OSError:
-        pass  # a read-only cache only costs a recompile next time
+        if not os.path.lexists(d):
+            d.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.mkdir(d, 0o700)
+            except FileExistsError:  # another process made it meanwhile
+                pass
+        st = os.lstat(d)
+    except OSError as e:
+        _warn_once(f"mhc_cupy: kernel cache {d} unusable ({e}); compiling without a disk cache")
+        return None
+    why = "a symlink" if stat.S_ISLNK(st.st_mode) else None if stat.S_ISDIR(st.st_mode) else "not a folder"
+    why = why or _trusted(st)
+    if why:
+        _warn_once(f"mhc_cupy: ignoring kernel cache {d}: {why}; compiling without a disk cache "
+                   "(set $MHC_CUPY_CACHE_DIR to a folder only you can write)")
+        return None
+    return d
 
 
-def _compile(filename: str, source: str, options, arch: str, expr: str, include_dirs):
-    from cupy.cuda import compiler
-
-    stats["compiles"] += 1
+def _drop(path: Path) -> None:
     try:
-        binary, mapping = compiler.compile_using_nvrtc(
-            source, options, arch, filename, name_expressions=[expr], cache_in_memory=True
-        )
-    except compiler.CompileException as e:
-        from ._nvrtc import format_compile_error
+        os.unlink(path)
+    except OSError:
+        pass
 
-        raise KernelCompileError(
-            f"{expr} from kernels_cu/{filename}:\n"
-            + format_compile_error(filename, str(e), include_dirs=include_dirs, options=options, arch=f"sm_{arch}",
-                                   nvrtc_version=nvrtc_version(), lib_path="")
-        ) from None
-    return mapping[expr], binary
+
+def _read_cache(key: str):
+    """(mangled name, binary) of a good entry, else None (a bad entry is removed)."""
+    d = _usable_cache_dir()
+    if d is None:
+        return None
+    path = d / f"{key}.bin"
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:  # missing, or a symlink (ELOOP)
+        if os.path.islink(path):
+            _drop(path)
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        why = None if stat.S_ISREG(st.st_mode) else "not a regular file"
+        why = why or _trusted(st)
+        if why:
+            _warn_once(f"mhc_cupy: dropping kernel cache entry {path}: {why}")
+            _drop(path)
+            return None
+        data = f.read()
+    try:
+        head, code = data.split(b"\n", 1)
+        meta = json.loads(head)
+        good = (isinstance(meta, dict) and meta.get("format") == _ENTRY_FORMAT and isinstance(meta.get("mangled"), str)
+                and meta["mangled"] and meta.get("size") == len(code) > 0
+                and meta.get("sha256") == hashlib.sha256(code).hexdigest())
+    except ValueError:  # no header line, bad JSON or bad UTF-8
+        good = False
+    if not good:
+        _drop(path)
+        return None
+    return meta["mangled"], code
+
+
+def _write_cache(key: str, mangled: str, code: bytes) -> None:
+    d = _usable_cache_dir()
+    if d is None:
+        return
+    meta = {"format": _ENTRY_FORMAT, "mangled": mangled, "size": len(code),
+            "sha256": hashlib.sha256(code).hexdigest()}
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{key}.", suffix=".tmp")  # mode 0600
+        with os.fdopen(fd, "wb") as f:
+            f.write(json.dumps(meta).encode() + b"\n" + code)
+        os.replace(tmp, d / f"{key}.bin")
+        tmp = None
+    except OSError:
+        pass  # a read-only or full cache only costs a recompile next time
+    finally:
+        if tmp is not None:
+            _drop(Path(tmp))
+
+
+def kernel_binary(filename: str, expr: str, target: str) -> tuple[str, bytes]:
+    """(mangled name, CUBIN or PTX) of kernel ``expr`` in ``kernels_cu/<filename>`` for
+    NVRTC's ``target`` (``sm_90``), from the disk cache or compiled (and cached).
+    Needs no GPU.
+
+    Raises:
+        KernelCompileError: NVRTC rejected the kernel.
+    """
+    include_dirs = _headers.include_dirs()
+    source = _sources.load_source(filename)
+    key = _key(source, include_dirs, target, expr)
+    cached = _read_cache(key)
+    if cached is not None:
+        stats["disk_hits"] += 1
+        return cached
+    stats["compiles"] += 1
+    res = _nvrtc.compile(source, filename, [expr], arch=target, options=NVRTC_OPTIONS, include_dirs=include_dirs,
+                         heading=f"{expr} from kernels_cu/{filename}:\n")
+    mangled, code = res["lowered_names"][expr], res["cubin" if target.startswith("sm_") else "ptx"]
+    _write_cache(key, mangled, code)
+    return mangled, code
 
 
 def get_function(filename: str, name_expression: str):
@@ -134,20 +236,9 @@ def get_function(filename: str, name_expression: str):
 def _load(dev: int, filename: str, expr: str):
     import cupy
 
-    arch = cupy.cuda.Device(dev).compute_capability
-    include_dirs = _headers.include_dirs()
-    options = _options(include_dirs)
-    source = _sources.load_source(filename)
-    key = _key(source, options, arch, expr)
-    cached = _read_cache(key)
-    if cached is not None:
-        stats["disk_hits"] += 1
-        mangled, binary = cached
-    else:
-        mangled, binary = _compile(filename, source, options, arch, expr, include_dirs)
-        _write_cache(key, mangled, binary)
+    mangled, code = kernel_binary(filename, expr, target_arch(cupy.cuda.Device(dev).compute_capability))
     module = cupy.cuda.function.Module()
-    module.load(binary)
+    module.load(code)
     stats["loads"] += 1
     return module.get_function(mangled), module  # the module must outlive the function
 
@@ -157,7 +248,10 @@ _max_threads: dict = {}
 
 def max_threads(filename: str, name_expression: str) -> int:
     """The largest block the compiled kernel can launch with (its registers
-    per thread decide it) on the current device; compiles it if needed."""
+    per thread decide it) on the current device; compiles it if needed.
+    1024 inside :func:`dry_run`."""
+    if getattr(_local, "dry_run", None) is not None:
+        return 1024
     fn = get_function(filename, name_expression)
     v = _max_threads.get(fn.ptr)
     if v is None:
@@ -167,29 +261,100 @@ def max_threads(filename: str, name_expression: str) -> int:
     return v
 
 
+class DynamicSharedLimit:
+    """Per kernel function, the largest dynamic shared memory a launch has needed.
+
+    A launch above the 48 KiB default needs the function's
+    MAX_DYNAMIC_SHARED_SIZE_BYTES attribute at least that large.  The value set
+    only ever grows (a smaller launch never lowers it, so a recorded launch stays
+    valid for every later replay), and is set under a lock, only when a launch
+    needs more than set so far.  ``set_attribute(fn_ptr, size)`` does the setting.
+    """
+
+    DEFAULT = 48 * 1024
+
+    def __init__(self, set_attribute):
+        self._set_attribute = set_attribute
+        self._max: dict = {}
+        self._lock = threading.Lock()
+
+    def ensure(self, fn_ptr: int, size: int) -> None:
+        if size <= self._max.get(fn_ptr, self.DEFAULT):  # the common case: no lock
+            return
+        with self._lock:
+            if size > self._max.get(fn_ptr, self.DEFAULT):
+                self._set_attribute(fn_ptr, size)  # raises if the device cannot give that much
+                self._max[fn_ptr] = size
+
+
+def _set_max_dynamic_shared(fn_ptr: int, size: int) -> None:
+    from cupy_backends.cuda.api import driver
+
+    driver.funcSetAttribute(fn_ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, size)
+
+
+#: The dynamic shared memory bookkeeping of every loaded kernel (also used by ``_replay``).
+shared_limit = DynamicSharedLimit(_set_max_dynamic_shared)
+
+_local = threading.local()
+
+
+def dry_run():
+    """Within the block, this thread's :func:`launch` touches no GPU: it checks the
+    arguments and appends ``(file, normalised name expression, grid, block, args,
+    shared_mem)`` to the list the block gets; :func:`max_threads` answers 1024.
+    Lists the kernels calls would compile, and their launch configurations."""
+    return _replay.thread_list(_local, "dry_run")
+
+
+#: NumPy scalar types a kernel scalar may be passed as (its C type: int, unsigned, long long, ...).
+SCALAR_TYPES = frozenset((np.int32, np.uint32, np.int64, np.uint64, np.float32))
+#: No device pointer lies below this address: a smaller Python int is a scalar left bare.
+_LOWEST_POINTER = 1 << 16
+
+
+def check_args(name_expression: str, args) -> None:
+    """Kernel arguments: device pointers as Python ints, null pointers as None, and
+    every scalar as a NumPy scalar of its C type (:data:`SCALAR_TYPES`), so that no
+    scalar's width is guessed (a bare int would reach the kernel as 8 bytes).
+
+    0 is a null pointer too (an empty buffer has address 0).
+
+    Raises:
+        TypeError: a bool, float, other type, or a nonzero int below 65536 (a bare scalar).
+    """
+    for i, a in enumerate(args):
+        t = type(a)
+        if (a is not None and t not in SCALAR_TYPES) and (t is not int or (a < _LOWEST_POINTER and a != 0)):
+            raise TypeError(
+                f"argument {i} of kernel {name_expression} is {a!r} ({t.__name__}): pass device pointers as "
+                "Python ints, null pointers as None and scalars as np.int32 / np.int64 / np.uint32 / np.uint64 / "
+                "np.float32 matching the kernel's parameter")
+
+
 _streams: dict = {}
-_big_smem: set = set()
 
 
 def launch(filename, name_expression, grid, block, args, stream_ptr, shared_mem=0):
     """Launch a kernel on the raw CUDA stream ``stream_ptr`` of the current device.
 
-    ``args``: Python ints (pointers, 64-bit integers), None (null pointers),
-    or numpy scalars (np.int32 / np.float32) matching the kernel signature.
-    Raises ``cupy.cuda.driver.CUDADriverError`` if the launch is refused.
+    ``args``: as :func:`check_args` says, matching the kernel signature.
+
+    Raises:
+        TypeError: a bad argument (:func:`check_args`).
+        cupy.cuda.driver.CUDADriverError: the launch is refused.
     """
+    check_args(name_expression, args)
+    dry = getattr(_local, "dry_run", None)
+    if dry is not None:
+        dry.append((filename, normalise(name_expression), grid, block, args, shared_mem))
+        return
     import cupy
 
     fn = get_function(filename, name_expression)
-    if shared_mem > 48 * 1024 and (fn.ptr, shared_mem) not in _big_smem:
-        from cupy_backends.cuda.api import driver
-
-        driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
-        _big_smem.add((fn.ptr, shared_mem))
+    shared_limit.ensure(fn.ptr, shared_mem)
     stream = _streams.get(stream_ptr)
     if stream is None:
-        import warnings
-
         with warnings.catch_warnings():  # CuPy 14 prefers Stream.from_external(obj), which needs an object
             warnings.simplefilter("ignore", DeprecationWarning)
             stream = _streams[stream_ptr] = cupy.cuda.ExternalStream(stream_ptr)

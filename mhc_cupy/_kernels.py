@@ -1,8 +1,9 @@
 """Which kernel specialisations exist: for CI compilation and for warm-up.
 
 The list is not written by hand: every op's real launch plan is run on fake
-(aligned or misaligned) pointers with the launch replaced by a recorder, so
-it names exactly the name expressions real calls would compile.
+(aligned or misaligned) pointers inside ``_jit.dry_run``, which records each
+launch instead of running it, so it names exactly the name expressions real
+calls would compile.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def _cases(dt: str, n: int, C: int, ptr: int, tg: str):
              {"num_iters": _NUM_ITERS, "eps": 1e-8, "grad_mode": mode}),
         ]
     cases += _coeffs_cases(x, h, M, n, C, ptr)
+    cases += _layer_cases(x, y, gx, gy, h, M, n, C, ptr)
     return cases
 
 
@@ -79,29 +81,47 @@ def _coeffs_cases(x, h, M, n: int, C: int, ptr: int):
         (coeffs._plan_fwd, cx, {"eps": 1e-5}),
         (coeffs._plan_bwd, {"grad_h_pre_raw": h, "grad_h_post_raw": h, "grad_h_res_raw": M, **cx}, {"eps": 1e-5}),
         (coeffs._plan_bwd, {**none, **cx}, {"eps": 1e-5}),
+        # many tokens: the narrow column sums over tokens (dalpha, dbias)
+        (coeffs._plan_bwd, {"grad_h_pre_raw": _info((300, n), "float32", ptr), "grad_h_post_raw": None,
+                            "grad_h_res_raw": None, **cx, "x": _info((300, n, C), x.dtype, ptr)}, {"eps": 1e-5}),
     ]
 
 
-def specialisations(dtypes=("bfloat16", "float16", "float32"), ns=(4,), Cs=(4096, 7), aligned=(True, False),
-                    grad_f32=(False, True)) -> list[tuple[str, str]]:
-    """Sorted unique (kernel file, name expression) pairs that calls with these settings compile."""
-    recorded = set()
+def _layer_cases(x, y, gx, gy, h, M, n: int, C: int, ptr: int):
+    """The fused layer pieces (OPS.md section 9, ops/layer.py); the backward on the GPU for n <= 4."""
+    from .ops import coeffs, layer
 
-    def record(filename, expr, *args, **kwargs):
-        recorded.add((filename, _jit.normalise(expr)))
+    K = coeffs.columns(n)
+    cx = {"x": x, "phi": _info((n * C, K), "float32", ptr), "alpha": _info((3,), "float32", ptr),
+          "bias": _info((K,), "float32", ptr)}
+    params = {"num_iters": _NUM_ITERS, "eps": 1e-8, "rms_eps": 1e-5}
+    cases = [(layer._plan_pre_fwd, cx, params),
+             (layer._plan_post_bwd, {"grad": gx, "layer_out": y, "x": x, "H_post": h, "H_res": M}, {})]
+    if K <= 32:
+        saved = {"stats": _info(x.shape[:-2] + (K + 1,), "float32", ptr), "H_pre": h, "H_res": M}
+        cases.append((layer._plan_pre_bwd, {"grad_layer_in": gy, "grad_out": gx, "grad_H_post": h, "grad_H_res": M,
+                                            **cx, **saved}, {**params, "grad_mode": "unrolled"}))
+    return cases
 
-    saved = _jit.launch, _jit.max_threads
-    _jit.launch, _jit.max_threads = record, lambda filename, expr: 1024  # no GPU needed
-    try:
+
+def dry_launches(dtypes=("bfloat16", "float16", "float32"), ns=(4,), Cs=(4096, 7), aligned=(True, False),
+                 grad_f32=(False, True)) -> list[tuple]:
+    """Every launch (``_jit.dry_run``'s tuples) the op plans make at these settings, on fake
+    pointers (``_ALIGNED`` / ``_MISALIGNED``, and addresses derived from them); no GPU needed."""
+    with _jit.dry_run() as launches:
         for dt, n, C, al, gf in itertools.product(dtypes, ns, Cs, aligned, grad_f32):
             ptr = _ALIGNED if al else _MISALIGNED
             for planner, infos, params in _cases(dt, n, C, ptr, "float32" if gf else dt):
                 plan = planner(infos, **params)
                 ptrs = {k: (None if v is None else v.ptr) for k, v in infos.items()}
                 plan.launch(ptrs, [ptr] * len(plan.outputs), [ptr] * len(plan.scratch), 0)
-    finally:
-        _jit.launch, _jit.max_threads = saved
-    return sorted(recorded)
+    return launches
+
+
+def specialisations(dtypes=("bfloat16", "float16", "float32"), ns=(4,), Cs=(4096, 7), aligned=(True, False),
+                    grad_f32=(False, True)) -> list[tuple[str, str]]:
+    """Sorted unique (kernel file, name expression) pairs that calls with these settings compile."""
+    return sorted({(filename, expr) for filename, expr, *_ in dry_launches(dtypes, ns, Cs, aligned, grad_f32)})
 
 
 def all_specialisations() -> list[tuple[str, str]]:

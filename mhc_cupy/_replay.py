@@ -10,9 +10,9 @@ code and CuPy's per-argument conversion (about half of the host cost of a
 tiny call).
 
 A recording is refused (``record`` returns None) unless every kernel argument
-is either one of the call's pointers, matched exactly, or a scalar constant:
-an argument that looks like any other pointer (a derived address such as
-``ptr + offset``), or two call pointers that are equal, keep the general path.
+is either one of the call's pointers, matched exactly, or a NumPy scalar
+constant: any other pointer (a derived address such as ``ptr + offset``), or
+two call pointers that are equal, keep the general path.
 """
 
 from __future__ import annotations
@@ -37,16 +37,23 @@ def aligned(ptrs) -> bool:
 
 
 @contextlib.contextmanager
-def recording():
-    """Collect the launches this thread makes: yields the list they go to."""
-    launches, outer = [], getattr(_local, "launches", None)
-    _local.launches = launches
+def thread_list(local: threading.local, name: str, nested_into_outer: bool = False):
+    """For the block, ``local.<name>`` is a fresh list (yielded); the outer one (or None) is
+    restored after it, and with ``nested_into_outer`` receives the block's items too."""
+    items, outer = [], getattr(local, name, None)
+    setattr(local, name, items)
     try:
-        yield launches
+        yield items
     finally:
-        _local.launches = outer
-        if outer is not None:  # a nested recording's launches belong to the outer one too
-            outer.extend(launches)
+        setattr(local, name, outer)
+        if nested_into_outer and outer is not None:
+            outer.extend(items)
+
+
+def recording():
+    """Collect the launches this thread makes: yields the list they go to (a nested
+    recording's launches belong to the outer one too)."""
+    return thread_list(_local, "launches", nested_into_outer=True)
 
 
 def note(fn, grid, block, args, shared_mem) -> None:
@@ -71,16 +78,13 @@ class _Launch:
         for i, a in enumerate(args):
             if a is None:
                 continue
-            if type(a) is int:
-                if a in slot_of:
-                    self.slots.append((i, slot_of[a]))
-                elif 0 <= a < _POINTER_MIN:
-                    self.values[i] = a
-                else:
+            if type(a) is int:  # a pointer (scalars are NumPy scalars: _jit.check_args)
+                if a not in slot_of:
                     raise _NotReplayable
+                self.slots.append((i, slot_of[a]))
             elif isinstance(a, (np.int32, np.uint32, np.float32)):
                 self.values[i] = int(np.asarray(a).view(np.uint32))
-            elif isinstance(a, np.int64):
+            elif isinstance(a, (np.int64, np.uint64)):
                 self.values[i] = int(a) & 0xFFFFFFFFFFFFFFFF
             else:
                 raise _NotReplayable
@@ -93,14 +97,20 @@ class _NotReplayable(Exception):
 class Replay:
     """The recorded launches of one plan, replayable with new pointers."""
 
-    __slots__ = ("launches", "lock")
+    __slots__ = ("launches", "lock", "shared")
 
     def __init__(self, launches):
         self.launches = launches
         self.lock = threading.Lock()  # the parameter buffers are shared
+        self.shared = [(ln.fn, ln.shared_mem) for ln in launches if ln.shared_mem]
 
     def launch(self, ptrs, stream: int) -> None:
         launch_kernel = _driver_launch()
+        if self.shared:  # each kernel's dynamic shared memory limit (see _jit.DynamicSharedLimit)
+            from ._jit import shared_limit
+
+            for fn, size in self.shared:
+                shared_limit.ensure(fn, size)
         with self.lock:
             for ln in self.launches:
                 v = ln.values

@@ -13,7 +13,6 @@ that text can never serve a stale binary after a header changes.
 from __future__ import annotations
 
 import functools
-import hashlib
 import re
 from pathlib import Path
 
@@ -74,7 +73,3 @@ def load_source(filename: str) -> str:
         raise FileNotFoundError(f"kernel source {filename!r} not found in {kernel_dir()}")
     return _inline(path, set()) + "\n"
 
-
-def source_hash(filename: str) -> str:
-    """SHA-256 of the inlined source (part of every compile-cache key)."""
-    return hashlib.sha256(load_source(filename).encode()).hexdigest()

@@ -259,15 +259,29 @@ class MHC(nn.Module):
         self._check(x)
         return mhc_coeffs(x, _as_f32(self.phi), _as_f32(self.alpha), _as_f32(self.bias), self.rms_eps)
 
+    def fused(self, x: Tensor) -> bool:
+        """Whether forward runs the fused layer pieces (OPS.md section 9): on the CPU
+        (the NumPy reference) and on the GPU for n <= 4 (the tensor-core backward);
+        otherwise coefficients -> pre op -> sublayer -> post op as separate ops."""
+        return x.device.type == "cpu" or self.n_streams <= 4
+
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         mt = _adapter()
-        h_pre_raw, h_post_raw, h_res_raw = self.coefficients(x)
-        layer_in, _, H_post, H_res = mt.mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=self.num_iters,
-                                                   eps=self.eps, grad_mode=self.grad_mode)
+        if self.fused(x):
+            self._check(x)
+            layer_in, x_in, H_post, H_res = mt.mhc_layer_pre(x, _as_f32(self.phi), _as_f32(self.alpha),
+                                                             _as_f32(self.bias), self.num_iters, self.eps,
+                                                             self.rms_eps, self.grad_mode)
+            post = mt.mhc_layer_post
+        else:
+            h_pre_raw, h_post_raw, h_res_raw = self.coefficients(x)
+            layer_in, _, H_post, H_res = mt.mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=self.num_iters,
+                                                       eps=self.eps, grad_mode=self.grad_mode)
+            x_in, post = x, mt.mhc_post_op
         y = self.sublayer(layer_in, *args, **kwargs)
         if y.shape != layer_in.shape:
             raise ValueError(f"sublayer returned shape {tuple(y.shape)}; MHC needs [..., C] = {tuple(layer_in.shape)}")
-        return mt.mhc_post_op(y.to(x.dtype), x, H_post, H_res)
+        return post(y.to(x.dtype), x_in, H_post, H_res)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, n_streams={self.n_streams}, num_iters={self.num_iters}, eps={self.eps}, "

@@ -664,3 +664,43 @@ def mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alph
     s = (gh * a * Ht).sum(axis=-1, keepdims=True)                # [..., 1]
     dxt = dHt @ phi.T - s * rinv**3 * xt / (n * C)
     return dxt.reshape(lead + (n, C)), dphi, dalpha, dbias
+
+
+# ----------------------------------------------------------------------------------------------
+# 9. The fused layer pieces
+# ----------------------------------------------------------------------------------------------
+
+def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=20, eps=1e-8, rms_eps=1e-5):
+    """``mhc_coeffs_fwd`` then ``mhc_pre_op_fwd`` (OPS.md §9), plus the saved sums.
+
+    Returns:
+        (layer_in ``[..., C]``, H_pre ``[..., n]``, H_post ``[..., n]``, H_res ``[..., n, n]``,
+        stats ``[..., n*n + 2n + 1]`` = (x~ phi, sum of x~^2)), float64.
+    """
+    x64 = _f64(x)
+    n, C = x64.shape[-2], x64.shape[-1]
+    xt = x64.reshape(x64.shape[:-2] + (n * C,))
+    stats = np.concatenate([xt @ _f64(phi), (xt**2).sum(axis=-1, keepdims=True)], axis=-1)
+    h = mhc_coeffs_fwd(x, phi, alpha, bias, rms_eps)
+    return (*mhc_pre_op_fwd(x, *h, num_iters, eps), stats)
+
+
+def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats, H_pre,
+                      H_res, num_iters=20, eps=1e-8, rms_eps=1e-5, grad_mode="unrolled"):
+    """Backward of ``mhc_layer_pre_fwd`` with the post op's dx folded in (OPS.md §9).
+
+    dx = (pre op's dx) + (coefficient path's dx) + H_res^T grad_out (the post op's dx,
+    with the H_res given); the coefficient gradients are recomputed from x (``stats``
+    and ``H_pre`` are not needed here).  None gradients count as zero.
+
+    Returns:
+        (dx ``[..., n, C]``, dphi, dalpha, dbias), float64.
+    """
+    h = mhc_coeffs_fwd(x, phi, alpha, bias, rms_eps)
+    dx, dh_pre, dh_post, dh_res = mhc_pre_op_bwd(grad_layer_in, None, grad_H_post, grad_H_res, x, *h, num_iters,
+                                                 eps, grad_mode)
+    dx_c, dphi, dalpha, dbias = mhc_coeffs_bwd(dh_pre, dh_post, dh_res, x, phi, alpha, bias, rms_eps)
+    dx = dx + dx_c
+    if grad_out is not None:
+        dx = dx + np.swapaxes(_f64(H_res), -1, -2) @ _f64(grad_out)
+    return dx, dphi, dalpha, dbias

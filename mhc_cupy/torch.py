@@ -46,6 +46,7 @@ from torch import Tensor
 from . import _checks
 from ._interop import ArrayInfo
 from .ops import coeffs as _coeffs
+from .ops import layer as _layer
 from .ops import post as _post
 from .ops import pre as _pre
 from .ops import rmsnorm as _rms
@@ -54,6 +55,9 @@ from .ops import stream as _stream
 from .ops import (
     mhc_coeffs_bwd,
     mhc_coeffs_fwd,
+    mhc_layer_post_bwd,
+    mhc_layer_pre_bwd,
+    mhc_layer_pre_fwd,
     mhc_post_op_bwd,
     mhc_post_op_fwd,
     mhc_pre_op_bwd,
@@ -72,7 +76,8 @@ from .ops import (
 
 __all__ = [
     "sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute",
-    "mhc_post_op", "mhc_pre_op", "mhc_coeffs", "MHC", "expand_streams", "collapse_streams",
+    "mhc_post_op", "mhc_pre_op", "mhc_coeffs", "mhc_layer_pre", "mhc_layer_post", "MHC", "expand_streams",
+    "collapse_streams",
 ]
 
 #: Namespace of the custom operators: ``torch.ops.mhc_cupy.<name>``.
@@ -726,6 +731,142 @@ def mhc_coeffs(x, phi, alpha, bias, eps=1e-5):
     if _needs_autograd(x, phi, alpha, bias):
         return _CoeffsFn.apply(x, phi, alpha, bias, eps)
     return _coeffs_fwd_impl(x, phi, alpha, bias, eps)
+
+
+# ----------------------------------------------------- fused layer pieces
+# OPS.md section 9: the coefficient path and the pre op in one forward; the post op's
+# backward without dx; one backward writing the layer's dx once.  The post op's dx
+# (H_res^T g) is computed by the pre piece's backward from g itself: the pre piece
+# returns ``x_link`` (a view of x) that only the post piece consumes, and the post
+# piece's backward sends g, the gradient of the layer's output, back along it.
+def _layer_pre_fwd_impl(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, num_iters: int, eps: float,
+                        rms_eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=num_iters, eps=eps, rms_eps=rms_eps)
+
+
+def _layer_pre_fwd_fake(x, phi, alpha, bias, num_iters, eps, rms_eps):
+    _validate(_layer._plan_pre_fwd, {"x": x, "phi": phi, "alpha": alpha, "bias": bias}, num_iters=num_iters,
+              eps=eps, rms_eps=rms_eps)
+    lead, n, C = tuple(x.shape[:-2]), x.shape[-2], x.shape[-1]
+    return (x.new_empty(lead + (C,)), x.new_empty(lead + (n,), dtype=_F32), x.new_empty(lead + (n,), dtype=_F32),
+            x.new_empty(lead + (n, n), dtype=_F32), x.new_empty(lead + (n * n + 2 * n + 1,), dtype=_F32))
+
+
+def _layer_pre_bwd_impl(grad_layer_in: Optional[Tensor], grad_out: Optional[Tensor], grad_H_post: Optional[Tensor],
+                        grad_H_res: Optional[Tensor], x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor,
+                        stats: Tensor, H_pre: Tensor, H_res: Tensor, num_iters: int, eps: float, rms_eps: float,
+                        grad_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats, H_pre,
+                             H_res, num_iters=num_iters, eps=eps, rms_eps=rms_eps, grad_mode=grad_mode)
+
+
+def _layer_pre_bwd_fake(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats, H_pre, H_res,
+                        num_iters, eps, rms_eps, grad_mode):
+    return x.new_empty(x.shape), phi.new_empty(phi.shape), alpha.new_empty(alpha.shape), bias.new_empty(bias.shape)
+
+
+def _layer_post_bwd_impl(grad: Tensor, layer_out: Tensor, x: Tensor, H_post: Tensor,
+                         H_res: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return mhc_layer_post_bwd(grad, layer_out, x, H_post, H_res)
+
+
+def _layer_post_bwd_fake(grad, layer_out, x, H_post, H_res):
+    return (layer_out.new_empty(layer_out.shape), x.new_empty(H_post.shape, dtype=_F32),
+            x.new_empty(H_res.shape, dtype=_F32))
+
+
+_LAYER_OPS = {name: (impl, _register(name, impl, fake)) for name, impl, fake in (
+    ("mhc_layer_pre_fwd", _layer_pre_fwd_impl, _layer_pre_fwd_fake),
+    ("mhc_layer_pre_bwd", _layer_pre_bwd_impl, _layer_pre_bwd_fake),
+    ("mhc_layer_post_bwd", _layer_post_bwd_impl, _layer_post_bwd_fake))}
+
+
+def _layer_call(name: str, custom: bool, *args):
+    """The functional API (eager) or the custom operator (torch.compile, tensor subclasses)."""
+    impl, op = _LAYER_OPS[name]
+    return op(*args) if custom else impl(*args)
+
+
+class _LayerPreFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, phi, alpha, bias, num_iters, eps, rms_eps, grad_mode):
+        custom = _use_custom_op(x, phi, alpha, bias)
+        layer_in, H_pre, H_post, H_res, stats = _layer_call("mhc_layer_pre_fwd", custom, x, phi, alpha, bias,
+                                                            num_iters, eps, rms_eps)
+        ctx.save_for_backward(x, phi, alpha, bias, stats, H_pre, H_res)
+        ctx.params, ctx.custom = (num_iters, eps, rms_eps, grad_mode), custom
+        ctx.set_materialize_grads(False)
+        return layer_in, x.view_as(x), H_post, H_res
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_layer_in, g_out, g_H_post, g_H_res):
+        x, phi, alpha, bias, stats, H_pre, H_res = ctx.saved_tensors
+        if g_layer_in is not None and g_out is not None and g_layer_in.dtype != g_out.dtype:
+            g_layer_in = g_layer_in.to(g_out.dtype)
+        dx, dphi, dalpha, dbias = _layer_call("mhc_layer_pre_bwd", ctx.custom, g_layer_in, g_out, g_H_post, g_H_res,
+                                              x, phi, alpha, bias, stats, H_pre, H_res, *ctx.params)
+        return dx, dphi, dalpha, dbias, None, None, None, None
+
+
+class _LayerPostFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, layer_out, x_link, H_post, H_res):
+        custom = _use_custom_op(layer_out, x_link, H_post, H_res)
+        ctx.save_for_backward(layer_out, x_link, H_post, H_res)
+        ctx.custom = custom
+        return _op("mhc_post_op_fwd")(layer_out, x_link, H_post, H_res) if custom else \
+            _post_fwd_impl(layer_out, x_link, H_post, H_res)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        layer_out, x_link, H_post, H_res = ctx.saved_tensors
+        dy, dH_post, dH_res = _layer_call("mhc_layer_post_bwd", ctx.custom, g, layer_out, x_link, H_post, H_res)
+        return dy, g, dH_post, dH_res  # g travels to _LayerPreFn.backward along x_link
+
+
+def mhc_layer_pre(x, phi, alpha, bias, num_iters=20, eps=1e-8, rms_eps=1e-5, grad_mode="unrolled"):
+    """Differentiable first half of the fused mHC layer (OPS.md section 9).
+
+    The coefficient path and the pre op in one call (:func:`mhc_coeffs` then
+    :func:`mhc_pre_op`).  Feed ``x_link`` (a view of x) and the coefficients to
+    :func:`mhc_layer_post`, never x itself: the layer's backward then writes dx
+    once, with the post op's part folded in.
+
+    Args:
+        x: [..., n, C] tensor, bfloat16 / float16 / float32 (GPU: n <= 4).
+        phi, alpha, bias: float32 parameters as in :func:`mhc_coeffs`.
+        num_iters, eps: Sinkhorn (defaults 20, 1e-8);  rms_eps: default 1e-5;
+        grad_mode: Sinkhorn gradient, "unrolled" (default) or "implicit".
+
+    Returns:
+        (layer_in [..., C], x_link [..., n, C], H_post float32 [..., n], H_res float32 [..., n, n]).
+
+    Raises:
+        TypeError / ValueError: as the functional ``mhc_layer_pre_fwd``.
+    """
+    _checks.grad_mode(grad_mode)
+    if _needs_autograd(x, phi, alpha, bias):
+        return _LayerPreFn.apply(x, phi, alpha, bias, num_iters, eps, rms_eps, grad_mode)
+    layer_in, _, H_post, H_res, _ = _layer_call("mhc_layer_pre_fwd", _use_custom_op(x, phi, alpha, bias), x, phi,
+                                                alpha, bias, num_iters, eps, rms_eps)
+    return layer_in, x, H_post, H_res
+
+
+def mhc_layer_post(layer_out, x_link, H_post, H_res):
+    """Differentiable second half of the fused mHC layer: the post op (OPS.md sections 6, 9).
+
+    out_i = sum_j H_res_ij x_j + H_post_i y, with x_link, H_post, H_res from
+    :func:`mhc_layer_pre`.  Its backward computes d_layer_out, dH_post, dH_res and
+    hands the output gradient to :func:`mhc_layer_pre`'s backward for dx.
+
+    Returns:
+        out: [..., n, C], dtype and device of x.
+    """
+    if _needs_autograd(layer_out, x_link, H_post, H_res):
+        return _LayerPostFn.apply(layer_out, x_link, H_post, H_res)
+    return mhc_post_op(layer_out, x_link, H_post, H_res)
 
 
 # The whole mHC layer (paper Eq. 3 with the coefficient path), built on the ops above.

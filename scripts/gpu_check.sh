@@ -6,6 +6,7 @@
 # step multigpu_bench: scripts/multigpu_bench.py, JAX token-sharded layer and demo tokens/s, 1 vs 2 GPUs).
 # Usage (repo root, on a CUDA machine):  bash scripts/gpu_check.sh [OUT_DIR]
 # Knobs: GPU_CHECK_PYTEST_ARGS (default: -q tests; two -q hide the count line), GPU_CHECK_BENCH_ARGS,
+# GPU_CHECK_BENCH_LAYER_ARGS, GPU_CHECK_BENCH_BLOCK_ARGS (the --layer / --block runs),
 # GPU_CHECK_MULTIGPU_ARGS (scripts/multigpu_bench.py),
 # GPU_CHECK_DEMO_ARGS (default: --baseline), GPU_CHECK_WORKERS (pytest-xdist),
 # GPU_CHECK_STEPS (names of the steps to run), GPU_CHECK_NOTEBOOKS, GPU_CHECK_STEP_TIMEOUT (s).
@@ -21,7 +22,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX must not take 75% of the GPU i
 PY=${PYTHON:-python3}
 declare -A status
 
-STEPS=" ${GPU_CHECK_STEPS:-info warmup tests memcheck racecheck synccheck demo bench notebooks multigpu multigpu_bench} "
+STEPS=" ${GPU_CHECK_STEPS:-info warmup tests memcheck racecheck synccheck demo bench bench_layer bench_block notebooks multigpu multigpu_bench} "
 NGPU=$($PY -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())" 2>/dev/null || echo 0)
 MULTI_IGNORE=""
 if [ "$NGPU" -ge 2 ]; then  # the 2-GPU tests run in their own step (serially, not under xdist)
@@ -52,6 +53,8 @@ else
 fi
 step demo $PY -m mhc_cupy.demo ${GPU_CHECK_DEMO_ARGS:---baseline} --out "$OUT/demo"
 step bench $PY -m mhc_cupy.bench ${GPU_CHECK_BENCH_ARGS:-} --out "$OUT/bench"
+step bench_layer $PY -m mhc_cupy.bench --layer ${GPU_CHECK_BENCH_LAYER_ARGS:-} --out "$OUT/bench"
+step bench_block $PY -m mhc_cupy.bench --block ${GPU_CHECK_BENCH_BLOCK_ARGS:-} --out "$OUT/bench"
 step notebooks $PY scripts/run_notebooks.py ${GPU_CHECK_NOTEBOOKS:-notebooks/*.ipynb}
 if [ "$NGPU" -ge 2 ]; then
     step multigpu $PY -m pytest -p no:cacheprovider -v -rs -s tests/gpu/test_multidevice_gpu.py
@@ -63,7 +66,7 @@ fi
 echo
 echo "================ gpu_check summary ================"
 rc=0
-for k in info warmup tests memcheck racecheck synccheck sanitizer bench demo notebooks multigpu multigpu_bench; do
+for k in info warmup tests memcheck racecheck synccheck sanitizer bench bench_layer bench_block demo notebooks multigpu multigpu_bench; do
     [ -n "${status[$k]:-}" ] || continue
     echo "$k: ${status[$k]}"
     case "${status[$k]}" in rc=0* | skipped:*) ;; *) rc=1 ;; esac

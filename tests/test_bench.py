@@ -1,7 +1,8 @@
-"""CPU tests of ``mhc_cupy.bench``: everything that does not need a GPU.
+"""Tests of ``mhc_cupy.bench``: on the CPU, everything that does not need a GPU.
 
-* the byte model ``BYTES`` against the issue's formula, against ``SPECS`` and against the
-  bytes of the arrays the functional API really reads and writes (CPU path);
+* the byte model (``nbytes``, derived from ``SPECS``) against the issue's formula, against the
+  formula table of benchmarks/README.md and against the bytes of the arrays the functional API
+  really reads and writes (CPU path);
 * argument parsing (defaults, --quick, flags, errors), the rotation and case plans;
 * the report, JSON, plot and --merge writers on a fake result, and the targets;
 * the baseline math (PyTorch and JAX, run on the CPU) against ``mhc_cupy.reference``,
@@ -9,7 +10,12 @@
   float32 inputs within float32 rounding (1e-4 of the scale: 20 Sinkhorn iterations and
   sums over C in float32), bf16 activations within one bf16 rounding of each activation
   output (2^-8) and float32 rounding of each coefficient output;
-* ``python -m mhc_cupy.bench`` without a GPU: a clear message and a non-zero exit.
+* ``python -m mhc_cupy.bench`` without a GPU: a clear message and a non-zero exit;
+* the layer and block modes: the layer's byte floor, the fused / unfused variants, the plain-jnp
+  layer against ``mhc_cupy.jax.mhc_layer`` and float64 ``MHCReference``, the mHC block against
+  the plain block, the targets, table and --merge on fake results, and ``--layer`` / ``--block``
+  end to end at tiny sizes (wall clock on the CPU).  One GPU test (marked) runs both modes at
+  small sizes on a GPU.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import pytest
 import mhc_cupy as m
 from mhc_cupy import bench
 from mhc_cupy import reference as R
+from mhc_cupy.bench import cases, env, inputs, timing
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = [(3, 8, 4), (2, 5, 3), (4, 7, 1)]  # (T, C, n): n = 4, odd n and C, n = 1 (trivial Sinkhorn)
@@ -49,13 +56,41 @@ def test_byte_model_stream_mix_formula():
     assert T * n * C * 2 == 83_886_080
 
 
+# The byte model as benchmarks/README.md writes it.  With A = T*n*C*s (one [T, n, C] activation),
+# Y = T*C*s (one [T, C] activation), K = 4*T (one float32 per token), m = n*n + 2n,
+# P = 4*(n*C*m + 3 + m) (phi, alpha, bias), s the activation itemsize:
+README_BYTES = {
+    ("stream_mix", "fwd"): lambda A, Y, K, n, P: 2 * A + n * n * K,                 # x, M -> out
+    ("stream_mix", "bwd"): lambda A, Y, K, n, P: 3 * A + 2 * n * n * K,             # g, x, M -> dx, dM
+    ("stream_aggregate", "fwd"): lambda A, Y, K, n, P: A + Y + n * K,               # x, h -> out
+    ("stream_aggregate", "bwd"): lambda A, Y, K, n, P: 2 * A + Y + 2 * n * K,       # g, x, h -> dx, dh
+    ("stream_distribute", "fwd"): lambda A, Y, K, n, P: A + Y + n * K,              # y, h -> out
+    ("stream_distribute", "bwd"): lambda A, Y, K, n, P: A + 2 * Y + 2 * n * K,      # g, y, h -> dy, dh
+    ("mhc_post_op", "fwd"): lambda A, Y, K, n, P: 2 * A + Y + (n * n + n) * K,      # y, x, H_post, H_res -> out
+    ("mhc_post_op", "bwd"): lambda A, Y, K, n, P: 3 * A + 2 * Y + 2 * (n * n + n) * K,  # g, y, x, H -> dy, dx, dH
+    ("mhc_pre_op", "fwd"): lambda A, Y, K, n, P: A + Y + 2 * (n * n + 2 * n) * K,   # x, raw -> layer_in, H
+    ("mhc_pre_op", "bwd"): lambda A, Y, K, n, P: 2 * A + Y + 3 * (n * n + 2 * n) * K,  # g, gH, x, raw -> dx, draw
+    ("sinkhorn_knopp", "fwd"): lambda A, Y, K, n, P: 2 * n * n * K,                 # logits -> P
+    ("sinkhorn_knopp", "bwd"): lambda A, Y, K, n, P: 3 * n * n * K,                 # g, logits -> dlogits
+    ("rmsnorm", "fwd"): lambda A, Y, K, n, P: 2 * A,                                # x [T, n*C] -> out
+    ("rmsnorm", "bwd"): lambda A, Y, K, n, P: 3 * A,                                # g, x -> dx
+    ("mhc_coeffs", "fwd"): lambda A, Y, K, n, P: A + P + (n * n + 2 * n) * K,       # x, phi, alpha, bias -> h raw
+    ("mhc_coeffs", "bwd"): lambda A, Y, K, n, P: 2 * A + 2 * P + (n * n + 2 * n) * K,  # gh, x, params -> dx, dparams
+}
+
+
 @pytest.mark.parametrize("itemsize", [2, 4])
 @pytest.mark.parametrize("T,C,n", [(4096, 2560, 4), (1, 64, 8), (32768, 7168, 4)])
 def test_byte_model_table_matches_specs(T, C, n, itemsize):
-    assert {k[0] for k in bench.BYTES} == set(bench.SPECS)
+    """``nbytes`` (derived from ``SPECS``) equals the README's formula table, and ``BYTES`` is that model."""
+    assert {k[0] for k in README_BYTES} == set(bench.SPECS) == {k[0] for k in bench.BYTES}
+    A, Y, K = T * n * C * itemsize, T * C * itemsize, 4 * T
+    P = 4 * (n * C * (n * n + 2 * n) + 3 + (n * n + 2 * n))
     for op in bench.SPECS:
         for d in ("fwd", "bwd"):
-            assert bench.nbytes(op, d, T, C, n, itemsize) == bench.spec_nbytes(op, d, T, C, n, itemsize), (op, d)
+            want = README_BYTES[(op, d)](A, Y, K, n, P)
+            assert bench.nbytes(op, d, T, C, n, itemsize) == want, (op, d)
+            assert bench.BYTES[(op, d)](T, C, n, itemsize) == want, (op, d)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -65,13 +100,13 @@ def test_byte_model_matches_functional_api(op, dtype):
     takes and returns (its CPU path returns the real output dtypes and shapes)."""
     T, C, n = 3, 8, 4
     s = bench.make_inputs(op, T, C, n, dtype, seed=0)
-    outs = bench._as_tuple(getattr(m, f"{op}_fwd")(*s["in"]))
+    outs = inputs._as_tuple(getattr(m, f"{op}_fwd")(*s["in"]))
     assert [o.shape for o in outs] == [a.shape for a in s["grads"]]
     assert [o.dtype for o in outs] == [a.dtype for a in s["grads"]]
-    isz = np.dtype(bench._np_dtype(dtype)).itemsize
+    isz = np.dtype(inputs._np_dtype(dtype)).itemsize
     read = sum(a.nbytes for a in s["in"])
     assert read + sum(o.nbytes for o in outs) == bench.nbytes(op, "fwd", T, C, n, isz)
-    grads = bench._as_tuple(getattr(m, f"{op}_bwd")(*s["grads"], *s["in"]))
+    grads = inputs._as_tuple(getattr(m, f"{op}_bwd")(*s["grads"], *s["in"]))
     assert [g.shape for g in grads] == [a.shape for a in s["in"]]
     assert [g.dtype for g in grads] == [a.dtype for a in s["in"]]
     moved = sum(a.nbytes for a in s["grads"]) + read + sum(g.nbytes for g in grads)
@@ -305,11 +340,11 @@ def test_torch_baseline_matches_reference(op, T, C, n, dtype):
     f = bench.torch_fwd(op)
     out = f(*ins)
     assert [o.dtype for o in out] == [t.dtype for t in gs]
-    _check([_torch_numpy(torch, o) for o in out], bench._as_tuple(fref(*s["in"])), _kinds(op, "outputs"), dtype,
+    _check([_torch_numpy(torch, o) for o in out], inputs._as_tuple(fref(*s["in"])), _kinds(op, "outputs"), dtype,
            f"torch {op} fwd")
     grads = bench.torch_bwd(f, ins, gs)
     assert [g.dtype for g in grads] == [t.dtype for t in ins]
-    _check([_torch_numpy(torch, g) for g in grads], bench._as_tuple(bref(*s["grads"], *s["in"])),
+    _check([_torch_numpy(torch, g) for g in grads], inputs._as_tuple(bref(*s["grads"], *s["in"])),
            _kinds(op, "inputs"), dtype, f"torch {op} bwd")
 
 
@@ -327,11 +362,11 @@ def test_jax_baseline_matches_reference(op, T, C, n, dtype):
     f = bench.jax_fwd(op)  # eagerly: the same jnp math the benchmark jits (XLA:CPU compiles Sinkhorn slowly)
     out = f(*ins)
     assert [o.dtype for o in out] == [g.dtype for g in gs]
-    _check([np.asarray(o, np.float64) for o in out], bench._as_tuple(fref(*s["in"])), _kinds(op, "outputs"), dtype,
+    _check([np.asarray(o, np.float64) for o in out], inputs._as_tuple(fref(*s["in"])), _kinds(op, "outputs"), dtype,
            f"jax {op} fwd")
     grads = bench.jax_bwd(f, ins, gs)
     assert [g.dtype for g in grads] == [a.dtype for a in ins]
-    _check([np.asarray(g, np.float64) for g in grads], bench._as_tuple(bref(*s["grads"], *s["in"])),
+    _check([np.asarray(g, np.float64) for g in grads], inputs._as_tuple(bref(*s["grads"], *s["in"])),
            _kinds(op, "inputs"), dtype, f"jax {op} bwd")
 
 
@@ -401,7 +436,7 @@ def test_time_jax_and_per_call_on_cpu():
         seen.append(k)
         return f(sets[k])
 
-    r = bench._time_jax(call, 3, 6, 1, 4)
+    r = timing._time_jax(call, 3, 6, 1, 4)
     assert r["samples"] == 4 and 0 < r["us_min"] <= r["us"] <= r["us_max"]
     assert seen[:6] == [0, 1, 2, 0, 1, 2]  # every set in turn
     assert bench.per_call_us(lambda: None, lambda last: None, calls=50, warmup=2) > 0
@@ -431,26 +466,26 @@ def test_run_orchestration_without_gpu(monkeypatch, tmp_path, capsys):
 
     def np_rel_err(ours, theirs):
         worst = 0.0
-        for a, b in zip(bench._as_tuple(ours), bench._as_tuple(theirs), strict=True):
+        for a, b in zip(inputs._as_tuple(ours), inputs._as_tuple(theirs), strict=True):
             b = _torch_numpy(torch, b) if isinstance(b, torch.Tensor) else b
             a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
             worst = max(worst, float(np.linalg.norm(a - b) / np.linalg.norm(b)))
         return worst
 
-    monkeypatch.setattr(bench, "gpu_problem", lambda: None)
-    monkeypatch.setattr(bench, "_device_meta", lambda: {"name": "Fake GPU", "sm": "90", "l2_bytes": 1 << 16})
-    monkeypatch.setattr(bench, "_versions", lambda: {"mhc_cupy": m.__version__})
-    monkeypatch.setattr(bench, "copy_bandwidth", lambda: {"GBps": 1000.0, "kernel_GBps": 900.0, "bytes": 2,
+    monkeypatch.setattr(env, "gpu_problem", lambda: None)
+    monkeypatch.setattr(env, "_device_meta", lambda: {"name": "Fake GPU", "sm": "90", "l2_bytes": 1 << 16})
+    monkeypatch.setattr(env, "_versions", lambda: {"mhc_cupy": m.__version__})
+    monkeypatch.setattr(cases, "copy_bandwidth", lambda: {"GBps": 1000.0, "kernel_GBps": 900.0, "bytes": 2,
                                                           "method": "fake"})
-    monkeypatch.setattr(bench, "_sync", lambda: None)
-    monkeypatch.setattr(bench, "_free_gpu_memory", lambda: None)
-    monkeypatch.setattr(bench, "_torch_status", lambda: None)
-    monkeypatch.setattr(bench, "_jax_status", lambda: "no GPU backend (test)")
-    monkeypatch.setattr(bench, "make_inputs", lambda *a, xp="numpy", **k: real_make(*a, **k))
-    monkeypatch.setattr(bench, "_time_cupy", fake_time)
-    monkeypatch.setattr(bench, "_torch_case", fake_torch_case)
-    monkeypatch.setattr(bench, "_max_rel_err", np_rel_err)
-    monkeypatch.setattr(bench, "host_overhead", lambda dtype, ops, torch_ok, jax_ok: {
+    monkeypatch.setattr(env, "_sync", lambda: None)
+    monkeypatch.setattr(env, "_free_gpu_memory", lambda: None)
+    monkeypatch.setattr(env, "_torch_status", lambda: None)
+    monkeypatch.setattr(env, "_jax_status", lambda: "no GPU backend (test)")
+    monkeypatch.setattr(cases, "make_inputs", lambda *a, xp="numpy", **k: real_make(*a, **k))
+    monkeypatch.setattr(cases, "_time_cupy", fake_time)
+    monkeypatch.setattr(cases, "_torch_case", fake_torch_case)
+    monkeypatch.setattr(cases, "_max_rel_err", np_rel_err)
+    monkeypatch.setattr(cases, "host_overhead", lambda dtype, ops, torch_ok, jax_ok: {
         "shape": {"tokens": 1, "C": 64, "n": 4, "dtype": dtype},
         "routes": {"native torch.add (no grad)": 5.0, "mhc_cupy.torch.stream_mix (no grad)": 7.0}, "per_op": {}})
 
@@ -478,3 +513,297 @@ def test_run_orchestration_without_gpu(monkeypatch, tmp_path, capsys):
     assert small["status"] == "not measured" and bench.TARGET_DOMAIN in small["detail"]
     text = capsys.readouterr().out
     assert "speedup vs" in text and (out / "bench.png").exists() and (out / "bench.txt").exists()
+
+
+# ------------------------------------------------------------------- layer and block modes
+def test_layer_byte_floor():
+    """fwd 2A + 2Y + P, bwd 5A + 3Y + 2P (module doc of mhc_cupy.bench.layer), at the issue's shape."""
+    from mhc_cupy.bench.layer import layer_bytes
+
+    T, C, n, s = 16384, 4096, 4, 2
+    A, Y, m = T * n * C * s, T * C * s, n * n + 2 * n
+    P = 4 * (n * C * m + 3 + m)
+    assert layer_bytes("fwd", T, C, n, s) == 2 * A + 2 * Y + P
+    assert layer_bytes("bwd", T, C, n, s) == 5 * A + 3 * Y + 2 * P
+    assert layer_bytes("fwd+bwd", T, C, n, s) == 7 * A + 5 * Y + 3 * P
+    # the issue's "byte floor ~1.2 ms" for fwd+bwd at about 4 TB/s of copy bandwidth
+    assert 1.0e-3 < layer_bytes("fwd+bwd", T, C, n, s) / 4.0e12 < 1.25e-3
+    # n = 8 at 16384 x 2048 moves the same [T, n, C] bytes as n = 4 at C 4096
+    assert layer_bytes("fwd", 16384, 2048, 8, s) - layer_bytes("fwd", T, C, n, s) < Y
+    with pytest.raises(ValueError, match="direction"):
+        layer_bytes("both", T, C, n, s)
+
+
+def test_fused_options():
+    from mhc_cupy.bench.layer import fused_options, pin_fused
+
+    def with_kw(x, fused=True):
+        return x
+
+    def without(x):
+        return x
+
+    class Layer:  # the layer decides per call: the variants pin its method
+        def fused(self, x):
+            return True
+
+    assert fused_options(without, "both") == [("", {}, None)]
+    assert fused_options(with_kw, "both") == [(" fused", {"fused": True}, None), (" unfused", {"fused": False}, None)]
+    assert fused_options(with_kw, "false") == [(" unfused", {"fused": False}, None)]
+    assert fused_options(with_kw, "default") == [("", {}, None)]
+    assert fused_options(Layer, "both") == [(" fused", {}, True), (" unfused", {}, False)]
+    assert fused_options(Layer, "default") == [("", {}, None)]
+    layer = pin_fused(Layer(), False)
+    assert layer.fused(None) is False and Layer().fused(None) is True
+    assert pin_fused(Layer(), None).fused(None) is True
+
+
+@pytest.mark.parametrize("T,C,n,dtype", [(3, 8, 4, "float32"), (1, 5, 3, "float32"), (4, 7, 1, "float32"),
+                                          (2, 6, 4, "bfloat16"), (3, 5, 3, "bfloat16")])
+def test_jnp_mhc_layer_matches_mhc_cupy_jax_and_reference(T, C, n, dtype):
+    """The plain-jnp layer (the JAX baseline of the layer mode) is the layer of mhc_cupy.jax.mhc_layer
+    and of MHCReference: output and gradients of x, phi, alpha, bias (tanh sublayer, alpha 0.5 so
+    the dynamic coefficients matter)."""
+    jax = pytest.importorskip("jax")
+    torch = pytest.importorskip("torch")
+    import jax.numpy as jnp
+
+    import mhc_cupy.jax as mj
+    from mhc_cupy.bench.baselines import jnp_mhc_layer
+    from mhc_cupy.layers import MHCReference
+
+    params = mj.mhc_init(jax.random.PRNGKey(T * 10 + n), C, n, alpha_init=0.5)
+    x = jax.random.normal(jax.random.PRNGKey(1), (T, n, C)).astype(dtype)
+    g = jax.random.normal(jax.random.PRNGKey(2), (T, n, C)).astype(dtype)
+
+    def grads(layer):
+        out, vjp = jax.vjp(lambda p, x_: layer(p, x_, jnp.tanh), params, x)
+        dp, dx = vjp(g)
+        return [out, dx, dp["phi"], dp["alpha"], dp["bias"]]
+
+    plain, ours = grads(jnp_mhc_layer), grads(mj.mhc_layer)
+    assert plain[0].dtype == x.dtype and plain[1].dtype == x.dtype
+    # float64 oracle: MHCReference with the same parameters
+    ref = MHCReference(C, n, sublayer=torch.nn.Tanh()).double()
+    with torch.no_grad():
+        for k in ("phi", "alpha", "bias"):
+            getattr(ref, k).copy_(torch.from_numpy(np.asarray(params[k], np.float64)))
+    xt = torch.from_numpy(np.asarray(x, np.float64)).requires_grad_()
+    out = ref(xt)
+    want = [out, *torch.autograd.grad(out, [xt, ref.phi, ref.alpha, ref.bias],
+                                      torch.from_numpy(np.asarray(g, np.float64)))]
+    want = [w.detach().numpy() for w in want]
+    act = 2.0**-7 if dtype == "bfloat16" else 1e-5  # bf16: out, dx rounded once (2^-8) plus inputs' rounding
+    # parameter gradients: sums over tokens and C of products with bf16-rounded layer_in / y that cancel
+    # (a few % of the largest entry at these sizes in bf16; wrong maths is off by O(1))
+    coef = 5e-2 if dtype == "bfloat16" else 1e-5
+    for i, (p, o, w) in enumerate(zip(plain, ours, want)):
+        tol = act if i < 2 else coef
+        scale = float(np.abs(w).max()) or 1.0
+        for name, got in (("plain jnp", p), ("mhc_cupy.jax", o)):
+            err = float(np.abs(np.asarray(got, np.float64) - w).max()) / scale
+            assert err <= tol, (name, i, err)
+
+
+def test_parse_args_layer_and_block():
+    from mhc_cupy.bench.block import BLOCK_CONFIGS
+    from mhc_cupy.bench.layer import LAYER_BASELINES, LAYER_SHAPES
+
+    a = bench.parse_args(["--layer"])
+    assert (a.mode, a.shapes, a.sublayers) == ("layer", list(LAYER_SHAPES), ["identity", "tanh"])
+    assert a.baselines == list(LAYER_BASELINES) and (a.reps, a.warmup, a.min_calls) == (20, 3, 4)
+    assert (a.fused, a.graph, a.sizes_given) == ("both", False, False)
+    a = bench.parse_args(["--layer", "--shapes", "3x8x4,5x7x1", "--sublayers", "tanh", "--baselines", "te,jax",
+                          "--graph", "--fused", "false"])
+    assert a.shapes == [(3, 8, 4), (5, 7, 1)] and a.sublayers == ["tanh"] and a.sizes_given
+    assert a.baselines == ["jax.jit", "transformer_engine"] and a.graph and a.fused == "false"
+    b = bench.parse_args(["--block"])
+    assert (b.mode, b.block_configs, b.batch, b.seq, b.streams) == ("block", list(BLOCK_CONFIGS), 4, 4096, 4)
+    assert b.baselines == ["torch.compile"]
+    b = bench.parse_args(["--block", "--block-configs", "64:4:128", "--no-baselines"])
+    assert b.block_configs == [(64, 4, 128)] and b.baselines == []
+    assert bench.parse_args([]).mode == "ops" and bench.parse_args([]).min_calls == 10
+
+
+@pytest.mark.parametrize("argv", [["--layer", "--block"], ["--layer", "--shapes", "1x2"], ["--layer", "--shapes", ""],
+                                  ["--layer", "--sublayers", "relu"], ["--block", "--block-configs", "64:4"],
+                                  ["--block", "--seq", "0"], ["--layer", "--fused", "maybe"]])
+def test_parse_args_layer_block_errors(argv):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv)
+    assert e.value.code != 0
+
+
+@pytest.mark.skipif(_gpu(), reason="a GPU is present: the default sizes would run")
+@pytest.mark.parametrize("mode", ["--layer", "--block"])
+def test_layer_block_default_sizes_need_a_gpu(mode, tmp_path, capsys):
+    pytest.importorskip("torch")
+    assert bench.main([mode, "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and ("--shapes" in err or "--block-configs" in err)
+    assert not (tmp_path / "o").exists()
+
+
+def test_layer_mode_runs_tiny(tmp_path, capsys):
+    """``--layer`` end to end at a tiny shape (CPU: wall clock): every implementation timed in both
+    directions, each baseline's out and dx equal to mhc_cupy's, the JSON and markdown report written."""
+    pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    from mhc_cupy.bench.layer import layer_bytes
+
+    out = tmp_path / "o"
+    argv = ["--layer", "--shapes", "3x8x4", "--sublayers", "tanh", "--reps", "2", "--warmup", "1", "--dtype",
+            "float32", "--baselines", "torch,jax.jit,transformer_engine", "--out", str(out)]
+    assert bench.main(argv) == 0
+    res = json.loads((out / "layer.json").read_text())
+    assert res["schema"] == "mhc_cupy.bench.layer/1" and res["copy"]["GBps"] > 0
+    (row,) = res["results"]
+    assert (row["sublayer"], row["tokens"], row["C"], row["n"]) == ("tanh", 3, 8, 4)
+    assert row["floor_bytes"] == {d: layer_bytes(d, 3, 8, 4, 4) for d in ("fwd", "fwd+bwd")}
+    impls = row["impls"]
+    ours = [k for k in impls if k.startswith("mhc_cupy")]
+    assert ours and {"torch", "jax.jit"} <= set(impls) and any(k.startswith("jax mhc_cupy") for k in impls)
+    if "transformer_engine" not in impls:
+        assert any("transformer_engine" in s for s in res["skipped"])
+    for name, v in impls.items():
+        if name == "transformer_engine":
+            continue
+        for d in ("fwd", "fwd+bwd"):
+            assert v[d]["us"] > 0 and v[d]["samples"] == 2, (name, d, v[d])
+            assert v[d]["frac_of_copy"] > 0
+        if name != ours[0]:
+            assert max(v["max_rel_err"].values()) < 1e-4, (name, v["max_rel_err"])
+    text = (out / "layer.md").read_text()
+    assert text.startswith("# mhc_cupy.bench --layer") and "| tanh | 3x8x4 | torch |" in text
+    assert "byte floor" in text and "targets:" in text and "not measured" in text
+    assert "| tanh | 3x8x4 | jax.jit |" in capsys.readouterr().out
+
+
+def _layer_row(T, C, n, ours_ms, jax_ms=None, plain_ms=None):
+    from mhc_cupy.bench.layer import layer_bytes
+
+    def t(ms):
+        return {"fwd": {"us": ms * 250.0}, "fwd+bwd": {"us": ms * 1e3}}
+
+    impls = {"mhc_cupy": t(ours_ms)}
+    if jax_ms:
+        impls.update({"jax mhc_cupy": t(jax_ms), "jax.jit": t(plain_ms)})
+    return {"sublayer": "identity", "tokens": T, "C": C, "n": n,
+            "floor_bytes": {d: layer_bytes(d, T, C, n, 2) for d in ("fwd", "fwd+bwd")}, "impls": impls}
+
+
+def test_evaluate_layer_targets():
+    from mhc_cupy.bench.layer import evaluate_layer_targets, format_layer_table
+
+    res = {"results": [_layer_row(16384, 4096, 4, 1.8, jax_ms=2.0, plain_ms=3.2), _layer_row(32768, 7168, 4, 7.0),
+                       _layer_row(16384, 2048, 8, 2.7), _layer_row(8192, 1024, 16, 2.0)]}
+    t = {x["name"]: x for x in evaluate_layer_targets(res)}
+    assert t["layer fwd+bwd, 16384x4096x4 <= 2 ms"]["status"] == "met"
+    assert t["layer fwd+bwd, 32768x7168x4 <= 6.5 ms"]["status"] == "missed"
+    assert t["layer fwd, 16384x4096x4 <= 0.55 ms"]["measured"] == pytest.approx(0.45)
+    n8 = t["layer fwd+bwd n = 8 (16384x2048) <= 1.4x the n = 4 time at equal bytes"]
+    scale8 = res["results"][2]["floor_bytes"]["fwd+bwd"] / res["results"][0]["floor_bytes"]["fwd+bwd"]
+    assert n8["measured"] == pytest.approx(2.7 / (1.8 * scale8)) and n8["status"] == "missed"
+    n16 = t["layer fwd+bwd n = 16 (8192x1024) <= 2.5x the n = 4 time at equal bytes"]
+    scale16 = res["results"][3]["floor_bytes"]["fwd+bwd"] / res["results"][0]["floor_bytes"]["fwd+bwd"]
+    assert 0.45 < scale16 < 0.55  # half the bytes of 16384 x 4096 x 4
+    assert n16["measured"] == pytest.approx(2.0 / (1.8 * scale16)) and n16["status"] == "met"
+    jx = [v for k, v in t.items() if k.startswith("JAX")][0]
+    assert jx["measured"] == pytest.approx(1.6) and jx["status"] == "met"
+    table = format_layer_table(res)
+    assert "| identity | 16384x4096x4 | jax.jit | 0.800 | 3.200 |" in table and "1.60x" in table
+
+
+def test_layer_merge(tmp_path):
+    """``--layer --merge``: rows of later files replace the same (sublayer, shape); targets re-evaluated."""
+    def result(rows):
+        return {"schema": "mhc_cupy.bench.layer/1", "meta": {"date": "d", "argv": [], "device": {"name": "Fake GPU"},
+                                                             "settings": {"dtype": "bfloat16"}},
+                "copy": {"GBps": 4000.0}, "results": rows, "targets": [], "skipped": ["a"]}
+
+    a = result([_layer_row(16384, 4096, 4, 2.5), _layer_row(32768, 7168, 4, 7.0)])
+    b = result([_layer_row(16384, 4096, 4, 1.9)])
+    b["skipped"] = ["b"]
+    for name, r in (("a.json", a), ("b.json", b)):
+        (tmp_path / name).write_text(json.dumps(r))
+    out = tmp_path / "m"
+    assert bench.main(["--layer", "--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                       "--out", str(out)]) == 0
+    merged = json.loads((out / "layer.json").read_text())
+    assert len(merged["results"]) == 2 and merged["skipped"] == ["a", "b"] and len(merged["meta"]["merged_from"]) == 2
+    t = {x["name"]: x for x in merged["targets"]}
+    assert t["layer fwd+bwd, 16384x4096x4 <= 2 ms"]["status"] == "met"  # the later 1.9 ms row won
+    assert "| identity | 16384x4096x4 | mhc_cupy | 0.475 | 1.900 |" in (out / "layer.md").read_text()
+
+
+def test_block_mhc_equals_plain_at_phi_zero():
+    """The block mode's mHC block is the plain block with each residual wrapped: with phi = 0 (the
+    coefficients are the identity-residual biases) on n copies of h, every stream is the plain output
+    (mHC takes float32 at most, so float32 here)."""
+    torch = pytest.importorskip("torch")
+    from mhc_cupy.bench.block import build_blocks
+    from mhc_cupy.layers import collapse_streams, expand_streams
+
+    torch.manual_seed(0)
+    plain, mhc = build_blocks(16, 2, 24, 4, "cpu", torch.float32, {"phi_init_std": 0.0})
+    h = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        want, got = plain(h), mhc(expand_streams(h, 4))
+    assert got.shape == (2, 5, 4, 16)
+    # float32 rounding and the Sinkhorn eps (measured ~1e-7 relative)
+    torch.testing.assert_close(collapse_streams(got), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[..., 3, :], want, rtol=1e-5, atol=1e-5)
+    assert (want - h).abs().max() > 0.1  # the sublayers do something
+    with pytest.raises(ValueError, match="multiple of heads"):
+        build_blocks(10, 3, 8, 4, "cpu", torch.float32)
+
+
+def test_block_mode_runs_tiny(tmp_path):
+    """``--block`` end to end at a tiny block (CPU: wall clock): plain and mHC timed, overhead reported."""
+    pytest.importorskip("torch")
+    out = tmp_path / "o"
+    argv = ["--block", "--block-configs", "16:2:24", "--batch", "1", "--seq", "4", "--streams", "2", "--reps", "2",
+            "--warmup", "1", "--dtype", "float32", "--no-baselines", "--out", str(out)]
+    assert bench.main(argv) == 0
+    res = json.loads((out / "block.json").read_text())
+    (row,) = res["results"]
+    assert (row["C"], row["heads"], row["ffn"], row["n"]) == (16, 2, 24, 2)
+    mhc = [k for k in row["impls"] if k.startswith("mhc")]
+    assert "plain" in row["impls"] and mhc and not any(k.endswith("compiled") for k in row["impls"])
+    for k in ["plain", *mhc]:
+        assert row["impls"][k]["us"] > 0, row["impls"][k]
+    assert row["overhead"][mhc[0]] == pytest.approx(row["impls"][mhc[0]]["us"] / row["impls"]["plain"]["us"] - 1)
+    assert row["floor_share"] > 0
+    text = (out / "block.md").read_text()
+    assert "| 16 | 2 | 24 | plain |" in text and "overhead" in text and "targets:" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_layer_and_block_modes_on_gpu(tmp_path):
+    """On a GPU, small sizes: every layer implementation (torch.compile included) and both blocks
+    run without error, CUDA-event timed, with peak memory, and the baselines agree with mhc_cupy."""
+    pytest.importorskip("torch")
+    out = tmp_path / "layer"
+    argv = ["--layer", "--shapes", "2048x512x4,1024x256x8", "--reps", "3", "--warmup", "2", "--out", str(out)]
+    assert bench.main(argv) == 0
+    res = json.loads((out / "layer.json").read_text())
+    assert res["meta"]["device"]["sm"] and res["copy"]["GBps"] > 100
+    for row in res["results"]:
+        for name, v in row["impls"].items():
+            if name == "transformer_engine" and (row["n"] != 4 or "error" in v):
+                continue
+            for d in ("fwd", "fwd+bwd"):
+                assert "us" in v[d], (row["n"], row["sublayer"], name, d, v[d])
+                assert v[d]["method"].startswith("events") or "wall clock" in v[d]["method"]
+            if not name.startswith("jax"):
+                assert v["fwd+bwd"]["peak_bytes"] > 0
+            if "max_rel_err" in v:  # bf16: one rounding of out and dx, TE's TF32 GEMM
+                assert max(v["max_rel_err"].values()) < 2e-2, (name, v["max_rel_err"])
+    out = tmp_path / "block"
+    argv = ["--block", "--block-configs", "256:4:512", "--batch", "2", "--seq", "256", "--reps", "3", "--out", str(out)]
+    assert bench.main(argv) == 0
+    row = json.loads((out / "block.json").read_text())["results"][0]
+    for k, v in row["impls"].items():
+        assert "us" in v, (k, v)
+    assert {"plain", "plain compiled"} <= set(row["impls"]) and len(row["overhead"]) >= 2

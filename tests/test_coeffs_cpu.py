@@ -186,16 +186,27 @@ def _info(shape, dtype="float32", ptr=1 << 20):
 
 @pytest.mark.parametrize("tokens", [1, 3, 31, 32, 33, 1000, 100_000])
 @pytest.mark.parametrize("n,C", [(1, 1), (4, 7), (4, 1000), (4, 4096), (8, 4096), (32, 64)])
-def test_gemm_layout_covers_everything_once(tokens, n, C):
+def test_mma_layout_covers_everything_once(tokens, n, C):
     D, K = n * C, coeffs.columns(n)
-    KC, ncc, tiles, splits, d_split = coeffs.gemm_layout(tokens, D, K)
-    assert KC <= 24 and ncc * KC >= K > (ncc - 1) * KC  # every column in exactly one chunk
-    assert tiles * 32 >= tokens > (tiles - 1) * 32
-    assert d_split % 128 == 0  # a whole number of steps of every vector width (32 lanes x E <= 4)
-    assert splits * d_split >= D > (splits - 1) * d_split  # no empty D range
-    assert 1 <= splits <= 64 and ncc * tiles * splits <= 2**31 - 1
-    if ncc * tiles >= 512:
-        assert splits == 1  # split D only to fill the GPU
+    L = coeffs.mma_layout(tokens, D, K)
+    assert L.ntile <= 6 and L.ncc * L.ntile * 8 == L.Kp >= K  # every column in exactly one chunk
+    assert L.Kp - K < 8 * L.ncc  # chunks nearly equal: less than one 8-column tile of padding per chunk
+    assert L.tiles * 128 >= tokens > (L.tiles - 1) * 128
+    assert L.d_split % 32 == 0 and L.Dp % 32 == 0 and L.Dp >= D  # whole steps; the planes cover D
+    assert L.splits * L.d_split >= D > (L.splits - 1) * L.d_split  # no empty D range
+    assert 1 <= L.splits <= 64 and L.ncc * L.tiles * L.splits <= 2**31 - 1
+    if L.ncc * L.tiles >= 1024:
+        assert L.splits == 1  # split D only to fill the GPU
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 63, 65, 5000, 10**6])
+@pytest.mark.parametrize("n,C", [(1, 1), (2, 7), (4, 4096), (4, 7168)])
+def test_mma_token_splits(tokens, n, C):
+    K = coeffs.columns(n)
+    splits, per = coeffs.mma_token_splits(tokens, n, C, K)
+    assert splits >= 1 and per >= 16 and per % 16 == 0
+    assert splits * per >= tokens > (splits - 1) * per or tokens == 0
+    assert splits == 1 or splits * n * C * K <= 16 * 2**20  # partials bounded (64 MiB)
 
 
 @pytest.mark.parametrize("tokens", [0, 1, 63, 65, 5000, 10**6])
@@ -209,18 +220,13 @@ def test_token_splits(tokens, n, C):
 
 
 def _record(planner, infos, **params):
-    calls = []
     from mhc_cupy import _jit
 
-    saved = _jit.launch
-    _jit.launch = lambda f, expr, grid, block, args, stream, smem=0: calls.append((expr, grid, block, args))
-    try:
+    with _jit.dry_run() as launches:
         plan = planner(infos, **params)
         ptrs = {k: (None if v is None else v.ptr) for k, v in infos.items()}
         plan.launch(ptrs, [1 << 20] * len(plan.outputs), [1 << 21] * len(plan.scratch), 0)
-    finally:
-        _jit.launch = saved
-    return plan, calls
+    return plan, [(expr, grid, block, args) for _, expr, grid, block, args, _ in launches]
 
 
 @pytest.mark.parametrize("n,C,T", [(4, 4096, 16384), (4, 7, 3), (1, 1, 1), (8, 1000, 1000), (16, 64, 5)])
@@ -229,20 +235,20 @@ def test_launch_plans(n, C, T):
     cx = {"x": _info((T, n, C), "bfloat16"), "phi": _info((D, K)), "alpha": _info((3,)), "bias": _info((K,))}
     plan, calls = _record(coeffs._plan_fwd, cx, eps=1e-5)
     names = [c[0].split("<")[0] for c in calls]
-    assert names[0] == "mhc_coeffs_fwd_kernel"
-    assert ("mhc_coeffs_fwd_finish_kernel" in names) == (len(plan.scratch) == 1)
+    assert names == ["mhc_coeffs_split_phi_fwd_kernel", "mhc_coeffs_mma_fwd_kernel", "mhc_coeffs_fwd_finish_kernel"]
     for expr, grid, block, args in calls:
         assert 1 <= grid[0] <= 2**31 - 1 and grid[1] <= 65535 and block[0] * block[1] <= 1024
     g = {"grad_h_pre_raw": _info((T, n)), "grad_h_post_raw": _info((T, n)), "grad_h_res_raw": _info((T, n, n))}
     plan, calls = _record(coeffs._plan_bwd, {**g, **cx}, eps=1e-5)
     names = [c[0].split("<")[0] for c in calls]
-    assert names[:2] == ["mhc_coeffs_fwd_kernel", "mhc_coeffs_bwd_prep_kernel"]
-    if K <= 24:
-        assert "mhc_coeffs_bwd_fused_kernel" in names and "mhc_coeffs_bwd_dx_kernel" not in names
+    assert names[:3] == ["mhc_coeffs_split_phi_fwd_kernel", "mhc_coeffs_mma_fwd_kernel", "mhc_coeffs_bwd_prep_kernel"]
+    if K <= 32:
+        assert "mhc_coeffs_mma_bwd_kernel" in names and "mhc_coeffs_bwd_dx_kernel" not in names
     else:
         assert {"mhc_coeffs_transpose_kernel", "mhc_coeffs_bwd_dx_kernel", "mhc_coeffs_bwd_dphi_kernel"} <= set(names)
     scratch_bytes = sum(4 * int(np.prod(s)) for s, _ in plan.scratch)
-    assert scratch_bytes <= 4 * (64 * T * (K + 1) + T * (K + 8) + 16 * 2**20 + D * K)
+    assert scratch_bytes <= 4 * (64 * T * (K + 1) + T * (K + 8) + 16 * 2**20 + D * K) + 12 * (D + 32) * (K + 16) \
+        + 12 * (T + 16) * (K + 16)
     for expr, grid, block, args in calls:
         assert 1 <= grid[0] <= 2**31 - 1 and grid[1] <= 65535 and block[0] * block[1] <= 1024
 
@@ -267,8 +273,9 @@ def test_missing_gradients_zero_fill_their_bias_slice():
 
 def test_registry_lists_coeffs_kernels():
     specs = [e for f, e in _kernels.all_specialisations() if f == "coeffs.cu"]
-    for name in ("mhc_coeffs_fwd_kernel<__nv_bfloat16,4,4,24>", "mhc_coeffs_fwd_finish_kernel",
-                 "mhc_coeffs_bwd_prep_kernel", "mhc_coeffs_bwd_fused_kernel<__nv_bfloat16,1,24>",
+    for name in ("mhc_coeffs_mma_fwd_kernel<__nv_bfloat16,true,2,3,4>", "mhc_coeffs_fwd_finish_kernel",
+                 "mhc_coeffs_bwd_prep_kernel", "mhc_coeffs_mma_bwd_kernel<__nv_bfloat16,__nv_bfloat16,true,false,2,3,3>",
                  "mhc_coeffs_bwd_dx_kernel<__nv_bfloat16,2,16>", "mhc_coeffs_transpose_kernel",
-                 "mhc_coeffs_zero_kernel"):
+                 "mhc_coeffs_zero_kernel", "mhc_coeffs_split_phi_fwd_kernel", "mhc_coeffs_split_rows_kernel",
+                 "mhc_coeffs_split_cols_kernel"):
         assert name in specs, name

@@ -1,7 +1,7 @@
 """Compile every kernel specialisation with NVRTC, without a GPU (runs in CI).
 
-Also covers case P8 (broken / missing CUDA headers must give a readable error
-quickly, never a hang) and the include-dir / library discovery helpers.
+Also: broken / missing CUDA headers must give a readable error quickly, never
+a hang; the include-dir and library discovery (``cuda.pathfinder``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import mhc_cupy
 from mhc_cupy import _headers, _nvrtc
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,14 +137,14 @@ def test_tiny_compile_cubin_and_ptx(nvrtc_version):
 
 
 def test_lowered_name_ignores_spaces(nvrtc_version):
-    # P7: "k<T, 4, 8>" and "k<T,4,8>" name one kernel, so a cache keyed on it must agree.
+    # "k<T, 4, 8>" and "k<T,4,8>" name one kernel, so a cache keyed on it must agree.
     a, b = "tiny_kernel<__nv_bfloat16, 4, 8>", "tiny_kernel<__nv_bfloat16,4,8>"
     r = _nvrtc.compile(TINY, "tiny.cu", [a, b], arch="sm_90", options=["-std=c++17"])
     assert r["lowered_names"][a] == r["lowered_names"][b]
 
 
 def test_syntax_error_is_compile_error(nvrtc_version):
-    with pytest.raises(_nvrtc.NVRTCCompileError) as ei:
+    with pytest.raises(mhc_cupy.KernelCompileError) as ei:
         _nvrtc.compile("__global__ void k( { }", "broken.cu", [], arch="sm_90")
     e = ei.value
     assert isinstance(e, RuntimeError)
@@ -152,19 +153,19 @@ def test_syntax_error_is_compile_error(nvrtc_version):
     assert f"NVRTC {nvrtc_version[0]}.{nvrtc_version[1]}" in msg
 
 
-# --------------------------------------------------------------------------- P8
+# --------------------------------------------------------------------------- broken headers
 
 def _expected_package(major):
     return {12: "nvidia-cuda-runtime-cu12", 13: "nvidia-cuda-runtime"}[major]
 
 
-def test_p8_error_header(nvrtc_version, tmp_path):
+def test_broken_header_error(nvrtc_version, tmp_path):
     bad = tmp_path / "bad_include"
     bad.mkdir()
     (bad / "cuda_bf16.h").write_text('#error "deliberately broken cuda_bf16.h"\n')
-    dirs = [str(bad)] + _headers.wheel_include_dirs()
+    dirs = [str(bad)] + _headers.include_dirs()
     t0 = time.perf_counter()
-    with pytest.raises(_nvrtc.NVRTCCompileError) as ei:
+    with pytest.raises(mhc_cupy.KernelCompileError) as ei:
         _nvrtc.compile(TINY, "p8_error.cu", ["tiny_kernel<float, 1, 0>"], arch="sm_90",
                        options=["-std=c++17"], include_dirs=dirs)
     assert time.perf_counter() - t0 < 30
@@ -176,18 +177,18 @@ def test_p8_error_header(nvrtc_version, tmp_path):
         assert d in msg
     assert f"NVRTC {nvrtc_version[0]}.{nvrtc_version[1]}" in msg
     assert re.search(r"CUDA header(s)? version", msg)  # header version (here: unknown)
-    for d in _headers.wheel_include_dirs():
+    for d in _headers.include_dirs():
         v = _headers.header_version(d)
         if v:
             assert f"CUDA headers {v}" in msg
     assert e.include_dirs == dirs and e.nvrtc_version == nvrtc_version
 
 
-def test_p8_empty_include_dir(nvrtc_version, tmp_path):
+def test_empty_include_dir_error(nvrtc_version, tmp_path):
     empty = tmp_path / "empty_include"
     empty.mkdir()
     t0 = time.perf_counter()
-    with pytest.raises(_nvrtc.NVRTCCompileError) as ei:
+    with pytest.raises(mhc_cupy.KernelCompileError) as ei:
         _nvrtc.compile(TINY, "p8_empty.cu", ["tiny_kernel<float, 1, 0>"], arch="sm_90",
                        options=["-std=c++17"], include_dirs=[str(empty)])
     assert time.perf_counter() - t0 < 30
@@ -198,8 +199,8 @@ def test_p8_empty_include_dir(nvrtc_version, tmp_path):
     assert f"NVRTC {nvrtc_version[0]}.{nvrtc_version[1]}" in msg
 
 
-def test_p8_never_hangs(nvrtc_version, tmp_path):
-    """Both P8 failures, in a child process with a hard time limit."""
+def test_header_errors_never_hang(nvrtc_version, tmp_path):
+    """Both header failures, in a child process with a hard time limit."""
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "cuda_bf16.h").write_text("#error broken\n")
@@ -207,12 +208,13 @@ def test_p8_never_hangs(nvrtc_version, tmp_path):
     code = textwrap.dedent(
         f"""
         import sys
+        import mhc_cupy
         from mhc_cupy import _nvrtc
         src = {TINY!r}
         for d in ({str(bad)!r}, {str(tmp_path / 'empty')!r}):
             try:
                 _nvrtc.compile(src, "p8.cu", [], arch="sm_90", include_dirs=[d])
-            except _nvrtc.NVRTCCompileError as e:
+            except mhc_cupy.KernelCompileError as e:
                 assert "cuda_bf16.h" in str(e)
             else:
                 sys.exit("no error for " + d)
@@ -227,7 +229,7 @@ def test_p8_never_hangs(nvrtc_version, tmp_path):
 
 def test_error_helpers_without_compile():
     log = 'k.cu(1): catastrophic error: cannot open source file "cuda_fp16.h"\n'
-    e = _nvrtc.NVRTCCompileError.from_log("k.cu", log, include_dirs=[], nvrtc_version=(12, 9))
+    e = _nvrtc.KernelCompileError.from_log("k.cu", log, include_dirs=[], nvrtc_version=(12, 9))
     assert e.missing_headers == ["cuda_fp16.h"]
     assert "nvidia-cuda-runtime-cu12" in str(e) and "NVRTC 12.9" in str(e)
     msg13 = _nvrtc.format_compile_error("k.cu", log, nvrtc_version=(13, 0))
@@ -238,17 +240,28 @@ def test_error_class_importable_without_cupy():
     code = textwrap.dedent(
         """
         import sys
-        sys.modules["cupy"] = None  # any `import cupy` now raises ImportError
-        from mhc_cupy._nvrtc import NVRTCCompileError
-        assert issubclass(NVRTCCompileError, RuntimeError)
+        for name in ("cupy", "cupy_backends", "cuda", "cuda.pathfinder"):
+            sys.modules[name] = None  # any import of CuPy or cuda-pathfinder now raises ImportError
+        from mhc_cupy import KernelCompileError, _headers, _jit, _nvrtc
+        from mhc_cupy.__main__ import info
+        assert issubclass(KernelCompileError, RuntimeError)
+        assert _headers.include_dirs() == []
+        try:
+            _nvrtc.version()
+        except _nvrtc.NVRTCNotFoundError as e:
+            assert "mhc-cupy[cuda12]" in str(e)
+        else:
+            raise AssertionError("no NVRTCNotFoundError")
+        assert "not available" in info()["cupy"]
         print("OK")
         """
     )
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop(_headers.ENV_INCLUDE_DIRS, None)
     p = subprocess.run([sys.executable, "-c", code], cwd=str(REPO), env=env,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "OK" in p.stdout, (
-        "mhc_cupy._nvrtc must import without CuPy (is mhc_cupy/__init__.py importing cupy "
+        "mhc_cupy, _jit and _nvrtc must import without CuPy (is one importing cupy "
         "eagerly?)\n" + p.stdout + p.stderr)
 
 
@@ -271,15 +284,46 @@ def test_include_dirs_override_first_unique_existing(tmp_path, monkeypatch):
     assert _headers.find_header("no_such_header.h", dirs) is None
 
 
-def test_include_dirs_toolkit_env(tmp_path, monkeypatch):
+def test_include_dirs_come_from_pathfinder(tmp_path, monkeypatch):
+    """Without the override, the folders are the CUDA runtime headers cuda.pathfinder locates."""
+    from cuda.pathfinder import find_nvidia_header_directory
+
     monkeypatch.delenv(_headers.ENV_INCLUDE_DIRS, raising=False)
-    tk = tmp_path / "cuda"
-    (tk / "include").mkdir(parents=True)
-    (tk / "include" / "cuda_runtime_api.h").write_text("#define CUDART_VERSION 12080\n")
-    monkeypatch.setenv("CUDA_PATH", str(tk))
-    dirs = _headers.include_dirs()
-    assert str(tk / "include") in dirs
-    assert _headers.header_version(str(tk / "include")) == "12.8"
+    found = find_nvidia_header_directory("cudart")
+    assert _headers.include_dirs() == ([found] if found else [])
+    tk = tmp_path / "cuda" / "include"
+    tk.mkdir(parents=True)
+    (tk / "cuda_runtime_api.h").write_text("#define CUDART_VERSION 12080\n")
+    assert _headers.header_version(str(tk)) == "12.8"
+    monkeypatch.setenv(_headers.ENV_INCLUDE_DIRS, str(tk))
+    assert _headers.include_dirs() == [str(tk)] + ([found] if found else [])
+
+
+def test_one_exported_compile_error_class():
+    from mhc_cupy import _jit
+
+    assert mhc_cupy.KernelCompileError is _nvrtc.KernelCompileError
+    assert "KernelCompileError" in mhc_cupy.__all__
+    assert not hasattr(_nvrtc, "NVRTCCompileError") and not hasattr(_jit, "KernelCompileError")
+
+
+def test_jit_compile_error_names_the_kernel(nvrtc_version, tmp_path, monkeypatch):
+    """The JIT path (no GPU: compiled for sm_90) raises the exported class, naming the
+    name expression, the file, the broken header and the NVRTC version."""
+    from mhc_cupy import _jit
+
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    (inc / "cuda_bf16.h").write_text('#error "this cuda_bf16.h is broken on purpose"\n')
+    monkeypatch.setenv(_headers.ENV_INCLUDE_DIRS, str(inc))
+    monkeypatch.setenv("MHC_CUPY_CACHE_DIR", str(tmp_path / "cache"))
+    with pytest.raises(mhc_cupy.KernelCompileError) as ei:
+        _jit.kernel_binary("stream_ops.cu", "mhc_column_sum_kernel", "sm_90")
+    msg = str(ei.value)
+    assert msg.startswith("mhc_column_sum_kernel from kernels_cu/stream_ops.cu")
+    assert "broken on purpose" in msg and str(inc) in msg
+    assert f"NVRTC {nvrtc_version[0]}.{nvrtc_version[1]}" in msg
+    assert ei.value.arch == "sm_90" and ei.value.include_dirs[0] == str(inc)
 
 
 def test_wheel_headers_found(nvrtc_version):

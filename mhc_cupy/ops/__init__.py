@@ -1,7 +1,8 @@
 """The mHC operators: one module per family, each with its public ``*_fwd`` /
-``*_bwd`` functions and their launch plans (OPS.md sections 1-8)."""
+``*_bwd`` functions and their launch plans (OPS.md sections 1-9)."""
 
 from .coeffs import mhc_coeffs_bwd, mhc_coeffs_fwd
+from .layer import mhc_layer_post_bwd, mhc_layer_pre_bwd, mhc_layer_pre_fwd
 from .post import mhc_post_op_bwd, mhc_post_op_fwd
 from .pre import mhc_pre_op_bwd, mhc_pre_op_fwd
 from .rmsnorm import rmsnorm_bwd, rmsnorm_fwd
@@ -20,4 +21,5 @@ __all__ = [
     "stream_mix_fwd", "stream_mix_bwd", "stream_aggregate_fwd", "stream_aggregate_bwd",
     "stream_distribute_fwd", "stream_distribute_bwd", "mhc_post_op_fwd", "mhc_post_op_bwd",
     "mhc_pre_op_fwd", "mhc_pre_op_bwd", "mhc_coeffs_fwd", "mhc_coeffs_bwd",
+    "mhc_layer_pre_fwd", "mhc_layer_pre_bwd", "mhc_layer_post_bwd",
 ]

@@ -1,6 +1,7 @@
 """Launch-plan helpers shared by the op modules: C++ type names, vector
-widths, block sizes, and scalar wrapping (a Python float would reach a kernel
-as double and an int as long long, so every scalar is wrapped explicitly)."""
+widths, block sizes, and scalar wrapping (every kernel scalar is a NumPy
+scalar of its C type: ``i32`` int, ``i64`` long long, ``f32`` float;
+``_jit.launch`` refuses a bare Python float or small int)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import math
 
 import numpy as np
 
-from .. import _jit
+from .._jit import launch  # noqa: F401 - the op modules import it from here
 
 CTYPE = {"bfloat16": "__nv_bfloat16", "float16": "__half", "float32": "float"}
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -19,6 +20,10 @@ MAX_THREADS = 256
 
 def i32(v) -> np.int32:
     return np.int32(v)
+
+
+def i64(v) -> np.int64:
+    return np.int64(v)
 
 
 def f32(v) -> np.float32:
@@ -69,11 +74,12 @@ def grid_for(tokens: int) -> tuple:
     return (min(tokens, MAX_GRID), 1, 1)
 
 
-def launch(filename, expr, grid, block, args, stream, shared_mem=0):
-    _jit.launch(filename, expr, grid, block, args, stream, shared_mem)
-
-
 def column_sum(part_ptr, out_ptr, rows: int, cols: int, stream) -> None:
-    """out[c] = sum_r part[r, c] in a fixed order (deterministic)."""
-    launch("stream_ops.cu", "mhc_column_sum_kernel", (-(-cols // 32), 1, 1), (32, 8, 1),
-           (part_ptr, out_ptr, rows, i32(cols)), stream)
+    """out[c] = sum_r part[r, c] in a fixed order (deterministic; the order depends on the shape only)."""
+    if cols <= 32 and rows > 256:  # a sum over tokens of a few per-token terms: all 1024 threads on them
+        launch("stream_ops.cu", "mhc_column_sum_narrow_kernel", (1, 1, 1), (1024, 1, 1),
+               (part_ptr, out_ptr, i64(rows), i32(cols)), stream)
+        return
+    ty = 32 if rows > 256 else 8  # tall: more threads per column
+    launch("stream_ops.cu", "mhc_column_sum_kernel", (-(-cols // 32), 1, 1), (32, ty, 1),
+           (part_ptr, out_ptr, i64(rows), i32(cols)), stream)

@@ -9,30 +9,25 @@ on every device, so results are bitwise reproducible for given shapes.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+
 from .. import _checks, reference
 from .._dispatch import Plan, run
-from ._launch import CTYPE, MAX_GRID, column_sum, f32, i32, launch, tokens_of, vec_width
+from ._launch import ITEMSIZE, CTYPE, MAX_GRID, column_sum, f32, i32, i64, launch, tokens_of, vec_width
 from .stream import check_x
 
 _FILE = "coeffs.cu"
 _NT = 256  # threads per block of the GEMM kernels (kernels_cu/coeffs.cu NT)
 _WARPS = _NT // 32
-_TT = 4  # tokens per warp of the forward GEMM
-_KC = 24  # at most this many columns of phi per block (accumulators per thread ~ TT * (KC + 1))
-_FUSED_K = 24  # K <= this: dx and dphi in one kernel (n <= 4)
+_KC = 24  # columns of phi per chunk of the CUDA-core dphi kernel (n > 4)
 _TS = 32  # tokens of dH staged per step of the backward (kernels_cu/coeffs.cu TS)
 _DX_KC = 16  # columns per chunk of the general dx kernel
-#: Widest x access (elements) of the backward kernels.  The fused kernel keeps 2 * E * K
-#: floats per thread: E = 1 (100 registers, 2 blocks per SM) measured ~8% faster than
-#: E = 2 (158 registers) on an H200 (n = 4, C = 4096, bf16).
-_FUSED_E = 1
 _BWD_E = 2
-#: D positions per step of the widest forward (32 lanes x 4); D ranges are multiples of it.
-_D_UNIT = 128
 #: Block count the D / token splits aim for.  A constant (not the SM count) so the
 #: summation order, hence every bit of the result, is the same on every GPU.
 _TARGET_BLOCKS = 512
-_MIN_STEPS_PER_RANGE = 4  # a D range spans at least this many _D_UNITs
+_MIN_STEPS_PER_RANGE = 4  # a D range of the forward GEMM spans at least this many steps
 _MIN_TOKENS_PER_SPLIT = 64
 _MAX_SPLITS = 64
 _MAX_PARTIAL_FLOATS = 16 * 2**20  # dphi partials of the backward: at most 64 MiB
@@ -82,57 +77,93 @@ def _check(infos, eps, with_grads: bool):
     return dt, lead, n, C, D, K, tokens_of(lead), _checks.eps("eps", eps)
 
 
-# ---------------------------------------------------------- forward GEMM layout
-def gemm_layout(tokens: int, D: int, K: int):
-    """(KC, ncc, tiles, splits, d_split) of mhc_coeffs_fwd_kernel.
+def _zero(ptr, count: int, stream, offset: int = 0) -> None:
+    """float32 zeros over ptr[offset : offset + count]."""
+    if count:
+        launch(_FILE, "mhc_coeffs_zero_kernel", (min(_cdiv(count, _NT), 1024), 1, 1), (_NT, 1, 1),
+               (ptr + 4 * offset, i64(count)), stream)
 
-    The D range of a block (d_split, a multiple of _D_UNIT) is split only when
-    the token tiles x column chunks give fewer than _TARGET_BLOCKS blocks, and
-    never below _MIN_STEPS_PER_RANGE units per range.
+
+# ------------------------------------------------ tensor-core forward GEMM layout
+_MMA_MT = 2  # 16-token MMA tiles per warp of the forward (kernels_cu/coeffs.cu mhc_coeffs_mma_fwd_kernel)
+_MMA_TOK = 4 * _MMA_MT * 16  # tokens per block (4 warps)
+_MMA_MAX_NTILE = 6  # 8-column tiles per block: accumulators 4 * MT * NTILE per thread
+_MMA_STEP = 32  # positions of D per step of a warp
+_MMA_STAGES = 4  # cp.async pipeline depth of the forward GEMM
+_MMA_BWD_STAGES = 3  # and of the backward
+_MMA_TARGET_BLOCKS = 1024  # 128-thread blocks; a constant (not the SM count): same bits on every GPU
+
+
+class MmaLayout(NamedTuple):
+    """Launch layout of mhc_coeffs_mma_fwd_kernel (depends on shapes only)."""
+
+    ntile: int  # 8-column tiles per column chunk
+    ncc: int  # column chunks
+    Kp: int  # padded columns of the phi planes: ncc * ntile * 8
+    Dp: int  # padded positions of the phi planes: a multiple of 32
+    tiles: int  # token tiles of _MMA_TOK tokens
+    splits: int  # D ranges (part's leading dim)
+    d_split: int  # positions per D range, a multiple of 32
+
+    @property
+    def planes_shape(self):
+        return (3, self.Kp, self.Dp), "bfloat16"
+
+
+def mma_layout(tokens: int, D: int, K: int) -> MmaLayout:
+    """Column chunks, token tiles and D ranges of the tensor-core forward GEMM.
+
+    D is split only when token tiles x column chunks give fewer than
+    _MMA_TARGET_BLOCKS blocks, and never below _MIN_STEPS_PER_RANGE steps per range.
     """
-    KC = column_chunk(K)
-    ncc = _cdiv(K, KC)
-    tiles = max(1, _cdiv(tokens, _WARPS * _TT))
-    units = _cdiv(D, _D_UNIT)
-    want = _cdiv(_TARGET_BLOCKS, ncc * tiles)
+    nt_total = _cdiv(K, 8)
+    ncc = _cdiv(nt_total, _MMA_MAX_NTILE)
+    ntile = _cdiv(nt_total, ncc)
+    tiles = max(1, _cdiv(tokens, _MMA_TOK))
+    units = _cdiv(D, _MMA_STEP)
+    want = _cdiv(_MMA_TARGET_BLOCKS, ncc * tiles)
     splits = max(1, min(want, units // _MIN_STEPS_PER_RANGE, _MAX_SPLITS))
     per = _cdiv(units, splits)
     splits = _cdiv(units, per)  # no empty range
     if ncc * tiles * splits > MAX_GRID:
         raise ValueError(f"x has {tokens} tokens; mhc_coeffs supports at most "
-                         f"{MAX_GRID // (ncc * splits) * _WARPS * _TT} tokens at this n")
-    return KC, ncc, tiles, splits, per * _D_UNIT
+                         f"{MAX_GRID // (ncc * splits) * _MMA_TOK} tokens at this n")
+    return MmaLayout(ntile, ncc, ncc * ntile * 8, units * _MMA_STEP, tiles, splits, per * _MMA_STEP)
 
 
-def launch_gemm(dt, n, D, K, tokens, x, phi, alpha, bias, outs, part, layout, eps, stream):
-    """H~ and the sum of squares: finished outputs (part None) or raw sums into part."""
-    KC, ncc, tiles, splits, d_split = layout
-    E = vec_width(1, D, [(x, dt)], budget=4)
-    h_pre, h_post, h_res = outs if outs is not None else (None, None, None)
-    launch(_FILE, f"mhc_coeffs_fwd_kernel<{CTYPE[dt]},{E},{_TT},{KC}>", (ncc * tiles * splits, 1, 1), (_NT, 1, 1),
-           (x, phi, alpha, bias, h_pre, h_post, h_res, part, tokens, i32(D), i32(n), i32(K), i32(ncc), tiles,
-            i32(d_split), f32(eps)), stream)
+def _vec8(dt: str, D: int, *ptrs) -> bool:
+    """8-element (16-byte aligned) accesses of rows of D elements: D % 8 == 0 and aligned pointers."""
+    return D % 8 == 0 and all(p % 16 == 0 for p in ptrs if p is not None)
 
 
-def _zero(ptr, count: int, stream, offset: int = 0) -> None:
-    """float32 zeros over ptr[offset : offset + count]."""
-    if count:
-        launch(_FILE, "mhc_coeffs_zero_kernel", (min(_cdiv(count, _NT), 1024), 1, 1), (_NT, 1, 1),
-               (ptr + 4 * offset, count), stream)
+def _grid_stride(count: int) -> tuple:
+    return (max(1, min(_cdiv(count, _NT), 4096)), 1, 1)
+
+
+def launch_mma_gemm(dt, D, K, tokens, x, phi, part, planes, mma: MmaLayout, stream):
+    """Raw H~ and sums of squares per D range into part [splits, T, K+1], on tensor cores
+    (phi split into three bf16 planes first: kernels_cu/coeffs.cu, tensor-core path)."""
+    launch(_FILE, "mhc_coeffs_split_phi_fwd_kernel", _grid_stride(mma.Kp * mma.Dp), (_NT, 1, 1),
+           (phi, planes, i32(D), i32(K), i32(mma.Dp), i32(mma.Kp)), stream)
+    vec = "true" if _vec8(dt, D, x) else "false"
+    smem = _MMA_STAGES * (_MMA_TOK * 32 * ITEMSIZE[dt] + 3 * mma.ntile * 8 * 64)
+    launch(_FILE, f"mhc_coeffs_mma_fwd_kernel<{CTYPE[dt]},{vec},{_MMA_MT},{mma.ntile},{_MMA_STAGES}>",
+           (mma.ncc * mma.tiles * mma.splits, 1, 1), (128, 1, 1),
+           (x, planes, part, i64(tokens), i32(D), i32(mma.Dp), i32(K), i32(mma.Kp), i32(mma.ncc),
+            i64(mma.tiles), i32(mma.d_split)), stream, smem)
 
 
 def _plan_fwd(infos, eps):
     dt, lead, n, C, D, K, tokens, eps = _check(infos, eps, False)
-    layout = gemm_layout(tokens, D, K)
-    splits = layout[3]
-    scratch = [((splits, tokens, K + 1), "float32")] if splits > 1 else []
+    mma = mma_layout(tokens, D, K)
+    scratch = [((mma.splits, tokens, K + 1), "float32"), mma.planes_shape]
 
     def run_kernels(p, outs, s, stream):
-        part = s[0] if splits > 1 else None
-        launch_gemm(dt, n, D, K, tokens, p["x"], p["phi"], p["alpha"], p["bias"], outs, part, layout, eps, stream)
-        if splits > 1:
-            launch(_FILE, "mhc_coeffs_fwd_finish_kernel", (min(_cdiv(tokens * K, _NT), MAX_GRID), 1, 1), (_NT, 1, 1),
-                   (part, p["alpha"], p["bias"], *outs, tokens, i32(D), i32(n), i32(K), i32(splits), f32(eps)), stream)
+        part, planes = s
+        launch_mma_gemm(dt, D, K, tokens, p["x"], p["phi"], part, planes, mma, stream)
+        launch(_FILE, "mhc_coeffs_fwd_finish_kernel", (min(_cdiv(tokens * K, _NT), MAX_GRID), 1, 1), (_NT, 1, 1),
+               (part, p["alpha"], p["bias"], *outs, None, i64(tokens), i32(D), i32(n), i32(K), i32(mma.splits),
+                f32(eps)), stream)
 
     return Plan([(lead + (n,), "float32"), (lead + (n,), "float32"), (lead + (n, n), "float32")], run_kernels,
                 lambda a: reference.mhc_coeffs_fwd(a["x"], a["phi"], a["alpha"], a["bias"], eps),
@@ -151,22 +182,104 @@ def token_splits(tokens: int, D: int, K: int, col_chunks: int) -> tuple[int, int
     return _cdiv(max(tokens, 1), per), per
 
 
+_MMA_BWD_MAX_K = 32  # tensor-core dx / dphi for K <= 32 (n <= 4): dphi accumulators 16 * ceil(K / 8) per thread
+
+
+def mma_token_splits(tokens: int, n: int, C: int, K: int) -> tuple[int, int]:
+    """(splits, tokens per split, a multiple of 16) of the tensor-core backward's dphi reduction."""
+    cblocks = _cdiv(C, 64)
+    splits = min(_cdiv(_MMA_TARGET_BLOCKS, cblocks), _cdiv(tokens, _MIN_TOKENS_PER_SPLIT), _MAX_SPLITS,
+                 _MAX_PARTIAL_FLOATS // (n * C * K))
+    per = _cdiv(_cdiv(max(tokens, 1), max(1, splits)), 16) * 16
+    return _cdiv(max(tokens, 1), per), per
+
+
+class MmaBwd(NamedTuple):
+    """Layout and scratch of mhc_coeffs_mma_bwd_kernel (dx and dphi on tensor cores, K <= 32)."""
+
+    n: int
+    C: int
+    K: int
+    tokens: int
+    splits: int  # token ranges (dphi partials)
+    t_split: int
+
+    @property
+    def K16(self):
+        return _cdiv(self.K, 16) * 16
+
+    @property
+    def Kp8(self):
+        return _cdiv(self.K, 8) * 8
+
+    @property
+    def tokens_p(self):
+        return _cdiv(max(self.tokens, 1), 16) * 16
+
+    def scratch(self) -> list:
+        """[(name, (shape, dtype))] the launch needs besides dH (phi and dH split into bf16 planes)."""
+        D = self.n * self.C
+        out = [("phi_r", ((3, D, self.K16), "bfloat16")), ("dH_r", ((3, self.tokens_p, self.K16), "bfloat16")),
+               ("dH_c", ((3, self.Kp8, self.tokens_p), "bfloat16"))]
+        if self.splits > 1:
+            out.append(("dphi_part", ((self.splits, D, self.K), "float32")))
+        return out
+
+    def smem(self, dt: str) -> int:
+        """Dynamic shared memory bytes (the kernel's layout, kernels_cu/coeffs.cu)."""
+        nw, K16, Kp8 = 64 * self.n, self.K16, self.Kp8
+        stage = 16 * (nw * ITEMSIZE[dt] + 16) + 3 * 16 * K16 * 2 + 3 * Kp8 * 32
+        return 3 * nw * K16 * 2 + _MMA_BWD_STAGES * stage
+
+
+def mma_bwd(tokens: int, n: int, C: int, K: int) -> MmaBwd:
+    return MmaBwd(n, C, K, tokens, *mma_token_splits(tokens, n, C, K))
+
+
+def launch_mma_bwd(b: MmaBwd, dt: str, x, phi, dH, KP: int, dx, dphi, sc: dict, stream, tg: str | None = None,
+                   g=None, g_li=None, H_pre=None, H_res=None):
+    """dx = dH phi^T - c x (+ H_pre_i g_li + sum_j H_res[j, i] g_j when g is given) and dphi,
+    on tensor cores; sc holds the buffers named by b.scratch() (dphi partials summed here)."""
+    D = b.n * b.C
+    layer = g is not None
+    tg = tg or dt
+    launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(D * b.K16), (_NT, 1, 1),
+           (phi, sc["phi_r"], i64(D), i32(b.K), i32(b.K), i64(D), i32(b.K16)), stream)
+    launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(b.tokens_p * b.K16), (_NT, 1, 1),
+           (dH, sc["dH_r"], i64(b.tokens), i32(b.K), i32(KP), i64(b.tokens_p), i32(b.K16)), stream)
+    launch(_FILE, "mhc_coeffs_split_cols_kernel", _grid_stride(b.tokens_p * b.Kp8), (_NT, 1, 1),
+           (dH, sc["dH_c"], i64(b.tokens), i32(b.K), i32(KP), i64(b.tokens_p), i32(b.Kp8)), stream)
+    vec = "true" if _vec8(dt, b.C, x, dx, g, g_li) else "false"
+    out = sc["dphi_part"] if b.splits > 1 else dphi
+    launch(_FILE, f"mhc_coeffs_mma_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{vec},{'true' if layer else 'false'},"
+                  f"{b.K16 // 16},{b.Kp8 // 8},{_MMA_BWD_STAGES}>",
+           (_cdiv(b.C, 64), b.splits, 1), (32 * b.n, 1, 1),
+           (x, sc["phi_r"], sc["dH_r"], sc["dH_c"], dH, g, g_li, H_pre, H_res, dx, out, i64(b.tokens),
+            i64(b.tokens_p), i32(b.n), i32(b.C), i32(b.K), i32(KP), i64(b.t_split)),
+           stream, b.smem(dt))
+    if b.splits > 1:
+        column_sum(out, dphi, b.splits, D * b.K, stream)
+
+
 def _plan_bwd(infos, eps):
     dt, lead, n, C, D, K, tokens, eps = _check(infos, eps, True)
-    layout = gemm_layout(tokens, D, K)
-    splits = layout[3]
+    mma = mma_layout(tokens, D, K)
     KP = padded_row(K)
-    fused = K <= _FUSED_K
-    kc_phi = K if fused else column_chunk(K)
+    tc = mma_bwd(tokens, n, C, K) if K <= _MMA_BWD_MAX_K else None
+    kc_phi = column_chunk(K)
     ncc_phi = _cdiv(K, kc_phi)
-    t_splits, t_split = token_splits(tokens, D, K, ncc_phi)
-    scratch = [((splits, tokens, K + 1), "float32"),  # 0: raw H~ and sum of squares per D range
-               ((tokens, KP), "float32"),  # 1: dH | c
-               ((tokens, 3), "float32")]  # 2: per-token dalpha terms
-    if t_splits > 1:
-        scratch.append(((t_splits, D, K), "float32"))  # 3: dphi partials
-    if not fused:
-        scratch.append(((K, D), "float32"))  # last: phi transposed
+    t_splits, t_split = token_splits(tokens, D, K, ncc_phi) if tc is None else (tc.splits, tc.t_split)
+    named = [("part", ((mma.splits, tokens, K + 1), "float32")),  # raw H~ and sum of squares per D range
+             ("dH", ((tokens, KP), "float32")),  # dH | c
+             ("qa", ((tokens, 3), "float32")),  # per-token dalpha terms
+             ("planes", mma.planes_shape)]  # phi split for the forward GEMM
+    if tc is not None:
+        named += tc.scratch()
+    else:
+        named.append(("phi_t", ((K, D), "float32")))
+        if t_splits > 1:
+            named.append(("dphi_part", ((t_splits, D, K), "float32")))
+    names = [name for name, _ in named]
     outputs = [(infos["x"].shape, dt), ((D, K), "float32"), ((3,), "float32"), ((K,), "float32")]
     grads = (("grad_h_pre_raw", 0, n), ("grad_h_post_raw", n, n), ("grad_h_res_raw", 2 * n, n * n))
 
@@ -176,35 +289,34 @@ def _plan_bwd(infos, eps):
             for ptr, count in ((dphi, D * K), (dalpha, 3), (dbias, K)):
                 _zero(ptr, count, stream)
             return
-        part, dH, qa = s[0], s[1], s[2]
-        launch_gemm(dt, n, D, K, tokens, p["x"], p["phi"], None, None, None, part, layout, eps, stream)
+        sc = dict(zip(names, s))
+        part, dH, qa = sc["part"], sc["dH"], sc["qa"]
+        launch_mma_gemm(dt, D, K, tokens, p["x"], p["phi"], part, sc["planes"], mma, stream)
         warps_grid = min(_cdiv(tokens, _WARPS), MAX_GRID)
         launch(_FILE, "mhc_coeffs_bwd_prep_kernel", (warps_grid, 1, 1), (_NT, 1, 1),
-               (part, p["grad_h_pre_raw"], p["grad_h_post_raw"], p["grad_h_res_raw"], p["alpha"], dH, qa, tokens,
-                i32(D), i32(n), i32(K), i32(KP), i32(splits), f32(eps)), stream)
+               (part, p["grad_h_pre_raw"], p["grad_h_post_raw"], p["grad_h_res_raw"], p["alpha"], dH, qa, i64(tokens),
+                i32(D), i32(n), i32(K), i32(KP), i32(mma.splits), f32(eps)), stream)
         column_sum(qa, dalpha, tokens, 3, stream)
         for name, offset, cols in grads:
             if p[name] is None:
                 _zero(dbias, cols, stream, offset)
             else:
                 column_sum(p[name], dbias + 4 * offset, tokens, cols, stream)
-        dphi_out = s[3] if t_splits > 1 else dphi
-        E = vec_width(1, D, [(p["x"], dt), (dx, dt)], budget=_FUSED_E if fused else _BWD_E)
+        if tc is not None:
+            launch_mma_bwd(tc, dt, p["x"], p["phi"], dH, KP, dx, dphi, sc, stream)
+            return
+        # n > 4: CUDA cores (dx, then dphi over token ranges)
+        dphi_out = sc.get("dphi_part", dphi)
+        E = vec_width(1, D, [(p["x"], dt), (dx, dt)], budget=_BWD_E)
         dblocks = _cdiv(D, _NT * E)
-        if fused:
-            launch(_FILE, f"mhc_coeffs_bwd_fused_kernel<{CTYPE[dt]},{E},{K}>", (dblocks, t_splits, 1), (_NT, 1, 1),
-                   (p["x"], p["phi"], dH, dx, dphi_out, tokens, i32(D), t_split), stream)
-        else:
-            phi_t = s[-1]
-            launch(_FILE, "mhc_coeffs_transpose_kernel", (_cdiv(D, 32), _cdiv(K, 32), 1), (32, 8, 1),
-                   (p["phi"], phi_t, i32(D), i32(K)), stream)
-            launch(_FILE, f"mhc_coeffs_bwd_dx_kernel<{CTYPE[dt]},{E},{_DX_KC}>",
-                   (dblocks * _cdiv(tokens, _TS), 1, 1), (_NT, 1, 1),
-                   (p["x"], phi_t, dH, dx, tokens, i32(D), i32(K), i32(KP), i32(dblocks)), stream)
-            launch(_FILE, f"mhc_coeffs_bwd_dphi_kernel<{CTYPE[dt]},{E},{kc_phi}>",
-                   (ncc_phi * dblocks * t_splits, 1, 1), (_NT, 1, 1),
-                   (p["x"], dH, dphi_out, tokens, i32(D), i32(K), i32(KP), i32(ncc_phi), i32(dblocks), t_split),
-                   stream)
+        phi_t = sc["phi_t"]
+        launch(_FILE, "mhc_coeffs_transpose_kernel", (_cdiv(D, 32), _cdiv(K, 32), 1), (32, 8, 1),
+               (p["phi"], phi_t, i32(D), i32(K)), stream)
+        launch(_FILE, f"mhc_coeffs_bwd_dx_kernel<{CTYPE[dt]},{E},{_DX_KC}>", (dblocks * _cdiv(tokens, _TS), 1, 1),
+               (_NT, 1, 1), (p["x"], phi_t, dH, dx, i64(tokens), i32(D), i32(K), i32(KP), i32(dblocks)), stream)
+        launch(_FILE, f"mhc_coeffs_bwd_dphi_kernel<{CTYPE[dt]},{E},{kc_phi}>", (ncc_phi * dblocks * t_splits, 1, 1),
+               (_NT, 1, 1), (p["x"], dH, dphi_out, i64(tokens), i32(D), i32(K), i32(KP), i32(ncc_phi),
+                             i32(dblocks), i64(t_split)), stream)
         if t_splits > 1:
             column_sum(dphi_out, dphi, t_splits, D * K, stream)
 
@@ -212,7 +324,7 @@ def _plan_bwd(infos, eps):
         return reference.mhc_coeffs_bwd(a["grad_h_pre_raw"], a["grad_h_post_raw"], a["grad_h_res_raw"], a["x"],
                                         a["phi"], a["alpha"], a["bias"], eps)
 
-    return Plan(outputs, run_kernels, ref, scratch=scratch, empty=False)
+    return Plan(outputs, run_kernels, ref, scratch=[spec for _, spec in named], empty=False)
 
 
 # ------------------------------------------------------------------ public

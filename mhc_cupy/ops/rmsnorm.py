@@ -6,7 +6,7 @@ import functools
 
 from .. import _checks, _jit, reference
 from .._dispatch import Plan, run
-from ._launch import CTYPE, ITEMSIZE, column_sum, f32, grid_for, i32, launch, threads_for, tokens_of, vec_width
+from ._launch import CTYPE, ITEMSIZE, column_sum, f32, grid_for, i32, i64, launch, threads_for, tokens_of, vec_width
 
 _FILE = "rmsnorm.cu"
 #: Blocks of the weighted backward: each sums dw over a contiguous range of
@@ -77,7 +77,7 @@ def _plan_fwd(infos, eps):
         E = vec_width(1, C, [(p["x"], dt), (outs[0], dt)])
         expr, threads = _kernel("fwd", CTYPE[dt], E, C, has_w, cached_layout("fwd", C, E, (dt,)))
         launch(_FILE, expr, grid_for(rows), (threads, 1, 1),
-               (p["x"], p["weight"], outs[0], rows, i32(C), f32(eps)), stream)
+               (p["x"], p["weight"], outs[0], i64(rows), i32(C), f32(eps)), stream)
 
     return Plan([(infos["x"].shape, dt)], run_kernels,
                 lambda a: (reference.rmsnorm_fwd(a["x"], eps, a["weight"]),), single=True, empty=rows == 0 or C == 0)
@@ -95,8 +95,8 @@ def _plan_bwd(infos, eps):
         E = vec_width(1, C, [(p["x"], dt), (p["grad"], tg), (outs[0], dt)])
         expr, threads = _kernel("bwd", f"{CTYPE[dt]},{CTYPE[tg]}", E, C, has_w, cached_layout("bwd", C, E, (dt, tg)))
         launch(_FILE, expr, (blocks, 1, 1), (threads, 1, 1),
-               (p["grad"], p["x"], p["weight"], outs[0], scratch[0] if has_w else None, rows, i32(C), f32(eps),
-                per_block), stream, shared_mem=C * 4 if has_w else 0)
+               (p["grad"], p["x"], p["weight"], outs[0], scratch[0] if has_w else None, i64(rows), i32(C), f32(eps),
+                i64(per_block)), stream, shared_mem=C * 4 if has_w else 0)
         if has_w:
             column_sum(scratch[0], outs[1], blocks, C, stream)
 

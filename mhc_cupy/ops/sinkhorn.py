@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .. import _checks, reference
 from .._dispatch import Plan, run
-from ._launch import f32, i32, launch, tokens_of
+from ._launch import f32, i32, i64, launch, tokens_of
 
 _FILE = "sinkhorn.cu"
 _THREADS = 64  # lanes per block of the forward / unrolled backward
@@ -54,7 +54,7 @@ def launch_fwd(n, tokens, iters, eps, logits, P, stream, h_pre_raw=None, h_post_
     """Sinkhorn forward (and optionally the pre-op sigmoids) for every token."""
     g = fwd_group(n)
     launch(_FILE, f"mhc_sinkhorn_knopp_fwd_kernel<{n},{g}>", (-(-tokens * g // _THREADS), 1, 1), (_THREADS, 1, 1),
-           (logits, P, h_pre_raw, h_post_raw, H_pre, H_post, tokens, i32(iters), f32(eps)), stream)
+           (logits, P, h_pre_raw, h_post_raw, H_pre, H_post, i64(tokens), i32(iters), f32(eps)), stream)
 
 
 def bwd_history(n: int, tokens: int, iters: int, grad_mode: str):
@@ -79,12 +79,12 @@ def launch_bwd(n, tokens, iters, eps, grad_mode, grad_P, logits, d_logits, scrat
     threads, smem, _ = bwd_history(n, tokens, iters, grad_mode)
     if grad_mode == "implicit":
         launch(_FILE, f"mhc_sinkhorn_knopp_implicit_bwd_kernel<{n}>", (-(-tokens // threads), 1, 1), (threads, 1, 1),
-               (grad_P, logits, d_logits, g_post, h_post_raw, d_post_raw, tokens, i32(iters), f32(eps)), stream)
+               (grad_P, logits, d_logits, g_post, h_post_raw, d_post_raw, i64(tokens), i32(iters), f32(eps)), stream)
         return
     g = bwd_group(n)
     launch(_FILE, f"mhc_sinkhorn_knopp_bwd_kernel<{n},{g}>", (-(-tokens * g // threads), 1, 1), (threads, 1, 1),
            (grad_P, logits, d_logits, scratch, i32(1 if smem else 0), g_post, h_post_raw, d_post_raw,
-            tokens, i32(iters), f32(eps)), stream, shared_mem=smem)
+            i64(tokens), i32(iters), f32(eps)), stream, shared_mem=smem)
 
 
 def _plan_fwd(infos, num_iters, eps):

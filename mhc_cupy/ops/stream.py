@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .. import _checks, reference
 from .._dispatch import Plan, run
-from ._launch import CTYPE, column_sum, grid_for, i32, launch, threads_for, tokens_of, vec_width
+from ._launch import CTYPE, column_sum, grid_for, i32, i64, launch, threads_for, tokens_of, vec_width
 
 _FILE = "stream_ops.cu"
 
@@ -66,7 +66,7 @@ def launch_post_fwd(dt, n, C, tokens, x, y, h_post, h_post_stride, h_res, out, s
     E = vec_width(n, C, [(p, dt) for p in (x, y, out) if p is not None])
     expr = f"mhc_post_op_fwd_kernel<{CTYPE[dt]},{n},{E},{_b(x is not None)},{_b(y is not None)}>"
     launch(_FILE, expr, grid_for(tokens), (threads_for(C, E), 1, 1),
-           (x, y, h_post, h_post_stride, h_res, out, tokens, i32(C)), stream)
+           (x, y, h_post, i64(h_post_stride), h_res, out, i64(tokens), i32(C)), stream)
 
 
 def launch_post_bwd(dt, tg, n, C, tokens, g, x, y, h_post, h_post_stride, h_res, dx, dy, d_post, d_res, stream):
@@ -75,19 +75,19 @@ def launch_post_bwd(dt, tg, n, C, tokens, g, x, y, h_post, h_post_stride, h_res,
     rb = dh_rows(n) if has_x else 1
     expr = f"mhc_post_op_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{n},{E},{rb},{_b(has_x)},{_b(has_y)}>"
     launch(_FILE, expr, grid_for(tokens), (threads_for(C, E), 1, 1),
-           (g, x, y, h_post, h_post_stride, h_res, dx, dy, d_post, d_res, tokens, i32(C)), stream)
+           (g, x, y, h_post, i64(h_post_stride), h_res, dx, dy, d_post, d_res, i64(tokens), i32(C)), stream)
 
 
 def launch_aggregate_fwd(dt, n, C, tokens, x, h, h_stride, out, stream):
     E = vec_width(n, C, [(x, dt), (out, dt)])
     launch(_FILE, f"mhc_stream_aggregate_fwd_kernel<{CTYPE[dt]},{n},{E}>", grid_for(tokens),
-           (threads_for(C, E), 1, 1), (x, h, h_stride, out, tokens, i32(C)), stream)
+           (threads_for(C, E), 1, 1), (x, h, i64(h_stride), out, i64(tokens), i32(C)), stream)
 
 
 def launch_aggregate_bwd(dt, tg, n, C, tokens, g, x, h, h_stride, dx, dh, stream, act=0, gh=None):
     E = vec_width(n, C, [(g, tg), (x, dt), (dx, dt)])  # g may be None (zero gradient)
     launch(_FILE, f"mhc_stream_aggregate_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{n},{E},{act}>", grid_for(tokens),
-           (threads_for(C, E), 1, 1), (g, x, h, h_stride, gh, dx, dh, tokens, i32(C)), stream)
+           (threads_for(C, E), 1, 1), (g, x, h, i64(h_stride), gh, dx, dh, i64(tokens), i32(C)), stream)
 
 
 # ------------------------------------------------------------------- mix

@@ -73,3 +73,104 @@ def test_misaligned_view_after_a_replay(rng):
     view = buf[1:].reshape(x.shape)  # 2-byte offset: contiguous, not 16-byte aligned
     view[...] = to_gpu(x)
     assert_close(m.stream_mix_fwd(view, to_gpu(M)), R.stream_mix_fwd(x, M), ACT_TOL[DT], "misaligned view")
+
+
+# ------------------------------------------------- dynamic shared memory above 48 KiB
+
+#: Weighted rmsnorm_bwd keeps the weight in C * 4 bytes of dynamic shared memory: the
+#: middle size used to lower the kernel's limit, and the third launch then failed with
+#: CUDA_ERROR_INVALID_VALUE (the same bf16 kernel for all three sizes).
+_SMEM_SEQUENCE = (20000, 16384, 20000)
+
+_SMEM_SCRIPT = r"""
+import sys
+import numpy as np
+sys.path.insert(0, sys.argv[2])
+from helpers import ACT_TOL, COEF_TOL, assert_close, rounded, to_gpu
+import mhc_cupy as m
+from mhc_cupy import _dispatch
+from mhc_cupy import reference as R
+
+mode, rng = sys.argv[1], np.random.default_rng(0)
+for call, C in enumerate(%r):
+    g, x = rounded(rng, (3, C), "bfloat16"), rounded(rng, (3, C), "bfloat16")
+    w = rng.standard_normal(C).astype(np.float32)
+    if mode == "planned":
+        _dispatch._fast.clear()  # every call plans and launches through _jit.launch
+        dx, dw = m.rmsnorm_bwd(to_gpu(g), to_gpu(x), 1e-5, to_gpu(w))
+    else:
+        import torch
+        t = lambda a: torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16).cuda() if a.dtype != np.float32 \
+            else torch.from_numpy(a).cuda()
+        dx, dw = m.rmsnorm_bwd(t(g), t(x), 1e-5, t(w))
+        dx, dw = dx.float().cpu().numpy(), dw.cpu().numpy()
+        if call == 2:  # the third call repeats the first one's key: it must have been replayed
+            entries = list(_dispatch._fast.values())
+            assert entries and all(e.replay is not None for e in entries), "no replay recorded"
+    rdx, rdw = R.rmsnorm_bwd(g, x, 1e-5, w)
+    assert_close(dx, rdx, ACT_TOL["bfloat16"], f"dx at C {C}")
+    assert_close(dw, rdw, COEF_TOL, f"d_weight at C {C}")
+print("OK")
+""" % (_SMEM_SEQUENCE,)
+
+
+def _run_smem_sequence(mode):
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([sys.executable, "-c", _SMEM_SCRIPT, mode, here], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr
+
+
+def test_shared_memory_after_a_smaller_size_functional():
+    """C 20000 -> 16384 -> 20000, each call planned (fresh process: no earlier launch
+    of this kernel has raised its limit)."""
+    _run_smem_sequence("planned")
+
+
+def test_shared_memory_after_a_smaller_size_replayed():
+    """The same with torch CUDA tensors: the third call takes the replayed fast path."""
+    pytest.importorskip("torch")
+    from .helpers import torch_cuda_ok
+
+    if not torch_cuda_ok():
+        pytest.skip("needs CUDA for both CuPy and torch")
+    _run_smem_sequence("torch")
+
+
+def test_shared_memory_sizes_from_many_threads(rng):
+    """Eight threads launch the weighted backward at eight sizes above 48 KiB in
+    different orders (planned and replayed calls mixed): every result is right."""
+    import threading
+
+    import cupy as cp
+
+    sizes = [12288 + 1024 * k for k in range(8)]
+    data = {}
+    for C in sizes:
+        g, x = rounded(rng, (3, C), DT), rounded(rng, (3, C), DT)
+        w = rng.standard_normal(C).astype(np.float32)
+        data[C] = ((to_gpu(g), to_gpu(x), to_gpu(w)), R.rmsnorm_bwd(g, x, 1e-5, w))
+    cp.cuda.Device().synchronize()  # the copies ran on the default stream; the workers use their own
+    errors = []
+
+    def worker(k):
+        try:
+            with cp.cuda.Stream(non_blocking=True) as s:
+                for C in (sizes[k:] + sizes[:k]) * 3:
+                    (g, x, w), ref = data[C]
+                    got = m.rmsnorm_bwd(g, x, 1e-5, w)
+                    s.synchronize()
+                    _check(f"thread {k}, C {C}", got, ref)
+        except Exception as e:  # noqa: BLE001 - reported below with the thread
+            errors.append(f"thread {k}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, "\n".join(errors)

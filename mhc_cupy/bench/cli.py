@@ -1,0 +1,233 @@
+"""Command line of ``python -m mhc_cupy.bench``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from . import __doc__ as _PACKAGE_DOC
+from . import block, cases, env, layer
+from .block import BLOCK_BATCH, BLOCK_CONFIGS, BLOCK_N, BLOCK_SEQ
+from .layer import LAYER_BASELINES, LAYER_SHAPES, SUBLAYERS
+from .report import format_report, merge_results, merged_from, write_json, write_outputs
+from .specs import BASELINES, DEFAULT_OPS, DTYPE_ALIASES, SPECS
+
+QUICK = {"tokens": "32768", "C": "2560", "n": "4", "reps": 10, "warmup": 3}
+DEFAULT_EXTRA = "16384x4096x8"
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise SystemExit(f"{flag}: expected positive integers, got {text!r}")
+    return vals
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m mhc_cupy.bench", description=_PACKAGE_DOC,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ops", default=",".join(DEFAULT_OPS), help="comma-separated ops (default: all)")
+    ap.add_argument("--tokens", default=None, help="comma-separated token counts (default 4096,16384,32768)")
+    ap.add_argument("--C", default=None, help="comma-separated hidden sizes (default 2560,4096,7168)")
+    ap.add_argument("--n", default=None, help="comma-separated stream counts (default 4)")
+    ap.add_argument("--extra-shapes", default=None,
+                    help=f"extra TxCxn shapes, comma-separated (default {DEFAULT_EXTRA}; '' for none; "
+                         f"none with --quick)")
+    ap.add_argument("--dtype", default="bfloat16", help="activation dtype: bfloat16, float16 or float32")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement (median; default 30)")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up calls before capture (default 5)")
+    ap.add_argument("--min-calls", type=int, default=None,
+                    help="at least this many calls per timed sample (default 10; 4 with --layer / --block)")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"one shape ({QUICK['tokens']}x{QUICK['C']}x{QUICK['n']}), {QUICK['reps']} reps")
+    ap.add_argument("--baselines", default=None,
+                    help="comma-separated: torch, torch.compile, jax.jit (default: all three); with --layer also "
+                         "transformer_engine (default: all four); with --block only torch.compile counts "
+                         "(default: it)")
+    ap.add_argument("--no-baselines", action="store_true", help="time mhc_cupy only")
+    ap.add_argument("--no-host", action="store_true", help="skip the host-overhead measurements")
+    ap.add_argument("--check-tol", type=float, default=1e-2,
+                    help="warn when a baseline differs from mhc_cupy by more than this (relative L2)")
+    ap.add_argument("--out", default="bench_out", help="output directory (bench.json, bench.txt, bench.png)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                    help="no GPU needed: merge saved bench.json files and write the report, JSON and plot to --out")
+    mode = ap.add_argument_group("layer and block modes (benchmarks/README.md)")
+    one = mode.add_mutually_exclusive_group()
+    one.add_argument("--layer", action="store_true",
+                     help="the whole mHC layer, fwd and fwd+bwd, against torch / torch.compile of MHCReference, "
+                          "jax.jit of plain jnp and TransformerEngine (writes layer.json, layer.md)")
+    one.add_argument("--block", action="store_true",
+                     help="a pre-norm transformer block, plain residual vs mHC, fwd+bwd (writes block.json, block.md)")
+    mode.add_argument("--shapes", default=None,
+                      help="--layer: TxCxn shapes, comma-separated (default "
+                           + ",".join("x".join(map(str, s)) for s in LAYER_SHAPES) + ")")
+    mode.add_argument("--sublayers", default=",".join(SUBLAYERS), help="--layer: identity, tanh (default: both)")
+    mode.add_argument("--fused", default="both", choices=("both", "true", "false", "default"),
+                      help="MHC(..., fused=...) variants to time when MHC takes that keyword (default: both)")
+    mode.add_argument("--graph", action="store_true",
+                      help="--layer / --block: capture the PyTorch calls into a CUDA graph (default: eager calls)")
+    mode.add_argument("--block-configs", default=None,
+                      help="--block: C:heads:ffn, comma-separated (default "
+                           + ",".join(":".join(map(str, c)) for c in BLOCK_CONFIGS) + ")")
+    mode.add_argument("--batch", type=int, default=BLOCK_BATCH, help=f"--block: batch (default {BLOCK_BATCH})")
+    mode.add_argument("--seq", type=int, default=BLOCK_SEQ, help=f"--block: sequence length (default {BLOCK_SEQ})")
+    mode.add_argument("--streams", type=int, default=BLOCK_N, help=f"--block: mHC streams n (default {BLOCK_N})")
+    return ap
+
+
+_BASELINE_ALIASES = {"torch": "torch", "eager": "torch", "torch.compile": "torch.compile", "compile": "torch.compile",
+                     "inductor": "torch.compile", "jax": "jax.jit", "jax.jit": "jax.jit",
+                     "te": "transformer_engine", "transformer_engine": "transformer_engine"}
+_MODE_BASELINES = {"ops": BASELINES, "layer": LAYER_BASELINES, "block": ("torch.compile",)}
+
+
+def _shape_list(text: str, flag: str, ap, form: str = "TxCxn") -> list[tuple]:
+    """'AxBxC,...' (``form`` "TxCxn") or 'A:B:C,...' (``form`` "C:heads:ffn") -> [(A, B, C), ...]."""
+    sep = ":" if ":" in form else "x"
+    out = []
+    for item in (e.strip() for e in text.split(",") if e.strip()):
+        try:
+            vals = tuple(int(v) for v in item.lower().split(sep))
+        except ValueError:
+            vals = ()
+        if len(vals) != 3 or any(v <= 0 for v in vals):
+            ap.error(f"{flag}: expected {form} of positive integers, got {item!r}")
+        out.append(vals)
+    if not out:
+        ap.error(f"{flag}: no entries in {text!r}")
+    return out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse and resolve: adds ``mode`` ("ops", "layer" or "block"), ``shapes`` [(T, C, n)] (the op grid,
+    or the layer shapes with --layer), ``ops``, ``baselines`` (of the mode), ``sublayers``,
+    ``block_configs`` [(C, heads, ffn)], ``sizes_given`` and ``argv``."""
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    bad = [o for o in ops if o not in SPECS]
+    if bad or not ops:
+        ap.error(f"--ops: unknown {bad}; choose from {', '.join(SPECS)}")
+    args.ops = ops
+    dt = DTYPE_ALIASES.get(args.dtype.lower())
+    if dt is None:
+        ap.error(f"--dtype: expected bfloat16, float16 or float32, got {args.dtype!r}")
+    args.dtype = dt
+    args.mode = "layer" if args.layer else "block" if args.block else "ops"
+    allowed = _MODE_BASELINES[args.mode]
+    if args.no_baselines:
+        args.baselines = []
+    elif args.baselines is None:
+        args.baselines = list(allowed)
+    else:
+        names = [b.strip() for b in args.baselines.split(",") if b.strip()]
+        bad = [b for b in names if b not in _BASELINE_ALIASES]
+        if bad:
+            ap.error(f"--baselines: unknown {bad}; choose from {', '.join(allowed)}")
+        args.baselines = [b for b in allowed if b in {_BASELINE_ALIASES[x] for x in names}]
+    args.sizes_given = args.shapes is not None or args.block_configs is not None
+    args.layer_shapes = _shape_list(args.shapes, "--shapes", ap) if args.shapes is not None else list(LAYER_SHAPES)
+    args.sublayers = [s.strip() for s in args.sublayers.split(",") if s.strip()]
+    if not args.sublayers or any(s not in SUBLAYERS for s in args.sublayers):
+        ap.error(f"--sublayers: choose from {', '.join(SUBLAYERS)}, got {args.sublayers}")
+    args.block_configs = (list(BLOCK_CONFIGS) if args.block_configs is None
+                          else _shape_list(args.block_configs, "--block-configs", ap, "C:heads:ffn"))
+    if min(args.batch, args.seq, args.streams) < 1:
+        ap.error("--batch, --seq and --streams must be >= 1")
+    q = args.quick
+    tokens = _ints(args.tokens or (QUICK["tokens"] if q else "4096,16384,32768"), "--tokens")
+    Cs = _ints(args.C or (QUICK["C"] if q else "2560,4096,7168"), "--C")
+    ns = _ints(args.n or (QUICK["n"] if q else "4"), "--n")
+    big = args.mode != "ops"  # layer and block calls take milliseconds: fewer samples
+    args.reps = args.reps if args.reps is not None else (QUICK["reps"] if q else 20 if big else 30)
+    args.warmup = args.warmup if args.warmup is not None else (QUICK["warmup"] if q else 3 if big else 5)
+    args.min_calls = args.min_calls if args.min_calls is not None else (4 if big else 10)
+    if args.reps < 1 or args.warmup < 0 or args.min_calls < 1:
+        ap.error("--reps and --min-calls must be >= 1, --warmup >= 0")
+    shapes = [(T, C, n) for n in ns for T in tokens for C in Cs]
+    extra = args.extra_shapes if args.extra_shapes is not None else ("" if q else DEFAULT_EXTRA)
+    for T, C, n in (_shape_list(extra, "--extra-shapes", ap) if extra.strip() else []):
+        if (T, C, n) not in shapes:
+            shapes.append((T, C, n))
+    args.shapes = args.layer_shapes if args.mode == "layer" else shapes
+    return args
+
+
+def main(argv=None) -> int:
+    cfg = parse_args(argv)
+    if cfg.merge:
+        try:
+            results = [json.loads(Path(p).read_text()) for p in cfg.merge]
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"python -m mhc_cupy.bench --merge: cannot read {e}", file=sys.stderr)
+            return 2
+        if cfg.mode != "ops":
+            return _write_mode(cfg, merge_mode_results(results, cfg.mode))
+        result = merge_results(results)
+    elif cfg.mode != "ops":
+        return _run_mode(cfg)
+    else:
+        why = env.gpu_problem()
+        if why:
+            print(f"python -m mhc_cupy.bench needs a CUDA GPU: {why}.\n"
+                  f"(Saved results can be re-rendered without one: --merge bench.json --out DIR.)", file=sys.stderr)
+            return 2
+        # JAX would otherwise take 75% of the GPU at its first use, starving CuPy and PyTorch.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        result = cases.run_benchmarks(cfg)
+    paths = write_outputs(result, cfg.out)
+    print(format_report(result))
+    print(f"\nwritten: {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def _run_mode(cfg) -> int:
+    """``--layer`` / ``--block``: run, write ``<mode>.json`` and ``<mode>.md``, print the report."""
+    why = env._torch_status()
+    if why and (not cfg.sizes_given or "not importable" in why):
+        print(f"python -m mhc_cupy.bench --{cfg.mode} needs a CUDA GPU for its default sizes: {why}.\n"
+              f"(Give {'--shapes' if cfg.mode == 'layer' else '--block-configs'} with tiny sizes to run it on the CPU "
+              f"with wall-clock timing.)", file=sys.stderr)
+        return 2
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    return _write_mode(cfg, layer.run_layer(cfg) if cfg.mode == "layer" else block.run_block(cfg))
+
+
+#: Per mode: the fields that name a result row (a later file's row replaces an earlier one's).
+_ROW_KEYS = {"layer": ("sublayer", "tokens", "C", "n", "dtype"),
+             "block": ("C", "heads", "ffn", "batch", "seq", "n", "dtype")}
+
+
+def merge_mode_results(results: list[dict], mode: str) -> dict:
+    """Combine saved ``layer.json`` (or ``block.json``) results: rows of later files replace rows
+    with the same shape (``_ROW_KEYS``); targets re-evaluated; ``meta.merged_from`` lists the runs."""
+    merged = json.loads(json.dumps(results[0]))
+    rows = {}
+    for res in results:
+        for r in res.get("results", []):
+            rows[tuple(r.get(k) for k in _ROW_KEYS[mode])] = r
+    merged["results"] = list(rows.values())
+    merged["skipped"] = sorted({s for res in results for s in res.get("skipped", [])})
+    merged["meta"]["merged_from"] = merged_from(results)
+    evaluate = layer.evaluate_layer_targets if mode == "layer" else block.evaluate_block_targets
+    merged["targets"] = evaluate(merged)
+    return merged
+
+
+def _write_mode(cfg, result: dict) -> int:
+    """Write ``<mode>.json`` and ``<mode>.md`` to ``cfg.out`` and print the report."""
+    text = (layer.format_layer_report if cfg.mode == "layer" else block.format_block_report)(result)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(result, out / f"{cfg.mode}.json")
+    (out / f"{cfg.mode}.md").write_text(text + "\n")
+    print(text)
+    print(f"\nwritten: {out / (cfg.mode + '.json')}, {out / (cfg.mode + '.md')}")
+    return 0

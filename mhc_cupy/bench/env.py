@@ -1,0 +1,124 @@
+"""Probes of the environment (GPU, PyTorch, JAX, device, versions) and run helpers."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+
+def _import(module: str, label: str):
+    """(the module, None) when ``module`` imports, else (None, why not)."""
+    try:
+        return importlib.import_module(module), None
+    except Exception as e:  # noqa: BLE001
+        return None, f"{label} is not importable ({type(e).__name__}: {e})"
+
+
+def _import_status(module: str) -> str | None:
+    """None when ``module`` imports, else why not."""
+    return _import(module, module)[1]
+
+
+def gpu_problem() -> str | None:
+    """Why the GPU benchmarks cannot run here, or None."""
+    cupy, why = _import("cupy", "CuPy")
+    if why:
+        return why
+    try:
+        if not cupy.cuda.is_available():
+            return "no CUDA GPU is visible (cupy.cuda.is_available() is False)"
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # noqa: BLE001
+        return f"the CUDA runtime failed ({type(e).__name__}: {e})"
+    return None
+
+
+def _torch_status() -> str | None:
+    """None when PyTorch with a CUDA device is usable, else why not."""
+    torch, why = _import("torch", "PyTorch")
+    if why:
+        return why
+    if not torch.cuda.is_available():
+        return f"PyTorch {torch.__version__} sees no CUDA device"
+    return None
+
+
+def _jax_status() -> str | None:
+    """None when JAX with a GPU backend is usable, else why not."""
+    jax, why = _import("jax", "JAX")
+    if why:
+        return why
+    try:
+        jax.devices("gpu")
+    except Exception as e:  # noqa: BLE001
+        return f"JAX {jax.__version__} has no GPU backend ({type(e).__name__}: {str(e)[:160]})"
+    return None
+
+
+def _device_meta() -> dict:
+    import cupy as cp
+
+    d = cp.cuda.Device()
+    p = cp.cuda.runtime.getDeviceProperties(d.id)
+    name = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
+    l2 = p.get("l2CacheSize")
+    if not l2:
+        try:
+            l2 = d.attributes["L2CacheSize"]
+        except Exception:  # noqa: BLE001
+            l2 = None
+    meta = {"name": name, "ordinal": d.id, "sm": f"{p['major']}{p['minor']}",
+            "multiprocessors": p.get("multiProcessorCount"), "memory_bytes": p.get("totalGlobalMem"),
+            "l2_bytes": l2}
+    clock, width = p.get("memoryClockRate"), p.get("memoryBusWidth")
+    if clock and width:  # kHz, bits; DDR: 2 transfers per clock
+        meta["datasheet_style_peak_GBps"] = 2 * clock * 1e3 * width / 8 / 1e9
+    return meta
+
+
+def _versions() -> dict:
+    from ..__main__ import info
+
+    v = dict(info())
+    for mod in ("jaxlib", "triton", "matplotlib"):
+        try:
+            v[mod] = __import__(mod).__version__
+        except Exception as e:  # noqa: BLE001
+            v[mod] = f"not available ({type(e).__name__})"
+    try:
+        import torch
+
+        v["torch CUDA"] = str(torch.version.cuda)
+    except Exception:  # noqa: BLE001
+        pass
+    return v
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _sync() -> None:
+    import cupy as cp
+
+    cp.cuda.Device().synchronize()
+
+
+def _free_gpu_memory() -> None:
+    import gc
+
+    gc.collect()
+    if gpu_problem() is None:  # the layer and block modes also run without a GPU
+        import cupy as cp
+
+        cp.get_default_memory_pool().free_all_blocks()
+    if "torch" in sys.modules:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _error(e: BaseException) -> dict:
+    return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+

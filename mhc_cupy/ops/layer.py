@@ -1,0 +1,222 @@
+"""The whole mHC layer in three fused pieces (OPS.md section 9): the coefficient path
+and the pre op in one forward, the post op's backward without dx, and one backward
+for everything before the sublayer that writes the layer's dx once.
+
+    layer_in, H_pre, H_post, H_res, stats = mhc_layer_pre_fwd(x, phi, alpha, bias)
+    y   = F(layer_in)                                  # the sublayer, any framework
+    out = mhc_post_op_fwd(y, x, H_post, H_res)         # OPS.md section 6
+    --- backward, g = d loss / d out ---
+    dy, dH_post, dH_res = mhc_layer_post_bwd(g, y, x, H_post, H_res)
+    g_layer_in = F's backward of dy
+    dx, dphi, dalpha, dbias = mhc_layer_pre_bwd(g_layer_in, g, dH_post, dH_res, x, phi, alpha, bias,
+                                                stats, H_pre, H_res)
+
+dx is the sum of the three paths into x (the coefficients, the pre op's
+aggregate and the post op's stream mix: dx_i = dH phi^T - c x_i + H_pre_i g_layer_in
++ sum_j H_res[j, i] g_j), accumulated in float32 and rounded once.  The forward
+keeps ``stats`` (raw x~ phi and the sum of squares, float32 [..., n*n + 2n + 1])
+so the backward does not redo the GEMM.  kernels_cu/coeffs.cu (tensor-core path)
+and the pre / post op kernels.
+"""
+
+from __future__ import annotations
+
+
+from .. import _checks, reference
+from .._dispatch import Plan, run
+from ._launch import MAX_GRID, column_sum, f32, i32, i64, launch, tokens_of
+from .coeffs import (_FILE, _NT, _WARPS, _MMA_BWD_MAX_K, _check as _check_coeffs, _cdiv, _zero, launch_mma_bwd,
+                     launch_mma_gemm, mma_bwd, mma_layout, padded_row)
+from .sinkhorn import bwd_history, launch_bwd, launch_fwd
+from .stream import check_grad, check_h, check_matrix, launch_aggregate_bwd, launch_aggregate_fwd, launch_post_bwd
+from .post import _check as _check_post
+
+
+def _check_common(infos, num_iters, eps, rms_eps):
+    dt, lead, n, C, D, K, tokens, rms_eps = _check_coeffs(infos, rms_eps, False)
+    return dt, lead, n, C, D, K, tokens, _checks.num_iters(num_iters), _checks.eps("eps", eps), rms_eps
+
+
+def _gpu_n(n: int, what: str) -> None:
+    if n * n + 2 * n > _MMA_BWD_MAX_K:
+        raise ValueError(f"x has n = {n} streams; {what} on the GPU supports n <= 4 (the tensor-core backward); "
+                         "use mhc_coeffs / mhc_pre_op / mhc_post_op for larger n")
+
+
+# ------------------------------------------------------------------ forward
+def _plan_pre_fwd(infos, num_iters, eps, rms_eps):
+    dt, lead, n, C, D, K, tokens, iters, eps, rms_eps = _check_common(infos, num_iters, eps, rms_eps)
+    mma = mma_layout(tokens, D, K)
+    scratch = [((mma.splits, tokens, K + 1), "float32"), mma.planes_shape,
+               ((tokens, n), "float32"), ((tokens, n), "float32"), ((tokens, n, n), "float32")]
+
+    def run_kernels(p, outs, s, stream):
+        layer_in, H_pre, H_post, H_res, stats = outs
+        part, planes, h_pre, h_post, h_res = s
+        launch_mma_gemm(dt, D, K, tokens, p["x"], p["phi"], part, planes, mma, stream)
+        launch(_FILE, "mhc_coeffs_fwd_finish_kernel", (min(_cdiv(tokens * K, _NT), MAX_GRID), 1, 1), (_NT, 1, 1),
+               (part, p["alpha"], p["bias"], h_pre, h_post, h_res, stats, i64(tokens), i32(D), i32(n), i32(K),
+                i32(mma.splits), f32(rms_eps)), stream)
+        launch_fwd(n, tokens, iters, eps, h_res, H_res, stream, h_pre, h_post, H_pre, H_post)
+        launch_aggregate_fwd(dt, n, C, tokens, p["x"], H_pre, n, layer_in, stream)
+
+    return Plan([(lead + (C,), dt), (lead + (n,), "float32"), (lead + (n,), "float32"), (lead + (n, n), "float32"),
+                 (lead + (K + 1,), "float32")], run_kernels,
+                lambda a: reference.mhc_layer_pre_fwd(a["x"], a["phi"], a["alpha"], a["bias"], iters, eps, rms_eps),
+                scratch=scratch, empty=tokens == 0)
+
+
+def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=20, eps=1e-8, rms_eps=1e-5):
+    """Coefficients, activations and layer input of an mHC layer in one call (OPS.md sections 7-9).
+
+    mhc_coeffs_fwd (paper Eqs. 14-18) followed by mhc_pre_op_fwd (Eq. 8): the
+    coefficient GEMM runs on tensor cores, float32-accurate (OPS.md section 8).
+
+    Args:
+        x: [..., n, C] activations (bfloat16 / float16 / float32), 1 <= n <= 32, C >= 1.
+        phi: float32 [n*C, n*n + 2n] (columns pre | post | res);  alpha: float32 [3];
+        bias: float32 [n*n + 2n].
+        num_iters: Sinkhorn iterations (default 20);  eps: Sinkhorn eps (default 1e-8);
+        rms_eps: eps of r = sqrt(mean(x~^2) + rms_eps) (default 1e-5).
+
+    Returns:
+        (layer_in [..., C] dtype of x, H_pre float32 [..., n], H_post float32 [..., n],
+        H_res float32 [..., n, n], stats float32 [..., n*n + 2n + 1]): stats holds each
+        token's raw x~ phi and sum of squares, for :func:`mhc_layer_pre_bwd`.
+
+    Raises:
+        TypeError / ValueError: as mhc_coeffs_fwd and mhc_pre_op_fwd.
+    """
+    return run(_plan_pre_fwd, {"x": x, "phi": phi, "alpha": alpha, "bias": bias}, num_iters=num_iters, eps=eps,
+               rms_eps=rms_eps)
+
+
+# ---------------------------------------------------------- post backward
+def _plan_post_bwd(infos):
+    dt, lead, n, C, tokens = _check_post(infos)
+    tg = check_grad("grad", infos["grad"], infos["x"].shape, dt)
+
+    def run_kernels(p, outs, scratch, stream):
+        dy, d_post, d_res = outs
+        launch_post_bwd(dt, tg, n, C, tokens, p["grad"], p["x"], p["layer_out"], p["H_post"], n, p["H_res"],
+                        None, dy, d_post, d_res, stream)
+
+    def ref(a):
+        dy, _, d_post, d_res = reference.mhc_post_op_bwd(a["grad"], a["layer_out"], a["x"], a["H_post"], a["H_res"])
+        return dy, d_post, d_res
+
+    return Plan([(infos["layer_out"].shape, dt), (infos["H_post"].shape, "float32"), (infos["H_res"].shape, "float32")],
+                run_kernels, ref, empty=tokens == 0)
+
+
+def mhc_layer_post_bwd(grad, layer_out, x, H_post, H_res):
+    """mhc_post_op_bwd without dx (OPS.md sections 6, 9): (d_layer_out, dH_post, dH_res).
+
+    The post op's dx (sum_i H_res_ij g_i) is added by :func:`mhc_layer_pre_bwd`,
+    which receives ``grad`` too, so the layer's dx is written and rounded once.
+
+    Args:
+        grad: [..., n, C], dtype of x or float32.  layer_out, x, H_post, H_res: as mhc_post_op_fwd.
+
+    Returns:
+        (d_layer_out [..., C] dtype of x, dH_post float32 [..., n], dH_res float32 [..., n, n]).
+    """
+    return run(_plan_post_bwd, {"grad": grad, "layer_out": layer_out, "x": x, "H_post": H_post, "H_res": H_res})
+
+
+# ----------------------------------------------------------- pre backward
+def _plan_pre_bwd(infos, num_iters, eps, rms_eps, grad_mode):
+    dt, lead, n, C, D, K, tokens, iters, eps, rms_eps = _check_common(infos, num_iters, eps, rms_eps)
+    mode = _checks.grad_mode(grad_mode)
+    tgs = []
+    for name, shape in (("grad_layer_in", lead + (C,)), ("grad_out", lead + (n, C))):
+        if infos[name] is not None:
+            tgs.append((name, check_grad(name, infos[name], shape, dt)))
+    if len({tg for _, tg in tgs}) > 1:
+        raise TypeError(f"grad_layer_in is {tgs[0][1]} and grad_out is {tgs[1][1]}; mhc_layer_pre_bwd needs both "
+                        "in one dtype (the activation dtype or float32)")
+    tg = tgs[0][1] if tgs else dt
+    for name, shape in (("grad_H_post", lead + (n,)), ("grad_H_res", lead + (n, n)), ("stats", lead + (K + 1,)),
+                        ("H_pre", lead + (n,)), ("H_res", lead + (n, n))):
+        if infos[name] is not None or name in ("stats", "H_pre", "H_res"):
+            _checks.coefficient(name, infos[name])
+            _checks.expect_shape(name, infos[name].shape, shape, "the shape mhc_layer_pre_fwd / the post op gave")
+    if infos["x"].device[0] != "cpu":
+        _gpu_n(n, "mhc_layer_pre_bwd")
+    KP = padded_row(K)
+    tc = mma_bwd(tokens, n, C, K)
+    hist = bwd_history(n, tokens, iters, mode)[2] if infos["grad_H_res"] is not None else 0
+    named = [("h_pre", ((tokens, n), "float32")), ("h_post", ((tokens, n), "float32")),
+             ("h_res", ((tokens, n, n), "float32")), ("dh_pre", ((tokens, n), "float32")),
+             ("dh_post", ((tokens, n), "float32")), ("dh_res", ((tokens, n, n), "float32")),
+             ("dH", ((tokens, KP), "float32")), ("qa", ((tokens, 3), "float32"))] + tc.scratch()
+    if hist:
+        named.append(("hist", ((hist,), "float32")))
+    names = [name for name, _ in named]
+    outputs = [(infos["x"].shape, dt), ((D, K), "float32"), ((3,), "float32"), ((K,), "float32")]
+
+    def run_kernels(p, outs, s, stream):
+        dx, dphi, dalpha, dbias = outs
+        if tokens == 0:
+            for ptr, count in ((dphi, D * K), (dalpha, 3), (dbias, K)):
+                _zero(ptr, count, stream)
+            return
+        sc = dict(zip(names, s))
+        stats = p["stats"]
+        # raw coefficients from the saved sums (no second GEMM)
+        launch(_FILE, "mhc_coeffs_fwd_finish_kernel", (min(_cdiv(tokens * K, _NT), MAX_GRID), 1, 1), (_NT, 1, 1),
+               (stats, p["alpha"], p["bias"], sc["h_pre"], sc["h_post"], sc["h_res"], None, i64(tokens), i32(D), i32(n),
+                i32(K), i32(1), f32(rms_eps)), stream)
+        # Sinkhorn and H_post activation backward (null incoming gradients read as zero)
+        launch_bwd(n, tokens, iters, eps, mode, p["grad_H_res"], sc["h_res"], sc["dh_res"], sc.get("hist"), stream,
+                   p["grad_H_post"], sc["h_post"], sc["dh_post"])
+        # dh_pre_raw = (sum_c g_c x_ic) H_pre (1 - H_pre); no dx here
+        launch_aggregate_bwd(dt, tg, n, C, tokens, p["grad_layer_in"], p["x"], sc["h_pre"], n, None, sc["dh_pre"],
+                             stream, act=1)
+        warps_grid = min(_cdiv(tokens, _WARPS), MAX_GRID)
+        launch(_FILE, "mhc_coeffs_bwd_prep_kernel", (warps_grid, 1, 1), (_NT, 1, 1),
+               (stats, sc["dh_pre"], sc["dh_post"], sc["dh_res"], p["alpha"], sc["dH"], sc["qa"], i64(tokens), i32(D),
+                i32(n), i32(K), i32(KP), i32(1), f32(rms_eps)), stream)
+        column_sum(sc["qa"], dalpha, tokens, 3, stream)
+        for name, offset, cols in (("dh_pre", 0, n), ("dh_post", n, n), ("dh_res", 2 * n, n * n)):
+            column_sum(sc[name], dbias + 4 * offset, tokens, cols, stream)
+        launch_mma_bwd(tc, dt, p["x"], p["phi"], sc["dH"], KP, dx, dphi, sc, stream, tg=tg, g=p["grad_out"],
+                       g_li=p["grad_layer_in"], H_pre=p["H_pre"], H_res=p["H_res"])
+
+    def ref(a):
+        return reference.mhc_layer_pre_bwd(a["grad_layer_in"], a["grad_out"], a["grad_H_post"], a["grad_H_res"],
+                                           a["x"], a["phi"], a["alpha"], a["bias"], a["stats"], a["H_pre"], a["H_res"],
+                                           iters, eps, rms_eps, mode)
+
+    return Plan(outputs, run_kernels, ref, scratch=[spec for _, spec in named], empty=False)
+
+
+def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats, H_pre, H_res,
+                      num_iters=20, eps=1e-8, rms_eps=1e-5, grad_mode="unrolled"):
+    """Gradient of everything before the sublayer, with the post op's dx folded in (OPS.md section 9).
+
+    dx_i = H_pre_i g_layer_in + sum_j H_res[j, i] grad_out_j + (coefficient path's dx_i),
+    summed in float32 and rounded once; dphi, dalpha, dbias as mhc_coeffs_bwd, of the
+    raw-coefficient gradients that mhc_pre_op_bwd gives for (grad_layer_in, grad_H_post,
+    grad_H_res).  Sums over tokens have a fixed order (no atomics).
+
+    Args:
+        grad_layer_in: [..., C] gradient of layer_in (the sublayer's input gradient), or None.
+        grad_out: [..., n, C] gradient of the layer's output (what mhc_layer_post_bwd got), or None;
+            same dtype as grad_layer_in (the activation dtype or float32).
+        grad_H_post, grad_H_res: float32 [..., n], [..., n, n] from mhc_layer_post_bwd, or None.
+        x, phi, alpha, bias, num_iters, eps, rms_eps: as given to mhc_layer_pre_fwd.
+        stats, H_pre, H_res: its outputs.
+        grad_mode: Sinkhorn gradient, "unrolled" (default) or "implicit".
+
+    Returns:
+        (dx [..., n, C] dtype of x, dphi float32 [n*C, n*n + 2n], dalpha float32 [3],
+        dbias float32 [n*n + 2n]).
+
+    Raises:
+        TypeError / ValueError: bad dtypes or shapes; on the GPU, n > 4 (use the unfused ops).
+    """
+    return run(_plan_pre_bwd, {"grad_layer_in": grad_layer_in, "grad_out": grad_out, "grad_H_post": grad_H_post,
+                               "grad_H_res": grad_H_res, "x": x, "phi": phi, "alpha": alpha, "bias": bias,
+                               "stats": stats, "H_pre": H_pre, "H_res": H_res},
+               num_iters=num_iters, eps=eps, rms_eps=rms_eps, grad_mode=grad_mode)

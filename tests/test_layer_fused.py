@@ -1,0 +1,205 @@
+"""The fused layer pieces (OPS.md section 9): ``mhc_layer_pre_fwd`` / ``mhc_layer_post_bwd`` /
+``mhc_layer_pre_bwd`` and their torch wrappers ``mhc_layer_pre`` / ``mhc_layer_post``.
+
+* CPU: the functional pieces (NumPy reference) against float64 torch autograd of the plain
+  torch layer ``mhc_reference`` with a tanh sublayer, on random data of realistic scale
+  (logits of scale ~1), odd token counts and C, n = 1..5; the torch wrappers give the same
+  gradients when x is also used outside the layer and when only part of the output is used;
+  double backward raises.
+* GPU (marked ``gpu``): the kernels (tensor-core GEMM and backward, pre / post kernels)
+  against the float64 reference, every activation dtype, n = 1..4, NaN-poisoned outputs,
+  bitwise-repeatable results; tolerances from tests/gpu/helpers.py (ACT_TOL: one rounding
+  of an activation output; COEF_TOL: float32 sums) on the scale of the terms summed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import mhc_cupy as m
+import mhc_cupy.torch as mt
+from mhc_cupy import reference as R
+from mhc_cupy.layers import mhc_reference
+
+CASES = [((1,), 1, 7), ((3,), 2, 33), ((127,), 4, 64), ((2, 5), 3, 16), ((9,), 5, 12)]
+
+
+def _params(rng, n, C, dtype=np.float32):
+    K = n * n + 2 * n
+    phi = (rng.standard_normal((n * C, K)) / np.sqrt(n * C)).astype(dtype)
+    alpha = np.array([0.7, 1.3, 1.1], dtype)
+    bias = (0.5 * rng.standard_normal(K)).astype(dtype)
+    return phi, alpha, bias
+
+
+def _torch_reference(x, phi, alpha, bias, g, num_iters=20, eps=1e-8, rms_eps=1e-5):
+    """out and (dx, dphi, dalpha, dbias) of the tanh layer by float64 torch autograd."""
+    ts = [torch.tensor(np.asarray(v, np.float64), requires_grad=True) for v in (x, phi, alpha, bias)]
+    out = mhc_reference(*ts, torch.tanh, num_iters, eps, rms_eps)
+    out.backward(torch.tensor(np.asarray(g, np.float64)))
+    return out.detach().numpy(), [t.grad.numpy() for t in ts]
+
+
+def _functional_layer(x, phi, alpha, bias, g):
+    layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(x, phi, alpha, bias)
+    y = np.tanh(np.asarray(layer_in, np.float64)).astype(x.dtype)
+    out = m.mhc_post_op_fwd(y, x, H_post, H_res)
+    dy, dH_post, dH_res = m.mhc_layer_post_bwd(g, y, x, H_post, H_res)
+    g_li = (np.asarray(dy, np.float64) * (1 - np.asarray(y, np.float64) ** 2)).astype(x.dtype)
+    grads = m.mhc_layer_pre_bwd(g_li, g, dH_post, dH_res, x, phi, alpha, bias, stats, H_pre, H_res)
+    return out, grads, stats
+
+
+@pytest.mark.parametrize("lead,n,C", CASES)
+def test_functional_pieces_match_autograd(rng, lead, n, C):
+    x = rng.standard_normal(lead + (n, C)).astype(np.float32)
+    phi, alpha, bias = _params(rng, n, C)
+    g = rng.standard_normal(lead + (n, C)).astype(np.float32)
+    out, grads, stats = _functional_layer(x, phi, alpha, bias, g)
+    out_ref, grads_ref = _torch_reference(x, phi, alpha, bias, g)
+    np.testing.assert_allclose(out, out_ref, rtol=1e-5, atol=1e-5)
+    for got, ref, name in zip(grads, grads_ref, ("dx", "dphi", "dalpha", "dbias")):
+        assert got.shape == ref.shape, name
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * (np.abs(ref).max() + 1), err_msg=name)
+    xt = x.reshape(lead + (n * C,)).astype(np.float64)
+    np.testing.assert_allclose(stats[..., :-1], xt @ phi.astype(np.float64), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stats[..., -1], (xt**2).sum(-1), rtol=1e-5)
+
+
+def _layer_torch(n, C, seed=0):
+    torch.manual_seed(seed)
+    layer = mt.MHC(C, n, torch.nn.Tanh(), alpha_init=1.0)
+    with torch.no_grad():
+        layer.bias.add_(torch.randn_like(layer.bias))
+    return layer
+
+
+def _ref(layer, v):
+    """The layer in float64 plain torch (parameters as float64 leaves of their own)."""
+    p64 = [q.detach().double().requires_grad_() for q in (layer.phi, layer.alpha, layer.bias)]
+    return mhc_reference(v, *p64, torch.tanh, layer.num_iters, layer.eps, layer.rms_eps), p64
+
+
+def _close(a, b, name):
+    b = b.to(a.dtype)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max() + 1), msg=name)
+
+
+def test_torch_fused_layer_x_used_elsewhere_and_partial_output():
+    """The g handed along x_link must not disturb x's other gradients."""
+    n, C = 3, 10
+    layer = _layer_torch(n, C)
+    assert layer.fused(torch.zeros(1, n, C))
+    x = torch.randn(4, 5, n, C, requires_grad=True)
+    xr = x.detach().double().requires_grad_()
+
+    def loss(out, x):
+        return (out[..., 1:, :] ** 2).sum() + (x**3).sum() + out[..., 0, :].sin().sum()
+
+    loss(layer(x), x).backward()
+    out_ref, p64 = _ref(layer, xr)
+    grads_ref = torch.autograd.grad(loss(out_ref, xr), (xr, *p64))
+    got = (x.grad, layer.phi.grad, layer.alpha.grad, layer.bias.grad)
+    for a, b, name in zip(got, grads_ref, ("dx", "dphi", "dalpha", "dbias")):
+        _close(a, b, name)
+
+
+def test_torch_fused_layer_two_layers_in_sequence():
+    n, C = 2, 6
+    l1, l2 = _layer_torch(n, C, 1), _layer_torch(n, C, 2)
+    x = torch.randn(7, n, C, requires_grad=True)
+    xr = x.detach().double().requires_grad_()
+    l2(l1(x)).square().sum().backward()
+    (dx,) = torch.autograd.grad(_ref(l2, _ref(l1, xr)[0])[0].square().sum(), (xr,))
+    _close(x.grad, dx, "dx")
+
+
+def test_torch_fused_layer_double_backward_raises():
+    layer = _layer_torch(2, 4)
+    x = torch.randn(3, 2, 4, requires_grad=True)
+    (dx,) = torch.autograd.grad(layer(x).square().sum(), (x,), create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|differentiate twice"):
+        dx.sum().backward()
+
+
+def test_mismatched_gradient_dtypes_raise(rng):
+    n, C = 2, 8
+    x = rng.standard_normal((3, n, C)).astype(np.float32)
+    phi, alpha, bias = _params(rng, n, C)
+    layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(x, phi, alpha, bias)
+    with pytest.raises(TypeError, match="grad_layer_in"):
+        m.mhc_layer_pre_bwd(layer_in.astype(np.float16), x, None, None, x, phi, alpha, bias, stats, H_pre, H_res)
+    with pytest.raises(ValueError, match="stats"):
+        m.mhc_layer_pre_bwd(None, None, None, None, x, phi, alpha, bias, stats[:, :-1], H_pre, H_res)
+
+
+# --------------------------------------------------------------------- GPU
+GPU_CASES = [((1,), 1, 7), ((3,), 2, 33), ((127,), 4, 64), ((2, 5), 3, 16), ((300,), 4, 1000), ((70,), 4, 4096)]
+
+
+def _gpu_layer(dt, lead, n, C, rng):
+    from tests.gpu.helpers import rounded, to_gpu
+
+    x = rounded(rng, lead + (n, C), dt)
+    g = rounded(rng, lead + (n, C), dt)
+    y = rounded(rng, lead + (C,), dt)
+    phi, alpha, bias = _params(rng, n, C)
+    g_li = rounded(rng, lead + (C,), dt)
+    host = (x, phi, alpha, bias)
+    dev = [to_gpu(v) for v in host]
+    return host, dev, (to_gpu(g), to_gpu(y), to_gpu(g_li)), (g, y, g_li)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("lead,n,C", GPU_CASES)
+def test_gpu_pieces_match_reference(rng, dt, lead, n, C):
+    from tests.gpu.helpers import ACT_TOL, COEF_TOL, assert_close, f64, poisoned_allocations, to_host
+
+    (x, phi, alpha, bias), dev, (g_d, y_d, gli_d), (g, y, g_li) = _gpu_layer(dt, lead, n, C, rng)
+    with poisoned_allocations():
+        layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(*dev)
+        dy, dH_post, dH_res = m.mhc_layer_post_bwd(g_d, y_d, dev[0], H_post, H_res)
+        got = m.mhc_layer_pre_bwd(gli_d, g_d, dH_post, dH_res, *dev, stats, H_pre, H_res)
+    ref_fwd = R.mhc_layer_pre_fwd(x, phi, alpha, bias)
+    for a, b, name in zip((layer_in, H_pre, H_post, H_res, stats), ref_fwd,
+                          ("layer_in", "H_pre", "H_post", "H_res", "stats")):
+        assert_close(a, b, ACT_TOL[dt] if name == "layer_in" else COEF_TOL, name)
+    ref_post = R.mhc_post_op_bwd(g, y, x, to_host(H_post), to_host(H_res))
+    assert_close(dy, ref_post[0], ACT_TOL[dt], "dy")
+    assert_close(dH_post, ref_post[2], COEF_TOL, "dH_post", scale=float(np.abs(f64(g)).sum(-1).mean()))
+    assert_close(dH_res, ref_post[3], COEF_TOL, "dH_res", scale=float(np.abs(f64(g)).sum(-1).mean()))
+    ref = R.mhc_layer_pre_bwd(g_li, g, to_host(dH_post), to_host(dH_res), x, phi, alpha, bias, None,
+                              to_host(H_pre), to_host(H_res))
+    # dx: three terms of similar size summed in float32, rounded once
+    assert_close(got[0], ref[0], 2 * ACT_TOL[dt], "dx", scale=float(np.sqrt(np.mean(ref[0] ** 2))) + 1e-30)
+    assert_close(got[1], ref[1], COEF_TOL, "dphi")
+    assert_close(got[2], ref[2], COEF_TOL, "dalpha", scale=float(np.abs(ref[2]).max()) + 1.0)
+    assert_close(got[3], ref[3], COEF_TOL, "dbias", scale=float(np.abs(ref[3]).max()) + 1.0)
+
+
+@pytest.mark.gpu
+def test_gpu_pieces_bitwise_repeatable(rng):
+    import cupy as cp
+
+    _, dev, (g_d, y_d, gli_d), _ = _gpu_layer("bfloat16", (1000,), 4, 256, rng)
+
+    def once():
+        layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(*dev)
+        dy, dH_post, dH_res = m.mhc_layer_post_bwd(g_d, y_d, dev[0], H_post, H_res)
+        return (layer_in, stats, dy, *m.mhc_layer_pre_bwd(gli_d, g_d, dH_post, dH_res, *dev, stats, H_pre, H_res))
+
+    a, b = once(), once()
+    for u, v in zip(a, b):
+        assert cp.array_equal(u.view(cp.uint8) if u.dtype.itemsize == 2 else u, v.view(cp.uint8) if
+                              v.dtype.itemsize == 2 else v, equal_nan=False)
+
+
+@pytest.mark.gpu
+def test_gpu_large_n_raises_clearly(rng):
+    _, dev, (g_d, y_d, gli_d), _ = _gpu_layer("bfloat16", (3,), 5, 8, rng)
+    layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(*dev)
+    with pytest.raises(ValueError, match="n <= 4"):
+        m.mhc_layer_pre_bwd(gli_d, g_d, None, None, *dev, stats, H_pre, H_res)
