@@ -37,12 +37,16 @@ import sys
 
 import jax as _jax
 import numpy as np
-from jax._src import buffer_callback as _bc
 from jax._src import core as _core
 from jax._src import ffi as _ffi
 from jax._src.interpreters import mlir as _mlir
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
+
+try:  # jax >= 0.6.1, as mhc_cupy.jax needs
+    from jax._src import buffer_callback as _bc
+except ImportError:  # pragma: no cover - depends on the installed jax
+    _bc = None
 
 __all__ = ["token_sharded", "HOST_ATTR"]
 
@@ -106,7 +110,8 @@ def _buffer_callback_lowering(ctx, *args, callback, has_side_effect, input_outpu
     return rule(ctx, *args, index=np.uint64(index))
 
 
-_mlir.register_lowering(_bc.buffer_callback_p, _buffer_callback_lowering)
+if _bc is not None:
+    _mlir.register_lowering(_bc.buffer_callback_p, _buffer_callback_lowering)
 
 #: Identity on the op's outputs whose lowering registers the wrapped
 #: function's host callbacks in the program (params: ``hosts``, tuple of (key, host)).
@@ -243,7 +248,7 @@ def token_sharded(fn, in_ranks: tuple, out_ranks: tuple, ref: int = 0):
 
     def run(*arrays):
         nlead = arrays[ref].ndim - in_ranks[ref]
-        if nlead <= 0 or _jax.device_count() < 2 or _partitioning_callbacks() is not None:
+        if nlead <= 0 or _bc is None or _jax.device_count() < 2 or _partitioning_callbacks() is not None:
             return fn(*arrays)  # no token dims, nothing to shard over, or already per device
         present = tuple(i for i, a in enumerate(arrays) if a is not None)
 
