@@ -107,10 +107,13 @@ class _Torch:
         return self.torch.cuda.current_stream(device).cuda_stream
 
     def to_numpy(self, x):
+        # Through DLPack, not Tensor.numpy(): numpy() marks the tensor's storage
+        # as not resizable for good, and FSDP2 frees its unsharded parameters
+        # by resizing their storage to 0 after each forward.
         x = x.detach()
         if x.dtype == self.torch.bfloat16:
-            return x.view(self.torch.int16).numpy().view(numpy_dtype("bfloat16"))
-        return x.numpy()
+            return np.from_dlpack(x.view(self.torch.int16)).view(numpy_dtype("bfloat16"))
+        return np.from_dlpack(x)
 
     def from_numpy(self, a, like):
         if a.dtype.name == "bfloat16":

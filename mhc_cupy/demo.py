@@ -20,12 +20,22 @@ last 5% of the bytes are held out.
   (same initial sublayer weights, seed and data order) and compares held-out
   losses at equal steps.
 
+* Data-parallel: ``torchrun --nproc-per-node N -m mhc_cupy.demo`` trains with
+  ``DistributedDataParallel`` (NCCL on GPUs, one per rank; gloo on CPU).
+  Every rank draws the same global batch of ``--batch`` sequences and trains
+  on its own contiguous slice (``--batch`` must be divisible by N), so the
+  training equals one process at the same global batch up to float rounding;
+  held-out evaluation is split over the ranks.  Only rank 0 prints progress
+  and writes the outputs.
+
 Writes ``loss_curve.png`` and ``summary.json`` into ``--out`` (default ``demo_out/``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
 import os
@@ -203,6 +213,61 @@ def param_groups(model, weight_decay):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+# ---------------------------------------------------------- data-parallel
+class DataParallel:
+    """The torch.distributed process group of a torchrun launch (one rank per process).
+
+    :meth:`from_env` returns None for a plain (single-process) run.  NCCL on
+    GPUs (rank r on ``cuda:LOCAL_RANK``), gloo on CPU.
+    """
+
+    def __init__(self, rank: int, world: int, local_rank: int, backend: str):
+        self.rank, self.world, self.local_rank, self.backend = rank, world, local_rank, backend
+
+    @classmethod
+    def from_env(cls, use_gpu: bool):
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return None
+        import torch.distributed as dist
+
+        rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        backend = "nccl" if use_gpu else "gloo"
+        if use_gpu:
+            torch.cuda.set_device(local)
+        dist.init_process_group(backend, rank=rank, world_size=world)
+        return cls(rank, world, local, backend)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def slice(self, t):
+        """This rank's contiguous share of a global batch (the batch is divisible by the world size)."""
+        per = len(t) // self.world
+        return t[self.rank * per:(self.rank + 1) * per]
+
+    def share(self, n: int):
+        """[lo, hi) of this rank's share of n items (the last ranks may get fewer)."""
+        per = -(-n // self.world)
+        return min(n, self.rank * per), min(n, (self.rank + 1) * per)
+
+    def all_reduce(self, t):
+        import torch.distributed as dist
+
+        dist.all_reduce(t)
+
+    def wrap(self, model, device):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+    def close(self):
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
 # --------------------------------------------------------------- training
 def gpu_available() -> bool:
     """torch sees a CUDA device and CuPy can run kernels on it."""
@@ -236,21 +301,34 @@ def _check_finite(values, what):
 
 
 @torch.no_grad()
-def evaluate(model, xs, ys, batch, autocast):
+def evaluate(model, xs, ys, batch, autocast, dp=None):
+    """Mean held-out loss over the windows ``xs, ys``; data-parallel: each rank its share, summed."""
     model.eval()
-    total = 0.0
-    for i in range(0, len(xs), batch):
+    total = torch.zeros((), dtype=torch.float64, device=xs.device)
+    lo, hi = dp.share(len(xs)) if dp else (0, len(xs))
+    for i in range(lo, hi, batch):
+        j = min(i + batch, hi)
         with autocast():
-            total += float(model(xs[i:i + batch], ys[i:i + batch])) * len(xs[i:i + batch])
+            total += model(xs[i:j], ys[i:j]).double() * (j - i)
+    if dp:
+        dp.all_reduce(total)
     model.train()
-    loss = total / len(xs)
+    loss = float(total) / len(xs)
     _check_finite([loss], "held-out")
     return loss
 
 
-def train(name, model, cfg: Config, train_data, eval_xy, device, autocast, log_every=10, warm_steps=3):
-    """Train ``model`` for cfg.steps; returns its history (losses, eval losses, tokens/s, wall time)."""
+def train(name, model, cfg: Config, train_data, eval_xy, device, autocast, log_every=10, warm_steps=3, dp=None):
+    """Train ``model`` for cfg.steps; returns its history (losses, eval losses, tokens/s, wall time).
+
+    ``dp`` (:class:`DataParallel`): ``model`` is DDP-wrapped, each rank trains
+    on its slice of every global batch; logged losses are averaged over the
+    ranks and tokens/s counts the global batch.
+    """
     from tqdm.auto import tqdm
+
+    main = dp is None or dp.main
+    net = getattr(model, "module", model)  # evaluation: the plain module (no DDP hooks)
 
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95),
                             fused=device.type == "cuda")
@@ -261,12 +339,14 @@ def train(name, model, cfg: Config, train_data, eval_xy, device, autocast, log_e
     pending = []
     timed_tokens, timed_s, t_start = 0, 0.0, time.perf_counter()
     hist["eval_step"].append(0)
-    hist["eval_loss"].append(evaluate(model, ex, ey, cfg.batch, autocast))
-    bar = tqdm(range(cfg.steps), desc=name, dynamic_ncols=True, file=sys.stderr)
+    hist["eval_loss"].append(evaluate(net, ex, ey, cfg.batch, autocast, dp))
+    bar = tqdm(range(cfg.steps), desc=name, dynamic_ncols=True, file=sys.stderr, disable=not main)
     _sync(device)
     t0 = time.perf_counter()
     for step in bar:
         x, y = get_batch(train_data, cfg.batch, cfg.seq, gen)
+        if dp:
+            x, y = dp.slice(x), dp.slice(y)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
@@ -280,7 +360,11 @@ def train(name, model, cfg: Config, train_data, eval_xy, device, autocast, log_e
         done = step + 1
         is_eval = done % cfg.eval_every == 0 or done == cfg.steps
         if len(pending) == log_every or is_eval:
-            values = torch.stack(pending).float().tolist()  # one host sync per log interval
+            values = torch.stack(pending).float()
+            if dp:
+                dp.all_reduce(values)
+                values /= dp.world
+            values = values.tolist()  # one host sync per log interval
             _check_finite(values, f"{name} step {done}")
             hist["step"] += list(range(done - len(values) + 1, done + 1))
             hist["train_loss"] += values
@@ -294,11 +378,12 @@ def train(name, model, cfg: Config, train_data, eval_xy, device, autocast, log_e
             tok_s = timed_tokens / timed_s if timed_s > 0 else float("nan")
             bar.set_postfix(loss=f"{values[-1]:.3f}", tok_s=f"{tok_s:,.0f}")
             if is_eval:
-                ev = evaluate(model, ex, ey, cfg.batch, autocast)
+                ev = evaluate(net, ex, ey, cfg.batch, autocast, dp)
                 hist["eval_step"].append(done)
                 hist["eval_loss"].append(ev)
-                bar.write(f"[{name}] step {done:5d}  train {values[-1]:.4f}  held-out {ev:.4f}  "
-                          f"{tok_s:,.0f} tok/s")
+                if main:
+                    bar.write(f"[{name}] step {done:5d}  train {values[-1]:.4f}  held-out {ev:.4f}  "
+                              f"{tok_s:,.0f} tok/s")
             _sync(device)
             t0 = time.perf_counter()
     bar.close()
@@ -381,8 +466,24 @@ def main(argv=None) -> dict:
     if args.device == "cuda" and not gpu_available():
         raise SystemExit("--device cuda: no usable GPU (needs torch.cuda.is_available() and a CuPy GPU)")
     use_gpu = args.device == "cuda" or (args.device == "auto" and gpu_available())
-    device = torch.device("cuda" if use_gpu else "cpu")
+    dp = DataParallel.from_env(use_gpu)  # launched by torchrun with more than one process
+    device = torch.device("cuda", dp.local_rank) if use_gpu and dp else torch.device("cuda" if use_gpu else "cpu")
+    quiet = contextlib.redirect_stdout(io.StringIO()) if dp and not dp.main else contextlib.nullcontext()
+    try:
+        with quiet:  # only rank 0 prints
+            return _run(args, device, use_gpu, dp)
+    finally:
+        if dp:
+            dp.close()
+
+
+def _run(args, device, use_gpu, dp) -> dict:
     cfg = make_config(args, device)
+    if dp:
+        if cfg.batch % dp.world:
+            raise SystemExit(f"--batch {cfg.batch} must be divisible by the number of ranks ({dp.world})")
+        print(f"data-parallel: {dp.world} ranks (DistributedDataParallel, {dp.backend}); global batch "
+              f"{cfg.batch}, {cfg.batch // dp.world} sequences per rank")
 
     data = load_text(args.text)
     train_data, held_out = split_data(data)
@@ -414,7 +515,9 @@ def main(argv=None) -> dict:
     print(f"corpus: {src}, {len(data):,} bytes ({len(held_out):,} held out); config: "
           + ", ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
 
-    os.makedirs(args.out, exist_ok=True)
+    is_main = dp is None or dp.main  # only rank 0 writes the outputs
+    if is_main:
+        os.makedirs(args.out, exist_ok=True)
     t_all = time.perf_counter()
     histories = {}
     runs = [("mhc", "mhc")] + ([("baseline", "plain")] if args.baseline else [])
@@ -428,7 +531,8 @@ def main(argv=None) -> dict:
         for name, residual in runs:
             torch.manual_seed(cfg.seed)
             model = TinyGPT(cfg, residual, stream_dtype).to(device=device, dtype=torch.float32)
-            histories[name] = train(name, model, cfg, train_data, eval_xy, device, autocast)
+            histories[name] = train(name, dp.wrap(model, device) if dp else model, cfg, train_data, eval_xy,
+                                    device, autocast, dp=dp)
             del model
     finally:
         torch.set_num_threads(threads)
@@ -438,7 +542,7 @@ def main(argv=None) -> dict:
         "config": asdict(cfg), "device": device.type, "device_name": dev_name, "backend": backend,
         "stream_dtype": str(stream_dtype).replace("torch.", ""),
         "corpus": src, "corpus_bytes": len(data), "held_out_bytes": len(held_out),
-        "steps": cfg.steps, "wall_s": wall,
+        "steps": cfg.steps, "wall_s": wall, "ranks": dp.world if dp else 1,
         "notes": {"final_train_loss": "mean over the last 20 training steps",
                   "final_eval_loss": "held-out loss after the last step",
                   "tokens_per_s": "training steps only (no evaluation), after the first 3 steps"},
@@ -456,10 +560,12 @@ def main(argv=None) -> dict:
     png = os.path.join(args.out, "loss_curve.png")
     title = (f"mHC (n={cfg.streams}) byte-level LM, {cfg.layers}x{cfg.dim}, {device.type}"
              + (" vs plain residual" if args.baseline else ""))
-    plot(histories, png, title)
+    if is_main:
+        plot(histories, png, title)
     js = os.path.join(args.out, "summary.json")
-    with open(js, "w") as f:
-        json.dump(summary, f, indent=2)
+    if is_main:
+        with open(js, "w") as f:
+            json.dump(summary, f, indent=2)
 
     print("\nresults (held-out = cross-entropy in nats/byte on the last 5% of the corpus):")
     for name, h in histories.items():

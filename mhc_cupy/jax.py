@@ -40,6 +40,18 @@ gradient summed per example; ``rmsnorm`` with a ``weight`` whose per-example
 gradient is needed (or that is batched) runs sequentially over the batch
 (``jax.lax.map``).
 
+Sharding: every kernel call is per token, and under ``jax.jit`` with the
+token (leading) dims sharded over a mesh (``NamedSharding(mesh, P("data"))``
+or any token dim, Shardy or GSPMD) each device runs it on its own tokens:
+outputs and token gradients keep the token sharding, no activation is
+gathered, and the gradient of a parameter shared by all tokens (phi, alpha,
+bias, a shared ``h`` [n], the RMSNorm weight) is reduced across the mesh
+(``psum``) once, inside the op, and comes back replicated
+(``mhc_cupy._jax_shard.token_sharded``, a ``custom_partitioning`` rule).
+A sharded C or n dim, or a sharded parameter, is replicated for the op
+(correct, but that operand is gathered); so is a token dim whose size its
+mesh axes do not divide.
+
 Gradients: the forward saves its inputs; the backward calls the op's ``_bwd``
 kernels (statistics and Sinkhorn iterations are recomputed on chip).
 Cotangents of unused outputs (symbolic zeros) give zero gradients; for
@@ -73,8 +85,10 @@ import jax as _jax  # noqa: E402
 import jax.numpy as _jnp  # noqa: E402
 
 from . import _checks, _interop
+from . import _jax_shard as _shard
 from ._interop import ArrayInfo
 from .ops import coeffs as _coeffs
+from .ops import layer as _layer
 from .ops import post as _post
 from .ops import pre as _pre
 from .ops import rmsnorm as _rms
@@ -123,6 +137,11 @@ class _Spec:
     #: they stay unbatched when only token inputs are batched; otherwise, or
     #: when their per-example gradient is computed, the kernel runs per example.
     fixed: tuple = ()
+    #: Trailing rank of each output that carries the token dims; None for an
+    #: output summed over tokens (a shared parameter's gradient).  A rank that
+    #: does not match the output's dims (e.g. the gradient of a shared h [n])
+    #: also means summed.
+    out_ranks: tuple = ()
 
     def rank(self, name: str) -> int:
         return self.ranks[self.inputs.index(name)]
@@ -141,27 +160,42 @@ class _Spec:
 def _specs():
     S = _Spec
     return {s.name: s for s in (
-        S("sinkhorn_fwd", _sk._plan_fwd, ("logits",), (2,), "logits"),
-        S("sinkhorn_bwd", _sk._plan_bwd, ("grad_P", "logits"), (2, 2), "logits"),
-        S("rmsnorm_fwd", _rms._plan_fwd, ("x", "weight"), (1, 1), "x", "weight", None, "sequential"),
-        S("rmsnorm_bwd", _rms._plan_bwd, ("grad", "x", "weight"), (1, 1, 1), "x", "weight", 1, "sequential"),
-        S("mix_fwd", _stream._plan_mix_fwd, ("x", "M"), (2, 2), "x"),
-        S("mix_bwd", _stream._plan_mix_bwd, ("grad", "x", "M"), (2, 2, 2), "x"),
-        S("aggregate_fwd", _stream._plan_aggregate_fwd, ("x", "h"), (2, 1), "x", "h"),
-        S("aggregate_bwd", _stream._plan_aggregate_bwd, ("grad", "x", "h"), (1, 2, 1), "x", "h", 1),
-        S("distribute_fwd", _stream._plan_distribute_fwd, ("y", "h"), (1, 1), "y", "h"),
-        S("distribute_bwd", _stream._plan_distribute_bwd, ("grad", "y", "h"), (2, 1, 1), "y", "h", 1),
-        S("post_fwd", _post._plan_fwd, ("layer_out", "x", "H_post", "H_res"), (1, 2, 1, 2), "x"),
-        S("post_bwd", _post._plan_bwd, ("grad", "layer_out", "x", "H_post", "H_res"), (2, 1, 2, 1, 2), "x"),
-        S("pre_fwd", _pre._plan_fwd, ("x", "h_pre_raw", "h_post_raw", "h_res_raw"), (2, 1, 1, 2), "x"),
+        S("sinkhorn_fwd", _sk._plan_fwd, ("logits",), (2,), "logits", out_ranks=(2,)),
+        S("sinkhorn_bwd", _sk._plan_bwd, ("grad_P", "logits"), (2, 2), "logits", out_ranks=(2,)),
+        S("rmsnorm_fwd", _rms._plan_fwd, ("x", "weight"), (1, 1), "x", "weight", None, "sequential",
+          out_ranks=(1,)),
+        S("rmsnorm_bwd", _rms._plan_bwd, ("grad", "x", "weight"), (1, 1, 1), "x", "weight", 1, "sequential",
+          out_ranks=(1, None)),
+        S("mix_fwd", _stream._plan_mix_fwd, ("x", "M"), (2, 2), "x", out_ranks=(2,)),
+        S("mix_bwd", _stream._plan_mix_bwd, ("grad", "x", "M"), (2, 2, 2), "x", out_ranks=(2, 2)),
+        S("aggregate_fwd", _stream._plan_aggregate_fwd, ("x", "h"), (2, 1), "x", "h", out_ranks=(1,)),
+        S("aggregate_bwd", _stream._plan_aggregate_bwd, ("grad", "x", "h"), (1, 2, 1), "x", "h", 1,
+          out_ranks=(2, 1)),
+        S("distribute_fwd", _stream._plan_distribute_fwd, ("y", "h"), (1, 1), "y", "h", out_ranks=(2,)),
+        S("distribute_bwd", _stream._plan_distribute_bwd, ("grad", "y", "h"), (2, 1, 1), "y", "h", 1,
+          out_ranks=(1, 1)),
+        S("post_fwd", _post._plan_fwd, ("layer_out", "x", "H_post", "H_res"), (1, 2, 1, 2), "x", out_ranks=(2,)),
+        S("post_bwd", _post._plan_bwd, ("grad", "layer_out", "x", "H_post", "H_res"), (2, 1, 2, 1, 2), "x",
+          out_ranks=(1, 2, 1, 2)),
+        S("pre_fwd", _pre._plan_fwd, ("x", "h_pre_raw", "h_post_raw", "h_res_raw"), (2, 1, 1, 2), "x",
+          out_ranks=(1, 1, 1, 2)),
         S("pre_bwd", _pre._plan_bwd,
           ("grad_layer_in", "grad_H_pre", "grad_H_post", "grad_H_res", "x", "h_pre_raw", "h_post_raw", "h_res_raw"),
-          (1, 1, 1, 2, 2, 1, 1, 2), "x"),
+          (1, 1, 1, 2, 2, 1, 1, 2), "x", out_ranks=(2, 1, 1, 2)),
         S("coeffs_fwd", _coeffs._plan_fwd, ("x", "phi", "alpha", "bias"), (2, 2, 1, 1), "x",
-          fixed=("phi", "alpha", "bias")),
+          fixed=("phi", "alpha", "bias"), out_ranks=(1, 1, 2)),
         S("coeffs_bwd", _coeffs._plan_bwd,
           ("grad_h_pre_raw", "grad_h_post_raw", "grad_h_res_raw", "x", "phi", "alpha", "bias"),
-          (1, 1, 2, 2, 2, 1, 1), "x", shared_grad=1, fixed=("phi", "alpha", "bias")),
+          (1, 1, 2, 2, 2, 1, 1), "x", shared_grad=1, fixed=("phi", "alpha", "bias"),
+          out_ranks=(2, None, None, None)),
+        S("layer_pre_fwd", _layer._plan_pre_fwd, ("x", "phi", "alpha", "bias"), (2, 2, 1, 1), "x",
+          fixed=("phi", "alpha", "bias"), out_ranks=(1, 1, 1, 2, 1)),
+        S("layer_post_bwd", _layer._plan_post_bwd, ("grad", "layer_out", "x", "H_post", "H_res"), (2, 1, 2, 1, 2),
+          "x", out_ranks=(1, 1, 2)),
+        S("layer_pre_bwd", _layer._plan_pre_bwd,
+          ("grad_layer_in", "grad_out", "grad_H_post", "grad_H_res", "x", "phi", "alpha", "bias", "stats", "H_pre",
+           "H_res"), (1, 2, 1, 2, 2, 2, 1, 1, 1, 1, 2), "x", shared_grad=1, fixed=("phi", "alpha", "bias"),
+          out_ranks=(2, None, None, None)),
     )}
 
 
@@ -269,20 +303,30 @@ def _planned(name: str, params: tuple, signature: tuple):
              for k, sig in zip(spec.inputs, signature)}
     plan = spec.planner(infos, **dict(params))
     present = tuple(k for k, sig in zip(spec.inputs, signature) if sig is not None)
-    return plan, _make_callback(plan, spec.inputs, present)
+    callback = _make_callback(plan, spec.inputs, present)
+    # A token-sharded program runs the kernel per device through a callback
+    # planned from the local buffers (mhc_cupy._jax_shard).
+    mask = tuple(sig is not None for sig in signature)
+    setattr(callback, _shard.HOST_ATTR, ((name, params, mask), _host(name, params, mask)))
+    return plan, callback
 
 
 def _dtype_name(a) -> str:
     return np.dtype(a.dtype).name
 
 
-def _bind(name: str, params: tuple, arrays: tuple) -> tuple:
-    """Plan at trace time and emit the buffer_callback custom call."""
-    for k, a in zip(_SPECS[name].inputs, arrays):  # None or a list for an array: name the argument
+def _check_arrays(name: str, arrays: tuple) -> None:
+    """None (where the op needs an array) or a list for an array: an error naming the argument."""
+    for k, a in zip(_SPECS[name].inputs, arrays):
         if a is None:
             _checks.absent(k)
         elif not hasattr(a, "dtype"):
             raise TypeError(f"{k} has type {type(a).__name__}; it needs an array")
+
+
+def _bind(name: str, params: tuple, arrays: tuple) -> tuple:
+    """Plan at trace time and emit the buffer_callback custom call."""
+    _check_arrays(name, arrays)
     signature = tuple(None if a is None else (tuple(a.shape), _dtype_name(a)) for a in arrays)
     plan, callback = _planned(name, params, signature)
     if plan.empty:
@@ -298,6 +342,25 @@ def _bind(name: str, params: tuple, arrays: tuple) -> tuple:
     call = _buffer_callback(callback, results, vmap_method="sequential")
     outs = call(*[a for a in arrays if a is not None])
     return tuple(outs[:len(plan.outputs)])
+
+
+@functools.lru_cache(maxsize=None)
+def _host(name: str, params: tuple, present: tuple):
+    """Kernel ``name`` as a host callback in XLA's FFI protocol, planned from
+    the buffers it gets: the per-device program of a token-sharded op
+    (``mhc_cupy._jax_shard``) calls it with its local shapes.  ``present``:
+    per input, whether it is given."""
+    n_in = sum(present)
+
+    def host(ctx, *buffers):
+        ins, outs = buffers[:n_in], buffers[n_in:]
+        given = iter(ins)
+        full = [next(given) if p else None for p in present]
+        signature = tuple(None if b is None else (tuple(b.shape), _dtype_name(b)) for b in full)
+        plan, callback = _planned(name, params, signature)
+        callback(ctx, outs, *ins)
+
+    return host
 
 
 # ------------------------------------------------------------------ vmap
@@ -367,16 +430,22 @@ def _vmap_rule(name: str, params: tuple, axis_size: int, in_batched, *arrays):
 def _kernel(name: str, params: tuple):
     """The custom_vmap function running kernel ``name`` with static ``params``."""
 
+    spec = _SPECS[name]
+
     def run(*arrays):
         return _bind(name, params, arrays)
 
     run.__name__ = f"mhc_{name}"
+    # Per token: under jit with the token dims sharded, each device runs the
+    # kernel on its own tokens (see mhc_cupy._jax_shard).
+    run = _shard.token_sharded(run, spec.ranks, spec.out_ranks, spec.inputs.index(spec.ref))
     f = _jax.custom_batching.custom_vmap(run)
     f.def_vmap(functools.partial(_vmap_rule, name, params))
     return f
 
 
 def _k(name: str, params: tuple, *arrays) -> tuple:
+    _check_arrays(name, arrays)  # before the vmap and sharding wrappers look at shapes
     return _kernel(name, params)(*arrays)
 
 
@@ -718,12 +787,47 @@ def mhc_init(key, dim: int, n_streams: int = 4, alpha_init: float = 0.01) -> dic
             "bias": _jnp.asarray(identity_bias(n))}
 
 
+# ------------------------------------------------------- fused layer (OPS.md section 9)
+def _layer_params(num_iters, eps, rms_eps):
+    return (("num_iters", num_iters), ("eps", eps), ("rms_eps", rms_eps))
+
+
+@functools.partial(_jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _fused_layer(f, num_iters, eps, rms_eps, grad_mode, phi, alpha, bias, x, *consts):
+    return _fused_layer_fwd(f, num_iters, eps, rms_eps, grad_mode, phi, alpha, bias, x, *consts)[0]
+
+
+def _fused_layer_fwd(f, num_iters, eps, rms_eps, grad_mode, phi, alpha, bias, x, *consts):
+    layer_in, H_pre, H_post, H_res, stats = _k("layer_pre_fwd", _layer_params(num_iters, eps, rms_eps),
+                                               x, phi, alpha, bias)
+    y, f_vjp = _jax.vjp(lambda li, *c: f(li, *c).astype(x.dtype), layer_in, *consts)
+    (out,) = _k("post_fwd", (), y, x, H_post, H_res)
+    return out, (phi, alpha, bias, x, stats, H_pre, H_post, H_res, y, f_vjp)
+
+
+def _fused_layer_bwd(f, num_iters, eps, rms_eps, grad_mode, res, g):
+    phi, alpha, bias, x, stats, H_pre, H_post, H_res, y, f_vjp = res
+    dy, dH_post, dH_res = _k("layer_post_bwd", (), g, y, x, H_post, H_res)
+    g_li, *d_consts = f_vjp(dy)
+    if g_li.dtype != g.dtype:
+        g_li = g_li.astype(g.dtype)
+    dx, dphi, dalpha, dbias = _k("layer_pre_bwd", _layer_params(num_iters, eps, rms_eps) + (("grad_mode", grad_mode),),
+                                 g_li, g, dH_post, dH_res, x, phi, alpha, bias, stats, H_pre, H_res)
+    return (dphi, dalpha, dbias, dx, *d_consts)
+
+
+_fused_layer.defvjp(_fused_layer_fwd, _fused_layer_bwd)
+
+
 def mhc_layer(params: dict, x, f, num_iters: int = 20, eps: float = 1e-8, rms_eps: float = 1e-5,
               grad_mode: str = "unrolled"):
     """One mHC layer, functional (paper Eq. 3): x_{l+1} = H_res x_l + H_post^T f(H_pre x_l).
 
     The per-token coefficients come from the coefficient path (:func:`mhc_coeffs`,
-    OPS.md section 8), then :func:`mhc_pre_op` and :func:`mhc_post_op`.
+    OPS.md section 8), then :func:`mhc_pre_op` and :func:`mhc_post_op`.  For n <= 4
+    the layer is one ``custom_vjp`` over the fused pieces (OPS.md section 9: the
+    coefficients and the pre op in one forward, dx written once in the backward)
+    with f's VJP inside; larger n composes the separate ops.
 
     Args:
         params: {"phi", "alpha", "bias"} from :func:`mhc_init`.
@@ -741,6 +845,13 @@ def mhc_layer(params: dict, x, f, num_iters: int = 20, eps: float = 1e-8, rms_ep
     if not isinstance(params, dict) or any(k not in params for k in ("phi", "alpha", "bias")):
         raise TypeError(f"params must be the dict of mhc_init (phi, alpha, bias), got {type(params).__name__}")
     num_iters, eps, rms_eps, grad_mode = _checks.layer_settings(num_iters, eps, rms_eps, grad_mode)
+    if getattr(x, "ndim", 0) >= 2 and _coeffs.columns(x.shape[-2]) <= _coeffs._MMA_BWD_MAX_K:
+        # the fused pieces (OPS.md section 9), one custom_vjp around the whole layer with f's VJP inside
+        # (f's closed-over traced values become explicit arguments, so they get their gradients)
+        example = _jax.ShapeDtypeStruct(tuple(x.shape[:-2]) + (x.shape[-1],), x.dtype)
+        f_conv, consts = _jax.closure_convert(f, example)
+        return _fused_layer(f_conv, num_iters, eps, rms_eps, grad_mode, params["phi"], params["alpha"],
+                            params["bias"], x, *consts)
     h_pre, h_post, h_res = mhc_coeffs(x, params["phi"], params["alpha"], params["bias"], rms_eps)
     layer_in, _, H_post, H_res = mhc_pre_op(x, h_pre, h_post, h_res, num_iters, eps, grad_mode)
     return mhc_post_op(f(layer_in).astype(x.dtype), x, H_post, H_res)

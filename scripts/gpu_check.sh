@@ -2,9 +2,12 @@
 # The GPU check: every test (CPU and GPU), compute-sanitizer memcheck + racecheck
 # + synccheck + initcheck on a representative subset, the benchmarks, the training demo and
 # the notebooks; prints a summary at the end.
+# With 2 or more GPUs visible it also runs the 2-GPU checks (step multigpu: tests/gpu/test_multidevice_gpu.py;
+# step multigpu_bench: scripts/multigpu_bench.py, JAX token-sharded layer and demo tokens/s, 1 vs 2 GPUs).
 # Usage (repo root, on a CUDA machine):  bash scripts/gpu_check.sh [OUT_DIR]
 # Knobs: GPU_CHECK_PYTEST_ARGS (default: -q tests; two -q hide the count line), GPU_CHECK_BENCH_ARGS,
 # GPU_CHECK_BENCH_LAYER_ARGS, GPU_CHECK_BENCH_BLOCK_ARGS (the --layer / --block runs),
+# GPU_CHECK_MULTIGPU_ARGS (scripts/multigpu_bench.py),
 # GPU_CHECK_DEMO_ARGS (default: --baseline), GPU_CHECK_WORKERS (pytest-xdist),
 # GPU_CHECK_STEPS (names of the steps to run), GPU_CHECK_NOTEBOOKS, GPU_CHECK_STEP_TIMEOUT (s).
 # Runs from the checkout (PYTHONPATH), no install needed.  Exit status is
@@ -19,7 +22,12 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX must not take 75% of the GPU i
 PY=${PYTHON:-python3}
 declare -A status
 
-STEPS=" ${GPU_CHECK_STEPS:-info warmup tests memcheck racecheck synccheck initcheck demo bench bench_layer bench_block notebooks} "
+STEPS=" ${GPU_CHECK_STEPS:-info warmup tests memcheck racecheck synccheck initcheck demo bench bench_layer bench_block notebooks multigpu multigpu_bench} "
+NGPU=$($PY -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())" 2>/dev/null || echo 0)
+MULTI_IGNORE=""
+if [ "$NGPU" -ge 2 ]; then  # the 2-GPU tests run in their own step (serially, not under xdist)
+    MULTI_IGNORE="--ignore=tests/gpu/test_multidevice_gpu.py"
+fi
 step() {  # step NAME COMMAND...   (skipped unless NAME is in GPU_CHECK_STEPS)
     local name=$1; shift
     case "$STEPS" in *" $name "*) ;; *) return 0 ;; esac
@@ -35,7 +43,7 @@ step info $PY -m mhc_cupy info
 step warmup $PY -m mhc_cupy warmup --dtypes bfloat16 --n 4  # the rest compiles in parallel in the tests
 XDIST=""
 $PY -c "import xdist" 2>/dev/null && XDIST="-n ${GPU_CHECK_WORKERS:-8}"
-step tests $PY -m pytest -p no:cacheprovider $XDIST ${GPU_CHECK_PYTEST_ARGS:--q tests}
+step tests $PY -m pytest -p no:cacheprovider $XDIST ${GPU_CHECK_PYTEST_ARGS:--q tests $MULTI_IGNORE}
 if command -v compute-sanitizer > /dev/null; then
     step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 $PY scripts/sanitize_subset.py
     step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 $PY scripts/sanitize_subset.py
@@ -50,14 +58,20 @@ step bench $PY -m mhc_cupy.bench ${GPU_CHECK_BENCH_ARGS:-} --out "$OUT/bench"
 step bench_layer $PY -m mhc_cupy.bench --layer ${GPU_CHECK_BENCH_LAYER_ARGS:-} --out "$OUT/bench"
 step bench_block $PY -m mhc_cupy.bench --block ${GPU_CHECK_BENCH_BLOCK_ARGS:-} --out "$OUT/bench"
 step notebooks $PY scripts/run_notebooks.py ${GPU_CHECK_NOTEBOOKS:-notebooks/*.ipynb}
+if [ "$NGPU" -ge 2 ]; then
+    step multigpu $PY -m pytest -p no:cacheprovider -v -rs -s tests/gpu/test_multidevice_gpu.py
+    step multigpu_bench $PY scripts/multigpu_bench.py ${GPU_CHECK_MULTIGPU_ARGS:-} --out "$OUT/multigpu"
+else
+    status[multigpu]="skipped: $NGPU GPU(s) visible, needs 2"
+fi
 
 echo
 echo "================ gpu_check summary ================"
 rc=0
-for k in info warmup tests memcheck racecheck synccheck initcheck sanitizer bench bench_layer bench_block demo notebooks; do
+for k in info warmup tests memcheck racecheck synccheck initcheck sanitizer bench bench_layer bench_block demo notebooks multigpu multigpu_bench; do
     [ -n "${status[$k]:-}" ] || continue
     echo "$k: ${status[$k]}"
-    case "${status[$k]}" in rc=0*) ;; *) rc=1 ;; esac
+    case "${status[$k]}" in rc=0* | skipped:*) ;; *) rc=1 ;; esac
 done
 grep -E "passed|failed" "$OUT/tests.log" | tail -n 1
 grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/{memcheck,racecheck,synccheck,initcheck}.log 2>/dev/null

@@ -265,3 +265,32 @@ def test_gpu_fused_layer_compile_and_cuda_graph():
     torch.testing.assert_close(out, oe, rtol=0, atol=0)
     torch.testing.assert_close(dx, dxe, rtol=0, atol=0)
     torch.testing.assert_close(dphi, dphie, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 5])
+def test_jax_layer_matches_plain_jnp(rng, n):
+    """mhc_cupy.jax.mhc_layer (fused custom_vjp for n <= 4, separate ops above) against the plain
+    jax.numpy layer: values and gradients in x, phi, alpha, bias and the sublayer's own weight
+    (closed over by f), under jit(grad) and vmap."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    import mhc_cupy.jax as mj
+    from mhc_cupy.bench.baselines import jnp_mhc_layer
+
+    C = 12
+    phi, alpha, bias = _params(rng, n, C)
+    params = {"phi": jnp.asarray(phi), "alpha": jnp.asarray(alpha), "bias": jnp.asarray(bias)}
+    x = jnp.asarray(rng.standard_normal((2, 5, n, C)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal(C).astype(np.float32))
+    g = jnp.asarray(rng.standard_normal((2, 5, n, C)).astype(np.float32))
+
+    def loss(layer, params, x, w):
+        return (layer(params, x, lambda li: jnp.tanh(li * w)) * g).sum()
+
+    got = jax.jit(jax.grad(lambda *a: loss(mj.mhc_layer, *a), argnums=(0, 1, 2)))(params, x, w)
+    want = jax.grad(lambda *a: loss(jnp_mhc_layer, *a), argnums=(0, 1, 2))(params, x, w)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5 * (float(np.abs(b).max()) + 1))
+    out = jax.vmap(lambda xi: mj.mhc_layer(params, xi, jnp.tanh))(x)
+    ref = jnp_mhc_layer(params, x, jnp.tanh)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
