@@ -238,9 +238,10 @@ def test_gpu_fused_layer_compile_and_cuda_graph():
     grads = torch.autograd.grad(want, params, g)
     compiled = torch.compile(layer, fullgraph=True)
     got = compiled(x)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # inductor computes the bf16 sublayer (tanh) in float32 and rounds once: bf16 tolerances
+    torch.testing.assert_close(got, want)
     for a, b in zip(torch.autograd.grad(got, params, g), grads):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * float(b.abs().max()))
     torch._dynamo.reset()
 
     static_x = x.detach().clone().requires_grad_()
