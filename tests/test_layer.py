@@ -1,4 +1,4 @@
-"""CPU tests of the mHC layer ``mhc_cupy.layers`` and the demo ``mhc_cupy.demo``.
+"""CPU tests of the mHC layer ``mhc_cupy.torch.MHC`` and the demo ``mhc_cupy.demo``.
 
 On CPU every mHC op (coefficients, pre op, post op) runs the float64 NumPy
 reference and rounds each output once to float32; the sublayer runs in
@@ -31,18 +31,16 @@ import torch
 from torch import nn
 
 from mhc_cupy import reference as R
-from mhc_cupy.layers import (
+from mhc_cupy.torch import (
     MHC,
     CollapseStreams,
     ExpandStreams,
-    MHCReference,
     collapse_streams,
     expand_streams,
     identity_bias,
     mhc_coeffs,
-    mhc_reference,
-    sinkhorn_reference,
 )
+from mhc_cupy.torch.reference import MHCReference, mhc_reference, sinkhorn_reference
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL_F32 = 1e-5

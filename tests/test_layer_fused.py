@@ -21,7 +21,7 @@ import torch
 import mhc_cupy as m
 import mhc_cupy.torch as mt
 from mhc_cupy import reference as R
-from mhc_cupy.layers import mhc_reference
+from mhc_cupy.torch.reference import mhc_reference
 
 CASES = [((1,), 1, 7), ((3,), 2, 33), ((127,), 4, 64), ((2, 5), 3, 16), ((9,), 5, 12)]
 

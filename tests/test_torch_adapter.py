@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,6 +30,8 @@ import torch
 import mhc_cupy as m
 import mhc_cupy.torch as mt
 from mhc_cupy import reference as R
+
+REPO = Path(__file__).resolve().parents[1]
 
 # Unit roundoff of each output dtype: the CPU path rounds a float64 result once
 # (ml_dtypes may round float64 -> float32 -> bfloat16: still within one unit).
@@ -339,13 +342,13 @@ def test_pre_op_unused_outputs(rng, monkeypatch, used):
     c = case("mhc_pre_op", rng, (2, 3), 4, 7)
     args = c["args"]
     seen = []
-    real = mt.mhc_pre_op_bwd
+    real = mt.functions.mhc_pre_op_bwd
 
     def spy(*a, **k):
         seen.append(tuple(g is None for g in a[:4]))
         return real(*a, **k)
 
-    monkeypatch.setattr(mt, "mhc_pre_op_bwd", spy)
+    monkeypatch.setattr(mt.functions, "mhc_pre_op_bwd", spy)
     outs = mt.mhc_pre_op(*args)
     gs = [tensor(rng, o.shape, dtype=o.dtype, grad=False) if i in used else None for i, o in enumerate(outs)]
     got = grads_of(outs, args, gs)
@@ -601,6 +604,45 @@ def test_import_order(first):
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def _package_imports(path):
+    """Modules of mhc_cupy that ``path`` imports anywhere (also inside functions), as dotted names."""
+    import ast
+
+    pkg = "mhc_cupy." + ".".join(path.relative_to(REPO / "mhc_cupy").with_suffix("").parts)
+    pkg = pkg[: -len(".__init__")] if pkg.endswith(".__init__") else pkg.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1] + ([base] if base else []))
+            found.update({base} | {f"{base}.{a.name}" for a in node.names})
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {f for f in found if f.startswith("mhc_cupy")}
+
+
+def test_torch_package_has_no_import_circle():
+    """functions <- layers <- reference, one way: no module of mhc_cupy.torch imports one above it."""
+    order = ["functions", "layers", "reference"]
+    for i, name in enumerate(order):
+        imported = _package_imports(REPO / "mhc_cupy" / "torch" / f"{name}.py")
+        above = {f"mhc_cupy.torch.{m}" for m in order[i + 1:]} | {"mhc_cupy.torch", "mhc_cupy.layers"}
+        assert not imported & above, f"mhc_cupy.torch.{name} imports {sorted(imported & above)}"
+    assert not _package_imports(REPO / "mhc_cupy" / "torch" / "__init__.py") & {"mhc_cupy.torch.reference",
+                                                                               "mhc_cupy.layers"}
+
+
+def test_old_import_paths_are_the_same_objects():
+    """mhc_cupy.layers (the old home of the layer and the oracles) names the same objects."""
+    import mhc_cupy.layers as old
+    from mhc_cupy.torch import reference
+
+    for name in old.__all__:
+        new = getattr(reference, name, None) or getattr(mt, name)
+        assert getattr(old, name) is new, name
 
 
 # ------------------------------------------------------------------ second order

@@ -1,4 +1,4 @@
-"""GPU tests of the mHC layer ``mhc_cupy.layers.MHC`` (kernels through ``mhc_cupy.torch``).
+"""GPU tests of the mHC layer ``mhc_cupy.torch.MHC`` (kernels through ``mhc_cupy.torch``).
 
 * bfloat16 on CUDA (residual streams bf16, sublayer under bf16 autocast,
   coefficients float32) against the pure-PyTorch reference layer
@@ -40,7 +40,8 @@ import pytest
 import torch
 from torch import nn
 
-from mhc_cupy.layers import MHC, MHCReference, mhc_reference
+from mhc_cupy.torch import MHC
+from mhc_cupy.torch.reference import MHCReference, mhc_reference
 
 from .helpers import torch_cuda_ok
 

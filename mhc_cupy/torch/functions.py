@@ -1,67 +1,26 @@
-"""PyTorch adapter: the mHC operators as differentiable torch functions.
+"""The mHC operators as differentiable torch functions (``mhc_cupy.torch``'s op half).
 
-``mhc_cupy.torch`` wraps the functional ``*_fwd`` / ``*_bwd`` API (OPS.md
-sections 1-7) for autograd and ``torch.compile``:
-
-    sinkhorn_knopp  rmsnorm  stream_mix  stream_aggregate  stream_distribute
-    mhc_post_op     mhc_pre_op
-
-Each takes the arguments of its ``*_fwd`` function (Sinkhorn and the pre op
-also ``grad_mode``); gradients are exactly the functional ``*_bwd`` calls.
-
-Two routes, same kernels, identical results:
-
-* **eager** (``not torch.compiler.is_compiling()``): a
-  ``torch.autograd.Function`` calls the functional API directly.  The
-  ``torch.library`` dispatcher is bypassed because its per-call host cost
-  (~60 us measured by QuACK) exceeds the kernels themselves (~10 us).
-  Without any input that requires grad (or under ``torch.no_grad``) the
-  functional API is called with no autograd node at all.
-* **compiled** (inside ``torch.compile`` / ``torch.export``, or inputs that
-  are tensor subclasses such as FakeTensor): ``torch.library.custom_op``
-  operators ``torch.ops.mhc_cupy.<op>_fwd`` / ``<op>_bwd`` with
-  ``register_fake`` shape functions and ``register_autograd``, so
-  ``torch.compile(fullgraph=True)`` traces forward and backward without a
-  graph break.
-
-Both routes share one ``setup_context`` (saves only the op's *inputs*:
-backward recomputes statistics and the Sinkhorn iteration, OPS.md) and one
-backward formula; only the callee differs (functional API vs custom op).
-
-Device and stream: CUDA tensors run on torch's current stream of their own
-device (entered when it is not the current one); outputs are ``torch.empty``
-tensors there (zero copy).  CPU tensors run the NumPy reference
-(``mhc_cupy.reference``) and return CPU tensors.  Backward is deterministic
-(no atomics).
-
-Gradients are first order only: the backward is not itself differentiable,
-so a second-order gradient through any of these ops (``create_graph=True``,
-then a backward through the result) raises ``RuntimeError`` ("trying to
-differentiate twice a function that was marked with @once_differentiable"
-eagerly; under ``torch.compile`` the custom op's missing double backward).
-
-This module imports torch as a plain ``import torch``: it *is* the submodule
-``mhc_cupy.torch`` (STYLE.md: ``mhc_cupy/__init__.py`` must not import torch).
+Autograd Functions and ``torch.library`` custom operators around the
+functional ``*_fwd`` / ``*_bwd`` API; the routes (eager / compiled), devices,
+streams and gradient order are described in :mod:`mhc_cupy.torch`.  Imported
+through the package, which checks that torch is installed first.
 """
 
 from typing import Optional
 
-from ._deps import require
+import torch
+from torch import Tensor
 
-require("torch", "torch", "mhc_cupy.torch")  # missing: an ImportError naming the extra
-import torch  # noqa: E402
-from torch import Tensor  # noqa: E402
-
-from . import _checks  # noqa: E402
-from ._interop import ArrayInfo
-from .ops import coeffs as _coeffs
-from .ops import layer as _layer
-from .ops import post as _post
-from .ops import pre as _pre
-from .ops import rmsnorm as _rms
-from .ops import sinkhorn as _sk
-from .ops import stream as _stream
-from .ops import (
+from .. import _checks
+from .._interop import ArrayInfo
+from ..ops import coeffs as _coeffs
+from ..ops import layer as _layer
+from ..ops import post as _post
+from ..ops import pre as _pre
+from ..ops import rmsnorm as _rms
+from ..ops import sinkhorn as _sk
+from ..ops import stream as _stream
+from ..ops import (
     mhc_coeffs_bwd,
     mhc_coeffs_fwd,
     mhc_layer_post_bwd,
@@ -85,8 +44,7 @@ from .ops import (
 
 __all__ = [
     "sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute",
-    "mhc_post_op", "mhc_pre_op", "mhc_coeffs", "mhc_layer_pre", "mhc_layer_post", "MHC", "expand_streams",
-    "collapse_streams",
+    "mhc_post_op", "mhc_pre_op", "mhc_coeffs", "mhc_layer_pre", "mhc_layer_post",
 ]
 
 #: Namespace of the custom operators: ``torch.ops.mhc_cupy.<name>``.
@@ -883,6 +841,3 @@ def mhc_layer_post(layer_out, x_link, H_post, H_res):
         return _LayerPostFn.apply(layer_out, x_link, H_post, H_res)
     return mhc_post_op(layer_out, x_link, H_post, H_res)
 
-
-# The whole mHC layer (paper Eq. 3 with the coefficient path), built on the ops above.
-from .layers import MHC, collapse_streams, expand_streams  # noqa: E402
