@@ -31,6 +31,7 @@ import pytest
 import mhc_cupy
 import mhc_cupy.jax as mj
 from mhc_cupy import reference as R
+from mhc_cupy.bench.baselines import jnp_sinkhorn
 
 NI, SK_EPS, RMS_EPS = 20, 1e-8, 1e-5
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
@@ -65,12 +66,8 @@ def assert_close(actual, expected, rel):
 
 # ------------------------------------------------ pure-jnp float32 forwards
 def sinkhorn_jnp(L, num_iters=NI, eps=SK_EPS):
-    """OPS.md section 1 exactly: row-max shift, then row step, column step."""
-    P = jnp.exp(L - jnp.max(L, axis=-1, keepdims=True))
-    for _ in range(num_iters):
-        P = P / (P.sum(-1, keepdims=True) + eps)
-        P = P / (P.sum(-2, keepdims=True) + eps)
-    return P
+    """OPS.md section 1 exactly: the bench's plain-jnp Sinkhorn-Knopp (one definition)."""
+    return jnp_sinkhorn(L, num_iters, eps)
 
 
 def rmsnorm_jnp(x, eps=RMS_EPS, weight=None):

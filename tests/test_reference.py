@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mhc_cupy import reference as R
+from mhc_cupy.torch.reference import sinkhorn_reference
 
 
 
@@ -75,14 +76,7 @@ def assert_close(actual, desired, rtol=1e-10, what="", scale=None):
 
 
 # ---- straightforward torch forwards (independent of the reference) ---------------------------
-
-def t_sinkhorn(L, num_iters, eps):
-    P = torch.exp(L - L.max(dim=-1, keepdim=True).values)
-    for _ in range(num_iters):
-        P = P / (P.sum(-1, keepdim=True) + eps)
-        P = P / (P.sum(-2, keepdim=True) + eps)
-    return P
-
+# Sinkhorn-Knopp: the plain-torch oracle mhc_cupy.torch.reference.sinkhorn_reference.
 
 def t_rmsnorm(x, eps, w=None):
     y = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
@@ -112,7 +106,7 @@ def t_post(y, x, H_post, H_res):
 def t_pre(x, hp, hq, hr, num_iters, eps):
     H_pre = torch.sigmoid(hp)
     H_post = 2 * torch.sigmoid(hq)
-    H_res = t_sinkhorn(hr, num_iters, eps)
+    H_res = sinkhorn_reference(hr, num_iters, eps)
     return torch.einsum("...i,...ic->...c", H_pre, x), H_pre, H_post, H_res
 
 
@@ -141,7 +135,7 @@ def test_sinkhorn_fwd_columns_and_torch(rng, lead, n):
     P = R.sinkhorn_knopp_fwd(L)
     assert P.shape == L.shape and P.dtype == np.float64
     np.testing.assert_allclose(P.sum(-2), 1.0, atol=1e-6)
-    ref = t_sinkhorn(torch.tensor(L), 20, 1e-8).numpy()
+    ref = sinkhorn_reference(torch.tensor(L), 20, 1e-8).numpy()
     assert_close(P, ref, 1e-12)
 
 
@@ -192,7 +186,7 @@ def test_sinkhorn_unrolled_bwd_vs_torch(rng, scale, n, num_iters):
     L = rng.normal(size=lead + (n, n)) * scale
     G = rng.normal(size=L.shape)
     ours = R.sinkhorn_knopp_bwd(G, L, num_iters=num_iters)
-    _, (ref,) = torch_vjp(lambda l: t_sinkhorn(l, num_iters, 1e-8), [L], [G])
+    _, (ref,) = torch_vjp(lambda l: sinkhorn_reference(l, num_iters, 1e-8), [L], [G])
     assert_close(ours, ref, 1e-9)
     # default grad_mode is "unrolled"
     np.testing.assert_array_equal(
@@ -206,7 +200,7 @@ def test_sinkhorn_implicit_bwd_converged(rng, n):
     L = rng.normal(size=(3, n, n))
     G = rng.normal(size=L.shape)
     ours = R.sinkhorn_knopp_bwd(G, L, num_iters=300, eps=0.0, grad_mode="implicit")
-    _, (ref,) = torch_vjp(lambda l: t_sinkhorn(l, 300, 0.0), [L], [G])
+    _, (ref,) = torch_vjp(lambda l: sinkhorn_reference(l, 300, 0.0), [L], [G])
     assert_close(ours, ref, 1e-7)
     np.testing.assert_allclose(ours.sum(-1), 0.0, atol=1e-12 * max(np.abs(ours).max(), 1))
 

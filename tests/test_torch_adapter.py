@@ -30,6 +30,7 @@ import torch
 import mhc_cupy as m
 import mhc_cupy.torch as mt
 from mhc_cupy import reference as R
+from mhc_cupy.torch.reference import sinkhorn_reference
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -100,15 +101,6 @@ def grads_of(outs, inputs, upstream):
 
 
 # ----------------------------------------- pure-torch float64 forwards (oracles)
-def t_sinkhorn(L, num_iters=20, eps=1e-8):
-    """OPS.md section 1 exactly: K = exp(L - rowmax(L)), then row step / column step."""
-    P = torch.exp(L - L.max(-1, keepdim=True).values)
-    for _ in range(num_iters):
-        P = P / (P.sum(-1, keepdim=True) + eps)
-        P = P / (P.sum(-2, keepdim=True) + eps)
-    return P
-
-
 def t_rmsnorm(x, eps=1e-5, weight=None):
     y = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps)
     return y if weight is None else y * weight
@@ -132,7 +124,7 @@ def t_post(y, x, H_post, H_res):
 
 def t_pre(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=20, eps=1e-8):
     H_pre = torch.sigmoid(h_pre_raw)
-    return t_aggregate(x, H_pre), H_pre, 2 * torch.sigmoid(h_post_raw), t_sinkhorn(h_res_raw, num_iters, eps)
+    return t_aggregate(x, H_pre), H_pre, 2 * torch.sigmoid(h_post_raw), sinkhorn_reference(h_res_raw, num_iters, eps)
 
 
 # ------------------------------------------------------------ op table
@@ -147,7 +139,7 @@ def case(name, rng, lead, n, C, dtype=torch.float32, shared=False, num_iters=20,
     hshape = (n,) if shared else lead + (n,)
     if name == "sinkhorn_knopp":
         L = T(lead + (n, n), scale=3.0)
-        return dict(fn=mt.sinkhorn_knopp, fwd=m.sinkhorn_knopp_fwd, oracle=t_sinkhorn, args=[L],
+        return dict(fn=mt.sinkhorn_knopp, fwd=m.sinkhorn_knopp_fwd, oracle=sinkhorn_reference, args=[L],
                     params=dict(num_iters=num_iters, eps=1e-8),
                     bwd=lambda gs, a, p: m.sinkhorn_knopp_bwd(gs[0], a[0], **p))
     if name == "rmsnorm":
@@ -270,7 +262,7 @@ def test_sinkhorn_grad_modes(rng, num_iters, grad_mode):
     assert float(dL.sum(-1).abs().max()) <= 1e-5 * float(dL.abs().max() + 1e-30), "rows of d_logits sum to 0"
     if grad_mode == "unrolled":
         L64 = leaf64(L)
-        (r,) = torch.autograd.grad(t_sinkhorn(L64, num_iters), L64, g.double())
+        (r,) = torch.autograd.grad(sinkhorn_reference(L64, num_iters), L64, g.double())
         assert_close(dL, r, TOL[torch.float32])
 
 
@@ -282,7 +274,7 @@ def test_sinkhorn_large_logits(rng):
     (dL,) = torch.autograd.grad(P, L, g)
     assert torch.isfinite(P).all() and torch.isfinite(dL).all()
     L64 = leaf64(L)
-    P64 = t_sinkhorn(L64)
+    P64 = sinkhorn_reference(L64)
     (r,) = torch.autograd.grad(P64, L64, g.double())
     assert_close(P, P64, TOL[torch.float32])
     assert_close(dL, r, 1e-5)  # near-one-hot P: tiny gradients, compare at the scale of the largest
