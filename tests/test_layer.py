@@ -42,9 +42,11 @@ from mhc_cupy.torch import (
 )
 from mhc_cupy.torch.reference import MHCReference, mhc_reference, sinkhorn_reference
 
+from harness import TOL, assert_close
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOL_F32 = 1e-5
-U_F32 = 2.0**-24
+TOL_F32 = TOL["float32_layer"].value
+U_F32 = TOL["float32_unit"].value
 
 SHAPES = [  # (lead dims, n, C): the paper's n = 4; odd C; n = 1 (trivial Sinkhorn); 2-D lead; n = 8
     ((2, 3), 4, 16),
@@ -93,20 +95,6 @@ def token_scales(ref, x, g):
         s = d.abs().reshape(-1, d.shape[-1]).sum(0).double()
         scales[name] = torch.maximum(s, s.square().mean().sqrt())
     return scales
-
-
-def assert_close(got, ref, tol, what="", scale=None):
-    got, ref = torch.as_tensor(got).detach().double(), torch.as_tensor(ref).detach().double()
-    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-    assert torch.isfinite(got).all(), f"{what}: non-finite values"
-    if ref.numel() == 0:
-        return
-    if scale is None:
-        scale = ref.square().mean().sqrt()
-    scale = torch.as_tensor(scale, dtype=torch.float64).clamp_min(1e-30)
-    err = (got - ref).abs()
-    bound = tol * (ref.abs() + scale)
-    assert (err <= bound).all(), f"{what}: max error {err.max():.3e}, worst err/bound {(err / bound).max():.2f}"
 
 
 # ------------------------------------------------------- layer vs reference

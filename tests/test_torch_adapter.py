@@ -32,12 +32,12 @@ import mhc_cupy.torch as mt
 from mhc_cupy import reference as R
 from mhc_cupy.torch.reference import sinkhorn_reference
 
+from harness import TOL, assert_close
+
 REPO = Path(__file__).resolve().parents[1]
 
-# Unit roundoff of each output dtype: the CPU path rounds a float64 result once
-# (ml_dtypes may round float64 -> float32 -> bfloat16: still within one unit).
-# The bound used is tol * (|ref| + rms(ref)), so tol = u covers one rounding.
-TOL = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-10}
+# The CPU path rounds a float64 result once: harness.TOL["rounding"], per output dtype.
+ROUNDING = TOL["rounding"]
 
 SHAPES = [  # (lead dims, n, C): n = 1 (trivial Sinkhorn), odd C, one token, 2-D lead
     ((1,), 1, 7),
@@ -65,20 +65,6 @@ def f64(t):
 
 def leaf64(t):
     return t.detach().to(torch.float64).requires_grad_(True)
-
-
-def assert_close(got, ref, tol, what=""):
-    """|got - ref| <= tol * (|ref| + rms(ref)) elementwise, and shapes equal."""
-    got = np.asarray(got.detach().to(torch.float64).numpy() if isinstance(got, torch.Tensor) else got, np.float64)
-    ref = np.asarray(ref.detach().numpy() if isinstance(ref, torch.Tensor) else ref, np.float64)
-    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
-    assert np.isfinite(got).all(), f"{what}: non-finite values"
-    if ref.size == 0:
-        return
-    scale = max(float(np.sqrt(np.mean(ref**2))), 1e-300)
-    err = np.abs(got - ref)
-    bound = tol * (np.abs(ref) + scale)
-    assert (err <= bound).all(), f"{what}: max error {err.max():.3e} (scale {scale:.3e}, tol {tol:.1e})"
 
 
 def assert_same(a, b, what=""):
@@ -197,7 +183,7 @@ def test_forward_and_backward(rng, op, lead, n, C):
     assert len(outs) == len(refs)
     for i, (o, r) in enumerate(zip(outs, refs)):
         assert o.device == args[0].device and o.is_contiguous()
-        assert_close(o, r, TOL[o.dtype], f"{op} output {i}")
+        assert_close(o, r, ROUNDING[o.dtype], f"{op} output {i}")
     # backward via autograd
     gs = upstream_like(rng, outs)
     got = grads_of(outs, args, gs)
@@ -211,9 +197,9 @@ def test_forward_and_backward(rng, op, lead, n, C):
     o64 = as_tuple(call(c, a64, fn=c["oracle"]))
     ref = grads_of(o64, a64, [g.to(torch.float64) for g in gs])
     for i, (o, r) in enumerate(zip(outs, o64)):
-        assert_close(o, r, TOL[o.dtype], f"{op} output {i} vs torch float64")
+        assert_close(o, r, ROUNDING[o.dtype], f"{op} output {i} vs torch float64")
     for i, (g, r) in enumerate(zip(got, ref)):
-        assert_close(g, r, TOL[g.dtype], f"{op} grad {i} vs torch float64 autograd")
+        assert_close(g, r, ROUNDING[g.dtype], f"{op} grad {i} vs torch float64 autograd")
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -228,7 +214,7 @@ def test_shared_h(rng, op, shared):
     ref = grads_of(c["oracle"](*a64), a64, [g.double() for g in gs])
     assert got[1].shape == c["args"][1].shape
     for i, (g, r) in enumerate(zip(got, ref)):
-        assert_close(g, r, TOL[g.dtype], f"{op} grad {i}")
+        assert_close(g, r, ROUNDING[g.dtype], f"{op} grad {i}")
 
 
 @pytest.mark.parametrize("weight", [False, True])
@@ -246,9 +232,9 @@ def test_rmsnorm_weight(rng, weight):
     x64 = leaf64(x)
     w64 = None if w is None else leaf64(w)
     t_rmsnorm(x64, 1e-2, w64).backward(g.double())
-    assert_close(x.grad, x64.grad, TOL[torch.float32])
+    assert_close(x.grad, x64.grad, ROUNDING[torch.float32])
     if weight:
-        assert_close(w.grad, w64.grad, TOL[torch.float32])
+        assert_close(w.grad, w64.grad, ROUNDING[torch.float32])
 
 
 @pytest.mark.parametrize("num_iters", [0, 1, 3, 20])
@@ -263,7 +249,7 @@ def test_sinkhorn_grad_modes(rng, num_iters, grad_mode):
     if grad_mode == "unrolled":
         L64 = leaf64(L)
         (r,) = torch.autograd.grad(sinkhorn_reference(L64, num_iters), L64, g.double())
-        assert_close(dL, r, TOL[torch.float32])
+        assert_close(dL, r, ROUNDING[torch.float32])
 
 
 def test_sinkhorn_large_logits(rng):
@@ -276,7 +262,7 @@ def test_sinkhorn_large_logits(rng):
     L64 = leaf64(L)
     P64 = sinkhorn_reference(L64)
     (r,) = torch.autograd.grad(P64, L64, g.double())
-    assert_close(P, P64, TOL[torch.float32])
+    assert_close(P, P64, ROUNDING[torch.float32])
     assert_close(dL, r, 1e-5)  # near-one-hot P: tiny gradients, compare at the scale of the largest
 
 
@@ -353,7 +339,7 @@ def test_pre_op_unused_outputs(rng, monkeypatch, used):
     a64 = [leaf64(a) for a in args]
     ref = grads_of(t_pre(*a64), a64, [None if g is None else g.double() for g in gs])
     for i, (g, r) in enumerate(zip(got, ref)):
-        assert_close(g, torch.zeros_like(g, dtype=torch.float64) if r is None else r, TOL[g.dtype], f"grad {i}")
+        assert_close(g, torch.zeros_like(g, dtype=torch.float64) if r is None else r, ROUNDING[g.dtype], f"grad {i}")
 
 
 def test_noncontiguous_upstream_gradient(rng):
@@ -412,14 +398,14 @@ def test_half_precision_on_cpu(rng, op, dtype):
     assert outs[0].dtype == dtype and all(o.dtype == torch.float32 for o in outs[1:])
     refs = as_tuple(call(c, [f64(a) for a in args], fn=getattr(R, c["fwd"].__name__)))
     for o, r in zip(outs, refs):
-        assert_close(o, r, TOL[o.dtype])
+        assert_close(o, r, ROUNDING[o.dtype])
     gs = upstream_like(rng, outs)
     got = grads_of(outs, args, gs)
     a64 = [leaf64(a) for a in args]
     ref = grads_of(call(c, a64, fn=c["oracle"]), a64, [g.double() for g in gs])
     for a, g, r in zip(args, got, ref):
         assert g.dtype == a.dtype
-        assert_close(g, r, TOL[g.dtype])
+        assert_close(g, r, ROUNDING[g.dtype])
 
 
 @pytest.mark.parametrize("op", ["stream_mix", "rmsnorm", "mhc_pre_op"])
