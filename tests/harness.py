@@ -16,6 +16,7 @@ Two meanings of "close", each once:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -149,3 +150,41 @@ def assert_rounded(actual, expected, dtype):
     a, e = f64(actual), f64(expected)
     assert a.shape == e.shape, (a.shape, e.shape)
     np.testing.assert_allclose(a, e, rtol=TOL["rounding_elementwise"][dtype], atol=1e-30)
+
+
+# ------------------------------------------------------------------ torch helpers
+@contextlib.contextmanager
+def default_dtype(dtype):
+    """torch's default dtype set to ``dtype`` inside the block, restored after it."""
+    import torch
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def token_scales(ref, x, g):
+    """Summed magnitude of the per-token contributions to d_alpha and d_bias of the layer
+    ``ref`` (an ``MHCReference``) at input x and output gradient g, floored at its rms.
+
+    The reference is re-run with alpha and bias given per token, so each token's contribution
+    is its own gradient; a rounding error of relative size e in every term moves the sum by at
+    most e times this scale (a gradient that is zero by symmetry still gets noise of that size).
+    """
+    import torch
+
+    from mhc_cupy.torch.reference import mhc_reference
+
+    lead = x.shape[:-2]
+    alpha = ref.alpha.detach().expand(lead + (3,)).clone().requires_grad_()
+    bias = ref.bias.detach().expand(lead + ref.bias.shape).clone().requires_grad_()
+    out = mhc_reference(x.detach(), ref.phi.detach(), alpha, bias, ref.sublayer, ref.num_iters, ref.eps, ref.rms_eps)
+    da, db = torch.autograd.grad(out, (alpha, bias), g)
+    scales = {}
+    for name, d in (("alpha", da), ("bias", db)):
+        s = d.abs().reshape(-1, d.shape[-1]).sum(0).double()
+        scales[name] = torch.maximum(s, s.square().mean().sqrt())
+    return scales

@@ -31,18 +31,11 @@ import torch
 from torch import nn
 
 from mhc_cupy import reference as R
-from mhc_cupy.torch import (
-    MHC,
-    CollapseStreams,
-    ExpandStreams,
-    collapse_streams,
-    expand_streams,
-    identity_bias,
-    mhc_coeffs,
-)
-from mhc_cupy.torch.reference import MHCReference, mhc_reference, sinkhorn_reference
+from mhc_cupy.torch import (MHC, CollapseStreams, ExpandStreams, collapse_streams, expand_streams, identity_bias,
+                            mhc_coeffs)
+from mhc_cupy.torch.reference import MHCReference, sinkhorn_reference
 
-from harness import TOL, assert_close
+from harness import TOL, assert_close, default_dtype, token_scales
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOL_F32 = TOL["float32_layer"].value
@@ -61,10 +54,8 @@ SHAPES = [  # (lead dims, n, C): the paper's n = 4; odd C; n = 1 (trivial Sinkho
 @pytest.fixture(autouse=True)
 def _float32_default():
     """Modules and random tensors here are float32 (another test module sets float64 as the default)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    yield
-    torch.set_default_dtype(old)
+    with default_dtype(torch.float32):
+        yield
 
 
 def make_layer(C, n, seed, norm="layer"):
@@ -77,24 +68,6 @@ def make_layer(C, n, seed, norm="layer"):
         layer.bias.add_(torch.randn_like(layer.bias))
         layer.alpha.copy_(torch.tensor([0.5, 1.0, 1.5]))
     return layer
-
-
-def token_scales(ref, x, g):
-    """Summed magnitude of the per-token contributions to d_alpha and d_bias (floored at its rms).
-
-    The reference is re-run with alpha and bias given per token, so each
-    token's contribution is its own gradient.
-    """
-    lead = x.shape[:-2]
-    alpha = ref.alpha.detach().expand(lead + (3,)).clone().requires_grad_()
-    bias = ref.bias.detach().expand(lead + ref.bias.shape).clone().requires_grad_()
-    out = mhc_reference(x.detach(), ref.phi.detach(), alpha, bias, ref.sublayer, ref.num_iters, ref.eps, ref.rms_eps)
-    da, db = torch.autograd.grad(out, (alpha, bias), g)
-    scales = {}
-    for name, d in (("alpha", da), ("bias", db)):
-        s = d.abs().reshape(-1, d.shape[-1]).sum(0).double()
-        scales[name] = torch.maximum(s, s.square().mean().sqrt())
-    return scales
 
 
 # ------------------------------------------------------- layer vs reference

@@ -15,17 +15,14 @@ import torch
 from mhc_cupy import reference as R
 from mhc_cupy.torch.reference import sinkhorn_reference
 
-from harness import assert_close_uniform
-
+from harness import assert_close_uniform, default_dtype
 
 
 @pytest.fixture(autouse=True)
 def _float64_default():
     """This module's torch oracles run in float64; restore the default afterwards."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+    with default_dtype(torch.float64):
+        yield
 
 
 # ----------------------------------------------------------------------------------------------

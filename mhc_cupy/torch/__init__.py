@@ -59,30 +59,9 @@ from .._deps import require
 
 require("torch", "torch", "mhc_cupy.torch")  # missing: an ImportError naming the extra
 
-from .functions import (  # noqa: E402
-    NAMESPACE,
-    mhc_coeffs,
-    mhc_layer_post,
-    mhc_layer_pre,
-    mhc_post_op,
-    mhc_pre_op,
-    rmsnorm,
-    sinkhorn_knopp,
-    stream_aggregate,
-    stream_distribute,
-    stream_mix,
-)
-from .layers import (  # noqa: E402
-    MHC,
-    CollapseStreams,
-    ExpandStreams,
-    collapse_streams,
-    expand_streams,
-    identity_bias,
-)
+from . import functions, layers  # noqa: E402
+from .functions import *  # noqa: E402,F401,F403 - the differentiable ops (functions.__all__)
+from .functions import NAMESPACE  # noqa: E402,F401
+from .layers import *  # noqa: E402,F401,F403 - MHC and the stream helpers (layers.__all__)
 
-__all__ = [
-    "sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute",
-    "mhc_post_op", "mhc_pre_op", "mhc_coeffs", "mhc_layer_pre", "mhc_layer_post", "MHC", "expand_streams",
-    "collapse_streams", "identity_bias", "ExpandStreams", "CollapseStreams",
-]
+__all__ = functions.__all__ + layers.__all__

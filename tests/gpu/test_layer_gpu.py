@@ -41,9 +41,9 @@ import torch
 from torch import nn
 
 from mhc_cupy.torch import MHC
-from mhc_cupy.torch.reference import MHCReference, mhc_reference
+from mhc_cupy.torch.reference import MHCReference
 
-from harness import TOL, assert_close
+from harness import TOL, assert_close, default_dtype, token_scales
 
 from .helpers import torch_cuda_ok
 
@@ -64,10 +64,8 @@ SHAPES = [  # (lead dims, n, C): the demo's n = 4; odd token count; n = 1; n = 8
 @pytest.fixture(autouse=True)
 def _float32_default():
     """Modules and random tensors here are float32 (another test module sets float64 as the default)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    yield
-    torch.set_default_dtype(old)
+    with default_dtype(torch.float32):
+        yield
 
 
 def make_layer(C, n, seed, device):
@@ -79,27 +77,6 @@ def make_layer(C, n, seed, device):
         layer.bias.add_(torch.randn_like(layer.bias))
         layer.alpha.copy_(torch.tensor([0.5, 1.0, 1.5]))
     return layer.to(device)
-
-
-def token_scales(ref: MHCReference, x, g):
-    """Per-element size of the sums over tokens that make d_alpha and d_bias.
-
-    The reference is re-run with alpha and bias given per token, so each
-    token's contribution is its own gradient; the scale is the sum of their
-    magnitudes (a rounding error of relative size e in every term moves the
-    sum by at most e times this), floored at its rms over the elements
-    (a gradient that is zero by symmetry still gets noise of that size).
-    """
-    lead = x.shape[:-2]
-    alpha = ref.alpha.detach().expand(lead + (3,)).clone().requires_grad_()
-    bias = ref.bias.detach().expand(lead + ref.bias.shape).clone().requires_grad_()
-    out = mhc_reference(x.detach(), ref.phi.detach(), alpha, bias, ref.sublayer, ref.num_iters, ref.eps, ref.rms_eps)
-    da, db = torch.autograd.grad(out, (alpha, bias), g)
-    scales = {}
-    for name, d in (("alpha", da), ("bias", db)):
-        s = d.abs().reshape(-1, d.shape[-1]).sum(0).double()
-        scales[name] = torch.maximum(s, s.square().mean().sqrt())
-    return scales
 
 
 def compare(device, dtype, lead, n, C, seed):

@@ -19,7 +19,6 @@ scale 1), gradients through it "sinkhorn_chain_grad".
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
