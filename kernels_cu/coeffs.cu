@@ -88,12 +88,50 @@ __device__ __forceinline__ float rms_inv(float sumsq, int D, float eps) {
     return 1.f / sqrtf(sumsq / (float)D + eps);
 }
 
+// Sums of squares and float32 overflow (|x| above ~1.8e19 / sqrt(range)): the
+// forward GEMM writes for each D range the sum of x^2, or, when that overflowed,
+// minus the sum of (x mhc::STAT_SCALE)^2 (scaled_sumsq; rows that do not
+// overflow never pay for it).  SumSq adds the per-range values of one token and
+// gives 1/r: from the plain sum, or from the scaled one when a range overflowed
+// or the total did.
+template <typename T>
+__device__ float scaled_sumsq(const T* __restrict__ xt, int d_begin, int d_end) {
+    float s = 0.f;
+    for (int d = d_begin; d < d_end; ++d) {
+        const float v = mhc::to_float<T>(xt[d]) * mhc::STAT_SCALE;
+        s = fmaf(v, v, s);
+    }
+    return s;
+}
+
+struct SumSq {
+    float q = 0.f, qs = 0.f;  // plain sum; scaled sum (x STAT_SCALE)^2
+    bool scaled = false;
+
+    __device__ __forceinline__ void add(float v) {
+        if (v < 0.f) {
+            scaled = true;
+            qs -= v;
+        } else {
+            q += v;
+            qs = fmaf(v * mhc::STAT_SCALE, mhc::STAT_SCALE, qs);
+        }
+    }
+    __device__ __forceinline__ bool overflowed() const { return scaled || isinf(q); }
+    // the per-token value to save: the same convention as one D range
+    __device__ __forceinline__ float saved() const { return overflowed() ? -qs : q; }
+    __device__ __forceinline__ float rinv(int D, float eps) const {
+        return overflowed() ? mhc::rms_inv_scaled(qs, (float)D, eps) : rms_inv(q, D, eps);
+    }
+};
+
 }  // namespace mhc_coeffs
 
 // ------------------------------------------------------------------ forward
 // Forward with several D ranges: h[t, k] from the raw partials, summed in
 // range order.  One thread per (t, k), grid-stride.  stats (may be null):
-// the summed raw H~ and sum of squares [T, K+1] (the fused layer's saved state).
+// the summed raw H~ and sum of squares [T, K+1] (the fused layer's saved state;
+// the sum of squares as SumSq::saved, negative after a float32 overflow).
 __global__ void mhc_coeffs_fwd_finish_kernel(const float* __restrict__ part, const float* __restrict__ alpha,
                                              const float* __restrict__ bias, float* __restrict__ h_pre,
                                              float* __restrict__ h_post, float* __restrict__ h_res,
@@ -103,17 +141,18 @@ __global__ void mhc_coeffs_fwd_finish_kernel(const float* __restrict__ part, con
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
         const i64 t = i / K;
         const int k = (int)(i - t * K);
-        float H = 0.f, q = 0.f;
+        float H = 0.f;
+        mhc_coeffs::SumSq q;
         for (int s = 0; s < splits; ++s) {
             const float* row = part + ((i64)s * tokens + t) * (K + 1);
             H += row[k];
-            q += row[K];
+            q.add(row[K]);
         }
         if (stats != nullptr) {
             stats[t * (K + 1) + k] = H;
-            if (k == 0) stats[t * (K + 1) + K] = q;
+            if (k == 0) stats[t * (K + 1) + K] = q.saved();
         }
-        mhc_coeffs::finish_column(alpha, bias, h_pre, h_post, h_res, t, k, n, H, mhc_coeffs::rms_inv(q, D, eps));
+        mhc_coeffs::finish_column(alpha, bias, h_pre, h_post, h_res, t, k, n, H, q.rinv(D, eps));
     }
 }
 
@@ -131,9 +170,9 @@ __global__ void mhc_coeffs_bwd_prep_kernel(const float* __restrict__ part, const
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     const float a0 = alpha[0], a1 = alpha[1], a2 = alpha[2];
     for (i64 t = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5); t < tokens; t += warps) {
-        float q = 0.f;
-        for (int s = 0; s < splits; ++s) q += part[((i64)s * tokens + t) * (K + 1) + K];
-        const float rinv = mhc_coeffs::rms_inv(q, D, eps);
+        mhc_coeffs::SumSq q;
+        for (int s = 0; s < splits; ++s) q.add(part[((i64)s * tokens + t) * (K + 1) + K]);
+        const float rinv = q.rinv(D, eps);
         float sc = 0.f, q0 = 0.f, q1 = 0.f, q2 = 0.f;
         for (int k = lane; k < K; k += 32) {
             float H = 0.f;
@@ -647,7 +686,8 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
             const i64 t = tok0 + m * 16 + g + 8 * h;
             if (t >= tokens) continue;
             float* row = part + ((i64)split * tokens + t) * (K + 1);
-            if (cc == 0 && tq == 0) row[K] = s;
+            if (cc == 0 && tq == 0)  // after an overflow: minus the scaled sum (see SumSq)
+                row[K] = isinf(s) ? -mhc_coeffs::scaled_sumsq<T>(x + t * (i64)D, d_begin, d_end) : s;
 #pragma unroll
             for (int q = 0; q < NTILE; ++q)
 #pragma unroll

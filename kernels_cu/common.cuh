@@ -139,6 +139,20 @@ template <typename T, int E> struct Packed {
     }
 };
 
+// Row statistics (RMSNorm, the coefficient path's r) sum x^2 in float32, which
+// overflows for |x| above ~1.8e19 / sqrt(length).  A row whose sum comes out
+// inf is summed again with x scaled by STAT_SCALE = 2^-100 (then every finite
+// row fits: x^2 * 2^-200 * 2^31 < FLT_MAX, and the largest element, at least
+// ~4e14 in such a row, stays a normal float), and
+//   1 / sqrt(mean x^2 + eps) = STAT_SCALE / sqrt(mean (x STAT_SCALE)^2 + eps STAT_SCALE^2).
+// Rows that do not overflow never pay for it.
+constexpr float STAT_SCALE = 7.8886090522101181e-31f;  // 2^-100, exact
+
+// 1 / sqrt(sumsq / n + eps) from sumsq = sum (x STAT_SCALE)^2.
+__device__ __forceinline__ float rms_inv_scaled(float sumsq, float n, float eps) {
+    return STAT_SCALE / sqrtf(sumsq / n + eps * STAT_SCALE * STAT_SCALE);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);

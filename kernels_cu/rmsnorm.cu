@@ -1,5 +1,5 @@
 // RMSNorm (OPS.md section 2): y_c = x_c * r (* w_c), r = 1/sqrt(mean_c x_c^2 + eps).
-// Backward with g' = g * w:  dx_c = r g'_c - x_c r^3 mean_k(g'_k x_k);
+// Backward with g' = g * w:  dx_c = r (g'_c - x_c r^2 mean_k(g'_k x_k));
 //                            dw_c = sum_tokens g_c x_c r.
 // One block per row (token); the statistics are recomputed from x.
 // The *_cached kernels keep the row (x, and g in the backward) in registers
@@ -9,6 +9,9 @@
 // shared memory (each thread owns fixed columns: no races, no atomics) and
 // written as one partial row per block; mhc_column_sum_kernel then sums the
 // partial rows in a fixed order.
+// Sums of x^2 that overflow float32 are redone with x scaled (mhc::STAT_SCALE):
+// the row_sum* helpers take SCALED as a template flag, so the common pass does
+// not multiply.  Column counters are unsigned: C up to 2^31 - 1 never wraps.
 #include "common.cuh"
 
 using mhc::i64;
@@ -22,7 +25,7 @@ namespace {
 template <bool HAS_W>
 __device__ __forceinline__ void dw_begin(float* dw_acc, int C) {
     if (HAS_W)
-        for (int c = threadIdx.x; c < C; c += blockDim.x) dw_acc[c] = 0.f;
+        for (unsigned c = threadIdx.x; c < (unsigned)C; c += blockDim.x) dw_acc[c] = 0.f;
     __syncthreads();
 }
 
@@ -30,11 +33,70 @@ template <bool HAS_W>
 __device__ __forceinline__ void dw_end(const float* dw_acc, float* __restrict__ dw_part, int C) {
     if (HAS_W) {
         __syncthreads();
-        for (int c = threadIdx.x; c < C; c += blockDim.x) dw_part[blockIdx.x * (i64)C + c] = dw_acc[c];
+        for (unsigned c = threadIdx.x; c < (unsigned)C; c += blockDim.x)
+            dw_part[blockIdx.x * (i64)C + c] = dw_acc[c];
     }
 }
 
+// x (times mhc::STAT_SCALE when SCALED) of one element.  The sums below also
+// serve the register-cached kernels' rare rescaled pass (same columns per
+// thread, same order), which reads the row again from memory.
+template <bool SCALED>
+__device__ __forceinline__ float stat_x(float v) {
+    return SCALED ? v * mhc::STAT_SCALE : v;
+}
+
+// This thread's share of sum x^2 over row xt (two-pass kernels).
+template <typename T, int E, bool SCALED>
+__device__ __forceinline__ float row_sumsq(const T* __restrict__ xt, int C) {
+    float a = 0.f;
+    for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
+        float xv[E];
+        mhc::load_vec<T, E>(xt + c, xv);
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const float v = stat_x<SCALED>(xv[e]);
+            a = fmaf(v, v, a);
+        }
+    }
+    return a;
+}
+
+// This thread's share of sum x^2 and sum g' x over rows xt, gt (two-pass kernels).
+template <typename T, typename TG, int E, bool HAS_W, bool SCALED>
+__device__ __forceinline__ void row_sums(const T* __restrict__ xt, const TG* __restrict__ gt,
+                                         const float* __restrict__ w, int C, float (&acc)[2]) {
+    acc[0] = acc[1] = 0.f;
+    for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
+        float xv[E], gv[E];
+        mhc::load_vec<T, E>(xt + c, xv);
+        mhc::load_vec<TG, E>(gt + c, gv);
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const float gp = HAS_W ? gv[e] * w[c + e] : gv[e];
+            const float v = stat_x<SCALED>(xv[e]);
+            acc[0] = fmaf(v, v, acc[0]);
+            acc[1] = fmaf(gp, v, acc[1]);
+        }
+    }
+}
+
+// The backward's per-row factors from the block sums ss = sum (x S)^2 and
+// sg = sum g' (x S) (S = 1, or mhc::STAT_SCALE after an overflow):
+// r = 1/sqrt(mean x^2 + eps) and k = r^2 mean(g' x), so that
+// dx = r (g' - x k).  Written as S q, S q (q mean(g' x S)) with q = r / S:
+// no intermediate underflows (r^3 alone does for |x| above ~1e13).
+__device__ __forceinline__ void row_factors(float ss, float sg, float S, float C, float eps, float& r, float& k) {
+    const float q = 1.f / sqrtf(ss / C + eps * S * S);
+    r = S * q;
+    k = S * (q * (q * (sg / C)));
+}
+
 }  // namespace
+
+// Overflow checks below: red[] holds the block totals, the same in every
+// thread, so the branches are block-uniform; each waits until every thread
+// has read red before summing into it again.
 
 template <typename T, int E, bool HAS_W>
 __global__ void mhc_rmsnorm_fwd_kernel(const T* __restrict__ x, const float* __restrict__ w,
@@ -42,16 +104,16 @@ __global__ void mhc_rmsnorm_fwd_kernel(const T* __restrict__ x, const float* __r
     __shared__ float red[32];
     for (i64 t = blockIdx.x; t < rows; t += gridDim.x) {
         const T* xt = x + t * (i64)C;
-        float acc[1] = {0.f};
-        for (int c = threadIdx.x * E; c < C; c += blockDim.x * E) {
-            float xv[E];
-            mhc::load_vec<T, E>(xt + c, xv);
-#pragma unroll
-            for (int e = 0; e < E; ++e) acc[0] = fmaf(xv[e], xv[e], acc[0]);
-        }
+        float acc[1] = {row_sumsq<T, E, false>(xt, C)};
         mhc::block_sum<1>(acc, red);
-        const float r = 1.f / sqrtf(red[0] / (float)C + eps);
-        for (int c = threadIdx.x * E; c < C; c += blockDim.x * E) {
+        float r = 1.f / sqrtf(red[0] / (float)C + eps);
+        if (isinf(red[0])) {
+            __syncthreads();
+            acc[0] = row_sumsq<T, E, true>(xt, C);
+            mhc::block_sum<1>(acc, red);
+            r = mhc::rms_inv_scaled(red[0], (float)C, eps);
+        }
+        for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
             float xv[E], o[E];
             mhc::load_vec<T, E>(xt + c, xv);
 #pragma unroll
@@ -78,31 +140,27 @@ __global__ void mhc_rmsnorm_bwd_kernel(const TG* __restrict__ g, const T* __rest
     for (i64 t = r0; t < r1; ++t) {
         const T* xt = x + t * (i64)C;
         const TG* gt = g + t * (i64)C;
-        float acc[2] = {0.f, 0.f};  // sum x^2, sum g' x
-        for (int c = threadIdx.x * E; c < C; c += blockDim.x * E) {
-            float xv[E], gv[E];
-            mhc::load_vec<T, E>(xt + c, xv);
-            mhc::load_vec<TG, E>(gt + c, gv);
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                const float gp = HAS_W ? gv[e] * w[c + e] : gv[e];
-                acc[0] = fmaf(xv[e], xv[e], acc[0]);
-                acc[1] = fmaf(gp, xv[e], acc[1]);
-            }
-        }
+        float acc[2];  // sum x^2, sum g' x
+        row_sums<T, TG, E, HAS_W, false>(xt, gt, w, C, acc);
         mhc::block_sum<2>(acc, red);
-        const float r = 1.f / sqrtf(red[0] / (float)C + eps);
-        const float m = red[1] / (float)C;
-        const float r3m = r * r * r * m;
-        for (int c = threadIdx.x * E; c < C; c += blockDim.x * E) {
+        float S = 1.f;  // scale of x in the sums
+        if (isinf(red[0]) || isinf(red[1])) {
+            __syncthreads();
+            row_sums<T, TG, E, HAS_W, true>(xt, gt, w, C, acc);
+            mhc::block_sum<2>(acc, red);
+            S = mhc::STAT_SCALE;
+        }
+        float r, k;
+        row_factors(red[0], red[1], S, (float)C, eps, r, k);
+        for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
             float xv[E], gv[E], o[E];
             mhc::load_vec<T, E>(xt + c, xv);
             mhc::load_vec<TG, E>(gt + c, gv);
 #pragma unroll
             for (int e = 0; e < E; ++e) {
                 const float gp = HAS_W ? gv[e] * w[c + e] : gv[e];
-                o[e] = r * gp - xv[e] * r3m;
-                if (HAS_W) dw_acc[c + e] = fmaf(gv[e] * xv[e], r, dw_acc[c + e]);
+                o[e] = r * fmaf(-xv[e], k, gp);
+                if (HAS_W) dw_acc[c + e] = fmaf(gv[e], xv[e] * r, dw_acc[c + e]);
             }
             mhc::store_vec<T, E>(dx + t * (i64)C + c, o);
         }
@@ -131,7 +189,13 @@ __global__ void mhc_rmsnorm_fwd_cached_kernel(const T* __restrict__ x, const flo
             }
         }
         mhc::block_sum<1>(acc, red);
-        const float r = 1.f / sqrtf(red[0] / (float)C + eps);
+        float r = 1.f / sqrtf(red[0] / (float)C + eps);
+        if (isinf(red[0])) {
+            __syncthreads();
+            acc[0] = row_sumsq<T, E, true>(xt, C);  // from memory: keeps registers as without
+            mhc::block_sum<1>(acc, red);
+            r = mhc::rms_inv_scaled(red[0], (float)C, eps);
+        }
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             const int c = (k * blockDim.x + threadIdx.x) * E;
@@ -159,6 +223,8 @@ __global__ void mhc_rmsnorm_bwd_cached_kernel(const TG* __restrict__ g, const T*
     const i64 r0 = blockIdx.x * rows_per_block;
     const i64 r1 = min(rows, r0 + rows_per_block);
     for (i64 t = r0; t < r1; ++t) {
+        const T* xt = x + t * (i64)C;
+        const TG* gt = g + t * (i64)C;
         mhc::Packed<T, E> xv[K];
         mhc::Packed<TG, E> gv[K];
         float acc[2] = {0.f, 0.f};  // sum x^2, sum g' x
@@ -166,8 +232,8 @@ __global__ void mhc_rmsnorm_bwd_cached_kernel(const TG* __restrict__ g, const T*
         for (int k = 0; k < K; ++k) {
             const int c = (k * blockDim.x + threadIdx.x) * E;
             if (c < C) {
-                xv[k].load(x + t * (i64)C + c);
-                gv[k].load(g + t * (i64)C + c);
+                xv[k].load(xt + c);
+                gv[k].load(gt + c);
 #pragma unroll
                 for (int e = 0; e < E; ++e) {
                     const float gp = HAS_W ? gv[k][e] * w[c + e] : gv[k][e];
@@ -177,8 +243,15 @@ __global__ void mhc_rmsnorm_bwd_cached_kernel(const TG* __restrict__ g, const T*
             }
         }
         mhc::block_sum<2>(acc, red);
-        const float r = 1.f / sqrtf(red[0] / (float)C + eps);
-        const float r3m = r * r * r * (red[1] / (float)C);
+        float S = 1.f;  // scale of x in the sums
+        if (isinf(red[0]) || isinf(red[1])) {
+            __syncthreads();
+            row_sums<T, TG, E, HAS_W, true>(xt, gt, w, C, acc);  // from memory: keeps registers as without
+            mhc::block_sum<2>(acc, red);
+            S = mhc::STAT_SCALE;
+        }
+        float r, kf;
+        row_factors(red[0], red[1], S, (float)C, eps, r, kf);
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             const int c = (k * blockDim.x + threadIdx.x) * E;
@@ -187,8 +260,8 @@ __global__ void mhc_rmsnorm_bwd_cached_kernel(const TG* __restrict__ g, const T*
 #pragma unroll
                 for (int e = 0; e < E; ++e) {
                     const float gp = HAS_W ? gv[k][e] * w[c + e] : gv[k][e];
-                    o[e] = r * gp - xv[k][e] * r3m;
-                    if (HAS_W) dw_acc[c + e] = fmaf(gv[k][e] * xv[k][e], r, dw_acc[c + e]);
+                    o[e] = r * fmaf(-xv[k][e], kf, gp);
+                    if (HAS_W) dw_acc[c + e] = fmaf(gv[k][e], xv[k][e] * r, dw_acc[c + e]);
                 }
                 mhc::store_vec<T, E>(dx + t * (i64)C + c, o);
             }

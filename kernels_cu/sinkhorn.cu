@@ -5,7 +5,8 @@
 // two chosen by the host: 1 for small N, up to 32), lane l holding rows
 // l, l + G, l + 2G, ... in registers; row sums are local, column sums are a
 // local sum then a butterfly over the G lanes.  Implicit backward: one thread
-// per matrix (it needs the whole matrix for the n x n solve).
+// per matrix (it needs the whole matrix for the n x n solve), or for n > 8 one
+// warp per matrix with the matrices in shared memory.
 //
 // Forward per matrix L:  K = exp(L - rowmax(L));  num_iters times
 //   row step    P_ij <- P_ij * (1 / (sum_k P_ik + eps))
@@ -258,7 +259,15 @@ __global__ void mhc_sinkhorn_knopp_bwd_kernel(const float* __restrict__ grad_P,
         const float* h = hist + (i64)it * SLOTS * hs;
 #pragma unroll
         for (int j = 0; j < N; ++j) {
-            const float d = G == 1 ? h[(R + j) * hs] : __shfl_sync(mask, h[(R + j / G) * hs], j % G, G);
+            // column j's denominator is in slot R + j / G of lane j % G; a lane whose
+            // column lane + (j / G) * G is past N never wrote that slot: it sends 0
+            float d;
+            if (G == 1) {
+                d = h[(R + j) * hs];
+            } else {
+                const float mine = lane + (j / G) * G < N ? h[(R + j / G) * hs] : 0.f;
+                d = __shfl_sync(mask, mine, j % G, G);
+            }
             float s = 0.f;
 #pragma unroll
             for (int r = 0; r < R; ++r) s += u[r][j];
@@ -396,4 +405,150 @@ MHC_UNROLL_N
 MHC_UNROLL_N
         for (int j = 0; j < N; ++j) dL[i * N + j] = P[i * N + j] * (G[i * N + j] - a - b[j]);
     }
+}
+
+// Implicit-mode backward for larger N (the host uses it for N > 8, where the
+// one-thread kernel's three N x N arrays would live in local memory: 12 KB of
+// stack per thread at N = 32).  One warp per matrix, IMPLICIT_WARPS matrices
+// per block (blockDim.x = 32 * IMPLICIT_WARPS); P and S = L L^T live in shared
+// memory, rows padded to N + 1 floats so that walking a row (lane i owns row
+// i) and walking a column (lane j owns column j) are both free of bank
+// conflicts; lanes >= N only take part in the shuffles.  The arithmetic is
+// that of the one-thread kernel, step for step, except the back substitution
+// L^T b = y, which subtracts its terms in the opposite order.
+namespace {
+constexpr int IMPLICIT_WARPS = 4;
+}
+
+template <int N>
+__global__ void __launch_bounds__(32 * IMPLICIT_WARPS)
+mhc_sinkhorn_knopp_implicit_bwd_warp_kernel(const float* __restrict__ grad_P, const float* __restrict__ logits,
+                                            float* __restrict__ d_logits, const float* __restrict__ g_post,
+                                            const float* __restrict__ h_post_raw, float* __restrict__ d_post_raw,
+                                            i64 tokens, int iters, float eps) {
+    static_assert(N <= 32, "one lane per row");
+    constexpr int NP = N + 1;
+    constexpr unsigned FULL = 0xffffffffu;
+    __shared__ float s_P[IMPLICIT_WARPS][N][NP], s_S[IMPLICIT_WARPS][N][NP];
+    __shared__ float s_v[IMPLICIT_WARPS][4][N];  // row sums of P, of P*G; then b, a
+    const int warp = threadIdx.x >> 5, l = threadIdx.x & 31;
+    const i64 t = blockIdx.x * (i64)IMPLICIT_WARPS + warp;
+    if (t >= tokens) return;  // the whole warp (t is warp-uniform)
+    const bool own = l < N;
+    if (h_post_raw != nullptr && own) {
+        const float hp = 2.f * mhc::sigmoid(h_post_raw[t * N + l]);
+        const float gp = g_post ? g_post[t * N + l] : 0.f;
+        d_post_raw[t * N + l] = gp * hp * (1.f - 0.5f * hp);
+    }
+    float* dL = d_logits + t * (N * N);
+    if (grad_P == nullptr) {
+        for (int k = l; k < N * N; k += 32) dL[k] = 0.f;
+        return;
+    }
+    float(*P)[NP] = s_P[warp];
+    float(*S)[NP] = s_S[warp];
+    float* rs_v = s_v[warp][0];
+    float* r_v = s_v[warp][1];
+    float* b_v = s_v[warp][2];
+    float* a_v = s_v[warp][3];
+    const float* Lt = logits + t * (N * N);
+    const float* Gt = grad_P + t * (N * N);
+    for (int k = l; k < N * N; k += 32) P[k / N][k % N] = Lt[k];  // coalesced
+    __syncwarp();
+    if (own) {  // K = exp(L - rowmax(L)), row l
+        float m = P[l][0];
+        for (int j = 1; j < N; ++j)
+            if (P[l][j] > m) m = P[l][j];
+        for (int j = 0; j < N; ++j) P[l][j] = expf(P[l][j] - m);
+    }
+    __syncwarp();
+    for (int it = 0; it < iters; ++it) {
+        if (own) {  // row step, row l
+            float s = 0.f;
+            for (int j = 0; j < N; ++j) s += P[l][j];
+            const float inv = 1.f / (s + eps);
+            for (int j = 0; j < N; ++j) P[l][j] *= inv;
+        }
+        __syncwarp();
+        if (own) {  // column step, column l
+            float s = 0.f;
+            for (int i = 0; i < N; ++i) s += P[i][l];
+            const float inv = 1.f / (s + eps);
+            for (int i = 0; i < N; ++i) P[i][l] *= inv;
+        }
+        __syncwarp();
+    }
+    // lane l: row sums rs, r of row l (P, P*G) and column sums cs, c of column l
+    float cs = 0.f, c = 0.f;
+    if (own) {
+        float rs = 0.f, r = 0.f;
+        for (int j = 0; j < N; ++j) {
+            const float p = P[l][j];
+            rs += p;
+            r += p * Gt[l * N + j];
+        }
+        for (int i = 0; i < N; ++i) {
+            const float p = P[i][l];
+            cs += p;
+            c += p * Gt[i * N + l];
+        }
+        rs_v[l] = rs;
+        r_v[l] = r;
+    }
+    __syncwarp();
+    // lane j: b_j = c_j - sum_i P_ij r_i / rs_i and row j of S + 1 1^T
+    float v = 0.f;
+    if (own) {
+        float acc = c;
+        for (int i = 0; i < N; ++i) acc -= P[i][l] * r_v[i] / rs_v[i];
+        v = acc;
+        for (int k = 0; k < N; ++k) {
+            float s = (l == k ? cs : 0.f) + 1.f;
+            for (int i = 0; i < N; ++i) s -= P[i][l] * P[i][k] / rs_v[i];
+            S[l][k] = s;
+        }
+    }
+    __syncwarp();
+    // Cholesky, column by column (pivots below 1e-8 as in the one-thread kernel);
+    // lane i > j finishes S[i][j] of column j.
+    float pinv = 0.f;  // lane l: 1 / L_ll
+    for (int j = 0; j < N; ++j) {
+        float dj = 0.f;
+        if (l == j) {
+            dj = S[j][j];
+            for (int k = 0; k < j; ++k) dj -= S[j][k] * S[j][k];
+        }
+        dj = __shfl_sync(FULL, dj, j);
+        const float pj = dj > 1e-8f ? 1.f / sqrtf(dj) : 0.f;
+        if (l == j) {
+            pinv = pj;
+            S[j][j] = dj > 1e-8f ? sqrtf(dj) : 0.f;
+        } else if (l > j && own) {
+            float w = S[l][j];
+            for (int k = 0; k < j; ++k) w -= S[l][k] * S[j][k];
+            S[l][j] = w * pj;
+        }
+        __syncwarp();
+    }
+    // L y = b (lane i holds b_i, then y_i), then L^T b = y (lane i: b_i)
+    for (int k = 0; k < N; ++k) {
+        if (l == k) v *= pinv;
+        const float bk = __shfl_sync(FULL, v, k);
+        if (l > k && own) v -= S[l][k] * bk;
+    }
+    for (int k = N - 1; k >= 0; --k) {
+        if (l == k) v *= pinv;
+        const float bk = __shfl_sync(FULL, v, k);
+        if (l < k) v -= S[k][l] * bk;
+    }
+    if (own) b_v[l] = v;
+    __syncwarp();
+    if (own) {  // a_i = (r_i - sum_j P_ij b_j) / rs_i
+        float pb = 0.f;
+        for (int j = 0; j < N; ++j) pb += P[l][j] * b_v[j];
+        a_v[l] = (r_v[l] - pb) / rs_v[l];
+    }
+    __syncwarp();
+    if (own)  // dL = P * (G - a 1^T - 1 b^T), row by row (coalesced)
+        for (int i = 0; i < N; ++i) dL[i * N + l] = P[i][l] * (Gt[i * N + l] - a_v[i] - v);
 }

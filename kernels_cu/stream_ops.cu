@@ -31,7 +31,7 @@ __global__ void mhc_post_op_fwd_kernel(const T* __restrict__ x, const T* __restr
         const T* xt = x + t * N * (i64)C;
         const T* yt = y + t * (i64)C;
         T* ot = out + t * N * (i64)C;
-        for (int c = threadIdx.x * E; c < C; c += blockDim.x * E) {
+        for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
             float xv[HAS_X ? N : 1][E];
             float yv[E];
             if (HAS_X) {
@@ -91,7 +91,7 @@ __global__ void mhc_post_op_bwd_kernel(const TG* __restrict__ g, const T* __rest
             float acc[K > 0 ? K : 1];
 #pragma unroll
             for (int k = 0; k < K; ++k) acc[k] = 0.f;
-            for (int c = threadIdx.x * E; c < C; c += blockDim.x * E) {
+            for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
                 float gv[N][E];
                 float xv[HAS_X ? N : 1][E];
                 float yv[E];
@@ -184,7 +184,7 @@ __global__ void mhc_stream_aggregate_fwd_kernel(const T* __restrict__ x, const f
         for (int k = threadIdx.x; k < N; k += blockDim.x) s_h[k] = h[t * h_stride + k];
         __syncthreads();
         const T* xt = x + t * N * (i64)C;
-        for (int c = threadIdx.x * E; c < C; c += blockDim.x * E) {
+        for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
             float xv[N][E];
 #pragma unroll
             for (int i = 0; i < N; ++i) mhc::load_vec<T, E>(xt + (i64)i * C + c, xv[i]);
@@ -226,7 +226,7 @@ __global__ void mhc_stream_aggregate_bwd_kernel(const TG* __restrict__ g, const 
         float acc[N];
 #pragma unroll
         for (int i = 0; i < N; ++i) acc[i] = 0.f;
-        for (int c = threadIdx.x * E; c < C; c += blockDim.x * E) {
+        for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
             float gv[E];
             float xv[N][E];
             if (g != nullptr) {

@@ -150,3 +150,16 @@ def same_device(infos: dict) -> tuple:
 
 def _dev(d) -> str:
     return "cpu" if d[0] == "cpu" else f"{d[0]}:{d[1]}"
+
+
+#: Longest row (hidden size C) of an activation: kernels take C as a 32-bit int.
+MAX_ROW = 2**31 - 1
+
+
+def row_length(name: str, info) -> int:
+    """C = the last dim of ``name``; raises ValueError (before anything is allocated) above MAX_ROW."""
+    C = info.shape[-1]
+    if C > MAX_ROW:
+        raise ValueError(f"{name} has shape {tuple(info.shape)}: its last dim C = {C} exceeds the supported "
+                         f"maximum 2^31 - 1 = {MAX_ROW}")
+    return C

@@ -14,6 +14,19 @@ NumPy reference for CPU inputs.
      misread), allocate outputs and scratch in the caller's framework,
      launch on the caller's current stream, return the outputs.
 
+Streams: the kernels run on the current stream (of the input's device) of
+the framework of the first input (CuPy's for JAX and other DLPack inputs,
+which are imported through CuPy: their producers order their work before
+CuPy's stream).  When inputs come from several frameworks (a torch tensor
+and a CuPy array, say), the launch stream first waits (a CUDA event, no host
+sync) for the current stream of every other framework, which has queued
+those inputs and any contiguous copy of them; afterwards each of those
+streams waits for the launch stream, so nothing queued there later (such as
+the reuse of a freed input or copy by its allocator) overtakes the kernels.
+JAX does not know our stream reads its buffers: a call with a JAX input
+finishes the launch stream before it returns (eager JAX only; under jit
+mhc_cupy.jax runs on XLA's own stream and buffers instead).
+
 Fast path: a GPU call whose inputs are all contiguous torch (or all CuPy)
 arrays is keyed by planner, shapes, dtypes, devices and parameters (values
 and types: ``num_iters=True`` must not hit the plan of ``num_iters=1``).  The
@@ -216,10 +229,24 @@ def run(planner, arrays: dict, **params):
     return _run(planner, arrays, key, params)
 
 
+def _join(waiter: int, producer: int) -> None:
+    """Make stream ``waiter`` wait for the work queued so far on stream
+    ``producer`` (same device, the current one): an event, no host sync."""
+    from cupy.cuda import runtime
+
+    event = runtime.eventCreateWithFlags(runtime.eventDisableTiming)
+    try:
+        runtime.eventRecord(event, producer)
+        runtime.streamWaitEvent(waiter, event, 0)
+    finally:
+        runtime.eventDestroy(event)  # released once the wait is done
+
+
 def _run(planner, arrays: dict, fast_key, params: dict):
     objs, infos = {}, {}
     out_fw = None
     like = None
+    has_jax = False
     grad = False  # some torch input requires grad
     for name, v in arrays.items():
         if v is None:
@@ -238,6 +265,7 @@ def _run(planner, arrays: dict, fast_key, params: dict):
         if fw == "torch" and v.requires_grad:
             grad = True
         if fw == "jax" and info.device[0] == "cuda":
+            has_jax = True
             if out_fw is None:
                 out_fw, like = "jax", v
             v = fe.to_cupy(v)
@@ -275,6 +303,7 @@ def _run(planner, arrays: dict, fast_key, params: dict):
     try:
         alloc_like = like if out_fw == "torch" else None
         outs = [afe.empty(shape, dt, alloc_like) for shape, dt in plan.outputs]
+        stream = afe.stream(dev)
         if not plan.empty:
             ptrs = {}
             for name, info in infos.items():
@@ -290,8 +319,18 @@ def _run(planner, arrays: dict, fast_key, params: dict):
                 ptrs[name] = info.ptr
             scratch = [afe.empty(shape, dt, alloc_like) for shape, dt in plan.scratch]
             out_ptrs, scratch_ptrs = [afe.ptr(o) for o in outs], [afe.ptr(s) for s in scratch]
+            fws = {fw for fw, _ in objs.values()}
+            others = ()
+            if len(fws) > 1:  # several frameworks: order their streams (see the module docstring)
+                others = {_interop.frontend(fw).stream(dev) for fw in fws} - {stream}
+                for s in others:
+                    _join(stream, s)
             with _replay.recording() as launched:
-                plan.launch(ptrs, out_ptrs, scratch_ptrs, afe.stream(dev))
+                plan.launch(ptrs, out_ptrs, scratch_ptrs, stream)
+            for s in others:
+                _join(s, stream)
+            if has_jax:
+                cupy.cuda.runtime.streamSynchronize(stream)
             if fast_key is not None:
                 in_ptrs = [p for p in ptrs.values() if p is not None]
                 replay = _replay.record(launched, in_ptrs + out_ptrs + scratch_ptrs)
@@ -303,10 +342,6 @@ def _run(planner, arrays: dict, fast_key, params: dict):
             _fast.clear()
         _fast[fast_key] = _Entry(plan, afe, dev, replay)
     if out_fw == "jax":
-        # JAX does not know our stream reads its input buffers (imported through
-        # DLPack): finish before they can be freed.  Eager JAX only; under jit
-        # mhc_cupy.jax runs on XLA's own stream and buffers instead.
-        cupy.cuda.get_current_stream().synchronize()
         jfe = _interop.frontend("jax")
         outs = [jfe.from_cupy(o) for o in outs]
     return outs[0] if plan.single else tuple(outs)

@@ -180,16 +180,23 @@ class _Jax:
             raise ValueError(f"a jax array sharded over {len(devs)} devices is not supported; got {devs}")
         return next(iter(devs))
 
+    @staticmethod
+    def _ordinal(d) -> int:
+        return getattr(d, "local_hardware_id", d.id)
+
     def info(self, x) -> ArrayInfo:
         d = self._device(x)
         if d.platform == "cpu":
             return ArrayInfo(tuple(x.shape), _np_name(x.dtype), ("cpu", 0))
-        return ArrayInfo(tuple(x.shape), _np_name(x.dtype), ("cuda", getattr(d, "local_hardware_id", d.id)))
+        return ArrayInfo(tuple(x.shape), _np_name(x.dtype), ("cuda", self._ordinal(d)))
 
     def to_cupy(self, x):
+        """A CuPy view of x; JAX orders its pending writes of x before CuPy's
+        current stream of x's device (hence the device switch)."""
         import cupy
 
-        return cupy.from_dlpack(x)
+        with cupy.cuda.Device(self._ordinal(self._device(x))):
+            return cupy.from_dlpack(x)
 
     def from_cupy(self, a):
         import jax.dlpack

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: every test (CPU and GPU), compute-sanitizer memcheck + racecheck
-# + synccheck on a representative subset, the benchmarks, the training demo and
+# + synccheck + initcheck on a representative subset, the benchmarks, the training demo and
 # the notebooks; prints a summary at the end.
 # With 2 or more GPUs visible it also runs the 2-GPU checks (step multigpu: tests/gpu/test_multidevice_gpu.py;
 # step multigpu_bench: scripts/multigpu_bench.py, JAX token-sharded layer and demo tokens/s, 1 vs 2 GPUs).
@@ -22,7 +22,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false  # JAX must not take 75% of the GPU i
 PY=${PYTHON:-python3}
 declare -A status
 
-STEPS=" ${GPU_CHECK_STEPS:-info warmup tests memcheck racecheck synccheck demo bench bench_layer bench_block notebooks multigpu multigpu_bench} "
+STEPS=" ${GPU_CHECK_STEPS:-info warmup tests memcheck racecheck synccheck initcheck demo bench bench_layer bench_block notebooks multigpu multigpu_bench} "
 NGPU=$($PY -c "import cupy; print(cupy.cuda.runtime.getDeviceCount())" 2>/dev/null || echo 0)
 MULTI_IGNORE=""
 if [ "$NGPU" -ge 2 ]; then  # the 2-GPU tests run in their own step (serially, not under xdist)
@@ -48,6 +48,8 @@ if command -v compute-sanitizer > /dev/null; then
     step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 $PY scripts/sanitize_subset.py
     step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 $PY scripts/sanitize_subset.py
     step synccheck compute-sanitizer --tool synccheck --error-exitcode 9 $PY scripts/sanitize_subset.py
+    # reads of device memory that no one wrote (e.g. unused slots of a scratch buffer)
+    step initcheck compute-sanitizer --tool initcheck --error-exitcode 9 $PY scripts/sanitize_subset.py
 else
     status[sanitizer]="compute-sanitizer not found"
 fi
@@ -66,11 +68,11 @@ fi
 echo
 echo "================ gpu_check summary ================"
 rc=0
-for k in info warmup tests memcheck racecheck synccheck sanitizer bench bench_layer bench_block demo notebooks multigpu multigpu_bench; do
+for k in info warmup tests memcheck racecheck synccheck initcheck sanitizer bench bench_layer bench_block demo notebooks multigpu multigpu_bench; do
     [ -n "${status[$k]:-}" ] || continue
     echo "$k: ${status[$k]}"
     case "${status[$k]}" in rc=0* | skipped:*) ;; *) rc=1 ;; esac
 done
 grep -E "passed|failed" "$OUT/tests.log" | tail -n 1
-grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/memcheck.log "$OUT"/racecheck.log "$OUT"/synccheck.log 2>/dev/null
+grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/{memcheck,racecheck,synccheck,initcheck}.log 2>/dev/null
 exit $rc

@@ -31,7 +31,9 @@ _MIN_STEPS_PER_RANGE = 4  # a D range of the forward GEMM spans at least this ma
 _MIN_TOKENS_PER_SPLIT = 64
 _MAX_SPLITS = 64
 _MAX_PARTIAL_FLOATS = 16 * 2**20  # dphi partials of the backward: at most 64 MiB
-_MAX_I32 = 2**31 - 1
+#: Longest vec(x) (D = n * C): the kernels index positions of D in 32 bits,
+#: with overshoots of up to a D range past D (phi is D x (n^2 + 2n) floats: 12 GiB at n = 1).
+_MAX_D = 2**30
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -61,8 +63,9 @@ def _check(infos, eps, with_grads: bool):
         raise ValueError(f"x has shape {tuple(infos['x'].shape)}; mhc_coeffs needs C >= 1 "
                          "(the RMS of an empty vector is undefined)")
     D, K = n * C, columns(n)
-    if D > _MAX_I32:
-        raise ValueError(f"x has n * C = {D}; mhc_coeffs supports n * C < 2^31")
+    if D > _MAX_D:
+        raise ValueError(f"x has shape {tuple(infos['x'].shape)}: n * C = {D} exceeds the supported maximum "
+                         f"2^30 = {_MAX_D} of the coefficient path")
     for name, shape, why in (("phi", (D, K), "[n*C, n*n + 2n] with n, C of x; columns pre | post | res"),
                              ("alpha", (3,), "(alpha_pre, alpha_post, alpha_res)"),
                              ("bias", (K,), "[n*n + 2n], the column order of phi")):

@@ -12,11 +12,16 @@ _FILE = "rmsnorm.cu"
 #: Blocks of the weighted backward: each sums dw over a contiguous range of
 #: rows; fixed (independent of the device) so results are reproducible anywhere.
 _BWD_BLOCKS = 1024
-#: Shared memory a block may use on an H100 / H200 (static and dynamic together); the
-#: weighted backward kernels take C floats of dynamic shared memory on top of their
-#: static ``red[2 * 32]`` floats.
-_MAX_SMEM = 227 * 1024
+#: Static shared memory of the backward kernels (``red``: 2 x 32 floats); the
+#: weighted backward adds C floats of dynamic shared memory (its dw row).
 _BWD_STATIC_SMEM = 2 * 32 * 4
+#: Shared memory a block may use on an H100 / H200 (static and dynamic together),
+#: the most of any supported GPU: the weighted backward's C limit everywhere (the
+#: CPU too: one contract) is at most (_MAX_SMEM - _BWD_STATIC_SMEM) / 4; a GPU with
+#: less opt-in shared memory per block lowers it.
+_MAX_SMEM = 227 * 1024
+#: Shared memory per block every CUDA GPU since sm_70 grants without opting in.
+_DEFAULT_SMEM = 48 * 1024
 #: Register-cached kernels: the vectors per thread K tried, smallest first,
 #: and the largest block taken, per direction.  Measured on an H200 (bf16,
 #: rows of 4096 / 10240 / 16384 / 28672): the forward was fastest with K >= 2
@@ -43,6 +48,61 @@ def cached_layout(direction: str, C: int, E: int, dtypes) -> tuple | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_optin(ordinal: int) -> int | None:
+    """cudaDevAttrMaxSharedMemoryPerBlockOptin of GPU ``ordinal`` (bytes), or
+    None when no such GPU can be queried (then the launch checks)."""
+    try:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        return rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, ordinal)
+    except Exception:  # noqa: BLE001 - no CuPy / driver / device: nothing to query
+        return None
+
+
+def _weighted_c_error(C: int, smem: int, static: int, where: str) -> ValueError:
+    return ValueError(
+        f"rmsnorm_bwd with a weight supports C <= {(smem - static) // 4}; x has C = {C} (the backward keeps a "
+        f"float32 row of C in shared memory: {smem} bytes per block {where}, {static} of them static)")
+
+
+def check_weighted_c(C: int, device) -> None:
+    """Raise ValueError when the weighted backward's dw row (C floats of
+    dynamic shared memory) cannot fit: C <= (S - 256) / 4 with S the opt-in
+    shared memory per block of ``device`` (a ("cuda", ordinal) tuple), at most
+    _MAX_SMEM: C <= 58048 on sm_90 and on the CPU, 41664 on sm_80, 25280 on
+    sm_86 / sm_89."""
+    smem, where = _MAX_SMEM, "on an H100 / H200"
+    if device[0] == "cuda" and C * 4 + _BWD_STATIC_SMEM > _DEFAULT_SMEM:
+        optin = _smem_optin(device[1])
+        if optin is not None and optin <= smem:
+            smem, where = optin, f"on {device[0]}:{device[1]}"
+    if C * 4 + _BWD_STATIC_SMEM > smem:
+        raise _weighted_c_error(C, smem, _BWD_STATIC_SMEM, where)
+
+
+_static_smem: dict = {}  # function pointer -> its static shared memory (bytes)
+
+
+def _check_launch_smem(expr: str, C: int) -> None:
+    """The exact check at launch: C floats plus the compiled kernel's static
+    shared memory within the current device's opt-in limit."""
+    if getattr(_jit._local, "dry_run", None) is not None:  # listing kernels (_jit.dry_run): no GPU
+        return
+    import cupy
+    from cupy_backends.cuda.api import driver
+
+    dev = cupy.cuda.runtime.getDevice()
+    optin = _smem_optin(dev)
+    fn = _jit.get_function(_FILE, expr)
+    static = _static_smem.get(fn.ptr)
+    if static is None:
+        static = _static_smem[fn.ptr] = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn.ptr)
+    if optin is not None and C * 4 + static > optin:
+        raise _weighted_c_error(C, optin, static, f"on cuda:{dev}")
+
+
 def _kernel(kind: str, types: str, E: int, C: int, has_w: bool, layout):
     """(name expression, threads) of the forward / backward kernel for a row of
     C: the register-cached one when ``layout`` is given and its block fits the
@@ -60,7 +120,7 @@ def _check(infos, eps, with_grad: bool):
     x, w = infos["x"], infos["weight"]
     dt = _checks.activation("x", x)
     _checks.min_ndim("x", x, 1, "[..., C]")
-    C = x.shape[-1]
+    C = _checks.row_length("x", x)
     tg = None
     if with_grad:
         tg = _checks.gradient("grad", infos["grad"], dt)
@@ -68,9 +128,8 @@ def _check(infos, eps, with_grad: bool):
     if w is not None:
         _checks.coefficient("weight", w)
         _checks.expect_shape("weight", w.shape, (C,), "one weight per element of the last dim of x")
-        if with_grad and C * 4 + _BWD_STATIC_SMEM > _MAX_SMEM:
-            raise ValueError(f"rmsnorm_bwd with a weight supports C <= {(_MAX_SMEM - _BWD_STATIC_SMEM) // 4}; "
-                             f"x has C = {C}")
+        if with_grad:
+            check_weighted_c(C, x.device)
     return dt, tg, C, tokens_of(x.shape[:-1]), _checks.eps("eps", eps)
 
 
@@ -99,6 +158,8 @@ def _plan_bwd(infos, eps):
     def run_kernels(p, outs, scratch, stream):
         E = vec_width(1, C, [(p["x"], dt), (p["grad"], tg), (outs[0], dt)])
         expr, threads = _kernel("bwd", f"{CTYPE[dt]},{CTYPE[tg]}", E, C, has_w, cached_layout("bwd", C, E, (dt, tg)))
+        if has_w and C * 4 > _DEFAULT_SMEM // 2:
+            _check_launch_smem(expr, C)
         launch(_FILE, expr, (blocks, 1, 1), (threads, 1, 1),
                (p["grad"], p["x"], p["weight"], outs[0], scratch[0] if has_w else None, i64(rows), i32(C), f32(eps),
                 i64(per_block)), stream, shared_mem=C * 4 if has_w else 0)
@@ -154,7 +215,10 @@ def rmsnorm_bwd(grad, x, eps=1e-5, weight=None):
         (deterministic, no atomics).
 
     Raises:
-        TypeError / ValueError: as the forward; grad shape differs from x.
+        TypeError / ValueError: as the forward; grad shape differs from x;
+        with a weight, C above what a GPU's shared memory per block holds
+        (C floats: C <= 58048 on sm_90 and on the CPU, 41664 on sm_80, 25280 on
+        sm_86 / sm_89).
 
     Autograd: none.  Torch tensors that require grad (with grad mode on) give an
     ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.rmsnorm`` for gradients.

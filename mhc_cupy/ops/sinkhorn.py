@@ -1,6 +1,7 @@
 """Sinkhorn-Knopp projection onto doubly-stochastic matrices (OPS.md section 1).
 
-One launch for all tokens, one thread per n x n matrix (``kernels_cu/sinkhorn.cu``).
+One launch for all tokens (``kernels_cu/sinkhorn.cu``): a group of lanes per matrix (forward,
+unrolled backward), one thread per matrix (implicit backward, n <= 8) or one warp (n > 8).
 """
 
 from __future__ import annotations
@@ -12,6 +13,12 @@ from ._launch import f32, i32, i64, launch, tokens_of
 _FILE = "sinkhorn.cu"
 _THREADS = 64  # lanes per block of the forward / unrolled backward
 _IMPLICIT_THREADS = 64  # one matrix per thread
+#: Above this n the implicit backward runs one warp per matrix with P and the
+#: Schur complement in shared memory (``IMPLICIT_WARPS`` = 4 matrices per
+#: block of 128 threads): one thread per matrix would keep three n x n arrays
+#: in local memory (12 KB of stack per thread at n = 32).
+_IMPLICIT_WARP_N = 8
+_IMPLICIT_WARPS = 4
 _SMEM_LIMIT = 48 * 1024
 
 
@@ -78,8 +85,13 @@ def launch_bwd(n, tokens, iters, eps, grad_mode, grad_P, logits, d_logits, scrat
                g_post=None, h_post_raw=None, d_post_raw=None):
     threads, smem, _ = bwd_history(n, tokens, iters, grad_mode)
     if grad_mode == "implicit":
-        launch(_FILE, f"mhc_sinkhorn_knopp_implicit_bwd_kernel<{n}>", (-(-tokens // threads), 1, 1), (threads, 1, 1),
-               (grad_P, logits, d_logits, g_post, h_post_raw, d_post_raw, i64(tokens), i32(iters), f32(eps)), stream)
+        args = (grad_P, logits, d_logits, g_post, h_post_raw, d_post_raw, i64(tokens), i32(iters), f32(eps))
+        if n > _IMPLICIT_WARP_N:
+            launch(_FILE, f"mhc_sinkhorn_knopp_implicit_bwd_warp_kernel<{n}>", (-(-tokens // _IMPLICIT_WARPS), 1, 1),
+                   (32 * _IMPLICIT_WARPS, 1, 1), args, stream)
+        else:
+            launch(_FILE, f"mhc_sinkhorn_knopp_implicit_bwd_kernel<{n}>", (-(-tokens // threads), 1, 1),
+                   (threads, 1, 1), args, stream)
         return
     g = bwd_group(n)
     launch(_FILE, f"mhc_sinkhorn_knopp_bwd_kernel<{n},{g}>", (-(-tokens * g // threads), 1, 1), (threads, 1, 1),

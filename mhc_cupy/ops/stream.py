@@ -29,7 +29,7 @@ def check_x(name: str, info, dtype=None):
     """(dtype, lead dims, n, C) of a [..., n, C] activation."""
     dt = _checks.activation(name, info, dtype)
     _checks.min_ndim(name, info, 2, "[..., n, C]")
-    n, C = info.shape[-2], info.shape[-1]
+    n, C = info.shape[-2], _checks.row_length(name, info)
     _checks.streams(n, name)
     return dt, tuple(info.shape[:-2]), n, C
 
@@ -249,7 +249,7 @@ def _check_distribute(infos):
     y = infos["y"]
     dt = _checks.activation("y", y)
     _checks.min_ndim("y", y, 1, "[..., C]")
-    lead, C = tuple(y.shape[:-1]), y.shape[-1]
+    lead, C = tuple(y.shape[:-1]), _checks.row_length("y", y)
     h = infos["h"]
     _checks.coefficient("h", h)
     _checks.min_ndim("h", h, 1, "[..., n] or [n]")
