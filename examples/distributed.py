@@ -8,7 +8,7 @@ Run with torchrun (gloo on CPU, NCCL on GPUs), e.g.::
     torchrun --nproc-per-node 2 examples/distributed.py --mode ddp-compile
     torchrun --nproc-per-node 2 examples/distributed.py --mode ddp fsdp2 fsdp2-bf16 ddp-compile --check
 
-The model: ``expand_streams`` -> a stack of :class:`mhc_cupy.layers.MHC`
+The model: ``expand_streams`` -> a stack of :class:`mhc_cupy.torch.MHC`
 layers around small MLP sublayers -> ``collapse_streams`` -> a linear head,
 regression (MSE) on random data.  Every rank builds the same model (same
 seed) and draws the same global batch, then trains on its own contiguous
@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mhc_cupy.layers import MHC, collapse_streams, expand_streams
+from mhc_cupy.torch import MHC, collapse_streams, expand_streams
 
 
 class Net(nn.Module):

@@ -1,5 +1,5 @@
 """Framework-free initialisation of an mHC layer's coefficient parameters,
-shared by :mod:`mhc_cupy.layers` (PyTorch) and :mod:`mhc_cupy.jax`."""
+shared by :mod:`mhc_cupy.torch.layers` (PyTorch) and :mod:`mhc_cupy.jax`."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def identity_bias(n: int, pre: float | None = None, post: float = 1.0, res_diag:
     H_post = 2 sigmoid(b_post) = ``post`` (default 1); b_res = d on the diagonal,
     0 elsewhere, with d = log(res_diag (n - 1) / (1 - res_diag)) so that
     Sinkhorn-Knopp returns exactly ``res_diag`` on the diagonal (default 0.95).
-    See :func:`mhc_cupy.layers.identity_bias` for the reasoning.
+    See :func:`mhc_cupy.torch.identity_bias` for the reasoning.
 
     Raises:
         ValueError: n < 1, or pre / post / res_diag outside (0, 1) / (0, 2) / [1/n, 1).

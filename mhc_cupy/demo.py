@@ -1,7 +1,7 @@
 """Train a small byte-level transformer with mHC residual connections: ``python -m mhc_cupy.demo``.
 
 A decoder-only transformer (causal self-attention + MLP blocks, pre-norm
-inside each sublayer) whose every sublayer is wrapped by :class:`mhc_cupy.layers.MHC`
+inside each sublayer) whose every sublayer is wrapped by :class:`mhc_cupy.torch.MHC`
 with n = 4 residual streams (paper: arXiv 2512.24880), trained on real text:
 by default the documentation shipped with CPython (``pydoc_data.topics``,
 about 0.47 MB), byte-level tokens (vocabulary 256), so it runs offline.  The
@@ -52,7 +52,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from .layers import MHC, collapse_streams, expand_streams
+from .torch import MHC, collapse_streams, expand_streams
 
 GPU_PRESET = dict(dim=256, layers=6, heads=4, seq=256, batch=32, steps=1000, lr=2e-3, eval_every=100,
                   eval_batches=4, dropout=0.1)

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import os
+import sys
 import zlib
 
 import numpy as np
 import pytest
 
+
+# tests/ on the path whatever pytest's import mode: the harness (``import harness``), the
+# multi-device runners (``import multidevice``) and the CPU adapter tests that the GPU tests
+# reuse (``import test_jax_adapter``) are then plain imports, each module loaded once.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+if _TESTS not in sys.path:
+    sys.path.insert(0, _TESTS)
 
 # JAX would otherwise preallocate 75% of the GPU in every test process (and in
 # every pytest-xdist worker), starving CuPy and PyTorch.

@@ -570,7 +570,7 @@ def test_jnp_mhc_layer_matches_mhc_cupy_jax_and_reference(T, C, n, dtype):
 
     import mhc_cupy.jax as mj
     from mhc_cupy.bench.baselines import jnp_mhc_layer
-    from mhc_cupy.layers import MHCReference
+    from mhc_cupy.torch.reference import MHCReference
 
     params = mj.mhc_init(jax.random.PRNGKey(T * 10 + n), C, n, alpha_init=0.5)
     x = jax.random.normal(jax.random.PRNGKey(1), (T, n, C)).astype(dtype)
@@ -742,7 +742,7 @@ def test_block_mhc_equals_plain_at_phi_zero():
     (mHC takes float32 at most, so float32 here)."""
     torch = pytest.importorskip("torch")
     from mhc_cupy.bench.block import build_blocks
-    from mhc_cupy.layers import collapse_streams, expand_streams
+    from mhc_cupy.torch import collapse_streams, expand_streams
 
     torch.manual_seed(0)
     plain, mhc = build_blocks(16, 2, 24, 4, "cpu", torch.float32, {"phi_init_std": 0.0})

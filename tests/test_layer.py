@@ -1,4 +1,4 @@
-"""CPU tests of the mHC layer ``mhc_cupy.layers`` and the demo ``mhc_cupy.demo``.
+"""CPU tests of the mHC layer ``mhc_cupy.torch.MHC`` and the demo ``mhc_cupy.demo``.
 
 On CPU every mHC op (coefficients, pre op, post op) runs the float64 NumPy
 reference and rounds each output once to float32; the sublayer runs in
@@ -31,22 +31,15 @@ import torch
 from torch import nn
 
 from mhc_cupy import reference as R
-from mhc_cupy.layers import (
-    MHC,
-    CollapseStreams,
-    ExpandStreams,
-    MHCReference,
-    collapse_streams,
-    expand_streams,
-    identity_bias,
-    mhc_coeffs,
-    mhc_reference,
-    sinkhorn_reference,
-)
+from mhc_cupy.torch import (MHC, CollapseStreams, ExpandStreams, collapse_streams, expand_streams, identity_bias,
+                            mhc_coeffs)
+from mhc_cupy.torch.reference import MHCReference, sinkhorn_reference
+
+from harness import TOL, assert_close, default_dtype, token_scales
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOL_F32 = 1e-5
-U_F32 = 2.0**-24
+TOL_F32 = TOL["float32_layer"].value
+U_F32 = TOL["float32_unit"].value
 
 SHAPES = [  # (lead dims, n, C): the paper's n = 4; odd C; n = 1 (trivial Sinkhorn); 2-D lead; n = 8
     ((2, 3), 4, 16),
@@ -61,10 +54,8 @@ SHAPES = [  # (lead dims, n, C): the paper's n = 4; odd C; n = 1 (trivial Sinkho
 @pytest.fixture(autouse=True)
 def _float32_default():
     """Modules and random tensors here are float32 (another test module sets float64 as the default)."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
-    yield
-    torch.set_default_dtype(old)
+    with default_dtype(torch.float32):
+        yield
 
 
 def make_layer(C, n, seed, norm="layer"):
@@ -77,38 +68,6 @@ def make_layer(C, n, seed, norm="layer"):
         layer.bias.add_(torch.randn_like(layer.bias))
         layer.alpha.copy_(torch.tensor([0.5, 1.0, 1.5]))
     return layer
-
-
-def token_scales(ref, x, g):
-    """Summed magnitude of the per-token contributions to d_alpha and d_bias (floored at its rms).
-
-    The reference is re-run with alpha and bias given per token, so each
-    token's contribution is its own gradient.
-    """
-    lead = x.shape[:-2]
-    alpha = ref.alpha.detach().expand(lead + (3,)).clone().requires_grad_()
-    bias = ref.bias.detach().expand(lead + ref.bias.shape).clone().requires_grad_()
-    out = mhc_reference(x.detach(), ref.phi.detach(), alpha, bias, ref.sublayer, ref.num_iters, ref.eps, ref.rms_eps)
-    da, db = torch.autograd.grad(out, (alpha, bias), g)
-    scales = {}
-    for name, d in (("alpha", da), ("bias", db)):
-        s = d.abs().reshape(-1, d.shape[-1]).sum(0).double()
-        scales[name] = torch.maximum(s, s.square().mean().sqrt())
-    return scales
-
-
-def assert_close(got, ref, tol, what="", scale=None):
-    got, ref = torch.as_tensor(got).detach().double(), torch.as_tensor(ref).detach().double()
-    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-    assert torch.isfinite(got).all(), f"{what}: non-finite values"
-    if ref.numel() == 0:
-        return
-    if scale is None:
-        scale = ref.square().mean().sqrt()
-    scale = torch.as_tensor(scale, dtype=torch.float64).clamp_min(1e-30)
-    err = (got - ref).abs()
-    bound = tol * (ref.abs() + scale)
-    assert (err <= bound).all(), f"{what}: max error {err.max():.3e}, worst err/bound {(err / bound).max():.2f}"
 
 
 # ------------------------------------------------------- layer vs reference

@@ -8,8 +8,8 @@
   double backward raises.
 * GPU (marked ``gpu``): the kernels (tensor-core GEMM and backward, pre / post kernels)
   against the float64 reference, every activation dtype, n = 1..4, NaN-poisoned outputs,
-  bitwise-repeatable results; tolerances from tests/gpu/helpers.py (ACT_TOL: one rounding
-  of an activation output; COEF_TOL: float32 sums) on the scale of the terms summed.
+  bitwise-repeatable results; tolerances from tests/harness.py (TOL["activation"]: one rounding
+  of an activation output; TOL["coefficient"]: float32 sums) on the scale of the terms summed.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import mhc_cupy as m
 import mhc_cupy.torch as mt
 from mhc_cupy import reference as R
-from mhc_cupy.layers import mhc_reference
+from mhc_cupy.torch.reference import mhc_reference
 
 CASES = [((1,), 1, 7), ((3,), 2, 33), ((127,), 4, 64), ((2, 5), 3, 16), ((9,), 5, 12)]
 
@@ -140,7 +140,7 @@ GPU_CASES = [((1,), 1, 7), ((3,), 2, 33), ((127,), 4, 64), ((2, 5), 3, 16), ((30
 
 
 def _gpu_layer(dt, lead, n, C, rng):
-    from tests.gpu.helpers import rounded, to_gpu
+    from gpu.helpers import rounded, to_gpu
 
     x = rounded(rng, lead + (n, C), dt)
     g = rounded(rng, lead + (n, C), dt)
@@ -156,7 +156,7 @@ def _gpu_layer(dt, lead, n, C, rng):
 @pytest.mark.parametrize("dt", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("lead,n,C", GPU_CASES)
 def test_gpu_pieces_match_reference(rng, dt, lead, n, C):
-    from tests.gpu.helpers import ACT_TOL, COEF_TOL, assert_close, f64, poisoned_allocations, to_host
+    from gpu.helpers import ACT_TOL, COEF_TOL, assert_close, f64, poisoned_allocations, to_host
 
     (x, phi, alpha, bias), dev, (g_d, y_d, gli_d), (g, y, g_li) = _gpu_layer(dt, lead, n, C, rng)
     with poisoned_allocations():

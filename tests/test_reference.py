@@ -5,6 +5,7 @@ re-implementation of the forward (written below, independently of the reference)
 random data seeded per test. Runs on CPU only and is meant to stay well under a minute.
 """
 
+import functools
 import zlib
 
 import numpy as np
@@ -12,16 +13,16 @@ import pytest
 import torch
 
 from mhc_cupy import reference as R
+from mhc_cupy.torch.reference import sinkhorn_reference
 
+from harness import assert_close_uniform, default_dtype
 
 
 @pytest.fixture(autouse=True)
 def _float64_default():
     """This module's torch oracles run in float64; restore the default afterwards."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+    with default_dtype(torch.float64):
+        yield
 
 
 # ----------------------------------------------------------------------------------------------
@@ -32,6 +33,10 @@ def _float64_default():
 def rng(request):
     """A generator seeded from the test's id: fresh data per test, reproducible across runs."""
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+#: The reference's outputs are float64 and within rtol * max|desired| of float64 torch.
+assert_reference = functools.partial(assert_close_uniform, dtype=np.float64)
 
 
 def _t(a):
@@ -59,30 +64,8 @@ def torch_vjp(fn, inputs, grads):
     return [o.detach().numpy() for o in outs], gs
 
 
-def assert_close(actual, desired, rtol=1e-10, what="", scale=None):
-    """|actual - desired| <= rtol * scale (+ tiny), elementwise, with matching shapes.
-
-    ``scale`` defaults to max|desired|; pass the magnitude of the terms that cancel when the
-    result is a small difference of large terms (RMSNorm dx with mean(x^2) >> eps).
-    """
-    actual = np.asarray(actual)
-    desired = np.asarray(desired)
-    assert actual.shape == desired.shape, (what, actual.shape, desired.shape)
-    assert actual.dtype == np.float64, (what, actual.dtype)
-    if scale is None:
-        scale = np.abs(desired).max() if desired.size else 0.0
-    np.testing.assert_allclose(actual, desired, rtol=0, atol=rtol * scale + 1e-300, err_msg=what)
-
-
 # ---- straightforward torch forwards (independent of the reference) ---------------------------
-
-def t_sinkhorn(L, num_iters, eps):
-    P = torch.exp(L - L.max(dim=-1, keepdim=True).values)
-    for _ in range(num_iters):
-        P = P / (P.sum(-1, keepdim=True) + eps)
-        P = P / (P.sum(-2, keepdim=True) + eps)
-    return P
-
+# Sinkhorn-Knopp: the plain-torch oracle mhc_cupy.torch.reference.sinkhorn_reference.
 
 def t_rmsnorm(x, eps, w=None):
     y = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
@@ -112,7 +95,7 @@ def t_post(y, x, H_post, H_res):
 def t_pre(x, hp, hq, hr, num_iters, eps):
     H_pre = torch.sigmoid(hp)
     H_post = 2 * torch.sigmoid(hq)
-    H_res = t_sinkhorn(hr, num_iters, eps)
+    H_res = sinkhorn_reference(hr, num_iters, eps)
     return torch.einsum("...i,...ic->...c", H_pre, x), H_pre, H_post, H_res
 
 
@@ -141,8 +124,8 @@ def test_sinkhorn_fwd_columns_and_torch(rng, lead, n):
     P = R.sinkhorn_knopp_fwd(L)
     assert P.shape == L.shape and P.dtype == np.float64
     np.testing.assert_allclose(P.sum(-2), 1.0, atol=1e-6)
-    ref = t_sinkhorn(torch.tensor(L), 20, 1e-8).numpy()
-    assert_close(P, ref, 1e-12)
+    ref = sinkhorn_reference(torch.tensor(L), 20, 1e-8).numpy()
+    assert_reference(P, ref, 1e-12)
 
 
 @pytest.mark.parametrize("n", [2, 3, 8, 16])
@@ -192,8 +175,8 @@ def test_sinkhorn_unrolled_bwd_vs_torch(rng, scale, n, num_iters):
     L = rng.normal(size=lead + (n, n)) * scale
     G = rng.normal(size=L.shape)
     ours = R.sinkhorn_knopp_bwd(G, L, num_iters=num_iters)
-    _, (ref,) = torch_vjp(lambda l: t_sinkhorn(l, num_iters, 1e-8), [L], [G])
-    assert_close(ours, ref, 1e-9)
+    _, (ref,) = torch_vjp(lambda l: sinkhorn_reference(l, num_iters, 1e-8), [L], [G])
+    assert_reference(ours, ref, 1e-9)
     # default grad_mode is "unrolled"
     np.testing.assert_array_equal(
         ours, R.sinkhorn_knopp_bwd(G, L, num_iters, 1e-8, grad_mode="unrolled"))
@@ -206,8 +189,8 @@ def test_sinkhorn_implicit_bwd_converged(rng, n):
     L = rng.normal(size=(3, n, n))
     G = rng.normal(size=L.shape)
     ours = R.sinkhorn_knopp_bwd(G, L, num_iters=300, eps=0.0, grad_mode="implicit")
-    _, (ref,) = torch_vjp(lambda l: t_sinkhorn(l, 300, 0.0), [L], [G])
-    assert_close(ours, ref, 1e-7)
+    _, (ref,) = torch_vjp(lambda l: sinkhorn_reference(l, 300, 0.0), [L], [G])
+    assert_reference(ours, ref, 1e-7)
     np.testing.assert_allclose(ours.sum(-1), 0.0, atol=1e-12 * max(np.abs(ours).max(), 1))
 
 
@@ -264,7 +247,7 @@ def test_rmsnorm_p1(rng, eps, C, with_weight):
     if with_weight:
         (y_ref,), (dx_ref, dw_ref) = torch_vjp(lambda a, b: t_rmsnorm(a, eps, b), [x, w], [g])
         dx, dw = res
-        assert_close(dw, dw_ref, 1e-10, "dw")
+        assert_reference(dw, dw_ref, 1e-10, "dw")
     else:
         (y_ref,), (dx_ref,) = torch_vjp(lambda a: t_rmsnorm(a, eps), [x], [g])
         dx = res
@@ -274,8 +257,8 @@ def test_rmsnorm_p1(rng, eps, C, with_weight):
     r = 1 / np.sqrt(np.mean(x * x, axis=-1) + eps)
     gp = g if w is None else g * w
     for i in range(x.shape[0]):
-        assert_close(y[i], y_ref[i], 1e-12, f"y row {i}")
-        assert_close(dx[i], dx_ref[i], 1e-10, f"dx row {i}", scale=r[i] * np.abs(gp[i]).max())
+        assert_reference(y[i], y_ref[i], 1e-12, f"y row {i}")
+        assert_reference(dx[i], dx_ref[i], 1e-10, f"dx row {i}", scale=r[i] * np.abs(gp[i]).max())
     assert np.all(np.isfinite(dx))
     # zero row: zero output, finite gradient
     np.testing.assert_array_equal(y[0], 0.0)
@@ -298,11 +281,11 @@ def test_rmsnorm_random(rng, lead, C):
     g = rng.normal(size=x.shape)
     w = rng.normal(size=C)
     (y_ref,), (dx_ref, dw_ref) = torch_vjp(lambda a, b: t_rmsnorm(a, 1e-5, b), [x, w], [g])
-    assert_close(R.rmsnorm_fwd(x, weight=w), y_ref, 1e-12)
+    assert_reference(R.rmsnorm_fwd(x, weight=w), y_ref, 1e-12)
     dx, dw = R.rmsnorm_bwd(g, x, weight=w)
     r = 1 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-5)
-    assert_close(dx, dx_ref, 1e-10, scale=np.abs(r * g * w).max(initial=0.0))
-    assert_close(dw, dw_ref, 1e-10)
+    assert_reference(dx, dx_ref, 1e-10, scale=np.abs(r * g * w).max(initial=0.0))
+    assert_reference(dw, dw_ref, 1e-10)
     if x.size == 0:
         np.testing.assert_array_equal(dw, np.zeros(C))
 
@@ -321,10 +304,10 @@ def test_stream_mix(rng, lead, n, C):
     M = rng.normal(size=lead + (n, n))          # non-symmetric
     g = rng.normal(size=x.shape)
     (out_ref,), (dx_ref, dM_ref) = torch_vjp(t_mix, [x, M], [g])
-    assert_close(R.stream_mix_fwd(x, M), out_ref, 1e-12)
+    assert_reference(R.stream_mix_fwd(x, M), out_ref, 1e-12)
     dx, dM = R.stream_mix_bwd(g, x, M)
-    assert_close(dx, dx_ref, 1e-12, "dx")
-    assert_close(dM, dM_ref, 1e-12, "dM")
+    assert_reference(dx, dx_ref, 1e-12, "dx")
+    assert_reference(dM, dM_ref, 1e-12, "dM")
 
 
 @pytest.mark.parametrize("lead,n,C", SHAPES)
@@ -334,10 +317,10 @@ def test_stream_aggregate(rng, lead, n, C, shared):
     h = rng.normal(size=(n,) if shared else lead + (n,))
     g = rng.normal(size=lead + (C,))
     (out_ref,), (dx_ref, dh_ref) = torch_vjp(t_aggregate, [x, h], [g])
-    assert_close(R.stream_aggregate_fwd(x, h), out_ref, 1e-12)
+    assert_reference(R.stream_aggregate_fwd(x, h), out_ref, 1e-12)
     dx, dh = R.stream_aggregate_bwd(g, x, h)
-    assert_close(dx, dx_ref, 1e-12, "dx")
-    assert_close(dh, dh_ref, 1e-12, "dh")
+    assert_reference(dx, dx_ref, 1e-12, "dx")
+    assert_reference(dh, dh_ref, 1e-12, "dh")
 
 
 @pytest.mark.parametrize("lead,n,C", SHAPES)
@@ -347,10 +330,10 @@ def test_stream_distribute(rng, lead, n, C, shared):
     h = rng.normal(size=(n,) if shared else lead + (n,))
     g = rng.normal(size=lead + (n, C))
     (out_ref,), (dy_ref, dh_ref) = torch_vjp(t_distribute, [y, h], [g])
-    assert_close(R.stream_distribute_fwd(y, h), out_ref, 1e-12)
+    assert_reference(R.stream_distribute_fwd(y, h), out_ref, 1e-12)
     dy, dh = R.stream_distribute_bwd(g, y, h)
-    assert_close(dy, dy_ref, 1e-12, "dy")
-    assert_close(dh, dh_ref, 1e-12, "dh")
+    assert_reference(dy, dy_ref, 1e-12, "dy")
+    assert_reference(dh, dh_ref, 1e-12, "dh")
 
 
 @pytest.mark.parametrize("lead,n,C", SHAPES)
@@ -361,11 +344,11 @@ def test_mhc_post_op(rng, lead, n, C):
     H_res = rng.normal(size=lead + (n, n))      # non-symmetric
     g = rng.normal(size=lead + (n, C))
     (out_ref,), grads_ref = torch_vjp(t_post, [y, x, H_post, H_res], [g])
-    assert_close(R.mhc_post_op_fwd(y, x, H_post, H_res), out_ref, 1e-12)
+    assert_reference(R.mhc_post_op_fwd(y, x, H_post, H_res), out_ref, 1e-12)
     grads = R.mhc_post_op_bwd(g, y, x, H_post, H_res)
     assert len(grads) == 4
     for name, a, b in zip(("dy", "dx", "dH_post", "dH_res"), grads, grads_ref):
-        assert_close(a, b, 1e-12, name)
+        assert_reference(a, b, 1e-12, name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -395,12 +378,12 @@ def test_mhc_pre_op(rng, lead, n, C, present):
     outs = R.mhc_pre_op_fwd(x, hp, hq, hr, num_iters=num_iters, eps=eps)
     assert len(outs) == 4
     for name, a, b in zip(("layer_in", "H_pre", "H_post", "H_res"), outs, outs_ref):
-        assert_close(a, b, 1e-12, name)
+        assert_reference(a, b, 1e-12, name)
         assert np.all(np.isfinite(a))
     ours = R.mhc_pre_op_bwd(*grads, x, hp, hq, hr, num_iters=num_iters, eps=eps)
     assert len(ours) == 4
     for name, a, b in zip(("dx", "dh_pre_raw", "dh_post_raw", "dh_res_raw"), ours, grads_ref):
-        assert_close(a, b, 1e-10, name)
+        assert_reference(a, b, 1e-10, name)
 
     # implicit mode only changes dh_res_raw, which is the implicit Sinkhorn backward
     imp = R.mhc_pre_op_bwd(*grads, x, hp, hq, hr, num_iters=num_iters, eps=eps,
@@ -440,11 +423,11 @@ def test_mhc_coeffs(rng, lead, n, C, present):
         lambda *a: t_coeffs(*a, eps), [x, phi, alpha, bias], grads)
     outs = R.mhc_coeffs_fwd(x, phi, alpha, bias, eps=eps)
     for name, a, b in zip(("h_pre_raw", "h_post_raw", "h_res_raw"), outs, outs_ref):
-        assert_close(a, b, 1e-12, name)
+        assert_reference(a, b, 1e-12, name)
     ours = R.mhc_coeffs_bwd(*grads, x, phi, alpha, bias, eps=eps)
     assert len(ours) == 4
     for name, a, b in zip(("dx", "dphi", "dalpha", "dbias"), ours, grads_ref):
-        assert_close(a, b, 1e-10, name)
+        assert_reference(a, b, 1e-10, name)
         assert np.all(np.isfinite(a))
 
 

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,11 +30,14 @@ import torch
 import mhc_cupy as m
 import mhc_cupy.torch as mt
 from mhc_cupy import reference as R
+from mhc_cupy.torch.reference import sinkhorn_reference
 
-# Unit roundoff of each output dtype: the CPU path rounds a float64 result once
-# (ml_dtypes may round float64 -> float32 -> bfloat16: still within one unit).
-# The bound used is tol * (|ref| + rms(ref)), so tol = u covers one rounding.
-TOL = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-10}
+from harness import TOL, assert_close
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The CPU path rounds a float64 result once: harness.TOL["rounding"], per output dtype.
+ROUNDING = TOL["rounding"]
 
 SHAPES = [  # (lead dims, n, C): n = 1 (trivial Sinkhorn), odd C, one token, 2-D lead
     ((1,), 1, 7),
@@ -63,20 +67,6 @@ def leaf64(t):
     return t.detach().to(torch.float64).requires_grad_(True)
 
 
-def assert_close(got, ref, tol, what=""):
-    """|got - ref| <= tol * (|ref| + rms(ref)) elementwise, and shapes equal."""
-    got = np.asarray(got.detach().to(torch.float64).numpy() if isinstance(got, torch.Tensor) else got, np.float64)
-    ref = np.asarray(ref.detach().numpy() if isinstance(ref, torch.Tensor) else ref, np.float64)
-    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
-    assert np.isfinite(got).all(), f"{what}: non-finite values"
-    if ref.size == 0:
-        return
-    scale = max(float(np.sqrt(np.mean(ref**2))), 1e-300)
-    err = np.abs(got - ref)
-    bound = tol * (np.abs(ref) + scale)
-    assert (err <= bound).all(), f"{what}: max error {err.max():.3e} (scale {scale:.3e}, tol {tol:.1e})"
-
-
 def assert_same(a, b, what=""):
     """Bitwise equal tensors (or both None)."""
     if a is None or b is None:
@@ -97,15 +87,6 @@ def grads_of(outs, inputs, upstream):
 
 
 # ----------------------------------------- pure-torch float64 forwards (oracles)
-def t_sinkhorn(L, num_iters=20, eps=1e-8):
-    """OPS.md section 1 exactly: K = exp(L - rowmax(L)), then row step / column step."""
-    P = torch.exp(L - L.max(-1, keepdim=True).values)
-    for _ in range(num_iters):
-        P = P / (P.sum(-1, keepdim=True) + eps)
-        P = P / (P.sum(-2, keepdim=True) + eps)
-    return P
-
-
 def t_rmsnorm(x, eps=1e-5, weight=None):
     y = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps)
     return y if weight is None else y * weight
@@ -129,7 +110,7 @@ def t_post(y, x, H_post, H_res):
 
 def t_pre(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=20, eps=1e-8):
     H_pre = torch.sigmoid(h_pre_raw)
-    return t_aggregate(x, H_pre), H_pre, 2 * torch.sigmoid(h_post_raw), t_sinkhorn(h_res_raw, num_iters, eps)
+    return t_aggregate(x, H_pre), H_pre, 2 * torch.sigmoid(h_post_raw), sinkhorn_reference(h_res_raw, num_iters, eps)
 
 
 # ------------------------------------------------------------ op table
@@ -144,7 +125,7 @@ def case(name, rng, lead, n, C, dtype=torch.float32, shared=False, num_iters=20,
     hshape = (n,) if shared else lead + (n,)
     if name == "sinkhorn_knopp":
         L = T(lead + (n, n), scale=3.0)
-        return dict(fn=mt.sinkhorn_knopp, fwd=m.sinkhorn_knopp_fwd, oracle=t_sinkhorn, args=[L],
+        return dict(fn=mt.sinkhorn_knopp, fwd=m.sinkhorn_knopp_fwd, oracle=sinkhorn_reference, args=[L],
                     params=dict(num_iters=num_iters, eps=1e-8),
                     bwd=lambda gs, a, p: m.sinkhorn_knopp_bwd(gs[0], a[0], **p))
     if name == "rmsnorm":
@@ -202,7 +183,7 @@ def test_forward_and_backward(rng, op, lead, n, C):
     assert len(outs) == len(refs)
     for i, (o, r) in enumerate(zip(outs, refs)):
         assert o.device == args[0].device and o.is_contiguous()
-        assert_close(o, r, TOL[o.dtype], f"{op} output {i}")
+        assert_close(o, r, ROUNDING[o.dtype], f"{op} output {i}")
     # backward via autograd
     gs = upstream_like(rng, outs)
     got = grads_of(outs, args, gs)
@@ -216,9 +197,9 @@ def test_forward_and_backward(rng, op, lead, n, C):
     o64 = as_tuple(call(c, a64, fn=c["oracle"]))
     ref = grads_of(o64, a64, [g.to(torch.float64) for g in gs])
     for i, (o, r) in enumerate(zip(outs, o64)):
-        assert_close(o, r, TOL[o.dtype], f"{op} output {i} vs torch float64")
+        assert_close(o, r, ROUNDING[o.dtype], f"{op} output {i} vs torch float64")
     for i, (g, r) in enumerate(zip(got, ref)):
-        assert_close(g, r, TOL[g.dtype], f"{op} grad {i} vs torch float64 autograd")
+        assert_close(g, r, ROUNDING[g.dtype], f"{op} grad {i} vs torch float64 autograd")
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -233,7 +214,7 @@ def test_shared_h(rng, op, shared):
     ref = grads_of(c["oracle"](*a64), a64, [g.double() for g in gs])
     assert got[1].shape == c["args"][1].shape
     for i, (g, r) in enumerate(zip(got, ref)):
-        assert_close(g, r, TOL[g.dtype], f"{op} grad {i}")
+        assert_close(g, r, ROUNDING[g.dtype], f"{op} grad {i}")
 
 
 @pytest.mark.parametrize("weight", [False, True])
@@ -251,9 +232,9 @@ def test_rmsnorm_weight(rng, weight):
     x64 = leaf64(x)
     w64 = None if w is None else leaf64(w)
     t_rmsnorm(x64, 1e-2, w64).backward(g.double())
-    assert_close(x.grad, x64.grad, TOL[torch.float32])
+    assert_close(x.grad, x64.grad, ROUNDING[torch.float32])
     if weight:
-        assert_close(w.grad, w64.grad, TOL[torch.float32])
+        assert_close(w.grad, w64.grad, ROUNDING[torch.float32])
 
 
 @pytest.mark.parametrize("num_iters", [0, 1, 3, 20])
@@ -267,8 +248,8 @@ def test_sinkhorn_grad_modes(rng, num_iters, grad_mode):
     assert float(dL.sum(-1).abs().max()) <= 1e-5 * float(dL.abs().max() + 1e-30), "rows of d_logits sum to 0"
     if grad_mode == "unrolled":
         L64 = leaf64(L)
-        (r,) = torch.autograd.grad(t_sinkhorn(L64, num_iters), L64, g.double())
-        assert_close(dL, r, TOL[torch.float32])
+        (r,) = torch.autograd.grad(sinkhorn_reference(L64, num_iters), L64, g.double())
+        assert_close(dL, r, ROUNDING[torch.float32])
 
 
 def test_sinkhorn_large_logits(rng):
@@ -279,9 +260,9 @@ def test_sinkhorn_large_logits(rng):
     (dL,) = torch.autograd.grad(P, L, g)
     assert torch.isfinite(P).all() and torch.isfinite(dL).all()
     L64 = leaf64(L)
-    P64 = t_sinkhorn(L64)
+    P64 = sinkhorn_reference(L64)
     (r,) = torch.autograd.grad(P64, L64, g.double())
-    assert_close(P, P64, TOL[torch.float32])
+    assert_close(P, P64, ROUNDING[torch.float32])
     assert_close(dL, r, 1e-5)  # near-one-hot P: tiny gradients, compare at the scale of the largest
 
 
@@ -339,13 +320,13 @@ def test_pre_op_unused_outputs(rng, monkeypatch, used):
     c = case("mhc_pre_op", rng, (2, 3), 4, 7)
     args = c["args"]
     seen = []
-    real = mt.mhc_pre_op_bwd
+    real = m.ops.mhc_pre_op_bwd
 
     def spy(*a, **k):
         seen.append(tuple(g is None for g in a[:4]))
         return real(*a, **k)
 
-    monkeypatch.setattr(mt, "mhc_pre_op_bwd", spy)
+    monkeypatch.setattr(m.ops, "mhc_pre_op_bwd", spy)  # looked up at each call
     outs = mt.mhc_pre_op(*args)
     gs = [tensor(rng, o.shape, dtype=o.dtype, grad=False) if i in used else None for i, o in enumerate(outs)]
     got = grads_of(outs, args, gs)
@@ -358,7 +339,7 @@ def test_pre_op_unused_outputs(rng, monkeypatch, used):
     a64 = [leaf64(a) for a in args]
     ref = grads_of(t_pre(*a64), a64, [None if g is None else g.double() for g in gs])
     for i, (g, r) in enumerate(zip(got, ref)):
-        assert_close(g, torch.zeros_like(g, dtype=torch.float64) if r is None else r, TOL[g.dtype], f"grad {i}")
+        assert_close(g, torch.zeros_like(g, dtype=torch.float64) if r is None else r, ROUNDING[g.dtype], f"grad {i}")
 
 
 def test_noncontiguous_upstream_gradient(rng):
@@ -417,14 +398,14 @@ def test_half_precision_on_cpu(rng, op, dtype):
     assert outs[0].dtype == dtype and all(o.dtype == torch.float32 for o in outs[1:])
     refs = as_tuple(call(c, [f64(a) for a in args], fn=getattr(R, c["fwd"].__name__)))
     for o, r in zip(outs, refs):
-        assert_close(o, r, TOL[o.dtype])
+        assert_close(o, r, ROUNDING[o.dtype])
     gs = upstream_like(rng, outs)
     got = grads_of(outs, args, gs)
     a64 = [leaf64(a) for a in args]
     ref = grads_of(call(c, a64, fn=c["oracle"]), a64, [g.double() for g in gs])
     for a, g, r in zip(args, got, ref):
         assert g.dtype == a.dtype
-        assert_close(g, r, TOL[g.dtype])
+        assert_close(g, r, ROUNDING[g.dtype])
 
 
 @pytest.mark.parametrize("op", ["stream_mix", "rmsnorm", "mhc_pre_op"])
@@ -601,6 +582,45 @@ def test_import_order(first):
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def _package_imports(path):
+    """Modules of mhc_cupy that ``path`` imports anywhere (also inside functions), as dotted names."""
+    import ast
+
+    pkg = "mhc_cupy." + ".".join(path.relative_to(REPO / "mhc_cupy").with_suffix("").parts)
+    pkg = pkg[: -len(".__init__")] if pkg.endswith(".__init__") else pkg.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(pkg.split(".")[: len(pkg.split(".")) - node.level + 1] + ([base] if base else []))
+            found.update({base} | {f"{base}.{a.name}" for a in node.names})
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {f for f in found if f.startswith("mhc_cupy")}
+
+
+def test_torch_package_has_no_import_circle():
+    """functions <- layers <- reference, one way: no module of mhc_cupy.torch imports one above it."""
+    order = ["functions", "layers", "reference"]
+    for i, name in enumerate(order):
+        imported = _package_imports(REPO / "mhc_cupy" / "torch" / f"{name}.py")
+        above = {f"mhc_cupy.torch.{m}" for m in order[i + 1:]} | {"mhc_cupy.torch", "mhc_cupy.layers"}
+        assert not imported & above, f"mhc_cupy.torch.{name} imports {sorted(imported & above)}"
+    assert not _package_imports(REPO / "mhc_cupy" / "torch" / "__init__.py") & {"mhc_cupy.torch.reference",
+                                                                               "mhc_cupy.layers"}
+
+
+def test_old_import_paths_are_the_same_objects():
+    """mhc_cupy.layers (the old home of the layer and the oracles) names the same objects."""
+    import mhc_cupy.layers as old
+    from mhc_cupy.torch import reference
+
+    for name in old.__all__:
+        new = getattr(reference, name, None) or getattr(mt, name)
+        assert getattr(old, name) is new, name
 
 
 # ------------------------------------------------------------------ second order

@@ -193,6 +193,15 @@ def jnp_mhc_layer(params: dict, x, f, num_iters: int = 20, eps: float = 1e-8, rm
                         rms_eps)
 
 
+def jnp_sinkhorn(L, num_iters: int = 20, eps: float = 1e-8):
+    """Sinkhorn-Knopp in plain ``jax.numpy`` exactly as OPS.md section 1 (row-max shift, then
+    ``num_iters`` row / column steps): the baselines' maths, also the JAX tests' oracle.
+
+    Args: L float32 [..., n, n] logits; num_iters >= 0; eps >= 0.  Returns P, float32 [..., n, n].
+    """
+    return _sinkhorn(_jax_backend(), L, num_iters, eps)
+
+
 def torch_bwd(f, inputs, grads) -> tuple:
     """Gradients of ``f`` w.r.t. ``inputs`` for upstream ``grads`` (torch.autograd.grad)."""
     import torch

@@ -8,7 +8,7 @@ the op mode, so that the reads come from HBM), after warm-up:
   inside); as two rows, fused and unfused, when the constructor has a ``fused``
   keyword or the layer a ``fused(x)`` method (pinned per instance), see
   :func:`fused_options`.
-* ``torch`` / ``torch.compile``: ``mhc_cupy.layers.MHCReference`` (the same layer and
+* ``torch`` / ``torch.compile``: ``mhc_cupy.torch.reference.MHCReference`` (the same layer and
   parameters in plain torch ops), eager and ``torch.compile(dynamic=False)``.
 * ``jax mhc_cupy``: ``mhc_cupy.jax.mhc_layer``; ``jax.jit``: the same maths in plain
   ``jax.numpy`` (:func:`mhc_cupy.bench.baselines.jnp_mhc_layer`), same parameters.
@@ -299,7 +299,7 @@ def layer_case(sublayer_name: str, T: int, C: int, n: int, cfg, copy_GBps, l2: i
 
     import mhc_cupy.jax as mj
     import mhc_cupy.torch as mt
-    from mhc_cupy.layers import MHCReference
+    from mhc_cupy.torch.reference import MHCReference
 
     from .baselines import jnp_mhc_layer
 

@@ -1,4 +1,4 @@
-"""GPU test helpers: host <-> device with bf16, NaN-poisoned allocations, tolerances."""
+"""GPU test helpers: host <-> device with bf16, NaN-poisoned allocations (tolerances: ``harness.TOL``)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,13 @@ import contextlib
 import ml_dtypes
 import numpy as np
 
+from harness import TOL, assert_close, f64, to_host  # noqa: F401 - re-exported for the GPU tests
+
 NP_DTYPE = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
 
-#: Tolerances for activation outputs, relative to the output scale: one
-#: rounding to the dtype (unit roundoff 2^-8, 2^-11, 2^-24) plus float32
-#: accumulation; the reference runs in float64 on the same rounded inputs.
-ACT_TOL = {"bfloat16": 8e-3, "float16": 1e-3, "float32": 1e-5}
-#: Coefficient gradients are float32 sums over C (and tokens): relative error
-#: grows like sqrt(C) * 2^-24; 1e-4 of the scale is a safe bound up to C ~ 1e5.
-COEF_TOL = 1e-4
+#: Activation outputs (per dtype name) and float32 coefficient sums: rows of ``harness.TOL``.
+ACT_TOL = TOL["activation"]
+COEF_TOL = TOL["coefficient"].value
 
 
 def torch_cuda_ok() -> bool:
@@ -41,41 +39,6 @@ def to_gpu(a):
     if a.dtype == NP_DTYPE["bfloat16"]:
         return cp.asarray(a.view(np.uint16)).view(a.dtype)
     return cp.asarray(a)
-
-
-def to_host(a):
-    import cupy as cp
-
-    if a.dtype == NP_DTYPE["bfloat16"]:
-        return cp.asnumpy(a.view(cp.uint16)).view(NP_DTYPE["bfloat16"])
-    return cp.asnumpy(a)
-
-
-def f64(a):
-    return np.asarray(a, dtype=np.float64)
-
-
-def assert_close(got, ref, tol, what="", scale=None):
-    """All finite (poisoned outputs are NaN) and |got - ref| <= tol * (|ref| + scale).
-
-    ``scale`` defaults to rms(ref); pass the size of the terms when the result
-    is a cancellation of larger terms (e.g. RMSNorm dx)."""
-    got = f64(to_host(got) if not isinstance(got, np.ndarray) else got)
-    ref = f64(ref)
-    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
-    assert np.isfinite(got).all(), f"{what}: {np.count_nonzero(~np.isfinite(got))} non-finite (unwritten?) elements"
-    if ref.size == 0:
-        return
-    if scale is None:
-        scale = float(np.sqrt(np.mean(ref**2)))
-    scale = max(scale, 1e-30)
-    err = np.abs(got - ref)
-    bound = tol * (np.abs(ref) + scale)
-    worst = int(np.argmax(err - bound))
-    assert (err <= bound).all(), (
-        f"{what}: max error {err.max():.3e} (scale {scale:.3e}, tol {tol}); worst at flat index {worst}: "
-        f"got {got.flat[worst]!r}, ref {ref.flat[worst]!r}"
-    )
 
 
 @contextlib.contextmanager

@@ -76,7 +76,7 @@ def test_mhc_layer_on_non_current_device():
     tensors on cuda:1 while cuda:0 is current: bitwise equal to the layer on cuda:0."""
     import torch
 
-    from mhc_cupy.layers import MHC
+    from mhc_cupy.torch import MHC
 
     torch.manual_seed(0)
     layer0 = MHC(48, 4, torch.nn.Linear(48, 48, dtype=torch.bfloat16)).to("cuda:0")

@@ -10,15 +10,15 @@
 * outputs are torch tensors on the inputs' device (no copy through another framework);
 * P10: the same backward twice while another stream runs large matmuls: bitwise equal.
 
-Tolerances are relative to ``|ref| + rms(ref)``: one rounding to the activation
-dtype plus float32 accumulation (bf16 8e-3, f32 1e-5); float32 coefficient sums
-over C 1e-4; anything through the 20-step Sinkhorn iteration 1e-3 (float32
-through 40 normalisations, logits of scale 1).
+Tolerances are relative to ``|ref| + rms(ref)`` (``harness.assert_close``), rows of
+``harness.TOL``: one rounding to the activation dtype plus float32 accumulation
+("activation"); float32 coefficient sums over C ("coefficient"); values out of the
+20-step Sinkhorn iteration "sinkhorn" (float32 through 40 normalisations, logits of
+scale 1), gradients through it "sinkhorn_chain_grad".
 """
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -26,16 +26,16 @@ import mhc_cupy as m
 import mhc_cupy.torch as mt
 from mhc_cupy import reference as R
 
-from .helpers import torch_cuda_ok
+from harness import TOL, assert_close
+
+from .helpers import ACT_TOL, COEF_TOL, torch_cuda_ok
 
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch_cuda_ok(), reason="needs CUDA for both CuPy and torch")]
 
 
 DEV = "cuda"
-ACT_TOL = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-5}
-COEF_TOL = 1e-4
-SINKHORN_TOL = 1e-3
+SINKHORN_TOL, SINKHORN_GRAD_TOL = TOL["sinkhorn"].value, TOL["sinkhorn_chain_grad"].value
 DTYPES = [torch.bfloat16, torch.float32]
 OPS = ["sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute", "mhc_post_op",
        "mhc_pre_op"]
@@ -63,19 +63,6 @@ def as_tuple(o):
     return o if isinstance(o, tuple) else (o,)
 
 
-def assert_close(got, ref, tol, what=""):
-    got = host(got)
-    ref = np.asarray(ref, dtype=np.float64)
-    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
-    assert np.isfinite(got).all(), f"{what}: non-finite values"
-    if ref.size == 0:
-        return
-    scale = max(float(np.sqrt(np.mean(ref**2))), 1e-30)
-    err = np.abs(got - ref)
-    bound = tol * (np.abs(ref) + scale)
-    assert (err <= bound).all(), f"{what}: max error {err.max():.3e} (scale {scale:.3e}, tol {tol})"
-
-
 def assert_same(a, b, what=""):
     assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
     assert torch.equal(a, b), f"{what}: not bitwise equal"
@@ -100,7 +87,7 @@ class Case:
             self.bwd = lambda g, a: (m.sinkhorn_knopp_bwd(g[0], a[0]),)
             self.ref = lambda a: (R.sinkhorn_knopp_fwd(*a),)
             self.ref_bwd = lambda g, a: (R.sinkhorn_knopp_bwd(g[0], a[0]),)
-            self.tol_out, self.tol_in = [SINKHORN_TOL], [SINKHORN_TOL]
+            self.tol_out, self.tol_in = [SINKHORN_TOL], [SINKHORN_GRAD_TOL]
         elif op == "rmsnorm":
             self.args = [x.detach().reshape(lead + (n * C,)).requires_grad_(), A((n * C,))]
             self.call = lambda a: mt.rmsnorm(a[0], weight=a[1])
@@ -143,7 +130,7 @@ class Case:
             self.ref = lambda a: R.mhc_pre_op_fwd(*a)
             self.ref_bwd = lambda g, a: R.mhc_pre_op_bwd(*g, *a)
             self.tol_out, self.tol_in = [act, COEF_TOL, COEF_TOL, SINKHORN_TOL], [act, COEF_TOL, COEF_TOL,
-                                                                                  SINKHORN_TOL]
+                                                                                  SINKHORN_GRAD_TOL]
         else:
             raise KeyError(op)
 

@@ -1,92 +1,30 @@
-"""PyTorch adapter: the mHC operators as differentiable torch functions.
+"""The mHC operators as differentiable torch functions (``mhc_cupy.torch``'s op half).
 
-``mhc_cupy.torch`` wraps the functional ``*_fwd`` / ``*_bwd`` API (OPS.md
-sections 1-7) for autograd and ``torch.compile``:
-
-    sinkhorn_knopp  rmsnorm  stream_mix  stream_aggregate  stream_distribute
-    mhc_post_op     mhc_pre_op
-
-Each takes the arguments of its ``*_fwd`` function (Sinkhorn and the pre op
-also ``grad_mode``); gradients are exactly the functional ``*_bwd`` calls.
-
-Two routes, same kernels, identical results:
-
-* **eager** (``not torch.compiler.is_compiling()``): a
-  ``torch.autograd.Function`` calls the functional API directly.  The
-  ``torch.library`` dispatcher is bypassed because its per-call host cost
-  (~60 us measured by QuACK) exceeds the kernels themselves (~10 us).
-  Without any input that requires grad (or under ``torch.no_grad``) the
-  functional API is called with no autograd node at all.
-* **compiled** (inside ``torch.compile`` / ``torch.export``, or inputs that
-  are tensor subclasses such as FakeTensor): ``torch.library.custom_op``
-  operators ``torch.ops.mhc_cupy.<op>_fwd`` / ``<op>_bwd`` with
-  ``register_fake`` shape functions and ``register_autograd``, so
-  ``torch.compile(fullgraph=True)`` traces forward and backward without a
-  graph break.
-
-Both routes share one ``setup_context`` (saves only the op's *inputs*:
-backward recomputes statistics and the Sinkhorn iteration, OPS.md) and one
-backward formula; only the callee differs (functional API vs custom op).
-
-Device and stream: CUDA tensors run on torch's current stream of their own
-device (entered when it is not the current one); outputs are ``torch.empty``
-tensors there (zero copy).  CPU tensors run the NumPy reference
-(``mhc_cupy.reference``) and return CPU tensors.  Backward is deterministic
-(no atomics).
-
-Gradients are first order only: the backward is not itself differentiable,
-so a second-order gradient through any of these ops (``create_graph=True``,
-then a backward through the result) raises ``RuntimeError`` ("trying to
-differentiate twice a function that was marked with @once_differentiable"
-eagerly; under ``torch.compile`` the custom op's missing double backward).
-
-This module imports torch as a plain ``import torch``: it *is* the submodule
-``mhc_cupy.torch`` (STYLE.md: ``mhc_cupy/__init__.py`` must not import torch).
+Autograd Functions and ``torch.library`` custom operators around the
+functional ``*_fwd`` / ``*_bwd`` API; the routes (eager / compiled), devices,
+streams and gradient order are described in :mod:`mhc_cupy.torch`.  Imported
+through the package, which checks that torch is installed first.
 """
 
 from typing import Optional
 
-from ._deps import require
+import torch
+from torch import Tensor
 
-require("torch", "torch", "mhc_cupy.torch")  # missing: an ImportError naming the extra
-import torch  # noqa: E402
-from torch import Tensor  # noqa: E402
-
-from . import _checks  # noqa: E402
-from ._interop import ArrayInfo
-from .ops import coeffs as _coeffs
-from .ops import layer as _layer
-from .ops import post as _post
-from .ops import pre as _pre
-from .ops import rmsnorm as _rms
-from .ops import sinkhorn as _sk
-from .ops import stream as _stream
-from .ops import (
-    mhc_coeffs_bwd,
-    mhc_coeffs_fwd,
-    mhc_layer_post_bwd,
-    mhc_layer_pre_bwd,
-    mhc_layer_pre_fwd,
-    mhc_post_op_bwd,
-    mhc_post_op_fwd,
-    mhc_pre_op_bwd,
-    mhc_pre_op_fwd,
-    rmsnorm_bwd,
-    rmsnorm_fwd,
-    sinkhorn_knopp_bwd,
-    sinkhorn_knopp_fwd,
-    stream_aggregate_bwd,
-    stream_aggregate_fwd,
-    stream_distribute_bwd,
-    stream_distribute_fwd,
-    stream_mix_bwd,
-    stream_mix_fwd,
-)
+from .. import _checks
+from .._interop import ArrayInfo
+from .. import ops as _ops
+from ..ops import coeffs as _coeffs
+from ..ops import layer as _layer
+from ..ops import post as _post
+from ..ops import pre as _pre
+from ..ops import rmsnorm as _rms
+from ..ops import sinkhorn as _sk
+from ..ops import stream as _stream
 
 __all__ = [
     "sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute",
-    "mhc_post_op", "mhc_pre_op", "mhc_coeffs", "mhc_layer_pre", "mhc_layer_post", "MHC", "expand_streams",
-    "collapse_streams",
+    "mhc_post_op", "mhc_pre_op", "mhc_coeffs", "mhc_layer_pre", "mhc_layer_post",
 ]
 
 #: Namespace of the custom operators: ``torch.ops.mhc_cupy.<name>``.
@@ -99,16 +37,6 @@ _DTYPE_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat1
 
 
 # ------------------------------------------------------------------ helpers
-def _run(fn, like: Tensor, *args, **params):
-    """Call a functional ``*_fwd`` / ``*_bwd``.
-
-    The functional API reads pointers directly (no DLPack, so tensors that
-    require grad need no detach), allocates on ``like``'s device and launches
-    on torch's current stream of that device; nothing to set up here.
-    """
-    return fn(*args, **params)
-
-
 _is_compiling = torch.compiler.is_compiling
 
 
@@ -207,7 +135,7 @@ def _wire(name: str, fwd_impl, fwd_fake, bwd_ops: dict, setup_context, backward)
 def _sinkhorn_fwd_impl(logits: Tensor, num_iters: int, eps: float, grad_mode: str) -> Tensor:
     # grad_mode is used by the backward only; it is an input so that
     # setup_context sees it.
-    return _run(sinkhorn_knopp_fwd, logits, logits, num_iters=num_iters, eps=eps)
+    return _ops.sinkhorn_knopp_fwd(logits, num_iters=num_iters, eps=eps)
 
 
 def _sinkhorn_fwd_fake(logits, num_iters, eps, grad_mode):
@@ -216,7 +144,7 @@ def _sinkhorn_fwd_fake(logits, num_iters, eps, grad_mode):
 
 
 def _sinkhorn_bwd_impl(grad_P: Tensor, logits: Tensor, num_iters: int, eps: float, grad_mode: str) -> Tensor:
-    return _run(sinkhorn_knopp_bwd, logits, grad_P, logits, num_iters=num_iters, eps=eps, grad_mode=grad_mode)
+    return _ops.sinkhorn_knopp_bwd(grad_P, logits, num_iters=num_iters, eps=eps, grad_mode=grad_mode)
 
 
 def _sinkhorn_bwd_fake(grad_P, logits, num_iters, eps, grad_mode):
@@ -279,7 +207,7 @@ def sinkhorn_knopp(logits, num_iters=20, eps=1e-8, grad_mode="unrolled"):
 
 # ------------------------------------------------------------------ RMSNorm
 def _rmsnorm_fwd_impl(x: Tensor, eps: float, weight: Optional[Tensor]) -> Tensor:
-    return _run(rmsnorm_fwd, x, x, eps=eps, weight=weight)
+    return _ops.rmsnorm_fwd(x, eps=eps, weight=weight)
 
 
 def _rmsnorm_fwd_fake(x, eps, weight):
@@ -288,7 +216,7 @@ def _rmsnorm_fwd_fake(x, eps, weight):
 
 
 def _rmsnorm_bwd_impl(grad: Tensor, x: Tensor, eps: float) -> Tensor:
-    return _run(rmsnorm_bwd, x, grad, x, eps=eps)
+    return _ops.rmsnorm_bwd(grad, x, eps=eps)
 
 
 def _rmsnorm_bwd_fake(grad, x, eps):
@@ -297,7 +225,7 @@ def _rmsnorm_bwd_fake(grad, x, eps):
 
 
 def _rmsnorm_weight_bwd_impl(grad: Tensor, x: Tensor, eps: float, weight: Tensor) -> tuple[Tensor, Tensor]:
-    return _run(rmsnorm_bwd, x, grad, x, eps=eps, weight=weight)
+    return _ops.rmsnorm_bwd(grad, x, eps=eps, weight=weight)
 
 
 def _rmsnorm_weight_bwd_fake(grad, x, eps, weight):
@@ -358,7 +286,7 @@ def rmsnorm(x, eps=1e-5, weight=None):
 
 # --------------------------------------------------------------- stream mix
 def _mix_fwd_impl(x: Tensor, M: Tensor) -> Tensor:
-    return _run(stream_mix_fwd, x, x, M)
+    return _ops.stream_mix_fwd(x, M)
 
 
 def _mix_fwd_fake(x, M):
@@ -367,7 +295,7 @@ def _mix_fwd_fake(x, M):
 
 
 def _mix_bwd_impl(grad: Tensor, x: Tensor, M: Tensor) -> tuple[Tensor, Tensor]:
-    return _run(stream_mix_bwd, x, grad, x, M)
+    return _ops.stream_mix_bwd(grad, x, M)
 
 
 def _mix_bwd_fake(grad, x, M):
@@ -417,7 +345,7 @@ def stream_mix(x, M):
 
 # --------------------------------------------------------- stream aggregate
 def _aggregate_fwd_impl(x: Tensor, h: Tensor) -> Tensor:
-    return _run(stream_aggregate_fwd, x, x, h)
+    return _ops.stream_aggregate_fwd(x, h)
 
 
 def _aggregate_fwd_fake(x, h):
@@ -426,7 +354,7 @@ def _aggregate_fwd_fake(x, h):
 
 
 def _aggregate_bwd_impl(grad: Tensor, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
-    return _run(stream_aggregate_bwd, x, grad, x, h)
+    return _ops.stream_aggregate_bwd(grad, x, h)
 
 
 def _aggregate_bwd_fake(grad, x, h):
@@ -472,7 +400,7 @@ def stream_aggregate(x, h):
 
 # -------------------------------------------------------- stream distribute
 def _distribute_fwd_impl(y: Tensor, h: Tensor) -> Tensor:
-    return _run(stream_distribute_fwd, y, y, h)
+    return _ops.stream_distribute_fwd(y, h)
 
 
 def _distribute_fwd_fake(y, h):
@@ -481,7 +409,7 @@ def _distribute_fwd_fake(y, h):
 
 
 def _distribute_bwd_impl(grad: Tensor, y: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
-    return _run(stream_distribute_bwd, y, grad, y, h)
+    return _ops.stream_distribute_bwd(grad, y, h)
 
 
 def _distribute_bwd_fake(grad, y, h):
@@ -527,7 +455,7 @@ def stream_distribute(y, h):
 
 # ------------------------------------------------------------------ post op
 def _post_fwd_impl(layer_out: Tensor, x: Tensor, H_post: Tensor, H_res: Tensor) -> Tensor:
-    return _run(mhc_post_op_fwd, x, layer_out, x, H_post, H_res)
+    return _ops.mhc_post_op_fwd(layer_out, x, H_post, H_res)
 
 
 def _post_fwd_fake(layer_out, x, H_post, H_res):
@@ -537,7 +465,7 @@ def _post_fwd_fake(layer_out, x, H_post, H_res):
 
 def _post_bwd_impl(grad: Tensor, layer_out: Tensor, x: Tensor, H_post: Tensor,
                    H_res: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _run(mhc_post_op_bwd, x, grad, layer_out, x, H_post, H_res)
+    return _ops.mhc_post_op_bwd(grad, layer_out, x, H_post, H_res)
 
 
 def _post_bwd_fake(grad, layer_out, x, H_post, H_res):
@@ -589,7 +517,7 @@ def mhc_post_op(layer_out, x, H_post, H_res):
 # ------------------------------------------------------------------- pre op
 def _pre_fwd_impl(x: Tensor, h_pre_raw: Tensor, h_post_raw: Tensor, h_res_raw: Tensor, num_iters: int, eps: float,
                   grad_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _run(mhc_pre_op_fwd, x, x, h_pre_raw, h_post_raw, h_res_raw, num_iters=num_iters, eps=eps)
+    return _ops.mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=num_iters, eps=eps)
 
 
 def _pre_fwd_fake(x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps, grad_mode):
@@ -602,8 +530,8 @@ def _pre_fwd_fake(x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps, grad_mode
 def _pre_bwd_impl(grad_layer_in: Optional[Tensor], grad_H_pre: Optional[Tensor], grad_H_post: Optional[Tensor],
                   grad_H_res: Optional[Tensor], x: Tensor, h_pre_raw: Tensor, h_post_raw: Tensor, h_res_raw: Tensor,
                   num_iters: int, eps: float, grad_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _run(mhc_pre_op_bwd, x, grad_layer_in, grad_H_pre, grad_H_post, grad_H_res, x, h_pre_raw, h_post_raw,
-                h_res_raw, num_iters=num_iters, eps=eps, grad_mode=grad_mode)
+    return _ops.mhc_pre_op_bwd(grad_layer_in, grad_H_pre, grad_H_post, grad_H_res, x, h_pre_raw, h_post_raw,
+                               h_res_raw, num_iters=num_iters, eps=eps, grad_mode=grad_mode)
 
 
 def _pre_bwd_fake(grad_layer_in, grad_H_pre, grad_H_post, grad_H_res, x, h_pre_raw, h_post_raw, h_res_raw,
@@ -676,7 +604,7 @@ def mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=20, eps=1e-8, grad
 # ------------------------------------------------------------ coefficients
 def _coeffs_fwd_impl(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor,
                      eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    return _run(mhc_coeffs_fwd, x, x, phi, alpha, bias, eps=eps)
+    return _ops.mhc_coeffs_fwd(x, phi, alpha, bias, eps=eps)
 
 
 def _coeffs_fwd_fake(x, phi, alpha, bias, eps):
@@ -689,7 +617,7 @@ def _coeffs_fwd_fake(x, phi, alpha, bias, eps):
 def _coeffs_bwd_impl(grad_h_pre_raw: Optional[Tensor], grad_h_post_raw: Optional[Tensor],
                      grad_h_res_raw: Optional[Tensor], x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor,
                      eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _run(mhc_coeffs_bwd, x, grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alpha, bias, eps=eps)
+    return _ops.mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alpha, bias, eps=eps)
 
 
 def _coeffs_bwd_fake(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alpha, bias, eps):
@@ -756,7 +684,7 @@ def mhc_coeffs(x, phi, alpha, bias, eps=1e-5):
 # piece's backward sends g, the gradient of the layer's output, back along it.
 def _layer_pre_fwd_impl(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, num_iters: int, eps: float,
                         rms_eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=num_iters, eps=eps, rms_eps=rms_eps)
+    return _ops.mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=num_iters, eps=eps, rms_eps=rms_eps)
 
 
 def _layer_pre_fwd_fake(x, phi, alpha, bias, num_iters, eps, rms_eps):
@@ -771,8 +699,8 @@ def _layer_pre_bwd_impl(grad_layer_in: Optional[Tensor], grad_out: Optional[Tens
                         grad_H_res: Optional[Tensor], x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor,
                         stats: Tensor, H_pre: Tensor, H_res: Tensor, num_iters: int, eps: float, rms_eps: float,
                         grad_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats, H_pre,
-                             H_res, num_iters=num_iters, eps=eps, rms_eps=rms_eps, grad_mode=grad_mode)
+    return _ops.mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats,
+                                  H_pre, H_res, num_iters=num_iters, eps=eps, rms_eps=rms_eps, grad_mode=grad_mode)
 
 
 def _layer_pre_bwd_fake(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats, H_pre, H_res,
@@ -782,7 +710,7 @@ def _layer_pre_bwd_fake(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi
 
 def _layer_post_bwd_impl(grad: Tensor, layer_out: Tensor, x: Tensor, H_post: Tensor,
                          H_res: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    return mhc_layer_post_bwd(grad, layer_out, x, H_post, H_res)
+    return _ops.mhc_layer_post_bwd(grad, layer_out, x, H_post, H_res)
 
 
 def _layer_post_bwd_fake(grad, layer_out, x, H_post, H_res):
@@ -883,6 +811,3 @@ def mhc_layer_post(layer_out, x_link, H_post, H_res):
         return _LayerPostFn.apply(layer_out, x_link, H_post, H_res)
     return mhc_post_op(layer_out, x_link, H_post, H_res)
 
-
-# The whole mHC layer (paper Eq. 3 with the coefficient path), built on the ops above.
-from .layers import MHC, collapse_streams, expand_streams  # noqa: E402

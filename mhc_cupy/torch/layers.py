@@ -1,0 +1,275 @@
+"""PyTorch modules for mHC: the layer wrapper ``MHC`` and its helpers.
+
+mHC (Xie et al., "mHC: Manifold-Constrained Hyper-Connections", arXiv
+2512.24880) widens the residual stream to ``n`` parallel streams
+``x_l [..., n, C]`` and updates it around each sublayer F (attention, MLP) as
+
+    x_{l+1} = H_res x_l + H_post^T F(H_pre x_l)                    (paper Eq. 3)
+
+with per-token coefficients computed from ``x_l`` itself (paper Eqs. 14-18,
+OPS.md section 8):
+
+    x~ = vec(x_l) in R^{nC};  r = sqrt(mean(x~^2) + rms_eps);  Ht = x~ phi
+    h_pre_raw  = alpha_pre  * Ht_pre  / r + b_pre
+    h_post_raw = alpha_post * Ht_post / r + b_post
+    h_res_raw  = alpha_res  * mat(Ht_res) / r + b_res
+    H_pre = sigmoid(h_pre_raw);  H_post = 2 sigmoid(h_post_raw)      (paper Eq. 8)
+    H_res = Sinkhorn-Knopp(h_res_raw)                                (paper Eq. 9)
+
+Contents:
+
+* :class:`MHC`: ``nn.Module`` wrapping any sublayer ``[..., C] -> [..., C]``;
+  the fused layer pieces ``mhc_layer_pre`` -> F -> ``mhc_layer_post`` (OPS.md
+  section 9), or coefficients (``mhc_coeffs``) -> ``mhc_pre_op`` -> F ->
+  ``mhc_post_op`` (all in :mod:`mhc_cupy.torch.functions`).
+* :func:`expand_streams` / :func:`collapse_streams` (and the modules
+  :class:`ExpandStreams` / :class:`CollapseStreams`): into and out of the
+  n-stream residual.
+* :func:`identity_bias`: the biases that start the layer at a plain residual.
+
+The same layer in plain torch ops (the tests' autograd oracle) is
+:class:`mhc_cupy.torch.reference.MHCReference`.
+
+Initialisation (see :func:`identity_bias`): the paper (Sec. 4, Eqs. 7-8)
+makes every coefficient a static bias b plus a dynamic term from x gated by
+a learnable scalar alpha (alpha_pre, alpha_post, alpha_res) that starts
+small, so at initialisation the coefficients are essentially the biases.
+OPS.md does not fix the bias values; the choice here starts the
+layer at a plain residual connection, as Hyper-Connections (Zhu et al.,
+arXiv 2409.19606) initialise theirs to reproduce the pre-norm residual:
+H_pre = 1/n (the stream average), H_post = 1 (2 sigmoid(0)), H_res close to
+the identity.  With the streams created by
+:func:`expand_streams` (n equal copies) and collapsed by the mean, an mHC
+network with phi = 0 is then the plain residual network up to float32
+rounding and the Sinkhorn eps (measured ~1e-7 relative).  phi starts as a
+tiny normal (std ``1 / sqrt(n C)``, so each dynamic logit is ~N(0, alpha^2),
+std 0.01; each stream then differs from x + F(x) by ~1% of |F(x)|): that
+breaks the symmetry between the n equal streams, which with phi = 0 would
+stay equal forever.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .. import _checks, _layer_init
+from .functions import mhc_coeffs, mhc_layer_post, mhc_layer_pre, mhc_post_op, mhc_pre_op
+
+
+__all__ = [
+    "MHC", "identity_bias", "expand_streams", "collapse_streams", "ExpandStreams", "CollapseStreams",
+]
+
+
+# ----------------------------------------------------------------- helpers
+def _as_f32(t: Tensor) -> Tensor:
+    """Coefficient parameters are float32 (OPS.md); differentiable cast if a module was ``.to()``-ed."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
+# ------------------------------------------------------------ initialisation
+def identity_bias(n: int, pre: Optional[float] = None, post: float = 1.0, res_diag: float = 0.95) -> Tensor:
+    """Biases [n*n + 2n] (pre | post | res) that start mHC at a plain residual connection.
+
+    * b_pre = logit(pre) so that H_pre = sigmoid(b_pre) = ``pre`` for every
+      stream; default 1/n: layer_in is the stream average, which for n equal
+      streams is the plain residual stream itself (n = 1: 0.99, since
+      sigmoid never reaches 1).
+    * b_post = logit(post / 2) so that H_post = 2 sigmoid(b_post) = ``post``;
+      default 1 (b_post = 0): every stream receives F's output once, as
+      ``x + F(x)``.
+    * b_res = d on the diagonal, 0 elsewhere, with d = log(res_diag (n-1) /
+      (1 - res_diag)): a matrix with one constant diagonal and one constant
+      off-diagonal is already doubly stochastic after the first row step, so
+      Sinkhorn returns exactly res_diag on the diagonal and
+      (1 - res_diag)/(n - 1) elsewhere.  Default 0.95: close to the identity
+      (each stream keeps itself, as Hyper-Connections' identity init), yet
+      not so saturated that the Sinkhorn gradient (~P(1-P)) vanishes.  For n
+      equal streams H_res acts only through its row sums (1), so this choice
+      does not change the function at init, only how stream differences
+      propagate once they appear.
+
+    Args:
+        n: streams, >= 1.
+        pre: H_pre at init in (0, 1); default 1/n (0.99 for n = 1).
+        post: H_post at init in (0, 2); default 1.
+        res_diag: diagonal of H_res at init in [1/n, 1); default 0.95 (ignored for n = 1).
+
+    Returns:
+        float32 tensor [n*n + 2n].
+    """
+    return torch.from_numpy(_layer_init.identity_bias(n, pre, post, res_diag))
+
+
+# --------------------------------------------------------- stream helpers
+def expand_streams(h: Tensor, n: int) -> Tensor:
+    """Copy a hidden state into n residual streams: [..., C] -> [..., n, C] (contiguous).
+
+    Every stream starts as the embedding itself (the Hyper-Connections /
+    mHC convention); the gradient is the sum over the streams.
+    """
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    return h.unsqueeze(-2).expand(*h.shape[:-1], n, h.shape[-1]).contiguous()
+
+
+def collapse_streams(x: Tensor, reduce: str = "mean") -> Tensor:
+    """Merge the residual streams back into one hidden state: [..., n, C] -> [..., C].
+
+    ``reduce="mean"`` (default) makes ``collapse_streams(expand_streams(h, n)) == h``
+    (exactly for n a power of two, else up to one rounding) and keeps the
+    scale of a plain residual stream; ``"sum"`` is the sum
+    (n times larger; equivalent when a scale-invariant norm follows, as the
+    final RMSNorm of a transformer).
+    """
+    if reduce == "mean":
+        return x.mean(dim=-2)
+    if reduce == "sum":
+        return x.sum(dim=-2)
+    raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
+
+
+class ExpandStreams(nn.Module):
+    """Module form of :func:`expand_streams`."""
+
+    def __init__(self, n_streams: int):
+        super().__init__()
+        self.n_streams = n_streams
+
+    def forward(self, h: Tensor) -> Tensor:
+        return expand_streams(h, self.n_streams)
+
+    def extra_repr(self) -> str:
+        return f"n_streams={self.n_streams}"
+
+
+class CollapseStreams(nn.Module):
+    """Module form of :func:`collapse_streams`."""
+
+    def __init__(self, reduce: str = "mean"):
+        super().__init__()
+        if reduce not in ("mean", "sum"):
+            raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
+        self.reduce = reduce
+
+    def forward(self, x: Tensor) -> Tensor:
+        return collapse_streams(x, self.reduce)
+
+    def extra_repr(self) -> str:
+        return f"reduce={self.reduce!r}"
+
+
+# ------------------------------------------------------------------- layer
+class MHC(nn.Module):
+    """mHC around one sublayer: x_{l+1} = H_res x_l + H_post^T F(H_pre x_l) (paper Eq. 3).
+
+    The coefficients are computed per token from x_l (paper Eqs. 14-18,
+    OPS.md section 8; :func:`mhc_cupy.torch.mhc_coeffs`), activated and applied by
+    ``mhc_cupy.torch.mhc_pre_op`` (OPS.md section 7), and the residual update
+    is ``mhc_cupy.torch.mhc_post_op`` (section 6).  CUDA tensors run the
+    toolkit's kernels; CPU tensors the NumPy reference.
+
+    Args:
+        dim: C, the hidden size of the sublayer.
+        n_streams: n, the number of residual streams (1..32). Default 4 (the paper's).
+        sublayer: F, any module [..., C] -> [..., C] (attention, MLP, with
+            its own pre-norm); None = identity.  Extra forward arguments are
+            passed through to it.  Its output is cast to x's dtype.
+        num_iters: Sinkhorn iterations (paper t_max). Default 20.
+        eps: Sinkhorn eps. Default 1e-8.
+        rms_eps: eps of r = sqrt(mean(x~^2) + eps). Default 1e-5.
+        alpha_init: initial value of alpha_pre, alpha_post, alpha_res
+            (paper: small). Default 0.01.
+        phi_init_std: std of phi's normal init; default 1/sqrt(n*C) (each
+            dynamic logit then starts ~N(0, alpha_init^2)).  0 gives zeros
+            (then the n streams stay identical: no symmetry breaking).
+        pre_init, post_init, res_diag_init: H_pre, H_post and diag(H_res) at
+            init; see :func:`identity_bias`.
+        grad_mode: Sinkhorn backward, "unrolled" (default, exact) or "implicit".
+
+    Parameters:
+        phi: float32 [n*C, n*n + 2n] (columns pre | post | res);
+        alpha: float32 [3]; bias: float32 [n*n + 2n].
+
+    Shapes:
+        forward(x [..., n, C], *args, **kwargs) -> [..., n, C], dtype of x
+        (bfloat16 / float16 / float32; coefficients are always float32).
+
+    Raises:
+        TypeError / ValueError in the constructor (before allocating): dim not an
+        int >= 1, n_streams not in 1..32, num_iters not an int in 0..10000
+        (``mhc_cupy.MAX_NUM_ITERS``), eps / rms_eps not a finite float >= 0,
+        bad grad_mode.
+    """
+
+    def __init__(self, dim: int, n_streams: int = 4, sublayer: Optional[nn.Module] = None, num_iters: int = 20,
+                 eps: float = 1e-8, rms_eps: float = 1e-5, alpha_init: float = 0.01,
+                 phi_init_std: Optional[float] = None, pre_init: Optional[float] = None, post_init: float = 1.0,
+                 res_diag_init: float = 0.95, grad_mode: str = "unrolled", device=None):
+        super().__init__()
+        # checked before phi (n*C x (n*n + 2n) floats) is allocated
+        dim, n_streams = _checks.layer_size(dim, n_streams)
+        num_iters, eps, rms_eps, grad_mode = _checks.layer_settings(num_iters, eps, rms_eps, grad_mode)
+        self.dim, self.n_streams = dim, n_streams
+        self.num_iters, self.eps, self.rms_eps, self.grad_mode = num_iters, eps, rms_eps, grad_mode
+        self.alpha_init = alpha_init
+        self.phi_init_std = 1.0 / math.sqrt(n_streams * dim) if phi_init_std is None else phi_init_std
+        self.pre_init, self.post_init, self.res_diag_init = pre_init, post_init, res_diag_init
+        m = n_streams * n_streams + 2 * n_streams
+        kw = {"device": device, "dtype": torch.float32}
+        self.phi = nn.Parameter(torch.empty(n_streams * dim, m, **kw))
+        self.alpha = nn.Parameter(torch.empty(3, **kw))
+        self.bias = nn.Parameter(torch.empty(m, **kw))
+        self.sublayer = sublayer if sublayer is not None else nn.Identity()
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Re-initialise phi, alpha and bias (not the sublayer)."""
+        if self.phi_init_std > 0:
+            self.phi.normal_(0.0, self.phi_init_std)
+        else:
+            self.phi.zero_()
+        self.alpha.fill_(self.alpha_init)
+        self.bias.copy_(identity_bias(self.n_streams, self.pre_init, self.post_init, self.res_diag_init))
+
+    def _check(self, x: Tensor) -> None:
+        if x.dim() < 2 or x.shape[-2] != self.n_streams or x.shape[-1] != self.dim:
+            raise ValueError(f"x has shape {tuple(x.shape)}; MHC needs [..., n_streams={self.n_streams}, "
+                             f"dim={self.dim}]")
+
+    def coefficients(self, x: Tensor):
+        """(h_pre_raw, h_post_raw, h_res_raw) for x [..., n, C] (float32, differentiable)."""
+        self._check(x)
+        return mhc_coeffs(x, _as_f32(self.phi), _as_f32(self.alpha), _as_f32(self.bias), self.rms_eps)
+
+    def fused(self, x: Tensor) -> bool:
+        """Whether forward runs the fused layer pieces (OPS.md section 9): on the CPU
+        (the NumPy reference) and on the GPU for n <= 4 (the tensor-core backward);
+        otherwise coefficients -> pre op -> sublayer -> post op as separate ops."""
+        return x.device.type == "cpu" or self.n_streams <= 4
+
+    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        if self.fused(x):
+            self._check(x)
+            layer_in, x_in, H_post, H_res = mhc_layer_pre(x, _as_f32(self.phi), _as_f32(self.alpha),
+                                                             _as_f32(self.bias), self.num_iters, self.eps,
+                                                             self.rms_eps, self.grad_mode)
+            post = mhc_layer_post
+        else:
+            h_pre_raw, h_post_raw, h_res_raw = self.coefficients(x)
+            layer_in, _, H_post, H_res = mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=self.num_iters,
+                                                    eps=self.eps, grad_mode=self.grad_mode)
+            x_in, post = x, mhc_post_op
+        y = self.sublayer(layer_in, *args, **kwargs)
+        if y.shape != layer_in.shape:
+            raise ValueError(f"sublayer returned shape {tuple(y.shape)}; MHC needs [..., C] = {tuple(layer_in.shape)}")
+        return post(y.to(x.dtype), x_in, H_post, H_res)
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, n_streams={self.n_streams}, num_iters={self.num_iters}, eps={self.eps}, "
+                f"rms_eps={self.rms_eps}, grad_mode={self.grad_mode!r}")

@@ -1,0 +1,88 @@
+"""Differentiable oracles: the mHC ops and layer written with plain torch ops.
+
+Shared by the tests, the bench (``python -m mhc_cupy.bench --layer``) and
+:class:`MHCReference`; independent of the kernels and of the NumPy reference
+``mhc_cupy.reference`` (float64 on the CPU, no autograd), so autograd through
+these functions checks the hand-written backwards.
+
+* :func:`sinkhorn_reference`: Sinkhorn-Knopp exactly as OPS.md section 1
+  (row-max shift, then ``num_iters`` row / column steps, paper Eq. 9);
+* :func:`mhc_reference`: the whole layer (OPS.md sections 6-8, paper Eqs. 3,
+  8, 14-18);
+* :class:`MHCReference`: :class:`mhc_cupy.torch.MHC` with that forward.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor
+
+from .layers import MHC
+
+__all__ = ["sinkhorn_reference", "mhc_reference", "MHCReference"]
+
+
+def sinkhorn_reference(logits: Tensor, num_iters: int = 20, eps: float = 1e-8) -> Tensor:
+    """Sinkhorn-Knopp in plain torch ops, exactly as OPS.md section 1 (row-max shift first)."""
+    P = torch.exp(logits - logits.max(dim=-1, keepdim=True).values)
+    for _ in range(num_iters):
+        P = P / (P.sum(dim=-1, keepdim=True) + eps)
+        P = P / (P.sum(dim=-2, keepdim=True) + eps)
+    return P
+
+
+def _alpha_columns(alpha: Tensor, n: int) -> Tensor:
+    """alpha [..., 3] -> one scale per column of phi [..., n*n + 2n] (differentiable)."""
+    lead = alpha.shape[:-1]
+    return torch.cat([alpha[..., 0:1].expand(lead + (n,)), alpha[..., 1:2].expand(lead + (n,)),
+                      alpha[..., 2:3].expand(lead + (n * n,))], dim=-1)
+
+
+def mhc_reference(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, sublayer=None, num_iters: int = 20,
+                  eps: float = 1e-8, rms_eps: float = 1e-5, args=(), kwargs=None) -> Tensor:
+    """The whole mHC layer in plain torch ops (autograd oracle for :class:`MHC`).
+
+    Same formulas as :class:`MHC` (OPS.md sections 6-8, paper Eqs. 3, 8,
+    14-18), computed in the dtype of x promoted to at least float32
+    (coefficients) and x's dtype (activations: pass float32 / float64).
+    ``sublayer`` is called as ``sublayer(layer_in, *args, **kwargs)``.
+    ``alpha`` [..., 3] and ``bias`` [..., n*n + 2n] may also be given per token
+    (broadcast against x's leading dims): their gradient is then each
+    token's contribution to the shared parameter's gradient.
+    """
+    n, C = x.shape[-2], x.shape[-1]
+    lead = x.shape[:-2]
+    cdt = torch.promote_types(x.dtype, torch.float32)
+    xt = x.reshape(lead + (n * C,)).to(cdt)
+    r = torch.sqrt(xt.square().mean(dim=-1, keepdim=True) + rms_eps)
+    h = _alpha_columns(alpha.to(cdt), n) * (xt @ phi.to(cdt)) / r + bias.to(cdt)
+    H_pre = torch.sigmoid(h[..., :n])
+    H_post = 2.0 * torch.sigmoid(h[..., n:2 * n])
+    H_res = sinkhorn_reference(h[..., 2 * n:].reshape(lead + (n, n)), num_iters, eps)
+    layer_in = (H_pre.unsqueeze(-1) * x.to(cdt)).sum(dim=-2).to(x.dtype)
+    y = layer_in if sublayer is None else sublayer(layer_in, *args, **(kwargs or {}))
+    out = H_res @ x.to(cdt) + H_post.unsqueeze(-1) * y.to(cdt).unsqueeze(-2)
+    return out.to(x.dtype)
+
+
+class MHCReference(MHC):
+    """:class:`MHC` with the forward written in plain torch ops (:func:`mhc_reference`).
+
+    Same constructor, parameters and state dict as :class:`MHC`; use
+    :meth:`from_layer` to get a reference copy of an existing layer (deep
+    copy of its sublayer and parameters).  For tests: autograd of this
+    module is the oracle for the kernel path.
+    """
+
+    @classmethod
+    def from_layer(cls, layer: MHC) -> "MHCReference":
+        ref = copy.deepcopy(layer)
+        ref.__class__ = cls
+        return ref
+
+    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        self._check(x)
+        return mhc_reference(x, self.phi, self.alpha, self.bias, self.sublayer, self.num_iters, self.eps,
+                             self.rms_eps, args, kwargs)
