@@ -35,7 +35,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch_cuda_ok(), reason="n
 
 
 DEV = "cuda"
-SINKHORN_TOL, SINKHORN_GRAD_TOL = TOL["sinkhorn"].value, TOL["sinkhorn_chain_grad"].value
+# the forward checks keep their 1e-3 (the chain row) until 2e-4 is measured on a GPU for these calls
+SINKHORN_TOL = SINKHORN_GRAD_TOL = TOL["sinkhorn_chain_grad"].value
 DTYPES = [torch.bfloat16, torch.float32]
 OPS = ["sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute", "mhc_post_op",
        "mhc_pre_op"]
