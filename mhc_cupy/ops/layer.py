@@ -80,7 +80,8 @@ def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=20, eps=1e-8, rms_eps=1e-5)
     Returns:
         (layer_in [..., C] dtype of x, H_pre float32 [..., n], H_post float32 [..., n],
         H_res float32 [..., n, n], stats float32 [..., n*n + 2n + 1]): stats holds each
-        token's raw x~ phi and sum of squares, for :func:`mhc_layer_pre_bwd`.
+        token's raw x~ phi and sum of squares, for :func:`mhc_layer_pre_bwd` (on the GPU a sum
+        of squares that overflowed float32 is kept as minus its 2^-100-scaled value, OPS.md).
 
     Raises:
         TypeError / ValueError: as mhc_coeffs_fwd and mhc_pre_op_fwd.
