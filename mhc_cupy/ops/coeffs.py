@@ -268,7 +268,7 @@ def launch_mma_bwd(b: MmaBwd, dt: str, x, phi, dH, KP: int, dx, dphi, sc: dict, 
     """dx = dH phi^T - c x (+ H_pre_i g_li + sum_j H_res[j, i] g_j when g is given) and dphi,
     on tensor cores; sc holds the buffers named by b.scratch() (dphi partials summed here)."""
     D = b.n * b.C
-    layer = g is not None
+    layer = g is not None or g_li is not None  # either layer gradient alone adds its dx term
     tg = tg or dt
     launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(D * b.K16), (_NT, 1, 1),
            (phi, sc["phi_r"], i64(D), i32(b.K), i32(b.K), i64(D), i32(b.K16)), stream)

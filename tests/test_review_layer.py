@@ -1,0 +1,76 @@
+"""Review findings shown on the CPU (branch review)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mhc_cupy.ops import coeffs
+
+
+def _capture(monkeypatch):
+    calls = []
+    monkeypatch.setattr(coeffs, "launch", lambda f, name, *a, **k: calls.append(name))
+    monkeypatch.setattr(coeffs, "column_sum", lambda *a, **k: None)
+    return calls
+
+
+@pytest.mark.parametrize("g,g_li", [(4096, None), (4096, 8192), (None, 8192)])
+def test_mma_bwd_adds_the_layer_terms_whenever_a_layer_gradient_is_given(monkeypatch, g, g_li):
+    """mhc_layer_pre_bwd(grad_layer_in, grad_out=None, ...) documents None as zero, so dx must still
+    get H_pre_i grad_layer_in; launch_mma_bwd chose LAYER = (g is not None) and dropped it."""
+    calls = _capture(monkeypatch)
+    b = coeffs.mma_bwd(100, 4, 64, 24)
+    sc = {name: 1 << 20 for name, _ in b.scratch()}
+    coeffs.launch_mma_bwd(b, "bfloat16", 1 << 12, 1 << 13, 1 << 14, 28, 1 << 15, 1 << 16, sc, 0,
+                          tg="bfloat16", g=g, g_li=g_li, H_pre=1 << 17, H_res=1 << 18)
+    kernel = [c for c in calls if c.startswith("mhc_coeffs_mma_bwd_kernel")][0]
+    layer_flag = kernel.split("<")[1].split(",")[3]
+    assert layer_flag == "true", kernel
+
+
+@pytest.mark.xfail(strict=True, reason="review finding: x_link used twice gives a silently wrong dx")
+def test_x_link_misuse_gives_silently_wrong_dx():
+    """Using x_link for anything but mhc_layer_post (here: also as a plain residual) gives a wrong dx
+    without any error: the pre piece's backward treats the summed gradient of x_link as the
+    gradient of the post op's output."""
+    torch = pytest.importorskip("torch")
+    from mhc_cupy.torch import mhc_layer_post, mhc_layer_pre, mhc_coeffs, mhc_pre_op, mhc_post_op
+
+    torch.manual_seed(0)
+    n, C = 2, 8
+    x = torch.randn(3, n, C, dtype=torch.float64).float().requires_grad_()
+    phi = (0.1 * torch.randn(n * C, n * n + 2 * n)).requires_grad_()
+    alpha = torch.full((3,), 0.5, requires_grad=True)
+    bias = torch.zeros(n * n + 2 * n, requires_grad=True)
+
+    layer_in, x_link, H_post, H_res = mhc_layer_pre(x, phi, alpha, bias)
+    out = mhc_layer_post(torch.tanh(layer_in), x_link, H_post, H_res) + x_link
+    (gx_fused,) = torch.autograd.grad(out.square().sum(), x)
+
+    h = mhc_coeffs(x, phi, alpha, bias)
+    layer_in2, _, H_post2, H_res2 = mhc_pre_op(x, *h)
+    out2 = mhc_post_op(torch.tanh(layer_in2), x, H_post2, H_res2) + x
+    (gx_ref,) = torch.autograd.grad(out2.square().sum(), x)
+    torch.testing.assert_close(out, out2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gx_fused, gx_ref, rtol=1e-4, atol=1e-4)
+
+
+_OVER_99K = {("float32", n) for n in [4, 6] + list(range(11, 33))}
+
+
+@pytest.mark.parametrize("dt,n", [pytest.param(dt, n, marks=pytest.mark.xfail(
+    strict=True, reason="review finding: more than 99 KiB of shared memory")) if (dt, n) in _OVER_99K else (dt, n)
+    for dt in ("bfloat16", "float16", "float32") for n in range(1, 33)])
+def test_coefficient_kernels_fit_99_kib_of_shared_memory(dt, n):
+    """sm_86 / sm_89 / sm_120 give a block at most 101376 bytes (99 KiB) of dynamic shared
+    memory (OPS.md already lists sm_86 / sm_89 limits); the float32 forward (n = 6, 11..32:
+    102400 bytes) and the float32 backward at n = 4 (115200 bytes) ask for more, so
+    cuFuncSetAttribute fails there instead of running."""
+    K = coeffs.columns(n)
+    C = 4096
+    mma = coeffs.mma_layout(4096, n * C, K)
+    fwd = coeffs._MMA_STAGES * (coeffs._MMA_TOK * 32 * coeffs.ITEMSIZE[dt] + 3 * mma.ntile * 8 * 64)
+    assert fwd <= 101376
+    if K <= coeffs._MMA_BWD_MAX_K:
+        assert coeffs.mma_bwd(4096, n, C, K).smem(dt) <= 101376
