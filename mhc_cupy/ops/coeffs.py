@@ -118,8 +118,29 @@ _MMA_MT = 2  # 16-token MMA tiles per warp of the forward (kernels_cu/coeffs.cu 
 _MMA_TOK = 4 * _MMA_MT * 16  # tokens per block (4 warps)
 _MMA_MAX_NTILE = 6  # 8-column tiles per block: accumulators 4 * MT * NTILE per thread
 _MMA_STEP = 32  # positions of D per step of a warp
-_MMA_STAGES = 4  # cp.async pipeline depth of the forward GEMM
+_MMA_STAGES = 4  # cp.async pipeline depth of the forward GEMM (at most)
 _MMA_BWD_STAGES = 3  # and of the backward
+#: Dynamic shared memory a block may use on every supported GPU: the opt-in limit of
+#: sm_86 / sm_89 / sm_120 (99 KiB; sm_80 has 163 KiB, sm_90 227 KiB).  The pipelines
+#: use fewer stages when the deepest one would need more (float32 x); the depth does
+#: not change the order of any sum.
+_SMEM_PORTABLE = 101376
+
+
+def pipeline_stages(fixed: int, per_stage: int, most: int) -> int:
+    """The deepest pipeline (<= most, >= 2 stages) whose shared memory fits _SMEM_PORTABLE."""
+    for stages in range(most, 2, -1):
+        if fixed + stages * per_stage <= _SMEM_PORTABLE:
+            return stages
+    return 2
+
+
+def mma_fwd_smem(dt: str, ntile: int) -> tuple[int, int]:
+    """(stages, dynamic shared bytes) of mhc_coeffs_mma_fwd_kernel: per stage, x [128 tokens][32]
+    and phi [3 planes][ntile * 8][32 bf16]."""
+    per_stage = _MMA_TOK * 32 * ITEMSIZE[dt] + 3 * ntile * 8 * 64
+    stages = pipeline_stages(0, per_stage, _MMA_STAGES)
+    return stages, stages * per_stage
 _MMA_TARGET_BLOCKS = 1024  # 128-thread blocks; a constant (not the SM count): same bits on every GPU
 
 
@@ -175,8 +196,8 @@ def launch_mma_gemm(dt, D, K, tokens, x, phi, part, planes, mma: MmaLayout, stre
     launch(_FILE, "mhc_coeffs_split_phi_fwd_kernel", _grid_stride(mma.Kp * mma.Dp), (_NT, 1, 1),
            (phi, planes, i32(D), i32(K), i32(mma.Dp), i32(mma.Kp)), stream)
     vec = "true" if _vec8(dt, D, x) else "false"
-    smem = _MMA_STAGES * (_MMA_TOK * 32 * ITEMSIZE[dt] + 3 * mma.ntile * 8 * 64)
-    launch(_FILE, f"mhc_coeffs_mma_fwd_kernel<{CTYPE[dt]},{vec},{_MMA_MT},{mma.ntile},{_MMA_STAGES}>",
+    stages, smem = mma_fwd_smem(dt, mma.ntile)
+    launch(_FILE, f"mhc_coeffs_mma_fwd_kernel<{CTYPE[dt]},{vec},{_MMA_MT},{mma.ntile},{stages}>",
            (mma.ncc * mma.tiles * mma.splits, 1, 1), (128, 1, 1),
            (x, planes, part, i64(tokens), i32(D), i32(mma.Dp), i32(K), i32(mma.Kp), i32(mma.ncc),
             i64(mma.tiles), i32(mma.d_split)), stream, smem)
@@ -252,11 +273,17 @@ class MmaBwd(NamedTuple):
             out.append(("dphi_part", ((self.splits, D, self.K), "float32")))
         return out
 
-    def smem(self, dt: str) -> int:
-        """Dynamic shared memory bytes (the kernel's layout, kernels_cu/coeffs.cu)."""
+    def pipeline(self, dt: str) -> tuple[int, int]:
+        """(stages, dynamic shared bytes): the block's phi rows, then per stage x [16][n][64]
+        (token rows padded by 16 bytes), dH_r [3][16][K16] and dH_c [3][Kp8][16] (kernels_cu/coeffs.cu)."""
         nw, K16, Kp8 = 64 * self.n, self.K16, self.Kp8
+        fixed = 3 * nw * K16 * 2
         stage = 16 * (nw * ITEMSIZE[dt] + 16) + 3 * 16 * K16 * 2 + 3 * Kp8 * 32
-        return 3 * nw * K16 * 2 + _MMA_BWD_STAGES * stage
+        stages = pipeline_stages(fixed, stage, _MMA_BWD_STAGES)
+        return stages, fixed + stages * stage
+
+    def smem(self, dt: str) -> int:
+        return self.pipeline(dt)[1]
 
 
 def mma_bwd(tokens: int, n: int, C: int, K: int) -> MmaBwd:
@@ -278,12 +305,13 @@ def launch_mma_bwd(b: MmaBwd, dt: str, x, phi, dH, KP: int, dx, dphi, sc: dict, 
            (dH, sc["dH_c"], i64(b.tokens), i32(b.K), i32(KP), i64(b.tokens_p), i32(b.Kp8)), stream)
     vec = "true" if _vec8(dt, b.C, x, dx, g, g_li) else "false"
     out = sc["dphi_part"] if b.splits > 1 else dphi
+    stages, smem = b.pipeline(dt)
     launch(_FILE, f"mhc_coeffs_mma_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{vec},{'true' if layer else 'false'},"
-                  f"{b.K16 // 16},{b.Kp8 // 8},{_MMA_BWD_STAGES}>",
+                  f"{b.K16 // 16},{b.Kp8 // 8},{stages}>",
            (_cdiv(b.C, 64), b.splits, 1), (32 * b.n, 1, 1),
            (x, sc["phi_r"], sc["dH_r"], sc["dH_c"], dH, g, g_li, H_pre, H_res, dx, out, i64(b.tokens),
             i64(b.tokens_p), i32(b.n), i32(b.C), i32(b.K), i32(KP), i64(b.t_split)),
-           stream, b.smem(dt))
+           stream, smem)
     if b.splits > 1:
         column_sum(out, dphi, b.splits, D * b.K, stream)
 

@@ -774,8 +774,8 @@ def mhc_layer_pre(x, phi, alpha, bias, num_iters=20, eps=1e-8, rms_eps=1e-5, gra
 
     The coefficient path and the pre op in one call (:func:`mhc_coeffs` then
     :func:`mhc_pre_op`).  Feed ``x_link`` (a view of x) and the coefficients to
-    :func:`mhc_layer_post`, never x itself: the layer's backward then writes dx
-    once, with the post op's part folded in.
+    :func:`mhc_layer_post`, never x itself, and use x_link for nothing else: the
+    layer's backward then writes dx once, with the post op's part folded in.
 
     Args:
         x: [..., n, C] tensor, bfloat16 / float16 / float32 (GPU: n <= 4).
@@ -806,8 +806,17 @@ def mhc_layer_post(layer_out, x_link, H_post, H_res):
 
     Returns:
         out: [..., n, C], dtype and device of x.
+
+    Raises:
+        ValueError: x_link (requiring grad) is not mhc_layer_pre's x_link.  Use x_link for
+            nothing else: its gradient is taken to be this op's output gradient, so a
+            second use of it gives a wrong dx (not detected).
     """
     if _needs_autograd(layer_out, x_link, H_post, H_res):
+        # autograd names a Function's backward node "<Function name>Backward"
+        if x_link.requires_grad and not _is_compiling() and type(x_link.grad_fn).__name__ != "_LayerPreFnBackward":
+            raise ValueError("x_link must be the x_link output of mhc_layer_pre (its backward receives this op's "
+                             f"output gradient); got a tensor whose grad_fn is {type(x_link.grad_fn).__name__}")
         return _LayerPostFn.apply(layer_out, x_link, H_post, H_res)
     return mhc_post_op(layer_out, x_link, H_post, H_res)
 
