@@ -416,13 +416,15 @@ namespace mhc_coeffs {
 
 __device__ __forceinline__ unsigned pack2(unsigned lo, unsigned hi) { return lo | (hi << 16); }
 
-// v = sum of P bf16 parts (as bits), each the bf16 rounding of what is left.
+// v = sum of P bf16 parts (as bits), each the bf16 rounding of what is left (rounded toward
+// zero where rounding to nearest would overflow: |v| above ~3.39e38, still finite in float32).
 template <int P>
 __device__ __forceinline__ void split_bits(float v, unsigned (&out)[P]) {
     float r = v;
 #pragma unroll
     for (int p = 0; p < P; ++p) {
-        const __nv_bfloat16 h = __float2bfloat16_rn(r);
+        __nv_bfloat16 h = __float2bfloat16_rn(r);
+        if (p == 0 && __hisinf(h) && !isinf(r)) h = __float2bfloat16_rz(r);
         out[p] = (unsigned)__bfloat16_as_ushort(h);
         r -= __bfloat162float(h);
     }
