@@ -115,10 +115,12 @@ class Kernel:
 X = Arg("x", "...nC", "activation")
 LAYER_IN = Arg("layer_in", "...C", "activation")
 LAYER_OUT = Arg("layer_out", "...C", "activation")
-H_PRE_RAW, H_POST_RAW, H_RES_RAW = Arg("h_pre_raw", "...n", "coefficient"), Arg("h_post_raw", "...n", "coefficient"), \
-    Arg("h_res_raw", "...nn", "coefficient")
-H_PRE, H_POST, H_RES = Arg("H_pre", "...n", "coefficient"), Arg("H_post", "...n", "coefficient"), \
-    Arg("H_res", "...nn", "coefficient")
+H_PRE_RAW = Arg("h_pre_raw", "...n", "coefficient")
+H_POST_RAW = Arg("h_post_raw", "...n", "coefficient")
+H_RES_RAW = Arg("h_res_raw", "...nn", "coefficient")
+H_PRE = Arg("H_pre", "...n", "coefficient")
+H_POST = Arg("H_post", "...n", "coefficient")
+H_RES = Arg("H_res", "...nn", "coefficient")
 PHI, ALPHA, BIAS = Arg("phi", "nC,K", "parameter"), Arg("alpha", "3", "parameter"), Arg("bias", "K", "parameter")
 #: The incoming gradient of an [..., n, C] output (activation dtype or float32).
 GRAD_X = Arg("grad", "...nC", "activation")
