@@ -15,92 +15,49 @@ from ._interop import ArrayInfo
 
 _ALIGNED, _MISALIGNED = 1 << 20, (1 << 20) + 2
 _DEV = ("cuda", 0)
-_NUM_ITERS = 20
 
 
 def _info(shape, dtype, ptr):
     return ArrayInfo(tuple(shape), dtype, _DEV, ptr, None)
 
 
+def _infos(kernel, lead: tuple, sizes: dict, dt: str, tg: str, ptr: int, shared: bool = False, absent: bool = False):
+    """Fake infos of ``kernel``'s arrays (its op spec): activations in ``dt``, incoming
+    gradients of activations in ``tg``, the rest float32.  ``shared``: the shared-capable
+    input without token dims; ``absent``: every optional input None."""
+    from .ops.spec import shape_of
+
+    infos = {}
+    for a in kernel.args:
+        dtype = (tg if a in kernel.grads else dt) if a.kind == "activation" else "float32"
+        shape = shape_of(a, () if shared and a.name == kernel.shared else lead, sizes)
+        infos[a.name] = None if absent and a.optional else _info(shape, dtype, ptr)
+    return infos
+
+
 def _cases(dt: str, n: int, C: int, ptr: int, tg: str):
-    """(planner, infos, params) for every op at one configuration."""
-    from .ops import post, pre, rmsnorm, sinkhorn, stream
+    """(planner, infos, params) for every op spec at one configuration: with and without its
+    optional inputs, its shared input in both forms, every ``grad_mode``."""
+    from .ops import SPECS, coeffs
 
-    T = 3
-    x, y = _info((T, n, C), dt, ptr), _info((T, C), dt, ptr)
-    gx, gy = _info((T, n, C), tg, ptr), _info((T, C), tg, ptr)
-    M, h, hs = _info((T, n, n), "float32", ptr), _info((T, n), "float32", ptr), _info((n,), "float32", ptr)
-    w = _info((C,), "float32", ptr)
-    cases = [
-        (stream._plan_mix_fwd, {"x": x, "M": M}, {}),
-        (stream._plan_mix_bwd, {"grad": gx, "x": x, "M": M}, {}),
-        (post._plan_fwd, {"layer_out": y, "x": x, "H_post": h, "H_res": M}, {}),
-        (post._plan_bwd, {"grad": gx, "layer_out": y, "x": x, "H_post": h, "H_res": M}, {}),
-        *_rmsnorm_cases(rmsnorm, T, C, dt, tg, ptr),
-        *_rmsnorm_cases(rmsnorm, T, n * C, dt, tg, ptr, weighted=False),  # vec(x), as the mHC paper (OPS.md 2)
-        (sinkhorn._plan_fwd, {"logits": M}, {"num_iters": _NUM_ITERS, "eps": 1e-8}),
-        (pre._plan_fwd, {"x": x, "h_pre_raw": h, "h_post_raw": h, "h_res_raw": M},
-         {"num_iters": _NUM_ITERS, "eps": 1e-8}),
-    ]
-    for hh in (h, hs):
-        cases += [
-            (stream._plan_aggregate_fwd, {"x": x, "h": hh}, {}),
-            (stream._plan_aggregate_bwd, {"grad": gy, "x": x, "h": hh}, {}),
-            (stream._plan_distribute_fwd, {"y": y, "h": hh}, {}),
-            (stream._plan_distribute_bwd, {"grad": gx, "y": y, "h": hh}, {}),
-        ]
-    for mode in ("unrolled", "implicit"):
-        cases += [
-            (sinkhorn._plan_bwd, {"grad_P": M, "logits": M}, {"num_iters": _NUM_ITERS, "eps": 1e-8, "grad_mode": mode}),
-            (pre._plan_bwd, {"grad_layer_in": gy, "grad_H_pre": h, "grad_H_post": h, "grad_H_res": M, "x": x,
-                             "h_pre_raw": h, "h_post_raw": h, "h_res_raw": M},
-             {"num_iters": _NUM_ITERS, "eps": 1e-8, "grad_mode": mode}),
-        ]
-    cases += _coeffs_cases(x, h, M, n, C, ptr)
-    cases += _layer_cases(x, y, gx, gy, h, M, n, C, ptr)
-    return cases
-
-
-def _rmsnorm_cases(rmsnorm, T: int, C: int, dt: str, tg: str, ptr: int, weighted: bool = True):
-    x, g = _info((T, C), dt, ptr), _info((T, C), tg, ptr)
-    weights = (None, _info((C,), "float32", ptr)) if weighted else (None,)
-    return [(rmsnorm._plan_fwd, {"x": x, "weight": w}, {"eps": 1e-5}) for w in weights] + [
-        (rmsnorm._plan_bwd, {"grad": g, "x": x, "weight": w}, {"eps": 1e-5}) for w in weights]
-
-
-def _coeffs_cases(x, h, M, n: int, C: int, ptr: int):
-    """The coefficient path (OPS.md section 8, ops/coeffs.py): forward, backward with
-    every incoming gradient and with none (the zero-fill kernel)."""
-    from .ops import coeffs
-
-    K = coeffs.columns(n)
-    cx = {"x": x, "phi": _info((n * C, K), "float32", ptr), "alpha": _info((3,), "float32", ptr),
-          "bias": _info((K,), "float32", ptr)}
-    none = {"grad_h_pre_raw": None, "grad_h_post_raw": None, "grad_h_res_raw": None}
-    return [
-        (coeffs._plan_fwd, cx, {"eps": 1e-5}),
-        (coeffs._plan_bwd, {"grad_h_pre_raw": h, "grad_h_post_raw": h, "grad_h_res_raw": M, **cx}, {"eps": 1e-5}),
-        (coeffs._plan_bwd, {**none, **cx}, {"eps": 1e-5}),
-        # many tokens: the narrow column sums over tokens (dalpha, dbias)
-        (coeffs._plan_bwd, {"grad_h_pre_raw": _info((300, n), "float32", ptr), "grad_h_post_raw": None,
-                            "grad_h_res_raw": None, **cx, "x": _info((300, n, C), x.dtype, ptr)}, {"eps": 1e-5}),
-    ]
-
-
-def _layer_cases(x, y, gx, gy, h, M, n: int, C: int, ptr: int):
-    """The fused layer pieces (OPS.md section 9, ops/layer.py); the backward on the GPU for n <= 4."""
-    from .ops import coeffs, layer
-
-    K = coeffs.columns(n)
-    cx = {"x": x, "phi": _info((n * C, K), "float32", ptr), "alpha": _info((3,), "float32", ptr),
-          "bias": _info((K,), "float32", ptr)}
-    params = {"num_iters": _NUM_ITERS, "eps": 1e-8, "rms_eps": 1e-5}
-    cases = [(layer._plan_pre_fwd, cx, params),
-             (layer._plan_post_bwd, {"grad": gx, "layer_out": y, "x": x, "H_post": h, "H_res": M}, {})]
-    if K <= 32:
-        saved = {"stats": _info(x.shape[:-2] + (K + 1,), "float32", ptr), "H_pre": h, "H_res": M}
-        cases.append((layer._plan_pre_bwd, {"grad_layer_in": gy, "grad_out": gx, "grad_H_post": h, "grad_H_res": M,
-                                            **cx, **saved}, {**params, "grad_mode": "unrolled"}))
+    sizes = {"n": n, "C": C, "K": coeffs.columns(n)}
+    cases = []
+    for k in SPECS.values():
+        if k.name == "mhc_layer_pre_bwd" and sizes["K"] > coeffs._MMA_BWD_MAX_K:
+            continue  # the fused layer backward runs on the GPU for n <= 4 only (OPS.md section 9)
+        modes = ("unrolled", "implicit") if "grad_mode" in k.params else (None,)
+        shared = (False, True) if k.shared and k.shared_mode == "expand" else (False,)
+        absent = (False, True) if any(a.optional for a in k.args) else (False,)
+        for mode, sh, ab in itertools.product(modes, shared, absent):
+            params = dict(k.params, **({"grad_mode": mode} if mode else {}))
+            cases.append((k.planner, _infos(k, (3,), sizes, dt, tg, ptr, sh, ab), params))
+    # RMSNorm of vec(x), as the mHC paper (OPS.md 2); the coefficient backward over many tokens
+    # (the narrow column sums over tokens: dalpha, dbias)
+    for k in (SPECS["rmsnorm_fwd"], SPECS["rmsnorm_bwd"]):
+        cases.append((k.planner, _infos(k, (3,), {"C": n * C}, dt, tg, ptr, absent=True), k.params))
+    k = SPECS["mhc_coeffs_bwd"]
+    infos = {**_infos(k, (300,), sizes, dt, tg, ptr), "grad_h_post_raw": None, "grad_h_res_raw": None}
+    cases.append((k.planner, infos, k.params))
     return cases
 
 

@@ -87,13 +87,7 @@ import jax.numpy as _jnp  # noqa: E402
 from . import _checks, _interop
 from . import _jax_shard as _shard
 from ._interop import ArrayInfo
-from .ops import coeffs as _coeffs
-from .ops import layer as _layer
-from .ops import post as _post
-from .ops import pre as _pre
-from .ops import rmsnorm as _rms
-from .ops import sinkhorn as _sk
-from .ops import stream as _stream
+from . import ops as _ops
 
 try:  # jax >= 0.6.1 (an experimental API)
     from jax.experimental.buffer_callback import buffer_callback as _buffer_callback
@@ -157,49 +151,18 @@ class _Spec:
         return len(shapes[s]) == 1 and len(ref) > self.rank(self.ref)
 
 
-def _specs():
-    S = _Spec
-    return {s.name: s for s in (
-        S("sinkhorn_fwd", _sk._plan_fwd, ("logits",), (2,), "logits", out_ranks=(2,)),
-        S("sinkhorn_bwd", _sk._plan_bwd, ("grad_P", "logits"), (2, 2), "logits", out_ranks=(2,)),
-        S("rmsnorm_fwd", _rms._plan_fwd, ("x", "weight"), (1, 1), "x", "weight", None, "sequential",
-          out_ranks=(1,)),
-        S("rmsnorm_bwd", _rms._plan_bwd, ("grad", "x", "weight"), (1, 1, 1), "x", "weight", 1, "sequential",
-          out_ranks=(1, None)),
-        S("mix_fwd", _stream._plan_mix_fwd, ("x", "M"), (2, 2), "x", out_ranks=(2,)),
-        S("mix_bwd", _stream._plan_mix_bwd, ("grad", "x", "M"), (2, 2, 2), "x", out_ranks=(2, 2)),
-        S("aggregate_fwd", _stream._plan_aggregate_fwd, ("x", "h"), (2, 1), "x", "h", out_ranks=(1,)),
-        S("aggregate_bwd", _stream._plan_aggregate_bwd, ("grad", "x", "h"), (1, 2, 1), "x", "h", 1,
-          out_ranks=(2, 1)),
-        S("distribute_fwd", _stream._plan_distribute_fwd, ("y", "h"), (1, 1), "y", "h", out_ranks=(2,)),
-        S("distribute_bwd", _stream._plan_distribute_bwd, ("grad", "y", "h"), (2, 1, 1), "y", "h", 1,
-          out_ranks=(1, 1)),
-        S("post_fwd", _post._plan_fwd, ("layer_out", "x", "H_post", "H_res"), (1, 2, 1, 2), "x", out_ranks=(2,)),
-        S("post_bwd", _post._plan_bwd, ("grad", "layer_out", "x", "H_post", "H_res"), (2, 1, 2, 1, 2), "x",
-          out_ranks=(1, 2, 1, 2)),
-        S("pre_fwd", _pre._plan_fwd, ("x", "h_pre_raw", "h_post_raw", "h_res_raw"), (2, 1, 1, 2), "x",
-          out_ranks=(1, 1, 1, 2)),
-        S("pre_bwd", _pre._plan_bwd,
-          ("grad_layer_in", "grad_H_pre", "grad_H_post", "grad_H_res", "x", "h_pre_raw", "h_post_raw", "h_res_raw"),
-          (1, 1, 1, 2, 2, 1, 1, 2), "x", out_ranks=(2, 1, 1, 2)),
-        S("coeffs_fwd", _coeffs._plan_fwd, ("x", "phi", "alpha", "bias"), (2, 2, 1, 1), "x",
-          fixed=("phi", "alpha", "bias"), out_ranks=(1, 1, 2)),
-        S("coeffs_bwd", _coeffs._plan_bwd,
-          ("grad_h_pre_raw", "grad_h_post_raw", "grad_h_res_raw", "x", "phi", "alpha", "bias"),
-          (1, 1, 2, 2, 2, 1, 1), "x", shared_grad=1, fixed=("phi", "alpha", "bias"),
-          out_ranks=(2, None, None, None)),
-        S("layer_pre_fwd", _layer._plan_pre_fwd, ("x", "phi", "alpha", "bias"), (2, 2, 1, 1), "x",
-          fixed=("phi", "alpha", "bias"), out_ranks=(1, 1, 1, 2, 1)),
-        S("layer_post_bwd", _layer._plan_post_bwd, ("grad", "layer_out", "x", "H_post", "H_res"), (2, 1, 2, 1, 2),
-          "x", out_ranks=(1, 1, 2)),
-        S("layer_pre_bwd", _layer._plan_pre_bwd,
-          ("grad_layer_in", "grad_out", "grad_H_post", "grad_H_res", "x", "phi", "alpha", "bias", "stats", "H_pre",
-           "H_res"), (1, 2, 1, 2, 2, 2, 1, 1, 1, 1, 2), "x", shared_grad=1, fixed=("phi", "alpha", "bias"),
-          out_ranks=(2, None, None, None)),
-    )}
+def _spec(k) -> _Spec:
+    """The JAX view of one op spec (``mhc_cupy.ops.SPECS``): ranks from the shape codes, the
+    parameters without token dims fixed, and the first output that is the gradient of a
+    shared or fixed input as ``shared_grad``."""
+    fixed = tuple(a.name for a in k.inputs if not a.per_token and a.name != k.shared)
+    shared_grad = next((i for i, o in enumerate(k.outputs)
+                        if k.is_grad(o) and (o.name == k.shared or o.name in fixed)), None)
+    return _Spec(k.name, k.planner, k.names, tuple(a.rank for a in k.args), k.ref.name, k.shared, shared_grad,
+                 k.shared_mode, fixed, tuple(o.rank if o.per_token else None for o in k.outputs))
 
 
-_SPECS = _specs()
+_SPECS = {name: _spec(k) for name, k in _ops.SPECS.items()}
 
 
 # ------------------------------------------------------- buffer plumbing
@@ -456,7 +419,7 @@ def _sk_params(num_iters, eps):
 
 @functools.partial(_jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _sinkhorn(logits, num_iters, eps, grad_mode):
-    return _k("sinkhorn_fwd", _sk_params(num_iters, eps), logits)[0]
+    return _k("sinkhorn_knopp_fwd", _sk_params(num_iters, eps), logits)[0]
 
 
 def _sinkhorn_fwd(logits, num_iters, eps, grad_mode):
@@ -465,7 +428,7 @@ def _sinkhorn_fwd(logits, num_iters, eps, grad_mode):
 
 def _sinkhorn_bwd(num_iters, eps, grad_mode, res, g):
     (logits,) = res
-    return _k("sinkhorn_bwd", _sk_params(num_iters, eps) + (("grad_mode", grad_mode),), g, logits)
+    return _k("sinkhorn_knopp_bwd", _sk_params(num_iters, eps) + (("grad_mode", grad_mode),), g, logits)
 
 
 _sinkhorn.defvjp(_sinkhorn_fwd, _sinkhorn_bwd)
@@ -507,15 +470,15 @@ def _simple_vjp(fwd_name: str, bwd_name: str):
     return op
 
 
-_mix = _simple_vjp("mix_fwd", "mix_bwd")
-_aggregate = _simple_vjp("aggregate_fwd", "aggregate_bwd")
-_distribute = _simple_vjp("distribute_fwd", "distribute_bwd")
-_post_op = _simple_vjp("post_fwd", "post_bwd")
+_mix = _simple_vjp("stream_mix_fwd", "stream_mix_bwd")
+_aggregate = _simple_vjp("stream_aggregate_fwd", "stream_aggregate_bwd")
+_distribute = _simple_vjp("stream_distribute_fwd", "stream_distribute_bwd")
+_post_op = _simple_vjp("mhc_post_op_fwd", "mhc_post_op_bwd")
 
 
 @functools.partial(_jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps, grad_mode):
-    return _k("pre_fwd", _sk_params(num_iters, eps), x, h_pre_raw, h_post_raw, h_res_raw)
+    return _k("mhc_pre_op_fwd", _sk_params(num_iters, eps), x, h_pre_raw, h_post_raw, h_res_raw)
 
 
 def _value(p):
@@ -531,7 +494,7 @@ def _pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps, grad_mode):
 def _pre_op_bwd(num_iters, eps, grad_mode, res, cts):
     grads = tuple(None if isinstance(g, _jax.custom_derivatives.SymbolicZero) else g for g in cts)
     params = _sk_params(num_iters, eps) + (("grad_mode", grad_mode),)
-    return _k("pre_bwd", params, *grads, *res)
+    return _k("mhc_pre_op_bwd", params, *grads, *res)
 
 
 _pre_op.defvjp(_pre_op_fwd, _pre_op_bwd, symbolic_zeros=True)
@@ -539,7 +502,7 @@ _pre_op.defvjp(_pre_op_fwd, _pre_op_bwd, symbolic_zeros=True)
 
 @functools.partial(_jax.custom_vjp, nondiff_argnums=(4,))
 def _coeffs_op(x, phi, alpha, bias, eps):
-    return _k("coeffs_fwd", (("eps", eps),), x, phi, alpha, bias)
+    return _k("mhc_coeffs_fwd", (("eps", eps),), x, phi, alpha, bias)
 
 
 def _coeffs_op_fwd(x, phi, alpha, bias, eps):
@@ -549,7 +512,7 @@ def _coeffs_op_fwd(x, phi, alpha, bias, eps):
 
 def _coeffs_op_bwd(eps, res, cts):
     grads = tuple(None if isinstance(g, _jax.custom_derivatives.SymbolicZero) else g for g in cts)
-    return _k("coeffs_bwd", (("eps", eps),), *grads, *res)
+    return _k("mhc_coeffs_bwd", (("eps", eps),), *grads, *res)
 
 
 _coeffs_op.defvjp(_coeffs_op_fwd, _coeffs_op_bwd, symbolic_zeros=True)
@@ -798,21 +761,22 @@ def _fused_layer(f, num_iters, eps, rms_eps, grad_mode, phi, alpha, bias, x, *co
 
 
 def _fused_layer_fwd(f, num_iters, eps, rms_eps, grad_mode, phi, alpha, bias, x, *consts):
-    layer_in, H_pre, H_post, H_res, stats = _k("layer_pre_fwd", _layer_params(num_iters, eps, rms_eps),
+    layer_in, H_pre, H_post, H_res, stats = _k("mhc_layer_pre_fwd", _layer_params(num_iters, eps, rms_eps),
                                                x, phi, alpha, bias)
     y, f_vjp = _jax.vjp(lambda li, *c: f(li, *c).astype(x.dtype), layer_in, *consts)
-    (out,) = _k("post_fwd", (), y, x, H_post, H_res)
+    (out,) = _k("mhc_post_op_fwd", (), y, x, H_post, H_res)
     return out, (phi, alpha, bias, x, stats, H_pre, H_post, H_res, y, f_vjp)
 
 
 def _fused_layer_bwd(f, num_iters, eps, rms_eps, grad_mode, res, g):
     phi, alpha, bias, x, stats, H_pre, H_post, H_res, y, f_vjp = res
-    dy, dH_post, dH_res = _k("layer_post_bwd", (), g, y, x, H_post, H_res)
+    dy, dH_post, dH_res = _k("mhc_layer_post_bwd", (), g, y, x, H_post, H_res)
     g_li, *d_consts = f_vjp(dy)
     if g_li.dtype != g.dtype:
         g_li = g_li.astype(g.dtype)
-    dx, dphi, dalpha, dbias = _k("layer_pre_bwd", _layer_params(num_iters, eps, rms_eps) + (("grad_mode", grad_mode),),
-                                 g_li, g, dH_post, dH_res, x, phi, alpha, bias, stats, H_pre, H_res)
+    params = _layer_params(num_iters, eps, rms_eps) + (("grad_mode", grad_mode),)
+    dx, dphi, dalpha, dbias = _k("mhc_layer_pre_bwd", params, g_li, g, dH_post, dH_res, x, phi, alpha, bias, stats,
+                                 H_pre, H_res)
     return (dphi, dalpha, dbias, dx, *d_consts)
 
 
@@ -845,7 +809,7 @@ def mhc_layer(params: dict, x, f, num_iters: int = 20, eps: float = 1e-8, rms_ep
     if not isinstance(params, dict) or any(k not in params for k in ("phi", "alpha", "bias")):
         raise TypeError(f"params must be the dict of mhc_init (phi, alpha, bias), got {type(params).__name__}")
     num_iters, eps, rms_eps, grad_mode = _checks.layer_settings(num_iters, eps, rms_eps, grad_mode)
-    if getattr(x, "ndim", 0) >= 2 and _coeffs.columns(x.shape[-2]) <= _coeffs._MMA_BWD_MAX_K:
+    if getattr(x, "ndim", 0) >= 2 and _ops.coeffs.columns(x.shape[-2]) <= _ops.coeffs._MMA_BWD_MAX_K:
         # the fused pieces (OPS.md section 9), one custom_vjp around the whole layer with f's VJP inside
         # (f's closed-over traced values become explicit arguments, so they get their gradients)
         example = _jax.ShapeDtypeStruct(tuple(x.shape[:-2]) + (x.shape[-1],), x.dtype)

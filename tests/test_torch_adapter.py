@@ -29,7 +29,10 @@ import torch
 
 import mhc_cupy as m
 import mhc_cupy.torch as mt
+import mhc_cupy.torch.functions as mf
 from mhc_cupy import reference as R
+from mhc_cupy.ops import SPECS
+from mhc_cupy.ops.spec import GRAD_MODE, Arg, shape_of
 from mhc_cupy.torch.reference import sinkhorn_reference
 
 from harness import TOL, assert_close
@@ -525,32 +528,49 @@ def test_compile_inductor(rng, fresh_dynamo):
 
 
 # ------------------------------------------------------------------ custom op registrations
-OPCHECK = {
-    "sinkhorn_knopp_fwd": lambda T: (T((3, 4, 4)), 20, 1e-8, "unrolled"),
-    "sinkhorn_knopp_bwd": lambda T: (T((3, 4, 4)), T((3, 4, 4)), 5, 1e-8, "implicit"),
-    "rmsnorm_fwd": lambda T: (T((3, 7)), 1e-5, T((7,))),
-    "rmsnorm_bwd": lambda T: (T((3, 7)), T((3, 7)), 1e-5),
-    "rmsnorm_weight_bwd": lambda T: (T((3, 7)), T((3, 7)), 1e-5, T((7,))),
-    "stream_mix_fwd": lambda T: (T((3, 4, 7)), T((3, 4, 4))),
-    "stream_mix_bwd": lambda T: (T((3, 4, 7)), T((3, 4, 7)), T((3, 4, 4))),
-    "stream_aggregate_fwd": lambda T: (T((3, 4, 7)), T((4,))),
-    "stream_aggregate_bwd": lambda T: (T((3, 7)), T((3, 4, 7)), T((3, 4))),
-    "stream_distribute_fwd": lambda T: (T((3, 7)), T((3, 4))),
-    "stream_distribute_bwd": lambda T: (T((3, 4, 7)), T((3, 7)), T((4,))),
-    "mhc_post_op_fwd": lambda T: (T((3, 7)), T((3, 4, 7)), T((3, 4)), T((3, 4, 4))),
-    "mhc_post_op_bwd": lambda T: (T((3, 4, 7)), T((3, 7)), T((3, 4, 7)), T((3, 4)), T((3, 4, 4))),
-    "mhc_pre_op_fwd": lambda T: (T((3, 4, 7)), T((3, 4)), T((3, 4)), T((3, 4, 4)), 20, 1e-8, "unrolled"),
-    "mhc_pre_op_bwd": lambda T: (T((3, 7)), None, T((3, 4)), None, T((3, 4, 7)), T((3, 4)), T((3, 4)),
-                                 T((3, 4, 4)), 20, 1e-8, "unrolled"),
-}
+#: Every custom op (``torch.ops.mhc_cupy.*``), its arguments from the op spec (``mhc_cupy.ops.SPECS``:
+#: T = 3 tokens, n = 4, C = 7, parameters at their defaults) except these: a shared h, absent
+#: gradients, another Sinkhorn setting.
+OPCHECK = {**{name: {} for name in SPECS}, "rmsnorm_weight_bwd": {},
+           "sinkhorn_knopp_bwd": dict(num_iters=5, grad_mode="implicit"),
+           "stream_aggregate_fwd": dict(h=(4,)), "stream_distribute_bwd": dict(h=(4,)),
+           "mhc_pre_op_bwd": dict(grad_H_pre=None, grad_H_res=None)}
+
+
+def opcheck_args(name, T):
+    """Positional arguments of custom op ``name`` from its op spec; ``T(shape)`` makes a tensor."""
+    spec = SPECS[mf._SPEC_OF.get(name, name)]
+    arrays = {a.name: a for a in spec.args}
+    defaults = {**GRAD_MODE, **spec.params}
+    args = []
+    for arg in getattr(torch.ops.mhc_cupy, name).default._schema.arguments:
+        value = OPCHECK[name].get(arg.name, arrays.get(arg.name, defaults.get(arg.name)))
+        if isinstance(value, Arg):
+            value = shape_of(value, (3,), {"n": 4, "C": 7, "K": 24})
+        args.append(T(value) if isinstance(value, tuple) else value)
+    return args
 
 
 @pytest.mark.parametrize("name", sorted(OPCHECK))
 def test_opcheck(rng, name):
     """torch.library.opcheck: schema, fake (meta) shapes/strides vs real, autograd registration."""
-    grad = name.endswith("_fwd")
-    args = OPCHECK[name](lambda shape: tensor(rng, shape, grad=grad))
+    grad = name.endswith("_fwd") and not name.startswith("mhc_layer")  # the layer pieces: autograd in Python
+    args = opcheck_args(name, lambda shape: tensor(rng, shape, grad=grad))
     torch.library.opcheck(getattr(torch.ops.mhc_cupy, name).default, args)
+
+
+def test_opcheck_args_follow_the_spec(rng):
+    """The derived arguments are the ones the ops take (a check of the derivation itself)."""
+    def shapes(name):
+        args = opcheck_args(name, lambda shape: tensor(rng, shape, grad=False))
+        return [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args]
+
+    assert shapes("rmsnorm_fwd") == [(3, 7), 1e-5, (7,)]
+    assert shapes("stream_distribute_bwd") == [(3, 4, 7), (3, 7), (4,)]
+    assert shapes("mhc_pre_op_bwd") == [(3, 7), None, (3, 4), None, (3, 4, 7), (3, 4), (3, 4), (3, 4, 4), 20, 1e-8,
+                                        "unrolled"]
+    assert shapes("mhc_layer_pre_bwd")[:9] == [(3, 7), (3, 4, 7), (3, 4), (3, 4, 4), (3, 4, 7), (28, 24), (3,), (24,),
+                                               (3, 25)]
 
 
 def test_custom_op_route_equals_eager_route(rng):

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 
+from ..ops import SPECS as _OPS
+from ..ops.spec import Arg as _Arg
+from ..ops.spec import shape_of as _shape_of
+
 #: Implementations, in table order.
 IMPLS = ("mhc_cupy", "torch", "torch.compile", "jax.jit")
 BASELINES = IMPLS[1:]
@@ -12,52 +16,37 @@ BASELINES = IMPLS[1:]
 DEFAULT_OPS = ("stream_mix", "stream_aggregate", "stream_distribute", "mhc_post_op", "mhc_pre_op",
                "sinkhorn_knopp", "rmsnorm", "mhc_coeffs")
 
-#: Shape codes of the arrays below: T tokens, n streams, C hidden size, N = n*C (vec(x)),
-#: m = n*n + 2n (columns of phi).
-_DIMS = {
-    "TnC": lambda T, C, n: (T, n, C),
-    "TC": lambda T, C, n: (T, C),
-    "Tn": lambda T, C, n: (T, n),
-    "Tnn": lambda T, C, n: (T, n, n),
-    "TN": lambda T, C, n: (T, n * C),
-    "Nm": lambda T, C, n: (n * C, n * n + 2 * n),
-    "m": lambda T, C, n: (n * n + 2 * n,),
-    "3": lambda T, C, n: (3,),
-}
+#: Ops whose benchmark runs on vec(x), [T, n*C] (shape code letter ``N``), as mHC calls them (OPS.md 2).
+_VEC_X = ("rmsnorm",)
 
-#: Per op: its inputs and forward outputs as (name, kind, shape code); kind "act" = activation
-#: dtype, "coef" = float32.  The backward takes one upstream gradient per forward output
-#: (same kind and shape) followed by the forward inputs, and returns one gradient per input
-#: (same kind and shape): ``<op>_bwd(*grads, *inputs)``.  ``uses_C`` False: C does not
+
+def _arrays(args, op: str) -> tuple:
+    """(name, kind, shape code) of the present arrays: kind "act" = activation dtype, "coef" = float32."""
+    vec = op in _VEC_X
+    return tuple((a.name, "act" if a.kind == "activation" else "coef", a.shape.replace("C", "N") if vec else a.shape)
+                 for a in args if not a.optional)
+
+
+def _spec(op: str) -> dict:
+    k = _OPS[f"{op}_fwd"]
+    return dict(inputs=_arrays(k.inputs, op), outputs=_arrays(k.outputs, op),
+                uses_C=any("C" in a.shape for a in k.inputs + k.outputs))
+
+
+#: Per op: its inputs and forward outputs as (name, kind, shape code), from the op specs
+#: (``mhc_cupy.ops.SPECS``: shape codes of ``mhc_cupy.ops.spec``, ``...`` = T tokens,
+#: N = n*C), without optional inputs.  The backward takes one upstream gradient per forward
+#: output (same kind and shape) followed by the forward inputs, and returns one gradient per
+#: input (same kind and shape): ``<op>_bwd(*grads, *inputs)``.  ``uses_C`` False: C does not
 #: change the op (Sinkhorn), so it runs once per (tokens, n).
-SPECS = {
-    "stream_mix": dict(inputs=(("x", "act", "TnC"), ("M", "coef", "Tnn")),
-                       outputs=(("out", "act", "TnC"),)),
-    "stream_aggregate": dict(inputs=(("x", "act", "TnC"), ("h", "coef", "Tn")),
-                             outputs=(("out", "act", "TC"),)),
-    "stream_distribute": dict(inputs=(("y", "act", "TC"), ("h", "coef", "Tn")),
-                              outputs=(("out", "act", "TnC"),)),
-    "mhc_post_op": dict(inputs=(("layer_out", "act", "TC"), ("x", "act", "TnC"), ("H_post", "coef", "Tn"),
-                                ("H_res", "coef", "Tnn")),
-                        outputs=(("out", "act", "TnC"),)),
-    "mhc_pre_op": dict(inputs=(("x", "act", "TnC"), ("h_pre_raw", "coef", "Tn"), ("h_post_raw", "coef", "Tn"),
-                               ("h_res_raw", "coef", "Tnn")),
-                       outputs=(("layer_in", "act", "TC"), ("H_pre", "coef", "Tn"), ("H_post", "coef", "Tn"),
-                                ("H_res", "coef", "Tnn"))),
-    "sinkhorn_knopp": dict(inputs=(("logits", "coef", "Tnn"),), outputs=(("P", "coef", "Tnn"),), uses_C=False),
-    "rmsnorm": dict(inputs=(("x", "act", "TN"),), outputs=(("out", "act", "TN"),)),
-    "mhc_coeffs": dict(inputs=(("x", "act", "TnC"), ("phi", "coef", "Nm"), ("alpha", "coef", "3"),
-                               ("bias", "coef", "m")),
-                       outputs=(("h_pre_raw", "coef", "Tn"), ("h_post_raw", "coef", "Tn"),
-                                ("h_res_raw", "coef", "Tnn"))),
-}
+SPECS = {op: _spec(op) for op in DEFAULT_OPS}
 
 ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 DTYPE_ALIASES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "f16": "float16", "half": "float16",
                   "float16": "float16", "fp32": "float32", "f32": "float32", "float": "float32", "float32": "float32"}
 
 def shape_of(code: str, T: int, C: int, n: int) -> tuple:
-    return _DIMS[code](T, C, n)
+    return _shape_of(_Arg("", code, ""), (T,), {"n": n, "C": C, "N": n * C, "K": n * n + 2 * n})
 
 
 def nbytes(op: str, direction: str, T: int, C: int, n: int, itemsize: int) -> int:
@@ -86,7 +75,7 @@ BYTES = {(op, d): (lambda T, C, n, itemsize, _op=op, _d=d: nbytes(_op, _d, T, C,
 
 
 def uses_C(op: str) -> bool:
-    return SPECS[op].get("uses_C", True)
+    return SPECS[op]["uses_C"]
 
 
 def rotation(bytes_per_call: int, l2_bytes: int, min_calls: int = 10, max_sets: int = 64) -> tuple[int, int]:

@@ -7,6 +7,7 @@ from .post import mhc_post_op_bwd, mhc_post_op_fwd
 from .pre import mhc_pre_op_bwd, mhc_pre_op_fwd
 from .rmsnorm import rmsnorm_bwd, rmsnorm_fwd
 from .sinkhorn import sinkhorn_knopp_bwd, sinkhorn_knopp_fwd
+from . import coeffs, layer, post, pre, rmsnorm, sinkhorn, stream
 from .stream import (
     stream_aggregate_bwd,
     stream_aggregate_fwd,
@@ -15,6 +16,10 @@ from .stream import (
     stream_mix_bwd,
     stream_mix_fwd,
 )
+
+#: Every kernel entry point's spec (:class:`mhc_cupy.ops.spec.Kernel`), by name
+#: (``"<op>_fwd"`` / ``"<op>_bwd"``), declared beside its planner.
+SPECS = {k.name: k for family in (sinkhorn, rmsnorm, stream, post, pre, coeffs, layer) for k in family.KERNELS}
 
 __all__ = [
     "sinkhorn_knopp_fwd", "sinkhorn_knopp_bwd", "rmsnorm_fwd", "rmsnorm_bwd",

@@ -16,6 +16,7 @@ from .. import _checks, reference
 from .._dispatch import Plan, run
 from ._launch import ITEMSIZE, CTYPE, MAX_GRID, column_sum, f32, i32, i64, launch, tokens_of, vec_width
 from .stream import check_x
+from .spec import ALPHA, BIAS, H_POST_RAW, H_PRE_RAW, H_RES_RAW, PHI, X, Kernel, optional_grads
 
 _FILE = "coeffs.cu"
 _NT = 256  # threads per block of the GEMM kernels (kernels_cu/coeffs.cu NT)
@@ -438,3 +439,13 @@ def mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alph
     return run(_plan_bwd, {"grad_h_pre_raw": grad_h_pre_raw, "grad_h_post_raw": grad_h_post_raw,
                            "grad_h_res_raw": grad_h_res_raw, "x": x, "phi": phi, "alpha": alpha, "bias": bias},
                eps=eps)
+
+
+# ------------------------------------------------------------------ op spec
+_INPUTS = (X, PHI, ALPHA, BIAS)
+_RAW = (H_PRE_RAW, H_POST_RAW, H_RES_RAW)
+KERNELS = (
+    Kernel("mhc_coeffs_fwd", _plan_fwd, _INPUTS, _RAW, params={"eps": 1e-5}),
+    Kernel("mhc_coeffs_bwd", _plan_bwd, _INPUTS, _INPUTS,
+           grads=optional_grads(*_RAW), params={"eps": 1e-5}),
+)

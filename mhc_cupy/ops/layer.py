@@ -29,6 +29,8 @@ from .coeffs import (_MMA_BWD_MAX_K, _check as _check_coeffs, launch_finish, lau
 from .sinkhorn import bwd_history, launch_bwd, launch_fwd
 from .stream import check_grad, launch_aggregate_bwd, launch_aggregate_fwd, launch_post_bwd
 from .post import _check as _check_post
+from .spec import (ALPHA, BIAS, GRAD_MODE, GRAD_X, H_POST, H_PRE, H_RES, LAYER_IN, LAYER_OUT, PHI, SINKHORN_PARAMS,
+                   X, Arg, Kernel)
 
 
 def _check_common(infos, num_iters, eps, rms_eps):
@@ -221,3 +223,19 @@ def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, 
                                "grad_H_res": grad_H_res, "x": x, "phi": phi, "alpha": alpha, "bias": bias,
                                "stats": stats, "H_pre": H_pre, "H_res": H_res},
                num_iters=num_iters, eps=eps, rms_eps=rms_eps, grad_mode=grad_mode)
+
+
+# ------------------------------------------------------------------ op spec
+_PRE_INPUTS = (X, PHI, ALPHA, BIAS)
+_POST_INPUTS = (LAYER_OUT, X, H_POST, H_RES)
+_PARAMS = {**SINKHORN_PARAMS, "rms_eps": 1e-5}
+_STATS = Arg("stats", "...K+1", "coefficient")
+KERNELS = (
+    Kernel("mhc_layer_pre_fwd", _plan_pre_fwd, _PRE_INPUTS, (LAYER_IN, H_PRE, H_POST, H_RES, _STATS),
+           params=_PARAMS),
+    Kernel("mhc_layer_post_bwd", _plan_post_bwd, _POST_INPUTS, (LAYER_OUT, H_POST, H_RES), grads=(GRAD_X,)),
+    Kernel("mhc_layer_pre_bwd", _plan_pre_bwd, _PRE_INPUTS + (_STATS, H_PRE, H_RES), _PRE_INPUTS,
+           grads=tuple(Arg(n, a.shape, a.kind, optional=True) for n, a in (
+               ("grad_layer_in", LAYER_IN), ("grad_out", X), ("grad_H_post", H_POST), ("grad_H_res", H_RES))),
+           params={**_PARAMS, **GRAD_MODE}),
+)

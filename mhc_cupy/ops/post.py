@@ -6,6 +6,7 @@ from .. import reference
 from .._dispatch import Plan, run
 from ._launch import tokens_of
 from .stream import check_grad, check_h, check_matrix, check_x, check_y, launch_post_bwd, launch_post_fwd
+from .spec import GRAD_X, H_POST, H_RES, LAYER_OUT, X, Arg, Kernel
 
 
 def _check(infos):
@@ -80,3 +81,11 @@ def mhc_post_op_bwd(grad, layer_out, x, H_post, H_res):
     ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_post_op`` for gradients.
     """
     return run(_plan_bwd, {"grad": grad, "layer_out": layer_out, "x": x, "H_post": H_post, "H_res": H_res})
+
+
+# ------------------------------------------------------------------ op spec
+_INPUTS = (LAYER_OUT, X, H_POST, H_RES)
+KERNELS = (
+    Kernel("mhc_post_op_fwd", _plan_fwd, _INPUTS, (Arg("out", "...nC", "activation"),)),
+    Kernel("mhc_post_op_bwd", _plan_bwd, _INPUTS, _INPUTS, grads=(GRAD_X,)),
+)

@@ -7,6 +7,8 @@ from .._dispatch import Plan, run
 from ._launch import tokens_of
 from .sinkhorn import bwd_history, launch_bwd, launch_fwd
 from .stream import check_grad, check_h, check_matrix, check_x, launch_aggregate_bwd, launch_aggregate_fwd
+from .spec import (GRAD_MODE, H_POST, H_POST_RAW, H_PRE, H_PRE_RAW, H_RES, H_RES_RAW, LAYER_IN, SINKHORN_PARAMS, X,
+                   Kernel, optional_grads)
 
 
 def _check(infos, num_iters, eps):
@@ -113,3 +115,13 @@ def mhc_pre_op_bwd(grad_layer_in, grad_H_pre, grad_H_post, grad_H_res, x, h_pre_
                            "grad_H_res": grad_H_res, "x": x, "h_pre_raw": h_pre_raw, "h_post_raw": h_post_raw,
                            "h_res_raw": h_res_raw},
                num_iters=num_iters, eps=eps, grad_mode=grad_mode)
+
+
+# ------------------------------------------------------------------ op spec
+_INPUTS = (X, H_PRE_RAW, H_POST_RAW, H_RES_RAW)
+KERNELS = (
+    Kernel("mhc_pre_op_fwd", _plan_fwd, _INPUTS, (LAYER_IN, H_PRE, H_POST, H_RES), params=SINKHORN_PARAMS),
+    Kernel("mhc_pre_op_bwd", _plan_bwd, _INPUTS, _INPUTS,
+           grads=optional_grads(LAYER_IN, H_PRE, H_POST, H_RES),
+           params={**SINKHORN_PARAMS, **GRAD_MODE}),
+)

@@ -7,6 +7,7 @@ import functools
 from .. import _checks, _jit, reference
 from .._dispatch import Plan, run
 from ._launch import CTYPE, ITEMSIZE, column_sum, f32, grid_for, i32, i64, launch, threads_for, tokens_of, vec_width
+from .spec import Arg, Kernel
 
 _FILE = "rmsnorm.cu"
 #: Blocks of the weighted backward: each sums dw over a contiguous range of
@@ -224,3 +225,13 @@ def rmsnorm_bwd(grad, x, eps=1e-5, weight=None):
     ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.rmsnorm`` for gradients.
     """
     return run(_plan_bwd, {"grad": grad, "x": x, "weight": weight}, eps=eps)
+
+
+# ------------------------------------------------------------------ op spec
+_X, _W = Arg("x", "...C", "activation"), Arg("weight", "C", "parameter", optional=True)
+KERNELS = (
+    Kernel("rmsnorm_fwd", _plan_fwd, (_X, _W), (Arg("out", "...C", "activation"),), params={"eps": 1e-5},
+           shared="weight", shared_mode="sequential"),
+    Kernel("rmsnorm_bwd", _plan_bwd, (_X, _W), (_X, _W), grads=(Arg("grad", "...C", "activation"),),
+           params={"eps": 1e-5}, shared="weight", shared_mode="sequential"),
+)

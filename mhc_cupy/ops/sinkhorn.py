@@ -9,6 +9,7 @@ from __future__ import annotations
 from .. import _checks, reference
 from .._dispatch import Plan, run
 from ._launch import f32, i32, i64, launch, tokens_of
+from .spec import GRAD_MODE, SINKHORN_PARAMS, Arg, Kernel
 
 _FILE = "sinkhorn.cu"
 _THREADS = 64  # lanes per block of the forward / unrolled backward
@@ -188,3 +189,12 @@ def sinkhorn_knopp_bwd(grad_P, logits, num_iters=20, eps=1e-8, grad_mode="unroll
     ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.sinkhorn_knopp`` for gradients.
     """
     return run(_plan_bwd, {"grad_P": grad_P, "logits": logits}, num_iters=num_iters, eps=eps, grad_mode=grad_mode)
+
+
+# ------------------------------------------------------------------ op spec
+LOGITS = Arg("logits", "...nn", "coefficient")
+KERNELS = (
+    Kernel("sinkhorn_knopp_fwd", _plan_fwd, (LOGITS,), (Arg("P", "...nn", "coefficient"),), params=SINKHORN_PARAMS),
+    Kernel("sinkhorn_knopp_bwd", _plan_bwd, (LOGITS,), (LOGITS,), grads=(Arg("grad_P", "...nn", "coefficient"),),
+           params={**SINKHORN_PARAMS, **GRAD_MODE}),
+)

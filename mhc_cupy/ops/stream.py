@@ -11,6 +11,7 @@ from __future__ import annotations
 from .. import _checks, reference
 from .._dispatch import Plan, run
 from ._launch import CTYPE, column_sum, grid_for, i32, i64, launch, threads_for, tokens_of, vec_width
+from .spec import GRAD_X, X, Arg, Kernel
 
 _FILE = "stream_ops.cu"
 
@@ -316,3 +317,17 @@ def stream_distribute_bwd(grad, y, h):
     ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.stream_distribute`` for gradients.
     """
     return run(_plan_distribute_bwd, {"grad": grad, "y": y, "h": h})
+
+
+# ------------------------------------------------------------------ op spec
+_M, _H, _Y = Arg("M", "...nn", "coefficient"), Arg("h", "...n", "coefficient"), Arg("y", "...C", "activation")
+_OUT_X, _OUT_Y = Arg("out", "...nC", "activation"), Arg("out", "...C", "activation")
+KERNELS = (
+    Kernel("stream_mix_fwd", _plan_mix_fwd, (X, _M), (_OUT_X,)),
+    Kernel("stream_mix_bwd", _plan_mix_bwd, (X, _M), (X, _M), grads=(GRAD_X,)),
+    Kernel("stream_aggregate_fwd", _plan_aggregate_fwd, (X, _H), (_OUT_Y,), shared="h"),
+    Kernel("stream_aggregate_bwd", _plan_aggregate_bwd, (X, _H), (X, _H), grads=(Arg("grad", "...C", "activation"),),
+           shared="h"),
+    Kernel("stream_distribute_fwd", _plan_distribute_fwd, (_Y, _H), (_OUT_X,), shared="h"),
+    Kernel("stream_distribute_bwd", _plan_distribute_bwd, (_Y, _H), (_Y, _H), grads=(GRAD_X,), shared="h"),
+)

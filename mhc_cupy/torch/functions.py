@@ -6,6 +6,7 @@ streams and gradient order are described in :mod:`mhc_cupy.torch`.  Imported
 through the package, which checks that torch is installed first.
 """
 
+import inspect
 from typing import Optional
 
 import torch
@@ -14,13 +15,7 @@ from torch import Tensor
 from .. import _checks
 from .._interop import ArrayInfo
 from .. import ops as _ops
-from ..ops import coeffs as _coeffs
-from ..ops import layer as _layer
-from ..ops import post as _post
-from ..ops import pre as _pre
-from ..ops import rmsnorm as _rms
-from ..ops import sinkhorn as _sk
-from ..ops import stream as _stream
+from ..ops.spec import shape_of as _shape_of
 
 __all__ = [
     "sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute",
@@ -86,9 +81,44 @@ def _op(name: str):
     return getattr(getattr(torch.ops, NAMESPACE), name).default
 
 
-def _register(name: str, impl, fake):
+#: Custom ops that run another kernel's spec (``mhc_cupy.ops.SPECS``) than their own name.
+_SPEC_OF = {"rmsnorm_weight_bwd": "rmsnorm_bwd"}
+
+
+def _fake(name: str, impl):
+    """The fake (meta) function of custom op ``name``, derived from its op spec.
+
+    Runs the functional API's checks (:func:`_validate`), then returns empty
+    outputs of the spec's shapes and dtypes: the gradient of an input shaped
+    like that input (its dtype for an activation, else float32; none for an
+    absent optional input), a new output over the token dims of the spec's
+    reference input (x's dtype for an activation, else float32).
+    """
+    spec = _ops.SPECS[_SPEC_OF.get(name, name)]
+    signature = inspect.signature(impl)
+
+    def fake(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs).arguments
+        tensors = {k: bound.get(k) for k in spec.names}
+        _validate(spec.planner, tensors, **{p: bound[p] for p in spec.params})
+        ref = tensors[spec.ref.name]
+        lead = tuple(ref.shape[:ref.dim() - spec.ref.rank])
+        sizes = spec.sizes({k: None if t is None else tuple(t.shape) for k, t in tensors.items()})
+        outs = []
+        for o in spec.outputs:
+            t = tensors[o.name] if spec.is_grad(o) else ref
+            if t is None:
+                continue
+            shape = tuple(t.shape) if spec.is_grad(o) else _shape_of(o, lead, sizes)
+            outs.append(t.new_empty(shape, dtype=t.dtype if o.kind == "activation" else _F32))
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    return fake
+
+
+def _register(name: str, impl):
     op = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=())
-    op.register_fake(fake)
+    op.register_fake(_fake(name, impl))
     return op
 
 
@@ -115,20 +145,19 @@ def _function(name: str, forward, setup_context, backward):
     })
 
 
-def _wire(name: str, fwd_impl, fwd_fake, bwd_ops: dict, setup_context, backward):
+def _wire(name: str, fwd_impl, bwd_ops: dict, setup_context, backward):
     """Register ``<name>_fwd`` (+ autograd) and return the eager Function.
 
     ``backward(bwd, ctx, *grads)`` is written once; ``bwd`` maps a backward
     name to its callee: the functional wrapper (eager) or the custom op.
     """
-    fwd_op = _register(f"{name}_fwd", fwd_impl, fwd_fake)
-    eager_bwd = {k: impl for k, (impl, _) in bwd_ops.items()}
-    for k, (impl, fake) in bwd_ops.items():
-        _register(k, impl, fake)
+    fwd_op = _register(f"{name}_fwd", fwd_impl)
+    for k, impl in bwd_ops.items():
+        _register(k, impl)
     op_bwd = {k: _op(k) for k in bwd_ops}
     fwd_op.register_autograd(lambda ctx, *g: backward(op_bwd, ctx, *g), setup_context=setup_context)
     return _function(f"_{name}_function", fwd_impl, setup_context,
-                     lambda ctx, *g: backward(eager_bwd, ctx, *g))
+                     lambda ctx, *g: backward(bwd_ops, ctx, *g))
 
 
 # ----------------------------------------------------------------- Sinkhorn
@@ -138,19 +167,8 @@ def _sinkhorn_fwd_impl(logits: Tensor, num_iters: int, eps: float, grad_mode: st
     return _ops.sinkhorn_knopp_fwd(logits, num_iters=num_iters, eps=eps)
 
 
-def _sinkhorn_fwd_fake(logits, num_iters, eps, grad_mode):
-    _validate(_sk._plan_fwd, {"logits": logits}, num_iters=num_iters, eps=eps)
-    return logits.new_empty(logits.shape, dtype=_F32)
-
-
 def _sinkhorn_bwd_impl(grad_P: Tensor, logits: Tensor, num_iters: int, eps: float, grad_mode: str) -> Tensor:
     return _ops.sinkhorn_knopp_bwd(grad_P, logits, num_iters=num_iters, eps=eps, grad_mode=grad_mode)
-
-
-def _sinkhorn_bwd_fake(grad_P, logits, num_iters, eps, grad_mode):
-    _validate(_sk._plan_bwd, {"grad_P": grad_P, "logits": logits}, num_iters=num_iters, eps=eps,
-              grad_mode=grad_mode)
-    return logits.new_empty(logits.shape, dtype=_F32)
 
 
 def _sinkhorn_setup(ctx, inputs, output):
@@ -165,8 +183,8 @@ def _sinkhorn_backward(bwd, ctx, grad_P):
     return bwd["sinkhorn_knopp_bwd"](grad_P, logits, ctx.num_iters, ctx.eps, ctx.grad_mode), None, None, None
 
 
-_SinkhornFn = _wire("sinkhorn_knopp", _sinkhorn_fwd_impl, _sinkhorn_fwd_fake,
-                    {"sinkhorn_knopp_bwd": (_sinkhorn_bwd_impl, _sinkhorn_bwd_fake)},
+_SinkhornFn = _wire("sinkhorn_knopp", _sinkhorn_fwd_impl,
+                    {"sinkhorn_knopp_bwd": _sinkhorn_bwd_impl},
                     _sinkhorn_setup, _sinkhorn_backward)
 
 
@@ -210,27 +228,12 @@ def _rmsnorm_fwd_impl(x: Tensor, eps: float, weight: Optional[Tensor]) -> Tensor
     return _ops.rmsnorm_fwd(x, eps=eps, weight=weight)
 
 
-def _rmsnorm_fwd_fake(x, eps, weight):
-    _validate(_rms._plan_fwd, {"x": x, "weight": weight}, eps=eps)
-    return x.new_empty(x.shape)
-
-
 def _rmsnorm_bwd_impl(grad: Tensor, x: Tensor, eps: float) -> Tensor:
     return _ops.rmsnorm_bwd(grad, x, eps=eps)
 
 
-def _rmsnorm_bwd_fake(grad, x, eps):
-    _validate(_rms._plan_bwd, {"grad": grad, "x": x, "weight": None}, eps=eps)
-    return x.new_empty(x.shape)
-
-
 def _rmsnorm_weight_bwd_impl(grad: Tensor, x: Tensor, eps: float, weight: Tensor) -> tuple[Tensor, Tensor]:
     return _ops.rmsnorm_bwd(grad, x, eps=eps, weight=weight)
-
-
-def _rmsnorm_weight_bwd_fake(grad, x, eps, weight):
-    _validate(_rms._plan_bwd, {"grad": grad, "x": x, "weight": weight}, eps=eps)
-    return x.new_empty(x.shape), x.new_empty(weight.shape, dtype=_F32)
 
 
 def _rmsnorm_setup(ctx, inputs, output):
@@ -248,9 +251,9 @@ def _rmsnorm_backward(bwd, ctx, grad):
     return dx, None, dw
 
 
-_RMSNormFn = _wire("rmsnorm", _rmsnorm_fwd_impl, _rmsnorm_fwd_fake,
-                   {"rmsnorm_bwd": (_rmsnorm_bwd_impl, _rmsnorm_bwd_fake),
-                    "rmsnorm_weight_bwd": (_rmsnorm_weight_bwd_impl, _rmsnorm_weight_bwd_fake)},
+_RMSNormFn = _wire("rmsnorm", _rmsnorm_fwd_impl,
+                   {"rmsnorm_bwd": _rmsnorm_bwd_impl,
+                    "rmsnorm_weight_bwd": _rmsnorm_weight_bwd_impl},
                    _rmsnorm_setup, _rmsnorm_backward)
 
 
@@ -289,18 +292,8 @@ def _mix_fwd_impl(x: Tensor, M: Tensor) -> Tensor:
     return _ops.stream_mix_fwd(x, M)
 
 
-def _mix_fwd_fake(x, M):
-    _validate(_stream._plan_mix_fwd, {"x": x, "M": M})
-    return x.new_empty(x.shape)
-
-
 def _mix_bwd_impl(grad: Tensor, x: Tensor, M: Tensor) -> tuple[Tensor, Tensor]:
     return _ops.stream_mix_bwd(grad, x, M)
-
-
-def _mix_bwd_fake(grad, x, M):
-    _validate(_stream._plan_mix_bwd, {"grad": grad, "x": x, "M": M})
-    return x.new_empty(x.shape), x.new_empty(M.shape, dtype=_F32)
 
 
 def _save_inputs(ctx, inputs, output):
@@ -314,7 +307,7 @@ def _mix_backward(bwd, ctx, grad):
     return bwd["stream_mix_bwd"](grad, x, M)
 
 
-_MixFn = _wire("stream_mix", _mix_fwd_impl, _mix_fwd_fake, {"stream_mix_bwd": (_mix_bwd_impl, _mix_bwd_fake)},
+_MixFn = _wire("stream_mix", _mix_fwd_impl, {"stream_mix_bwd": _mix_bwd_impl},
                _save_inputs, _mix_backward)
 
 
@@ -348,18 +341,8 @@ def _aggregate_fwd_impl(x: Tensor, h: Tensor) -> Tensor:
     return _ops.stream_aggregate_fwd(x, h)
 
 
-def _aggregate_fwd_fake(x, h):
-    _validate(_stream._plan_aggregate_fwd, {"x": x, "h": h})
-    return x.new_empty(tuple(x.shape[:-2]) + (x.shape[-1],))
-
-
 def _aggregate_bwd_impl(grad: Tensor, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
     return _ops.stream_aggregate_bwd(grad, x, h)
-
-
-def _aggregate_bwd_fake(grad, x, h):
-    _validate(_stream._plan_aggregate_bwd, {"grad": grad, "x": x, "h": h})
-    return x.new_empty(x.shape), x.new_empty(h.shape, dtype=_F32)
 
 
 def _aggregate_backward(bwd, ctx, grad):
@@ -369,8 +352,8 @@ def _aggregate_backward(bwd, ctx, grad):
     return bwd["stream_aggregate_bwd"](grad, x, h)
 
 
-_AggregateFn = _wire("stream_aggregate", _aggregate_fwd_impl, _aggregate_fwd_fake,
-                     {"stream_aggregate_bwd": (_aggregate_bwd_impl, _aggregate_bwd_fake)},
+_AggregateFn = _wire("stream_aggregate", _aggregate_fwd_impl,
+                     {"stream_aggregate_bwd": _aggregate_bwd_impl},
                      _save_inputs, _aggregate_backward)
 
 
@@ -403,18 +386,8 @@ def _distribute_fwd_impl(y: Tensor, h: Tensor) -> Tensor:
     return _ops.stream_distribute_fwd(y, h)
 
 
-def _distribute_fwd_fake(y, h):
-    _validate(_stream._plan_distribute_fwd, {"y": y, "h": h})
-    return y.new_empty(tuple(y.shape[:-1]) + (h.shape[-1], y.shape[-1]))
-
-
 def _distribute_bwd_impl(grad: Tensor, y: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
     return _ops.stream_distribute_bwd(grad, y, h)
-
-
-def _distribute_bwd_fake(grad, y, h):
-    _validate(_stream._plan_distribute_bwd, {"grad": grad, "y": y, "h": h})
-    return y.new_empty(y.shape), y.new_empty(h.shape, dtype=_F32)
 
 
 def _distribute_backward(bwd, ctx, grad):
@@ -424,8 +397,8 @@ def _distribute_backward(bwd, ctx, grad):
     return bwd["stream_distribute_bwd"](grad, y, h)
 
 
-_DistributeFn = _wire("stream_distribute", _distribute_fwd_impl, _distribute_fwd_fake,
-                      {"stream_distribute_bwd": (_distribute_bwd_impl, _distribute_bwd_fake)},
+_DistributeFn = _wire("stream_distribute", _distribute_fwd_impl,
+                      {"stream_distribute_bwd": _distribute_bwd_impl},
                       _save_inputs, _distribute_backward)
 
 
@@ -458,20 +431,9 @@ def _post_fwd_impl(layer_out: Tensor, x: Tensor, H_post: Tensor, H_res: Tensor) 
     return _ops.mhc_post_op_fwd(layer_out, x, H_post, H_res)
 
 
-def _post_fwd_fake(layer_out, x, H_post, H_res):
-    _validate(_post._plan_fwd, {"layer_out": layer_out, "x": x, "H_post": H_post, "H_res": H_res})
-    return x.new_empty(x.shape)
-
-
 def _post_bwd_impl(grad: Tensor, layer_out: Tensor, x: Tensor, H_post: Tensor,
                    H_res: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _ops.mhc_post_op_bwd(grad, layer_out, x, H_post, H_res)
-
-
-def _post_bwd_fake(grad, layer_out, x, H_post, H_res):
-    _validate(_post._plan_bwd, {"grad": grad, "layer_out": layer_out, "x": x, "H_post": H_post, "H_res": H_res})
-    return (layer_out.new_empty(layer_out.shape), x.new_empty(x.shape), x.new_empty(H_post.shape, dtype=_F32),
-            x.new_empty(H_res.shape, dtype=_F32))
 
 
 def _post_backward(bwd, ctx, grad):
@@ -481,7 +443,7 @@ def _post_backward(bwd, ctx, grad):
     return bwd["mhc_post_op_bwd"](grad, layer_out, x, H_post, H_res)
 
 
-_PostFn = _wire("mhc_post_op", _post_fwd_impl, _post_fwd_fake, {"mhc_post_op_bwd": (_post_bwd_impl, _post_bwd_fake)},
+_PostFn = _wire("mhc_post_op", _post_fwd_impl, {"mhc_post_op_bwd": _post_bwd_impl},
                 _save_inputs, _post_backward)
 
 
@@ -520,27 +482,11 @@ def _pre_fwd_impl(x: Tensor, h_pre_raw: Tensor, h_post_raw: Tensor, h_res_raw: T
     return _ops.mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=num_iters, eps=eps)
 
 
-def _pre_fwd_fake(x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps, grad_mode):
-    _validate(_pre._plan_fwd, {"x": x, "h_pre_raw": h_pre_raw, "h_post_raw": h_post_raw, "h_res_raw": h_res_raw},
-              num_iters=num_iters, eps=eps)
-    return (x.new_empty(tuple(x.shape[:-2]) + (x.shape[-1],)), x.new_empty(h_pre_raw.shape, dtype=_F32),
-            x.new_empty(h_post_raw.shape, dtype=_F32), x.new_empty(h_res_raw.shape, dtype=_F32))
-
-
 def _pre_bwd_impl(grad_layer_in: Optional[Tensor], grad_H_pre: Optional[Tensor], grad_H_post: Optional[Tensor],
                   grad_H_res: Optional[Tensor], x: Tensor, h_pre_raw: Tensor, h_post_raw: Tensor, h_res_raw: Tensor,
                   num_iters: int, eps: float, grad_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _ops.mhc_pre_op_bwd(grad_layer_in, grad_H_pre, grad_H_post, grad_H_res, x, h_pre_raw, h_post_raw,
                                h_res_raw, num_iters=num_iters, eps=eps, grad_mode=grad_mode)
-
-
-def _pre_bwd_fake(grad_layer_in, grad_H_pre, grad_H_post, grad_H_res, x, h_pre_raw, h_post_raw, h_res_raw,
-                  num_iters, eps, grad_mode):
-    _validate(_pre._plan_bwd, {"grad_layer_in": grad_layer_in, "grad_H_pre": grad_H_pre, "grad_H_post": grad_H_post,
-                               "grad_H_res": grad_H_res, "x": x, "h_pre_raw": h_pre_raw, "h_post_raw": h_post_raw,
-                               "h_res_raw": h_res_raw}, num_iters=num_iters, eps=eps, grad_mode=grad_mode)
-    return (x.new_empty(x.shape), x.new_empty(h_pre_raw.shape, dtype=_F32), x.new_empty(h_post_raw.shape, dtype=_F32),
-            x.new_empty(h_res_raw.shape, dtype=_F32))
 
 
 def _pre_setup(ctx, inputs, output):
@@ -560,7 +506,7 @@ def _pre_backward(bwd, ctx, g_layer_in, g_H_pre, g_H_post, g_H_res):
     return dx, d_pre, d_post, d_res, None, None, None
 
 
-_PreFn = _wire("mhc_pre_op", _pre_fwd_impl, _pre_fwd_fake, {"mhc_pre_op_bwd": (_pre_bwd_impl, _pre_bwd_fake)},
+_PreFn = _wire("mhc_pre_op", _pre_fwd_impl, {"mhc_pre_op_bwd": _pre_bwd_impl},
                _pre_setup, _pre_backward)
 
 
@@ -607,24 +553,10 @@ def _coeffs_fwd_impl(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor,
     return _ops.mhc_coeffs_fwd(x, phi, alpha, bias, eps=eps)
 
 
-def _coeffs_fwd_fake(x, phi, alpha, bias, eps):
-    _validate(_coeffs._plan_fwd, {"x": x, "phi": phi, "alpha": alpha, "bias": bias}, eps=eps)
-    lead, n = tuple(x.shape[:-2]), x.shape[-2]
-    return (x.new_empty(lead + (n,), dtype=_F32), x.new_empty(lead + (n,), dtype=_F32),
-            x.new_empty(lead + (n, n), dtype=_F32))
-
-
 def _coeffs_bwd_impl(grad_h_pre_raw: Optional[Tensor], grad_h_post_raw: Optional[Tensor],
                      grad_h_res_raw: Optional[Tensor], x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor,
                      eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _ops.mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alpha, bias, eps=eps)
-
-
-def _coeffs_bwd_fake(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alpha, bias, eps):
-    _validate(_coeffs._plan_bwd, {"grad_h_pre_raw": grad_h_pre_raw, "grad_h_post_raw": grad_h_post_raw,
-                                  "grad_h_res_raw": grad_h_res_raw, "x": x, "phi": phi, "alpha": alpha,
-                                  "bias": bias}, eps=eps)
-    return (x.new_empty(x.shape), phi.new_empty(phi.shape), alpha.new_empty(alpha.shape), bias.new_empty(bias.shape))
 
 
 def _coeffs_setup(ctx, inputs, output):
@@ -641,8 +573,8 @@ def _coeffs_backward(bwd, ctx, g_pre, g_post, g_res):
     return dx, dphi, dalpha, dbias, None
 
 
-_CoeffsFn = _wire("mhc_coeffs", _coeffs_fwd_impl, _coeffs_fwd_fake,
-                  {"mhc_coeffs_bwd": (_coeffs_bwd_impl, _coeffs_bwd_fake)}, _coeffs_setup, _coeffs_backward)
+_CoeffsFn = _wire("mhc_coeffs", _coeffs_fwd_impl,
+                  {"mhc_coeffs_bwd": _coeffs_bwd_impl}, _coeffs_setup, _coeffs_backward)
 
 
 def mhc_coeffs(x, phi, alpha, bias, eps=1e-5):
@@ -687,14 +619,6 @@ def _layer_pre_fwd_impl(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, num
     return _ops.mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=num_iters, eps=eps, rms_eps=rms_eps)
 
 
-def _layer_pre_fwd_fake(x, phi, alpha, bias, num_iters, eps, rms_eps):
-    _validate(_layer._plan_pre_fwd, {"x": x, "phi": phi, "alpha": alpha, "bias": bias}, num_iters=num_iters,
-              eps=eps, rms_eps=rms_eps)
-    lead, n, C = tuple(x.shape[:-2]), x.shape[-2], x.shape[-1]
-    return (x.new_empty(lead + (C,)), x.new_empty(lead + (n,), dtype=_F32), x.new_empty(lead + (n,), dtype=_F32),
-            x.new_empty(lead + (n, n), dtype=_F32), x.new_empty(lead + (n * n + 2 * n + 1,), dtype=_F32))
-
-
 def _layer_pre_bwd_impl(grad_layer_in: Optional[Tensor], grad_out: Optional[Tensor], grad_H_post: Optional[Tensor],
                         grad_H_res: Optional[Tensor], x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor,
                         stats: Tensor, H_pre: Tensor, H_res: Tensor, num_iters: int, eps: float, rms_eps: float,
@@ -703,25 +627,15 @@ def _layer_pre_bwd_impl(grad_layer_in: Optional[Tensor], grad_out: Optional[Tens
                                   H_pre, H_res, num_iters=num_iters, eps=eps, rms_eps=rms_eps, grad_mode=grad_mode)
 
 
-def _layer_pre_bwd_fake(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats, H_pre, H_res,
-                        num_iters, eps, rms_eps, grad_mode):
-    return x.new_empty(x.shape), phi.new_empty(phi.shape), alpha.new_empty(alpha.shape), bias.new_empty(bias.shape)
-
-
 def _layer_post_bwd_impl(grad: Tensor, layer_out: Tensor, x: Tensor, H_post: Tensor,
                          H_res: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return _ops.mhc_layer_post_bwd(grad, layer_out, x, H_post, H_res)
 
 
-def _layer_post_bwd_fake(grad, layer_out, x, H_post, H_res):
-    return (layer_out.new_empty(layer_out.shape), x.new_empty(H_post.shape, dtype=_F32),
-            x.new_empty(H_res.shape, dtype=_F32))
-
-
-_LAYER_OPS = {name: (impl, _register(name, impl, fake)) for name, impl, fake in (
-    ("mhc_layer_pre_fwd", _layer_pre_fwd_impl, _layer_pre_fwd_fake),
-    ("mhc_layer_pre_bwd", _layer_pre_bwd_impl, _layer_pre_bwd_fake),
-    ("mhc_layer_post_bwd", _layer_post_bwd_impl, _layer_post_bwd_fake))}
+_LAYER_OPS = {name: (impl, _register(name, impl)) for name, impl in (
+    ("mhc_layer_pre_fwd", _layer_pre_fwd_impl),
+    ("mhc_layer_pre_bwd", _layer_pre_bwd_impl),
+    ("mhc_layer_post_bwd", _layer_post_bwd_impl))}
 
 
 def _layer_call(name: str, custom: bool, *args):

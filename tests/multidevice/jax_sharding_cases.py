@@ -254,7 +254,7 @@ def test_local_shapes_reach_the_kernels(rng, monkeypatch):
     x = jnp.asarray(rng.standard_normal((8, N, C)), jnp.float32)
     M = jnp.asarray(rng.standard_normal((8, N, N)), jnp.float32)
     jax.block_until_ready(jax.jit(lambda x, M: mj.stream_mix(x, M) * 1.5)(put(x, ("data",)), put(M, ("data",))))
-    assert ("mix_fwd", (4, N, C)) in seen, seen
+    assert ("stream_mix_fwd", (4, N, C)) in seen, seen
 
 
 def test_token_sharded_wraps_a_whole_layer(rng):
