@@ -93,6 +93,22 @@ def zero_param_grads(dphi, dalpha, dbias, D: int, K: int, stream) -> None:
         _zero(ptr, count, stream)
 
 
+def param_grad_plan(x_shape, dt: str, tokens: int, D: int, K: int, named: list, body, ref) -> Plan:
+    """The Plan of a backward giving (dx, dphi, dalpha, dbias): scratch from ``named``
+    [(name, (shape, dtype))], ``body(p, outs, scratch by name, stream)`` launching the
+    kernels; with zero tokens the parameter gradients are zero-filled instead."""
+    names = [name for name, _ in named]
+
+    def run_kernels(p, outs, s, stream):
+        if tokens == 0:
+            zero_param_grads(*outs[1:], D, K, stream)
+        else:
+            body(p, outs, dict(zip(names, s)), stream)
+
+    return Plan([(x_shape, dt), ((D, K), "float32"), ((3,), "float32"), ((K,), "float32")], run_kernels, ref,
+                scratch=[spec for _, spec in named], empty=False)
+
+
 def launch_finish(part, splits: int, alpha, bias, h_pre, h_post, h_res, stats, tokens, D, n, K, eps, stream):
     """h (and stats, unless None) from the per-D-range sums part [splits, T, K+1]."""
     launch(_FILE, "mhc_coeffs_fwd_finish_kernel", (min(_cdiv(tokens * K, _NT), MAX_GRID), 1, 1), (_NT, 1, 1),
@@ -335,15 +351,9 @@ def _plan_bwd(infos, eps):
         named.append(("phi_t", ((K, D), "float32")))
         if t_splits > 1:
             named.append(("dphi_part", ((t_splits, D, K), "float32")))
-    names = [name for name, _ in named]
-    outputs = [(infos["x"].shape, dt), ((D, K), "float32"), ((3,), "float32"), ((K,), "float32")]
 
-    def run_kernels(p, outs, s, stream):
+    def body(p, outs, sc, stream):
         dx, dphi, dalpha, dbias = outs
-        if tokens == 0:
-            zero_param_grads(dphi, dalpha, dbias, D, K, stream)
-            return
-        sc = dict(zip(names, s))
         part, dH, qa = sc["part"], sc["dH"], sc["qa"]
         launch_mma_gemm(dt, D, K, tokens, p["x"], p["phi"], part, sc["planes"], mma, stream)
         launch_prep(part, mma.splits, (p["grad_h_pre_raw"], p["grad_h_post_raw"], p["grad_h_res_raw"]), p["alpha"],
@@ -370,7 +380,7 @@ def _plan_bwd(infos, eps):
         return reference.mhc_coeffs_bwd(a["grad_h_pre_raw"], a["grad_h_post_raw"], a["grad_h_res_raw"], a["x"],
                                         a["phi"], a["alpha"], a["bias"], eps)
 
-    return Plan(outputs, run_kernels, ref, scratch=[spec for _, spec in named], empty=False)
+    return param_grad_plan(infos["x"].shape, dt, tokens, D, K, named, body, ref)
 
 
 # ------------------------------------------------------------------ public

@@ -25,7 +25,7 @@ from __future__ import annotations
 from .. import _checks, reference
 from .._dispatch import Plan, run
 from .coeffs import (_MMA_BWD_MAX_K, _check as _check_coeffs, launch_finish, launch_mma_bwd, launch_mma_gemm,
-                     launch_prep, mma_bwd, mma_layout, padded_row, zero_param_grads)
+                     launch_prep, mma_bwd, mma_layout, padded_row, param_grad_plan)
 from .sinkhorn import bwd_history, launch_bwd, launch_fwd
 from .stream import check_grad, launch_aggregate_bwd, launch_aggregate_fwd, launch_post_bwd
 from .post import _check as _check_post
@@ -159,15 +159,9 @@ def _plan_pre_bwd(infos, num_iters, eps, rms_eps, grad_mode):
              ("dH", ((tokens, KP), "float32")), ("qa", ((tokens, 3), "float32"))] + tc.scratch()
     if hist:
         named.append(("hist", ((hist,), "float32")))
-    names = [name for name, _ in named]
-    outputs = [(infos["x"].shape, dt), ((D, K), "float32"), ((3,), "float32"), ((K,), "float32")]
 
-    def run_kernels(p, outs, s, stream):
+    def body(p, outs, sc, stream):
         dx, dphi, dalpha, dbias = outs
-        if tokens == 0:
-            zero_param_grads(dphi, dalpha, dbias, D, K, stream)
-            return
-        sc = dict(zip(names, s))
         stats = p["stats"]
         # raw coefficients from the saved sums (no second GEMM)
         launch_finish(stats, 1, p["alpha"], p["bias"], sc["h_pre"], sc["h_post"], sc["h_res"], None, tokens, D, n, K,
@@ -188,7 +182,7 @@ def _plan_pre_bwd(infos, num_iters, eps, rms_eps, grad_mode):
                                            a["x"], a["phi"], a["alpha"], a["bias"], a["stats"], a["H_pre"], a["H_res"],
                                            iters, eps, rms_eps, mode)
 
-    return Plan(outputs, run_kernels, ref, scratch=[spec for _, spec in named], empty=False)
+    return param_grad_plan(infos["x"].shape, dt, tokens, D, K, named, body, ref)
 
 
 def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats, H_pre, H_res,
