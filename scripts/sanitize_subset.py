@@ -1,7 +1,7 @@
 """A representative subset of every op, forward and backward, for compute-sanitizer.
 
 Shapes cover: odd C (scalar path, misaligned rows), C split into 3 / 5 / 7
-block-sized chunks (case P2), the vectorised path, n = 1, 3, 4, 8, 17, 32, shared
+block-sized chunks, the vectorised path, n = 1, 3, 4, 8, 17, 32, shared
 coefficients, RMSNorm with a weight and on vec(x), Sinkhorn history in shared and in global
 memory (n = 17: lanes that own fewer columns than rows), both gradient modes (n = 32: the
 warp-per-matrix implicit backward), the fused layer pieces (tensor-core forward for every n, the

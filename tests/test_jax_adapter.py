@@ -13,7 +13,7 @@ the float64 NumPy reference and rounds once to the output dtype, so:
   with one more token dim; 1e-6 relative where it sums a shared gradient in
   float32 (shared ``h``).
 
-Case P11 (cases/README.md): jit at tokens 21, n 4, C 1000, then re-traced at
+Retracing: jit at tokens 21, n 4, C 1000, then re-traced at
 other shapes; grad and vmap; zero gradient for unused outputs; no host
 callback other than buffer_callback in the lowered program.
 """
@@ -462,7 +462,7 @@ def test_vmap_shared_h_stays_shared_per_example(rng):
     np.testing.assert_allclose(np.asarray(dh2), np.asarray(x[:, 0], np.float64).sum(-1), rtol=1e-6)
 
 
-# ------------------------------------------------------ P11: re-tracing
+# ------------------------------------------------------------ re-tracing
 def test_p11_jit_retrace_other_shapes(rng):
     def model(x, hp, hq, hr):
         layer_in, H_pre, H_post, H_res = mj.mhc_pre_op(x, hp, hq, hr)

@@ -586,7 +586,7 @@ def test_custom_op_route_equals_eager_route(rng):
         assert_same(u, v)
 
 
-# ------------------------------------------------------------------ import order (STYLE.md trap)
+# ------------------------------------------------------------------ import order (mhc_cupy must not import torch)
 @pytest.mark.parametrize("first", ["mhc_cupy.torch", "torch"])
 def test_import_order(first):
     """``import mhc_cupy.torch`` binds mhc_cupy.torch; the real torch must stay intact either way."""

@@ -1,4 +1,4 @@
-"""GPU tests of the JAX adapter ``mhc_cupy.jax`` (case P11 on a GPU).
+"""GPU tests of the JAX adapter ``mhc_cupy.jax`` (on a GPU, retracing included).
 
 On a GPU every kernel call of the adapter is a ``buffer_callback`` custom call
 that launches the CuPy kernels on XLA's stream, in place in XLA's buffers.
@@ -9,7 +9,7 @@ that launches the CuPy kernels on XLA's stream, in place in XLA's buffers.
 * ``vmap`` (flat and nested, shared ``h`` / RMSNorm weight) equal to a
   per-example loop: bitwise, except a shared ``h``'s per-example gradient,
   which vmap sums over tokens with XLA in float32 (1e-6 relative);
-* P11: every op inside ``jit`` at tokens 21, n 4, C 1000, under ``grad`` and
+* re-tracing: every op inside ``jit`` at tokens 21, n 4, C 1000, under ``grad`` and
   ``vmap``, then re-traced at other shapes, with ``jax.transfer_guard("disallow")``
   around the compiled calls and no host callback but ``buffer_callback`` in the
   lowered program; an unused output gives a zero gradient;
@@ -64,7 +64,7 @@ else:  # collected but skipped
 # the forward checks keep their 1e-3 (the chain row) until 2e-4 is measured on a GPU for these calls
 SINKHORN_TOL, SINKHORN_GRAD_TOL, COEF_TOL = (TOL[k].value for k in ("sinkhorn_chain_grad", "sinkhorn_chain_grad",
                                                                     "coefficient"))
-#: (leading token dims, n, C, dtype): P11's shape first, then others.
+#: (leading token dims, n, C, dtype): the re-tracing shape first, then others.
 CONFIGS = [((21,), 4, 1000, "float32"), ((21,), 4, 1000, "bfloat16"), ((2, 3), 3, 33, "bfloat16"),
            ((5,), 1, 7, "float16"), ((), 4, 1000, "float32")]
 
@@ -208,7 +208,7 @@ def test_nested_vmap_grad(name, rng):
         assert_close(g, w, 1e-6, scale="max")
 
 
-# ------------------------------------------------------------------ P11
+# ------------------------------------------------------------ re-tracing
 def _model(x, hp, hq, hr):
     layer_in, H_pre, H_post, H_res = mj.mhc_pre_op(x, hp, hq, hr)
     n, Cc = x.shape[-2], x.shape[-1]

@@ -81,7 +81,7 @@ def test_post_op(rng, dt, n, T, C):
 @pytest.mark.parametrize("n", [17, 32])
 @pytest.mark.parametrize("T,C", [(3, 7), (127, 64), (3, 4096)])
 def test_mix_and_post_large_n(rng, n, T, C):
-    """Case P9 for stream mix and the post op: n up to the documented maximum of 32."""
+    """Large n for stream mix and the post op: n up to the documented maximum of 32."""
     dt = "bfloat16"
     x, y = rounded(rng, (T, n, C), dt), rounded(rng, (T, C), dt)
     M, Hp = _coef(rng, (T, n, n)), _coef(rng, (T, n))
@@ -148,7 +148,7 @@ def test_rmsnorm(rng, dt, T, C, weighted):
 
 @pytest.mark.parametrize("eps", [1e-6, 1e-2, 1e-20])
 def test_rmsnorm_p1_rows(eps):
-    """Case P1: zero rows, tiny rows, a single nonzero, a constant row; the kernel uses the given eps."""
+    """Edge rows: zero rows, tiny rows, a single nonzero, a constant row; the kernel uses the given eps."""
     C = 1000
     rows = np.zeros((6, C), np.float32)
     rng = np.random.default_rng(7)
@@ -283,7 +283,7 @@ def test_f32_incoming_gradients(rng):
 
 @pytest.mark.parametrize("dt", ["bfloat16", "float32"])
 def test_offset_and_strided_views(rng, dt):
-    """Case P3: a base pointer one element off alignment, odd C, non-contiguous views."""
+    """Layouts: a base pointer one element off alignment, odd C, non-contiguous views."""
     import cupy as cp
 
     n, T, C = 4, 37, 1000
@@ -323,18 +323,18 @@ def test_leading_dims_and_zero_tokens(rng):
 
 
 def test_size_one_dims_any_strides(rng):
-    """Case P4: size-1 dims with odd strides are treated as contiguous (no copy, same result)."""
+    """Size-1 dims with odd strides are treated as contiguous (no copy, same result)."""
     import cupy as cp
 
     x = to_gpu(rounded(rng, (1, 1, 1, 8), "float32"))
     x_odd = cp.lib.stride_tricks.as_strided(x, shape=(1, 1, 1, 8), strides=(0, 999 * 4, 4, 4))
     M = to_gpu(np.ones((1, 1, 1, 1), np.float32) * 2)
-    assert_close(m.stream_mix_fwd(x_odd, M), 2 * to_host(x), 1e-6, "P4")
+    assert_close(m.stream_mix_fwd(x_odd, M), 2 * to_host(x), 1e-6, "size-1 dims")
 
 
 # ------------------------------------------------------------ determinism
 def test_backward_bitwise_deterministic_under_load(rng):
-    """Case P10: identical backward calls give identical bits, while another stream runs a matmul."""
+    """Determinism under load: identical backward calls give identical bits, while another stream runs a matmul."""
     import cupy as cp
 
     n, T, C = 4, 4096, 4096

@@ -1,14 +1,14 @@
-"""GPU tests of the PyTorch adapter ``mhc_cupy.torch`` (cases P6 and P10).
+"""GPU tests of the PyTorch adapter ``mhc_cupy.torch``.
 
 * eager on CUDA (bfloat16 / float32) against the float64 NumPy reference,
   forward and backward; autograd backward bitwise equal to the functional ``*_bwd``;
 * ``torch.compile(fullgraph=True)`` (inductor) bitwise equal to eager;
-* P6: forward + backward of a small mHC model captured in a CUDA graph on a
+* CUDA graph: forward + backward of a small mHC model captured in a CUDA graph on a
   side stream, inputs changed in place, replayed: bitwise equal to eager;
 * a slow producer on a non-default stream feeding our op on that stream,
   with no synchronisation by the caller: right results;
 * outputs are torch tensors on the inputs' device (no copy through another framework);
-* P10: the same backward twice while another stream runs large matmuls: bitwise equal.
+* determinism: the same backward twice while another stream runs large matmuls: bitwise equal.
 
 Tolerances are relative to ``|ref| + rms(ref)`` (``harness.assert_close``), rows of
 ``harness.TOL``: one rounding to the activation dtype plus float32 accumulation
@@ -232,9 +232,9 @@ def test_compile_model(gen):
     torch._dynamo.reset()
 
 
-# ------------------------------------------------------------------ P6: CUDA graph
+# ------------------------------------------------------------------ CUDA graph
 def test_cuda_graph_capture_forward_backward(gen):
-    """Case P6: capture forward + backward on a side stream, change inputs in place, replay == eager."""
+    """CUDA graph: capture forward + backward on a side stream, change inputs in place, replay == eager."""
     inputs = _model_inputs(gen)
     gout = rand(gen, inputs[0].shape, dtype=inputs[0].dtype, grad=False)
 
@@ -329,12 +329,12 @@ def test_non_current_device(gen):
         assert_close(a, r, COEF_TOL, "grad on cuda:1")
 
 
-# ------------------------------------------------------------------ P10: determinism
+# ------------------------------------------------------------------ determinism
 @pytest.mark.parametrize("op,shared", [("stream_mix", False), ("mhc_post_op", False), ("stream_aggregate", True),
                                        ("stream_distribute", True), ("rmsnorm", False), ("mhc_pre_op", False),
                                        ("sinkhorn_knopp", False)])
 def test_backward_deterministic_under_load(gen, op, shared):
-    """Case P10: two identical backward calls, another stream busy with large matmuls: bitwise equal."""
+    """Determinism under load: two identical backward calls, another stream busy with large matmuls: bitwise equal."""
     dtype = torch.float32 if op == "sinkhorn_knopp" else torch.bfloat16
     c = Case(op, gen, dtype, lead=(16, 256), C=1024, shared=shared)
     gs = c.upstream(gen, c.call(c.args))
