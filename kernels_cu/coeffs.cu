@@ -487,12 +487,6 @@ __device__ __forceinline__ void load8(const T* __restrict__ row, int pos, int li
     }
 }
 
-// 8 elements of T from shared memory (16-byte aligned for 16-bit T, 32 bytes for float).
-template <typename T>
-__device__ __forceinline__ void lds8(const T* p, float (&v)[8]) {
-    mhc::load_vec<T, 8>(p, v);
-}
-
 // Position of column k of a K16-column row in the "fragment order" of the backward
 // planes: lane quad member q reads its 4 values (k = 2q, 2q+1, 2q+8, 2q+9) of
 // every k-step s (KS of them) as 4 * KS consecutive values.
@@ -645,7 +639,7 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
                     }
                 } else {
                     float v[8];
-                    lds8<T>(reinterpret_cast<const T*>(src), v);
+                    mhc::load_vec<T, 8>(reinterpret_cast<const T*>(src), v);
                     unsigned bits[8][P];
 #pragma unroll
                     for (int e = 0; e < 8; ++e) {
@@ -834,7 +828,7 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
                 float xv[4][8];
 #pragma unroll
                 for (int u = 0; u < 4; ++u)
-                    lds8<T>(xrow(2 * tq + (u & 1) + 8 * (u >> 1), warp) + 8 * g8, xv[u]);
+                    mhc::load_vec<T, 8>(xrow(2 * tq + (u & 1) + 8 * (u >> 1), warp) + 8 * g8, xv[u]);
 #pragma unroll
                 for (int m = 0; m < 4; ++m) {
                     unsigned bits[4][2][P];  // [token u][h][part]
@@ -938,7 +932,7 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
                     const int cl = 16 * tq + 8 * half;
                     const int col = cb0 + cl;
                     float xv[8], o[8];
-                    lds8<T>(xrow(u, warp) + cl, xv);
+                    mhc::load_vec<T, 8>(xrow(u, warp) + cl, xv);
 #pragma unroll
                     for (int e8 = 0; e8 < 8; ++e8)
                         o[e8] = fmaf(-cs[h], xv[e8], acc[4 * half + (e8 >> 1)][2 * h + (e8 & 1)]);

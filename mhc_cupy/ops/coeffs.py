@@ -299,9 +299,6 @@ class MmaBwd(NamedTuple):
         stages = pipeline_stages(fixed, stage, _MMA_BWD_STAGES)
         return stages, fixed + stages * stage
 
-    def smem(self, dt: str) -> int:
-        return self.pipeline(dt)[1]
-
 
 def mma_bwd(tokens: int, n: int, C: int, K: int) -> MmaBwd:
     return MmaBwd(n, C, K, tokens, *mma_token_splits(tokens, n, C, K))
