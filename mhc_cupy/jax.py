@@ -788,9 +788,11 @@ def mhc_layer(params: dict, x, f, num_iters: int = 20, eps: float = 1e-8, rms_ep
     """One mHC layer, functional (paper Eq. 3): x_{l+1} = H_res x_l + H_post^T f(H_pre x_l).
 
     The per-token coefficients come from the coefficient path (:func:`mhc_coeffs`,
-    OPS.md section 8), then :func:`mhc_pre_op` and :func:`mhc_post_op`, as one
-    ``custom_vjp`` over the fused pieces (OPS.md section 9: the coefficients and the
-    pre op in one forward, dx written once in the backward) with f's VJP inside.
+    OPS.md section 8), then :func:`mhc_pre_op` and :func:`mhc_post_op`.  For n <= 4
+    the layer is one ``custom_vjp`` over the fused pieces (OPS.md section 9: the
+    coefficients and the pre op in one forward, dx written once in the backward)
+    with f's VJP inside; larger n composes the separate ops (faster there on the GPU,
+    as the fused backward then runs on CUDA cores).
 
     Args:
         params: {"phi", "alpha", "bias"} from :func:`mhc_init`.
@@ -808,11 +810,13 @@ def mhc_layer(params: dict, x, f, num_iters: int = 20, eps: float = 1e-8, rms_ep
     if not isinstance(params, dict) or any(k not in params for k in ("phi", "alpha", "bias")):
         raise TypeError(f"params must be the dict of mhc_init (phi, alpha, bias), got {type(params).__name__}")
     num_iters, eps, rms_eps, grad_mode = _checks.layer_settings(num_iters, eps, rms_eps, grad_mode)
-    if getattr(x, "ndim", 0) < 2:
-        raise ValueError(f"x must be [..., n, C], got shape {tuple(getattr(x, 'shape', ()))}")
-    # one custom_vjp around the whole layer with f's VJP inside (f's closed-over traced
-    # values become explicit arguments, so they get their gradients)
-    example = _jax.ShapeDtypeStruct(tuple(x.shape[:-2]) + (x.shape[-1],), x.dtype)
-    f_conv, consts = _jax.closure_convert(f, example)
-    return _fused_layer(f_conv, num_iters, eps, rms_eps, grad_mode, params["phi"], params["alpha"], params["bias"],
-                        x, *consts)
+    if getattr(x, "ndim", 0) >= 2 and _ops.coeffs.columns(x.shape[-2]) <= _ops.coeffs._MMA_BWD_MAX_K:
+        # the fused pieces (OPS.md section 9), one custom_vjp around the whole layer with f's VJP inside
+        # (f's closed-over traced values become explicit arguments, so they get their gradients)
+        example = _jax.ShapeDtypeStruct(tuple(x.shape[:-2]) + (x.shape[-1],), x.dtype)
+        f_conv, consts = _jax.closure_convert(f, example)
+        return _fused_layer(f_conv, num_iters, eps, rms_eps, grad_mode, params["phi"], params["alpha"],
+                            params["bias"], x, *consts)
+    h_pre, h_post, h_res = mhc_coeffs(x, params["phi"], params["alpha"], params["bias"], rms_eps)
+    layer_in, _, H_post, H_res = mhc_pre_op(x, h_pre, h_post, h_res, num_iters, eps, grad_mode)
+    return mhc_post_op(f(layer_in).astype(x.dtype), x, H_post, H_res)

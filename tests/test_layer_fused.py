@@ -298,7 +298,7 @@ def test_gpu_layer_cuda_graph(n):
 
 @pytest.mark.parametrize("n", [1, 3, 4, 5])
 def test_jax_layer_matches_plain_jnp(rng, n):
-    """mhc_cupy.jax.mhc_layer (one fused custom_vjp, every n) against the plain
+    """mhc_cupy.jax.mhc_layer (fused custom_vjp for n <= 4, separate ops above) against the plain
     jax.numpy layer: values and gradients in x, phi, alpha, bias and the sublayer's own weight
     (closed over by f), under jit(grad) and vmap."""
     jax = pytest.importorskip("jax")
