@@ -191,8 +191,11 @@ __global__ void mhc_coeffs_bwd_prep_kernel(const float* __restrict__ part, const
             }
             const float ag = a * g;
             dH[t * KP + k] = ag * rinv;
-            sc = fmaf(ag, H, sc);
-            const float gh = g * H * rinv;
+            // products with the normalised mix H / r (O(1) for any |x|): g H itself overflows
+            // float32 once |x| ~ 1e19 makes both g (a sum over x) and H large
+            const float Hn = H * rinv;
+            sc = fmaf(ag, Hn, sc);
+            const float gh = g * Hn;
             if (grp == 0) q0 += gh;
             else if (grp == 1) q1 += gh;
             else q2 += gh;
@@ -203,7 +206,7 @@ __global__ void mhc_coeffs_bwd_prep_kernel(const float* __restrict__ part, const
         q2 = mhc::warp_sum(q2);
         for (int k = K + 1 + lane; k < KP; k += 32) dH[t * KP + k] = 0.f;
         if (lane == 0) {
-            dH[t * KP + K] = sc * rinv * rinv * rinv / (float)D;
+            dH[t * KP + K] = sc * rinv * rinv / (float)D;  // (sc / r) / r: no denormal r^-2
             qa[t * 3 + 0] = q0;
             qa[t * 3 + 1] = q1;
             qa[t * 3 + 2] = q2;
