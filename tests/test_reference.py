@@ -298,16 +298,21 @@ SHAPES = [((0,), 4, 7), ((1,), 1, 1), ((3,), 2, 1000), ((127,), 4, 64),
           ((2, 3), 3, 7), ((3,), 8, 64), ((2, 3), 16, 7), ((), 4, 7)]
 
 
+def _check_vs_torch(fwd, bwd, oracle, inputs, g, names):
+    """fwd(*inputs) and bwd(g, *inputs) against float64 torch autograd of oracle, to 1e-12."""
+    (out_ref,), grads_ref = torch_vjp(oracle, list(inputs), [g])
+    assert_reference(fwd(*inputs), out_ref, 1e-12)
+    grads = bwd(g, *inputs)
+    assert len(grads) == len(names)
+    for name, a, b in zip(names, grads, grads_ref):
+        assert_reference(a, b, 1e-12, name)
+
+
 @pytest.mark.parametrize("lead,n,C", SHAPES)
 def test_stream_mix(rng, lead, n, C):
     x = rng.normal(size=lead + (n, C))
     M = rng.normal(size=lead + (n, n))          # non-symmetric
-    g = rng.normal(size=x.shape)
-    (out_ref,), (dx_ref, dM_ref) = torch_vjp(t_mix, [x, M], [g])
-    assert_reference(R.stream_mix_fwd(x, M), out_ref, 1e-12)
-    dx, dM = R.stream_mix_bwd(g, x, M)
-    assert_reference(dx, dx_ref, 1e-12, "dx")
-    assert_reference(dM, dM_ref, 1e-12, "dM")
+    _check_vs_torch(R.stream_mix_fwd, R.stream_mix_bwd, t_mix, (x, M), rng.normal(size=x.shape), ("dx", "dM"))
 
 
 @pytest.mark.parametrize("lead,n,C", SHAPES)
@@ -315,12 +320,8 @@ def test_stream_mix(rng, lead, n, C):
 def test_stream_aggregate(rng, lead, n, C, shared):
     x = rng.normal(size=lead + (n, C))
     h = rng.normal(size=(n,) if shared else lead + (n,))
-    g = rng.normal(size=lead + (C,))
-    (out_ref,), (dx_ref, dh_ref) = torch_vjp(t_aggregate, [x, h], [g])
-    assert_reference(R.stream_aggregate_fwd(x, h), out_ref, 1e-12)
-    dx, dh = R.stream_aggregate_bwd(g, x, h)
-    assert_reference(dx, dx_ref, 1e-12, "dx")
-    assert_reference(dh, dh_ref, 1e-12, "dh")
+    _check_vs_torch(R.stream_aggregate_fwd, R.stream_aggregate_bwd, t_aggregate, (x, h), rng.normal(size=lead + (C,)),
+                    ("dx", "dh"))
 
 
 @pytest.mark.parametrize("lead,n,C", SHAPES)
@@ -328,12 +329,8 @@ def test_stream_aggregate(rng, lead, n, C, shared):
 def test_stream_distribute(rng, lead, n, C, shared):
     y = rng.normal(size=lead + (C,))
     h = rng.normal(size=(n,) if shared else lead + (n,))
-    g = rng.normal(size=lead + (n, C))
-    (out_ref,), (dy_ref, dh_ref) = torch_vjp(t_distribute, [y, h], [g])
-    assert_reference(R.stream_distribute_fwd(y, h), out_ref, 1e-12)
-    dy, dh = R.stream_distribute_bwd(g, y, h)
-    assert_reference(dy, dy_ref, 1e-12, "dy")
-    assert_reference(dh, dh_ref, 1e-12, "dh")
+    _check_vs_torch(R.stream_distribute_fwd, R.stream_distribute_bwd, t_distribute, (y, h),
+                    rng.normal(size=lead + (n, C)), ("dy", "dh"))
 
 
 @pytest.mark.parametrize("lead,n,C", SHAPES)
@@ -342,13 +339,8 @@ def test_mhc_post_op(rng, lead, n, C):
     x = rng.normal(size=lead + (n, C))
     H_post = 2 / (1 + np.exp(-rng.normal(size=lead + (n,))))
     H_res = rng.normal(size=lead + (n, n))      # non-symmetric
-    g = rng.normal(size=lead + (n, C))
-    (out_ref,), grads_ref = torch_vjp(t_post, [y, x, H_post, H_res], [g])
-    assert_reference(R.mhc_post_op_fwd(y, x, H_post, H_res), out_ref, 1e-12)
-    grads = R.mhc_post_op_bwd(g, y, x, H_post, H_res)
-    assert len(grads) == 4
-    for name, a, b in zip(("dy", "dx", "dH_post", "dH_res"), grads, grads_ref):
-        assert_reference(a, b, 1e-12, name)
+    _check_vs_torch(R.mhc_post_op_fwd, R.mhc_post_op_bwd, t_post, (y, x, H_post, H_res),
+                    rng.normal(size=lead + (n, C)), ("dy", "dx", "dH_post", "dH_res"))
 
 
 # ----------------------------------------------------------------------------------------------
