@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -184,12 +185,16 @@ def test_cli_without_command_prints_the_help(capsys):
 
 
 def test_notebooks_remove_their_temporary_folders():
-    """A notebook that makes a temporary folder (tempfile.mkdtemp) removes it (nbmake runs
-    them in the test suite: they must leave no mhc_demo_* folders behind)."""
+    """Every temporary folder a notebook makes (NAME = tempfile.mkdtemp(...)) is removed
+    (shutil.rmtree(NAME ...)): nbmake runs them in the test suite and the GPU check, and
+    they must leave no mhc_demo_* / mhc_bench_* folders behind."""
     import json
 
+    made = 0
     for nb in sorted((REPO / "notebooks").glob("*.ipynb")):
         code = "\n".join("".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code")
-        made = code.count("tempfile.mkdtemp(")
-        if made and "mhc_demo_" in code:
-            assert code.count("shutil.rmtree(") >= made, nb.name
+        assert code.count("mkdtemp(") == len(re.findall(r"\b\w+ = tempfile\.mkdtemp\(", code)), nb.name
+        for name in re.findall(r"\b(\w+) = tempfile\.mkdtemp\(", code):
+            made += 1
+            assert re.search(rf"shutil\.rmtree\({name}\b", code), f"{nb.name}: {name} = tempfile.mkdtemp() is never removed"
+    assert made >= 2  # notebooks 03 (bench) and 04 (demo)
