@@ -164,6 +164,22 @@ def test_readme_dropout_note_matches_the_demo_configs():
     assert "expected here: the training loss has dropout" not in text
 
 
+def test_readme_functional_usage_says_it_records_no_graph():
+    """The README's first snippet is the functional API: it says there that no autograd
+    graph is recorded (a warning) and points at mhc_cupy.torch."""
+    usage = " ".join((REPO / "README.md").read_text().split("## Usage", 1)[1].split("```python", 1)[0].split())
+    assert "records no autograd graph" in usage and "mhc_cupy.AutogradNotRecordedWarning" in usage, usage
+    assert "mhc_cupy.torch" in usage, usage
+
+
+def test_readme_names_every_sanitizer_tool_of_the_gpu_check():
+    tools = re.findall(r"compute-sanitizer --tool (\w+)", (REPO / "scripts" / "gpu_check.sh").read_text())
+    assert {"memcheck", "racecheck", "synccheck", "initcheck"} <= set(tools), tools
+    text = " ".join((REPO / "README.md").read_text().split())
+    sentence = text.split("`bash scripts/gpu_check.sh` runs", 1)[1].split(".", 1)[0]
+    assert all(t in sentence for t in tools), (tools, sentence)
+
+
 @pytest.mark.parametrize("module,extra,blocked", [("mhc_cupy.torch", "torch", "torch"), ("mhc_cupy.jax", "jax", "jax"),
                                                    ("mhc_cupy.demo", "demo", "torch"),
                                                    ("mhc_cupy.demo", "demo", "matplotlib")])
