@@ -212,5 +212,5 @@ def test_notebooks_remove_their_temporary_folders():
         assert code.count("mkdtemp(") == len(re.findall(r"\b\w+ = tempfile\.mkdtemp\(", code)), nb.name
         for name in re.findall(r"\b(\w+) = tempfile\.mkdtemp\(", code):
             made += 1
-            assert re.search(rf"shutil\.rmtree\({name}\b", code), f"{nb.name}: {name} = tempfile.mkdtemp() is never removed"
+            assert re.search(rf"shutil\.rmtree\({name}\b", code), f"{nb.name}: {name} = tempfile.mkdtemp() not removed"
     assert made >= 2  # notebooks 03 (bench) and 04 (demo)
