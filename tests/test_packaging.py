@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -163,6 +164,22 @@ def test_readme_dropout_note_matches_the_demo_configs():
     assert "expected here: the training loss has dropout" not in text
 
 
+def test_readme_functional_usage_says_it_records_no_graph():
+    """The README's first snippet is the functional API: it says there that no autograd
+    graph is recorded (a warning) and points at mhc_cupy.torch."""
+    usage = " ".join((REPO / "README.md").read_text().split("## Usage", 1)[1].split("```python", 1)[0].split())
+    assert "records no autograd graph" in usage and "mhc_cupy.AutogradNotRecordedWarning" in usage, usage
+    assert "mhc_cupy.torch" in usage, usage
+
+
+def test_readme_names_every_sanitizer_tool_of_the_gpu_check():
+    tools = re.findall(r"compute-sanitizer --tool (\w+)", (REPO / "scripts" / "gpu_check.sh").read_text())
+    assert {"memcheck", "racecheck", "synccheck", "initcheck"} <= set(tools), tools
+    text = " ".join((REPO / "README.md").read_text().split())
+    sentence = text.split("`bash scripts/gpu_check.sh` runs", 1)[1].split(".", 1)[0]
+    assert all(t in sentence for t in tools), (tools, sentence)
+
+
 @pytest.mark.parametrize("module,extra,blocked", [("mhc_cupy.torch", "torch", "torch"), ("mhc_cupy.jax", "jax", "jax"),
                                                    ("mhc_cupy.demo", "demo", "torch"),
                                                    ("mhc_cupy.demo", "demo", "matplotlib")])
@@ -184,12 +201,16 @@ def test_cli_without_command_prints_the_help(capsys):
 
 
 def test_notebooks_remove_their_temporary_folders():
-    """A notebook that makes a temporary folder (tempfile.mkdtemp) removes it (nbmake runs
-    them in the test suite: they must leave no mhc_demo_* folders behind)."""
+    """Every temporary folder a notebook makes (NAME = tempfile.mkdtemp(...)) is removed
+    (shutil.rmtree(NAME ...)): nbmake runs them in the test suite and the GPU check, and
+    they must leave no mhc_demo_* / mhc_bench_* folders behind."""
     import json
 
+    made = 0
     for nb in sorted((REPO / "notebooks").glob("*.ipynb")):
         code = "\n".join("".join(c["source"]) for c in json.loads(nb.read_text())["cells"] if c["cell_type"] == "code")
-        made = code.count("tempfile.mkdtemp(")
-        if made and "mhc_demo_" in code:
-            assert code.count("shutil.rmtree(") >= made, nb.name
+        assert code.count("mkdtemp(") == len(re.findall(r"\b\w+ = tempfile\.mkdtemp\(", code)), nb.name
+        for name in re.findall(r"\b(\w+) = tempfile\.mkdtemp\(", code):
+            made += 1
+            assert re.search(rf"shutil\.rmtree\({name}\b", code), f"{nb.name}: {name} = tempfile.mkdtemp() not removed"
+    assert made >= 2  # notebooks 03 (bench) and 04 (demo)
