@@ -22,26 +22,14 @@ from mhc_cupy import reference as R
 
 from harness import TOL
 
-from .helpers import ACT_TOL, COEF_TOL, assert_close, f64, poisoned_allocations, rounded, to_gpu, to_host
+from .helpers import ACT_TOL, COEF_TOL, assert_close, f64, rounded, to_gpu, to_host
+# the paper convention's sizes and tolerances, and its autouse fixture that NaN-poisons every allocation
+from .test_ops_gpu import DTYPES, NS, SINKHORN_TOL, SIZES, _coef, _poison  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 
 DS = {"convention": "deepseek"}
-DTYPES = ["bfloat16", "float16", "float32"]
-NS = [1, 2, 3, 4, 8, 16]
-SIZES = [(1, 1), (3, 7), (127, 64), (1000, 1000), (3, 4096)]
-SINKHORN_TOL = TOL["sinkhorn"].value
 CHAIN_TOL = TOL["sinkhorn_chain_grad"].value
-
-
-@pytest.fixture(autouse=True)
-def _poison():
-    with poisoned_allocations():
-        yield
-
-
-def _coef(rng, shape, scale=1.0):
-    return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
 def oracle(fn, inputs, grads):
@@ -94,47 +82,40 @@ def test_sinkhorn_num_iters_0_raises(rng):
 
 
 # ------------------------------------------------------------------ pre op
-@pytest.mark.parametrize("dt", DTYPES)
-@pytest.mark.parametrize("n", NS + [32])
-@pytest.mark.parametrize("T,C", SIZES)
-@pytest.mark.parametrize("grad_mode", ["unrolled", "implicit"])
-def test_pre_op(rng, dt, n, T, C, grad_mode):
-    if grad_mode == "implicit" and (dt != "bfloat16" or C > 64):
-        pytest.skip("implicit mode: one dtype and small C are enough (the Sinkhorn part is dtype-free)")
+#: (dtype, n, tokens, C, grad_mode): the implicit mode at one dtype and small C (its Sinkhorn part is dtype-free).
+PRE_CASES = [(dt, n, T, C, "unrolled") for dt in DTYPES for n in NS + [32] for T, C in SIZES] + \
+    [("bfloat16", n, T, C, "implicit") for n in NS + [32] for T, C in SIZES if C <= 64]
+
+
+def _check_pre(rng, dt, n, T, C, grad_mode="unrolled", absent=(), **settings):
+    """Pre op forward and backward on the GPU vs the oracle (implicit gradient: the deepseek reference);
+    ``absent``: incoming gradients given as None; ``settings``: hc_eps / post_mult."""
     x = rounded(rng, (T, n, C), dt)
-    hp, hq, hr = _coef(rng, (T, n), 2.0), _coef(rng, (T, n), 2.0), _coef(rng, (T, n, n), 2.0)
-    g = rounded(rng, (T, C), dt)
-    gpre, gpost, gres = _coef(rng, (T, n)), _coef(rng, (T, n)), _coef(rng, (T, n, n))
-    ref, dref = oracle(O.pre_op, [x, hp, hq, hr], [g, gpre, gpost, gres])
+    raw = [_coef(rng, (T, n), 2.0), _coef(rng, (T, n), 2.0), _coef(rng, (T, n, n), 2.0)]
+    grads = [rounded(rng, (T, C), dt), _coef(rng, (T, n)), _coef(rng, (T, n)), _coef(rng, (T, n, n))]
+    grads = [None if i in absent else v for i, v in enumerate(grads)]
+    ref, dref = oracle(lambda *a: O.pre_op(*a, **settings), [x, *raw], grads)
+    kw = dict(settings, **DS)
     if grad_mode == "implicit":
-        dref = R.mhc_pre_op_bwd(g, gpre, gpost, gres, x, hp, hq, hr, grad_mode="implicit", **DS)
-    got = m.mhc_pre_op_fwd(to_gpu(x), to_gpu(hp), to_gpu(hq), to_gpu(hr), **DS)
+        dref = R.mhc_pre_op_bwd(*grads, x, *raw, grad_mode="implicit", **kw)
+    got = m.mhc_pre_op_fwd(*(to_gpu(v) for v in (x, *raw)), **kw)
     for name, a, b, tol in zip(("layer_in", "H_pre", "H_post", "H_res"), got, ref,
                                (ACT_TOL[dt], 1e-6, 1e-6, SINKHORN_TOL)):
         assert_close(a, b, tol, name)
-    got = m.mhc_pre_op_bwd(to_gpu(g), to_gpu(gpre), to_gpu(gpost), to_gpu(gres), to_gpu(x), to_gpu(hp),
-                           to_gpu(hq), to_gpu(hr), grad_mode=grad_mode, **DS)
+    got = m.mhc_pre_op_bwd(*(None if v is None else to_gpu(v) for v in (*grads, x, *raw)), grad_mode=grad_mode, **kw)
     for name, a, b, tol in zip(("dx", "dh_pre_raw", "dh_post_raw", "dh_res_raw"), got, dref,
                                (ACT_TOL[dt], COEF_TOL, 1e-5, 5e-3)):
         assert_close(a, b, tol, name)
+
+
+@pytest.mark.parametrize("dt,n,T,C,grad_mode", PRE_CASES)
+def test_pre_op(rng, dt, n, T, C, grad_mode):
+    _check_pre(rng, dt, n, T, C, grad_mode)
 
 
 def test_pre_op_activation_settings(rng):
-    """hc_eps and post_mult given explicitly (and absent incoming gradients)."""
-    dt, n, T, C = "bfloat16", 4, 127, 64
-    x = rounded(rng, (T, n, C), dt)
-    hp, hq, hr = _coef(rng, (T, n), 2.0), _coef(rng, (T, n), 2.0), _coef(rng, (T, n, n), 2.0)
-    g, gpost = rounded(rng, (T, C), dt), _coef(rng, (T, n))
-    kw = dict(hc_eps=0.01, post_mult=1.5, **DS)
-    ref, dref = oracle(lambda *a: O.pre_op(*a, hc_eps=0.01, post_mult=1.5), [x, hp, hq, hr], [g, None, gpost, None])
-    got = m.mhc_pre_op_fwd(to_gpu(x), to_gpu(hp), to_gpu(hq), to_gpu(hr), **kw)
-    for name, a, b, tol in zip(("layer_in", "H_pre", "H_post", "H_res"), got, ref,
-                               (ACT_TOL[dt], 1e-6, 1e-6, SINKHORN_TOL)):
-        assert_close(a, b, tol, name)
-    got = m.mhc_pre_op_bwd(to_gpu(g), None, to_gpu(gpost), None, to_gpu(x), to_gpu(hp), to_gpu(hq), to_gpu(hr), **kw)
-    for name, a, b, tol in zip(("dx", "dh_pre_raw", "dh_post_raw", "dh_res_raw"), got, dref,
-                               (ACT_TOL[dt], COEF_TOL, 1e-5, 5e-3)):
-        assert_close(a, b, tol, name)
+    """hc_eps and post_mult given explicitly, and absent incoming gradients (grad_H_pre, grad_H_res)."""
+    _check_pre(rng, "bfloat16", 4, 127, 64, absent=(1, 3), hc_eps=0.01, post_mult=1.5)
 
 
 # ------------------------------------------------------------------ post op
