@@ -730,7 +730,7 @@ def mhc_layer_pre(x, phi, alpha, bias, num_iters=None, eps=None, rms_eps=None, g
     layer's backward then writes dx once, with the post op's part folded in.
 
     Args:
-        x: [..., n, C] tensor, bfloat16 / float16 / float32 (GPU: n <= 4).
+        x: [..., n, C] tensor, bfloat16 / float16 / float32.
         phi, alpha, bias: float32 parameters as in :func:`mhc_coeffs`.
         num_iters, eps: Sinkhorn (defaults 20, 1e-8);  rms_eps: default 1e-5;
         grad_mode: Sinkhorn gradient, "unrolled" (default) or "implicit".

@@ -248,9 +248,10 @@ class MHC(nn.Module):
         return mhc_coeffs(x, _as_f32(self.phi), _as_f32(self.alpha), _as_f32(self.bias), self.rms_eps)
 
     def fused(self, x: Tensor) -> bool:
-        """Whether forward runs the fused layer pieces (OPS.md section 9): on the CPU
-        (the NumPy reference) and on the GPU for n <= 4 (the tensor-core backward);
-        otherwise coefficients -> pre op -> sublayer -> post op as separate ops."""
+        """Whether forward runs the fused layer pieces (OPS.md section 9): on the CPU (the NumPy
+        reference) and on the GPU for n <= 4, where its backward runs on tensor cores; for n > 4
+        the separate ops (coefficients -> pre op -> sublayer -> post op) are faster on the H200
+        (fused backward on CUDA cores: 12.1 vs 9.8 ms fwd+bwd at 16384 x 2048 x 8, bf16)."""
         return x.device.type == "cpu" or self.n_streams <= 4
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:

@@ -175,7 +175,11 @@ def _layer_pieces(x, phi, alpha, bias, g, iters=None, eps=None, grad_mode="unrol
     return (out, layer_in, stats, dy, *grads)
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
+#: n <= 4: the tensor-core dx / dphi kernel; 5 and 8: the CUDA-core one (both read H_res transposed here).
+LAYER_NS = [1, 2, 3, 4, 5, 8]
+
+
+@pytest.mark.parametrize("n", LAYER_NS)
 @pytest.mark.parametrize("T,C", [(1, 7), (3, 33), (127, 64), (1000, 256)])
 @pytest.mark.parametrize("grad_mode", ["unrolled", "implicit"])
 def test_layer_pieces_float32(rng, n, T, C, grad_mode):
@@ -200,7 +204,7 @@ def test_layer_pieces_float32(rng, n, T, C, grad_mode):
 
 
 @pytest.mark.parametrize("dt", ["bfloat16", "float16"])
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", LAYER_NS)
 @pytest.mark.parametrize("grad_mode", ["unrolled", "implicit"])
 def test_layer_pieces_each(rng, dt, n, grad_mode):
     """Each fused piece under deepseek against the deepseek reference (checked against the oracle on
