@@ -85,6 +85,7 @@ import jax as _jax  # noqa: E402
 import jax.numpy as _jnp  # noqa: E402
 
 from . import _checks, _convention, _interop
+from ._convention import DEFAULT
 from . import _jax_shard as _shard
 from ._interop import ArrayInfo
 from . import ops as _ops
@@ -541,7 +542,7 @@ _coeffs_jit = _jax.jit(_coeffs_op, static_argnums=(4,))
 
 
 def _static_sinkhorn(num_iters, eps, grad_mode, convention="paper"):
-    """(num_iters, eps, grad_mode, convention): None resolved per convention, all checked."""
+    """(num_iters, eps, grad_mode, convention): DEFAULT resolved per convention, all checked."""
     iters, eps, _ = _convention.sinkhorn(convention, num_iters, eps)
     return iters, eps, _checks.grad_mode(grad_mode), convention
 
@@ -551,7 +552,7 @@ def _static_activations(convention, hc_eps, post_mult):
 
 
 # ------------------------------------------------------------ public API
-def sinkhorn_knopp(logits, num_iters=None, eps=None, grad_mode="unrolled", *, convention="paper"):
+def sinkhorn_knopp(logits, num_iters=DEFAULT, eps=DEFAULT, grad_mode="unrolled", *, convention="paper"):
     """Project each n x n matrix of logits onto the doubly-stochastic matrices (JAX).
 
     K = exp(L - rowmax(L)); then ``num_iters`` times a row normalisation
@@ -562,8 +563,8 @@ def sinkhorn_knopp(logits, num_iters=None, eps=None, grad_mode="unrolled", *, co
     Args:
         logits: float32 [..., n, n], 1 <= n <= 32; any leading token dims.
         num_iters: Sinkhorn iterations (row + column step each), >= 0 (deepseek: >= 1). Static.
-            None (default): 20.
-        eps: added to every row / column sum, >= 0. Static.  None (default): 1e-8 (paper) / 1e-6
+            default 20.
+        eps: added to every row / column sum, >= 0. Static.  default 1e-8 (paper) / 1e-6
             (deepseek).
         grad_mode: gradient of the backward, "unrolled" (default; the exact
             vector-Jacobian product of the iteration as computed) or "implicit"
@@ -697,8 +698,8 @@ def mhc_post_op(layer_out, x, H_post, H_res, *, convention="paper"):
     return _post_op_jits[_convention.check(convention)](layer_out, x, H_post, H_res)
 
 
-def mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=None, eps=None, grad_mode="unrolled", *,
-               convention="paper", hc_eps=None, post_mult=None):
+def mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=DEFAULT, eps=DEFAULT, grad_mode="unrolled", *,
+               convention="paper", hc_eps=DEFAULT, post_mult=DEFAULT):
     """mHC coefficient activations and layer input (JAX; OPS.md section 7, paper Eq. 8).
 
     H_pre = sigmoid(h_pre_raw) + hc_eps;  H_post = post_mult sigmoid(h_post_raw);
@@ -708,11 +709,11 @@ def mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=None, eps=None, gr
         x: [..., n, C] activations (bfloat16 / float16 / float32), 1 <= n <= 32.
         h_pre_raw, h_post_raw: float32 [..., n] per token.
         h_res_raw: float32 [..., n, n] per token.
-        num_iters: Sinkhorn iterations, static; None (default): 20.
-        eps: Sinkhorn eps, static; None (default): 1e-8 (paper) / 1e-6 (deepseek).
+        num_iters: Sinkhorn iterations, static; default 20.
+        eps: Sinkhorn eps, static; default 1e-8 (paper) / 1e-6 (deepseek).
         grad_mode: Sinkhorn gradient, "unrolled" (default) or "implicit". Static.
         convention: "paper" (default) or "deepseek" (OPS.md "DeepSeek-V4 convention").  Static,
-            keyword only, as hc_eps (None: 0 paper / 1e-6 deepseek) and post_mult (None: 2).
+            keyword only, as hc_eps (default 0 paper / 1e-6 deepseek) and post_mult (default 2).
 
     Returns:
         (layer_in [..., C] dtype of x, H_pre float32 [..., n], H_post float32
@@ -731,7 +732,7 @@ def mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=None, eps=None, gr
                        *_static_activations(convention, hc_eps, post_mult))
 
 
-def mhc_coeffs(x, phi, alpha, bias, eps=None, *, convention="paper"):
+def mhc_coeffs(x, phi, alpha, bias, eps=DEFAULT, *, convention="paper"):
     """Per-token mHC coefficients from the residual stream (JAX; OPS.md section 8, paper Eqs. 14-18).
 
     With x~ = vec(x) (length n*C), r = sqrt(mean(x~^2) + eps) and Ht = x~ phi:
@@ -741,7 +742,7 @@ def mhc_coeffs(x, phi, alpha, bias, eps=None, *, convention="paper"):
     Args:
         x: [..., n, C] activations (bfloat16 / float16 / float32), 1 <= n <= 32.
         phi: float32 [n*C, n*n + 2n].  alpha: float32 [3].  bias: float32 [n*n + 2n].
-        eps: added to the mean square, >= 0. Static.  None (default): 1e-5 (paper) / 1e-6 (deepseek).
+        eps: added to the mean square, >= 0. Static.  default 1e-5 (paper) / 1e-6 (deepseek).
         convention: "paper" (default) or "deepseek": the same maths (DeepSeek-V4's hc_fn is phi^T,
             hc_scale alpha, hc_base bias: OPS.md "DeepSeek-V4 convention"), only the default eps
             differs.  Static, keyword only.
@@ -782,9 +783,10 @@ def mhc_init(key, dim: int, n_streams: int = 4, alpha_init: float = 0.01) -> dic
 
 
 # ------------------------------------------------------- fused layer (OPS.md section 9)
-def _layer_settings(num_iters, eps, rms_eps, grad_mode, convention="paper", hc_eps=None, post_mult=None) -> tuple:
+def _layer_settings(num_iters, eps, rms_eps, grad_mode, convention="paper", hc_eps=DEFAULT,
+                    post_mult=DEFAULT) -> tuple:
     """The fused layer's static settings (num_iters, eps, rms_eps, grad_mode, convention, hc_eps,
-    post_mult): None resolved per convention, all checked."""
+    post_mult): DEFAULT resolved per convention, all checked."""
     iters, eps, grad_mode, convention = _static_sinkhorn(num_iters, eps, grad_mode, convention)
     return (iters, eps, _convention.rms_eps(convention, rms_eps), grad_mode, convention,
             *_static_activations(convention, hc_eps, post_mult))

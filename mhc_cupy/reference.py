@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from ._convention import check as _check_convention, resolve as _resolve
+from ._convention import DEFAULT, check as _check_convention, resolve as _resolve
 
 __all__ = [
     "sinkhorn_knopp_fwd",
@@ -125,7 +125,7 @@ def _sinkhorn_forward_states(L, num_iters, eps, convention="paper"):
     return K, idx, states
 
 
-def sinkhorn_knopp_fwd(logits, num_iters=None, eps=None, convention="paper"):
+def sinkhorn_knopp_fwd(logits, num_iters=DEFAULT, eps=DEFAULT, convention="paper"):
     """Sinkhorn-Knopp projection onto (approximately) doubly stochastic matrices (OPS.md §1).
 
     Per matrix L ``[n, n]``:
@@ -140,8 +140,8 @@ def sinkhorn_knopp_fwd(logits, num_iters=None, eps=None, convention="paper"):
 
     Args:
         logits: ``[..., n, n]`` any float dtype.
-        num_iters: number of (row, column) iteration pairs; None: 20.
-        eps: added to every row / column sum before dividing; None: 1e-8 (paper) / 1e-6 (deepseek).
+        num_iters: number of (row, column) iteration pairs; default 20.
+        eps: added to every row / column sum before dividing; default 1e-8 (paper) / 1e-6 (deepseek).
         convention: "paper" (default) or "deepseek".
 
     Returns:
@@ -222,7 +222,7 @@ def _sinkhorn_bwd_implicit(G, L, num_iters, eps, convention="paper"):
     return P * (G - a[..., :, None] - b[..., None, :])
 
 
-def sinkhorn_knopp_bwd(grad_P, logits, num_iters=None, eps=None, grad_mode="unrolled", convention="paper"):
+def sinkhorn_knopp_bwd(grad_P, logits, num_iters=DEFAULT, eps=DEFAULT, grad_mode="unrolled", convention="paper"):
     """Backward of ``sinkhorn_knopp_fwd`` (OPS.md §1).
 
     ``grad_mode="unrolled"`` (default): the exact vector-Jacobian product of the forward as
@@ -517,8 +517,8 @@ def mhc_post_op_bwd(grad, layer_out, x, H_post, H_res, convention="paper"):
 # 7. mHC pre op
 # ----------------------------------------------------------------------------------------------
 
-def mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=None, eps=None, convention="paper", hc_eps=None,
-                   post_mult=None):
+def mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=DEFAULT, eps=DEFAULT, convention="paper", hc_eps=DEFAULT,
+                   post_mult=DEFAULT):
     """mHC coefficient activations (paper Eq. 8) and the layer input (OPS.md §7).
 
     H_pre = sigmoid(h_pre_raw) + hc_eps;  H_post = post_mult sigmoid(h_post_raw);
@@ -546,8 +546,8 @@ def mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=None, eps=None
 
 
 def mhc_pre_op_bwd(grad_layer_in, grad_H_pre, grad_H_post, grad_H_res, x, h_pre_raw,
-                   h_post_raw, h_res_raw, num_iters=None, eps=None, grad_mode="unrolled", convention="paper",
-                   hc_eps=None, post_mult=None):
+                   h_post_raw, h_res_raw, num_iters=DEFAULT, eps=DEFAULT, grad_mode="unrolled", convention="paper",
+                   hc_eps=DEFAULT, post_mult=DEFAULT):
     """Backward of ``mhc_pre_op_fwd`` (OPS.md §7).
 
     With g = grad_layer_in, s_pre = sigmoid(h_pre_raw), s_post = sigmoid(h_post_raw):
@@ -618,7 +618,7 @@ def _alpha_per_column(alpha, n):
     return np.concatenate([np.full(n, alpha[0]), np.full(n, alpha[1]), np.full(n * n, alpha[2])])
 
 
-def mhc_coeffs_fwd(x, phi, alpha, bias, eps=None, convention="paper"):
+def mhc_coeffs_fwd(x, phi, alpha, bias, eps=DEFAULT, convention="paper"):
     """Raw mHC coefficients from the residual stream, paper Eqs. 14-18 (OPS.md §8).
 
     Per token, with x~ = vec(x) of length n*C (row-major reshape of ``[n, C]``):
@@ -632,7 +632,7 @@ def mhc_coeffs_fwd(x, phi, alpha, bias, eps=None, convention="paper"):
         phi: ``[n*C, n*n + 2n]`` (columns ordered pre | post | res).
         alpha: ``[3]`` = (alpha_pre, alpha_post, alpha_res).
         bias: ``[n*n + 2n]`` (same column order as phi).
-        eps: added to the mean square; None: 1e-5 (paper) / 1e-6 (deepseek).
+        eps: added to the mean square; default 1e-5 (paper) / 1e-6 (deepseek).
         convention: "paper" (default) or "deepseek" (the same maths; only the default eps).
 
     Returns:
@@ -653,7 +653,7 @@ def mhc_coeffs_fwd(x, phi, alpha, bias, eps=None, convention="paper"):
 
 
 def mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alpha, bias,
-                   eps=None, convention="paper"):
+                   eps=DEFAULT, convention="paper"):
     """Backward of ``mhc_coeffs_fwd`` (OPS.md §8).
 
     With gh = [g_pre | g_post | vec(g_res)] (None = zero), a = alpha per column, r^-1 = rinv:
@@ -708,8 +708,8 @@ def mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alph
 # 9. The fused layer pieces
 # ----------------------------------------------------------------------------------------------
 
-def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=None, eps=None, rms_eps=None, convention="paper", hc_eps=None,
-                      post_mult=None):
+def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, convention="paper", hc_eps=DEFAULT,
+                      post_mult=DEFAULT):
     """``mhc_coeffs_fwd`` then ``mhc_pre_op_fwd`` (OPS.md §9), plus the saved sums.
 
     Returns:
@@ -725,8 +725,8 @@ def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=None, eps=None, rms_eps=Non
 
 
 def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats, H_pre,
-                      H_res, num_iters=None, eps=None, rms_eps=None, grad_mode="unrolled", convention="paper",
-                      hc_eps=None, post_mult=None):
+                      H_res, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, grad_mode="unrolled", convention="paper",
+                      hc_eps=DEFAULT, post_mult=DEFAULT):
     """Backward of ``mhc_layer_pre_fwd`` with the post op's dx folded in (OPS.md §9).
 
     dx = (pre op's dx) + (coefficient path's dx) + H_res^T grad_out (the post op's dx,

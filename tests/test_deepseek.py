@@ -56,11 +56,26 @@ uniform = assert_close_uniform
 
 # ------------------------------------------------------------------ defaults, arguments
 def test_defaults_resolved_in_one_place():
-    assert _convention.resolve("paper", num_iters=None, eps=None, rms_eps=None) == (20, 1e-8, 1e-5)
-    assert _convention.resolve("deepseek", num_iters=None, eps=None, rms_eps=None) == (20, 1e-6, 1e-6)
-    assert _convention.resolve("deepseek", hc_eps=None, post_mult=None) == (1e-6, 2.0)
-    assert _convention.resolve("paper", hc_eps=None, post_mult=None) == (0.0, 2.0)
+    D = _convention.DEFAULT
+    assert _convention.resolve("paper", num_iters=D, eps=D, rms_eps=D) == (20, 1e-8, 1e-5)
+    assert _convention.resolve("deepseek", num_iters=D, eps=D, rms_eps=D) == (20, 1e-6, 1e-6)
+    assert _convention.resolve("deepseek", hc_eps=D, post_mult=D) == (1e-6, 2.0)
+    assert _convention.resolve("paper", hc_eps=D, post_mult=D) == (0.0, 2.0)
     assert _convention.resolve("deepseek", eps=1e-3) == 1e-3  # a given value wins
+    import copy
+    import pickle
+
+    assert copy.deepcopy(D) is D and pickle.loads(pickle.dumps(D)) is D
+
+
+def test_defaults_by_convention(rng):
+    """An omitted setting takes the convention's default; an explicit None stays a TypeError."""
+    L = rng.normal(size=(3, 4, 4)).astype(np.float32)
+    np.testing.assert_array_equal(mhc_cupy.sinkhorn_knopp_fwd(L, convention="deepseek"),
+                                  mhc_cupy.sinkhorn_knopp_fwd(L, 20, 1e-6, convention="deepseek"))
+    np.testing.assert_array_equal(mhc_cupy.sinkhorn_knopp_fwd(L), mhc_cupy.sinkhorn_knopp_fwd(L, 20, 1e-8))
+    with pytest.raises(TypeError, match="eps must be a float"):
+        mhc_cupy.sinkhorn_knopp_fwd(L, eps=None, convention="deepseek")
 
 
 @pytest.mark.parametrize("bad", ["DeepSeek", "", None, 1, "v4"])
@@ -334,16 +349,14 @@ def test_fused_layer_pieces_functional(rng, mode):
     """mhc_layer_pre_fwd -> post op -> mhc_layer_post_bwd -> mhc_layer_pre_bwd under deepseek (CPU)
     against the oracle layer (identity sublayer)."""
     x, phi, alpha, bias = make_inputs(rng, "mhc_coeffs", (3,), 4, 33, "float32")
-    iters, eps = (20, None) if mode == "unrolled" else (300, 0.0)
+    iters, eps = (20, _convention.DEFAULT) if mode == "unrolled" else (300, 0.0)
     kw = dict(convention="deepseek")
     layer_in, H_pre, H_post, H_res, stats = mhc_cupy.mhc_layer_pre_fwd(x, phi, alpha, bias, iters, eps, **kw)
     out = mhc_cupy.mhc_post_op_fwd(layer_in, x, H_post, H_res, **kw)
     g = rng.normal(size=x.shape).astype(np.float32)
-    (want,), dwant = oracle_vjp(lambda *a: O.layer(a[0], a[1].T, a[2], a[3], iters=iters, eps=eps or 0.0),
+    (want,), dwant = oracle_vjp(lambda *a: O.layer(a[0], a[1].T, a[2], a[3], iters=iters,
+                                                   eps=O.EPS if mode == "unrolled" else eps),
                                 [f64(a) for a in (x, phi, alpha, bias)], [f64(g)])
-    if mode == "unrolled":
-        (want,), dwant = oracle_vjp(lambda *a: O.layer(a[0], a[1].T, a[2], a[3]), [f64(a) for a in (x, phi, alpha, bias)],
-                                    [f64(g)])
     assert_close(out, want, tol("float32") * 10, "layer output")
     dy, dH_post, dH_res = mhc_cupy.mhc_layer_post_bwd(g, layer_in, x, H_post, H_res, **kw)
     got = mhc_cupy.mhc_layer_pre_bwd(dy, g, dH_post, dH_res, x, phi, alpha, bias, stats, H_pre, H_res, iters, eps,
@@ -360,12 +373,12 @@ def test_torch_layer_pieces(rng, mode):
     arrays = make_inputs(rng, "mhc_coeffs", (3,), 2, 33, "float32")
     ts = [torch.tensor(a).requires_grad_() for a in arrays]
     iters = 20 if mode == "unrolled" else 300
-    eps = None if mode == "unrolled" else 0.0
+    eps = _convention.DEFAULT if mode == "unrolled" else 0.0
     layer_in, x_link, H_post, H_res = mt.mhc_layer_pre(*ts, iters, eps, grad_mode=mode, convention="deepseek")
     out = mt.mhc_layer_post(torch.tanh(layer_in), x_link, H_post, H_res, convention="deepseek")
     g = rng.normal(size=arrays[0].shape)
     (want,), dwant = oracle_vjp(lambda x, p, a, b: O.layer(x, p.T, a, b, torch.tanh, iters=iters,
-                                                           eps=1e-6 if eps is None else eps),
+                                                           eps=O.EPS if mode == "unrolled" else eps),
                                 [f64(a) for a in arrays], [g])
     assert_close(out, want, 1e-5, "output")
     got = torch.autograd.grad(out, ts, torch.tensor(g, dtype=torch.float32))
@@ -379,7 +392,8 @@ def test_jax_fused_layer_settings(rng):
     import mhc_cupy.jax as mj
 
     x, phi, alpha, bias = make_inputs(rng, "mhc_coeffs", (3,), 4, 33, "float32")
-    settings = mj._layer_settings(None, None, None, "unrolled", "deepseek")
+    D = _convention.DEFAULT
+    settings = mj._layer_settings(D, D, D, "unrolled", "deepseek")
     assert settings == (20, 1e-6, 1e-6, "unrolled", "deepseek", 1e-6, 2.0)
     out, vjp = jax.vjp(lambda *a: mj._fused_layer(jax.numpy.tanh, settings, *a), phi, alpha, bias, x)
     g = rng.normal(size=x.shape).astype(np.float32)

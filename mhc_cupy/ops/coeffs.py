@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 
 from .. import _checks, _convention, reference
+from .._convention import DEFAULT
 from .._dispatch import Plan, run
 from ._launch import ITEMSIZE, CTYPE, MAX_GRID, column_sum, f32, i32, i64, launch, tokens_of, vec_width
 from .stream import check_x
@@ -420,7 +421,7 @@ def _plan_bwd(infos, eps):
 
 
 # ------------------------------------------------------------------ public
-def mhc_coeffs_fwd(x, phi, alpha, bias, eps=None, *, convention="paper"):
+def mhc_coeffs_fwd(x, phi, alpha, bias, eps=DEFAULT, *, convention="paper"):
     """Raw mHC coefficients of each token from its residual stream (OPS.md section 8, paper Eqs. 14-18).
 
     With x~ = vec(x_t) (length D = n*C), H~ = x~ @ phi and r = sqrt(mean(x~^2) + eps):
@@ -433,7 +434,7 @@ def mhc_coeffs_fwd(x, phi, alpha, bias, eps=None, *, convention="paper"):
         phi: float32 [n*C, n*n + 2n], columns ordered pre | post | res.
         alpha: float32 [3] = (alpha_pre, alpha_post, alpha_res).
         bias: float32 [n*n + 2n], the column order of phi.
-        eps: >= 0, added to the mean square (RMSNorm eps).  None (default): 1e-5 (paper) / 1e-6 (deepseek).
+        eps: >= 0, added to the mean square (RMSNorm eps).  default 1e-5 (paper) / 1e-6 (deepseek).
         convention: "paper" (default) or "deepseek"; keyword only.  The maths is the same under
             both (DeepSeek-V4's hc_fn is phi^T, hc_scale alpha, hc_base bias: OPS.md
             "DeepSeek-V4 convention"); only the default eps differs.
@@ -459,7 +460,7 @@ def mhc_coeffs_fwd(x, phi, alpha, bias, eps=None, *, convention="paper"):
                                                                                                      rms_eps=eps))
 
 
-def mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alpha, bias, eps=None, *,
+def mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alpha, bias, eps=DEFAULT, *,
                    convention="paper"):
     """Gradient of :func:`mhc_coeffs_fwd` (OPS.md section 8).
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 
 from .. import _checks, _convention, reference
+from .._convention import DEFAULT
 from .._dispatch import Plan, run
 from .coeffs import (_check as _check_coeffs, backward_layout, launch_finish, launch_mma_gemm, launch_param_bwd,
                      launch_prep, mma_layout, padded_row, param_grad_plan)
@@ -35,7 +36,7 @@ from .spec import (ACTIVATION_PARAMS, ALPHA, BIAS, CONVENTION, GRAD_MODE, GRAD_X
 
 def _check_common(infos, num_iters, eps, rms_eps, convention, hc_eps, post_mult):
     """(dt, lead, n, C, D, K, tokens, settings): settings = (iters, eps, rms_eps, ds, hc_eps, post_mult),
-    None resolved per convention."""
+    DEFAULT resolved per convention."""
     dt, lead, n, C, D, K, tokens, rms_eps = _check_coeffs(infos, _convention.resolve(convention, rms_eps=rms_eps),
                                                           False)
     iters, eps, ds = _convention.sinkhorn(convention, num_iters, eps)
@@ -68,8 +69,8 @@ def _plan_pre_fwd(infos, num_iters, eps, rms_eps, convention, hc_eps, post_mult)
                 scratch=scratch, empty=tokens == 0)
 
 
-def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=None, eps=None, rms_eps=None, *, convention="paper", hc_eps=None,
-                      post_mult=None):
+def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, *, convention="paper", hc_eps=DEFAULT,
+                      post_mult=DEFAULT):
     """Coefficients, activations and layer input of an mHC layer in one call (OPS.md sections 7-9).
 
     mhc_coeffs_fwd (paper Eqs. 14-18) followed by mhc_pre_op_fwd (Eq. 8): the
@@ -83,8 +84,7 @@ def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=None, eps=None, rms_eps=Non
         rms_eps: eps of r = sqrt(mean(x~^2) + rms_eps) (default 1e-5).
         convention: "paper" (default) or "deepseek" (OPS.md "DeepSeek-V4 convention": Sinkhorn
             softmax start, H_pre + hc_eps; the defaults of num_iters / eps / rms_eps become
-            20 / 1e-6 / 1e-6);  hc_eps, post_mult: as mhc_pre_op_fwd.  Keyword only.  None: the
-            convention's default.
+            20 / 1e-6 / 1e-6);  hc_eps, post_mult: as mhc_pre_op_fwd.  Keyword only.
 
     Returns:
         (layer_in [..., C] dtype of x, H_pre float32 [..., n], H_post float32 [..., n],
@@ -195,8 +195,8 @@ def _plan_pre_bwd(infos, num_iters, eps, rms_eps, grad_mode, convention, hc_eps,
 
 
 def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats, H_pre, H_res,
-                      num_iters=None, eps=None, rms_eps=None, grad_mode="unrolled", *, convention="paper", hc_eps=None,
-                      post_mult=None):
+                      num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, grad_mode="unrolled", *, convention="paper", hc_eps=DEFAULT,
+                      post_mult=DEFAULT):
     """Gradient of everything before the sublayer, with the post op's dx folded in (OPS.md section 9).
 
     dx_i = H_pre_i g_layer_in + sum_j H_res[j, i] grad_out_j + (coefficient path's dx_i)

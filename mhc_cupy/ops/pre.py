@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .. import _checks, _convention, reference
+from .._convention import DEFAULT
 from .._dispatch import Plan, run
 from ._launch import tokens_of
 from .sinkhorn import bwd_history, launch_bwd, launch_fwd
@@ -68,8 +69,8 @@ def _plan_bwd(infos, num_iters, eps, grad_mode, convention, hc_eps, post_mult):
                  (lead + (n, n), "float32")], run_kernels, ref, scratch=scratch, empty=tokens == 0)
 
 
-def mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=None, eps=None, *, convention="paper", hc_eps=None,
-                   post_mult=None):
+def mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=DEFAULT, eps=DEFAULT, *, convention="paper", hc_eps=DEFAULT,
+                   post_mult=DEFAULT):
     """Coefficient activations and layer input of an mHC layer (OPS.md section 7, paper Eq. 8).
 
     H_pre = sigmoid(h_pre_raw) + hc_eps;  H_post = post_mult sigmoid(h_post_raw);
@@ -81,11 +82,11 @@ def mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=None, eps=None
         x: [..., n, C] activations (bfloat16 / float16 / float32), 1 <= n <= 32.
         h_pre_raw, h_post_raw: float32 [..., n] per token.
         h_res_raw: float32 [..., n, n] per token.
-        num_iters: Sinkhorn iterations; None (default): 20.
-        eps: Sinkhorn eps; None (default): 1e-8 (paper) / 1e-6 (deepseek).
+        num_iters: Sinkhorn iterations; default 20.
+        eps: Sinkhorn eps; default 1e-8 (paper) / 1e-6 (deepseek).
         convention: "paper" (default) or "deepseek"; keyword only, as the rest.
-        hc_eps: added to H_pre, finite >= 0; None (default): 0 (paper) / 1e-6 (deepseek).
-        post_mult: scale of H_post, finite >= 0; None (default): 2.
+        hc_eps: added to H_pre, finite >= 0; default 0 (paper) / 1e-6 (deepseek).
+        post_mult: scale of H_post, finite >= 0; default 2.
 
     Returns:
         (layer_in [..., C] dtype of x, H_pre float32 [..., n], H_post float32 [..., n],
@@ -103,7 +104,7 @@ def mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=None, eps=None
 
 
 def mhc_pre_op_bwd(grad_layer_in, grad_H_pre, grad_H_post, grad_H_res, x, h_pre_raw, h_post_raw, h_res_raw,
-                   num_iters=None, eps=None, grad_mode="unrolled", *, convention="paper", hc_eps=None, post_mult=None):
+                   num_iters=DEFAULT, eps=DEFAULT, grad_mode="unrolled", *, convention="paper", hc_eps=DEFAULT, post_mult=DEFAULT):
     """Gradient of :func:`mhc_pre_op_fwd` (OPS.md section 7).
 
     With s = sigmoid(h_pre_raw), s' = sigmoid(h_post_raw):

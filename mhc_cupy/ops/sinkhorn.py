@@ -9,6 +9,7 @@ convention").
 from __future__ import annotations
 
 from .. import _checks, _convention, reference
+from .._convention import DEFAULT
 from .._dispatch import Plan, run
 from ._launch import f32, i32, i64, launch, tokens_of
 from .spec import GRAD_MODE, SINKHORN_PARAMS, Arg, Kernel
@@ -145,7 +146,7 @@ def _plan_bwd(infos, num_iters, eps, grad_mode, convention):
                 scratch=[((hist,), "float32")] if hist else [], single=True, empty=tokens == 0)
 
 
-def sinkhorn_knopp_fwd(logits, num_iters=None, eps=None, *, convention="paper"):
+def sinkhorn_knopp_fwd(logits, num_iters=DEFAULT, eps=DEFAULT, *, convention="paper"):
     """Project each n x n matrix of logits onto the doubly-stochastic matrices.
 
     K = exp(L - rowmax(L)); then ``num_iters`` times a row normalisation
@@ -158,8 +159,8 @@ def sinkhorn_knopp_fwd(logits, num_iters=None, eps=None, *, convention="paper"):
     Args:
         logits: float32 [..., n, n], 1 <= n <= 32; any leading token dims.
         num_iters: Sinkhorn iterations (row + column step each), >= 0 (deepseek: >= 1).
-            None (default): 20.
-        eps: added to every row / column sum, >= 0.  None (default): 1e-8 (paper), 1e-6 (deepseek).
+            default 20.
+        eps: added to every row / column sum, >= 0.  default 1e-8 (paper), 1e-6 (deepseek).
         convention: "paper" (default) or "deepseek"; keyword only.
 
     Returns:
@@ -179,7 +180,7 @@ def sinkhorn_knopp_fwd(logits, num_iters=None, eps=None, *, convention="paper"):
     return run(_plan_fwd, {"logits": logits}, num_iters=num_iters, eps=eps, convention=convention)
 
 
-def sinkhorn_knopp_bwd(grad_P, logits, num_iters=None, eps=None, grad_mode="unrolled", *, convention="paper"):
+def sinkhorn_knopp_bwd(grad_P, logits, num_iters=DEFAULT, eps=DEFAULT, grad_mode="unrolled", *, convention="paper"):
     """Gradient of :func:`sinkhorn_knopp_fwd` with respect to the logits.
 
     ``grad_mode="unrolled"`` (default): the exact vector-Jacobian product of

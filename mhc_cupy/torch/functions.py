@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .. import _checks, _convention
+from .._convention import DEFAULT
 from .._interop import ArrayInfo
 from .. import ops as _ops
 from ..ops.spec import shape_of as _shape_of
@@ -192,7 +193,7 @@ _SinkhornFn = _wire("sinkhorn_knopp", _sinkhorn_fwd_impl,
                     _sinkhorn_setup, _sinkhorn_backward)
 
 
-def sinkhorn_knopp(logits, num_iters=None, eps=None, grad_mode="unrolled", *, convention="paper"):
+def sinkhorn_knopp(logits, num_iters=DEFAULT, eps=DEFAULT, grad_mode="unrolled", *, convention="paper"):
     """Differentiable Sinkhorn-Knopp projection onto doubly-stochastic matrices (OPS.md section 1).
 
     K = exp(L - rowmax(L)); then ``num_iters`` times a row step
@@ -203,8 +204,8 @@ def sinkhorn_knopp(logits, num_iters=None, eps=None, grad_mode="unrolled", *, co
     Args:
         logits: float32 tensor [..., n, n], 1 <= n <= 32; any leading token dims.
         num_iters: iterations (row + column step each), int >= 0 (deepseek: >= 1).
-            None (default): 20.
-        eps: added to every row / column sum, >= 0.  None (default): 1e-8 (paper), 1e-6 (deepseek).
+            default 20.
+        eps: added to every row / column sum, >= 0.  default 1e-8 (paper), 1e-6 (deepseek).
         grad_mode: backward only. "unrolled" (default): the exact gradient of
             the forward as computed.  "implicit": the gradient of the converged
             projection (implicit function theorem); it differs from "unrolled"
@@ -531,8 +532,8 @@ _PreFn = _wire("mhc_pre_op", _pre_fwd_impl, {"mhc_pre_op_bwd": _pre_bwd_impl},
                _pre_setup, _pre_backward)
 
 
-def mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=None, eps=None, grad_mode="unrolled", *,
-               convention="paper", hc_eps=None, post_mult=None):
+def mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=DEFAULT, eps=DEFAULT, grad_mode="unrolled", *,
+               convention="paper", hc_eps=DEFAULT, post_mult=DEFAULT):
     """Differentiable mHC pre op: coefficient activations and layer input (OPS.md section 7, paper Eq. 8).
 
     H_pre = sigmoid(h_pre_raw) + hc_eps;  H_post = post_mult sigmoid(h_post_raw);
@@ -542,13 +543,13 @@ def mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=None, eps=None, gr
         x: [..., n, C] tensor, bfloat16 / float16 / float32, 1 <= n <= 32.
         h_pre_raw, h_post_raw: float32 [..., n] tensors, one set per token.
         h_res_raw: float32 [..., n, n] tensor.
-        num_iters: Sinkhorn iterations, int >= 0 (deepseek: >= 1).  None (default): 20.
-        eps: Sinkhorn eps, >= 0.  None (default): 1e-8 (paper) / 1e-6 (deepseek).
+        num_iters: Sinkhorn iterations, int >= 0 (deepseek: >= 1).  default 20.
+        eps: Sinkhorn eps, >= 0.  default 1e-8 (paper) / 1e-6 (deepseek).
         grad_mode: Sinkhorn gradient, "unrolled" (default, exact) or
             "implicit" (converged projection); see :func:`sinkhorn_knopp`.
         convention: "paper" (default) or "deepseek" (OPS.md "DeepSeek-V4 convention"); keyword only.
-        hc_eps: added to H_pre, >= 0.  None (default): 0 (paper) / 1e-6 (deepseek).  Keyword only.
-        post_mult: scale of H_post, >= 0.  None (default): 2.  Keyword only.
+        hc_eps: added to H_pre, >= 0.  default 0 (paper) / 1e-6 (deepseek).  Keyword only.
+        post_mult: scale of H_post, >= 0.  default 2.  Keyword only.
 
     Returns:
         (layer_in [..., C] dtype of x, H_pre float32 [..., n],
@@ -605,7 +606,7 @@ _CoeffsFn = _wire("mhc_coeffs", _coeffs_fwd_impl,
                   {"mhc_coeffs_bwd": _coeffs_bwd_impl}, _coeffs_setup, _coeffs_backward)
 
 
-def mhc_coeffs(x, phi, alpha, bias, eps=None, *, convention="paper"):
+def mhc_coeffs(x, phi, alpha, bias, eps=DEFAULT, *, convention="paper"):
     """Differentiable per-token mHC coefficients (OPS.md section 8, paper Eqs. 14-18).
 
     With x~ = vec(x) (length n*C), r = sqrt(mean(x~^2) + eps) and Ht = x~ phi:
@@ -615,7 +616,7 @@ def mhc_coeffs(x, phi, alpha, bias, eps=None, *, convention="paper"):
     Args:
         x: [..., n, C] tensor, bfloat16 / float16 / float32, 1 <= n <= 32.
         phi: float32 [n*C, n*n + 2n].  alpha: float32 [3].  bias: float32 [n*n + 2n].
-        eps: added to the mean square, >= 0.  None (default): 1e-5 (paper) / 1e-6 (deepseek).
+        eps: added to the mean square, >= 0.  default 1e-5 (paper) / 1e-6 (deepseek).
         convention: "paper" (default) or "deepseek": the same maths (DeepSeek-V4's hc_fn is
             phi^T, hc_scale alpha, hc_base bias; OPS.md "DeepSeek-V4 convention"), only the default
             eps differs.  Keyword only.
@@ -720,8 +721,8 @@ class _LayerPostFn(torch.autograd.Function):
         return dy, g, dH_post, dH_res, None  # g travels to _LayerPreFn.backward along x_link
 
 
-def mhc_layer_pre(x, phi, alpha, bias, num_iters=None, eps=None, rms_eps=None, grad_mode="unrolled", *,
-                  convention="paper", hc_eps=None, post_mult=None):
+def mhc_layer_pre(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, grad_mode="unrolled", *,
+                  convention="paper", hc_eps=DEFAULT, post_mult=DEFAULT):
     """Differentiable first half of the fused mHC layer (OPS.md section 9).
 
     The coefficient path and the pre op in one call (:func:`mhc_coeffs` then

@@ -165,7 +165,7 @@ def _layer_inputs(rng, dt, T, n, C):
     return x, hc_fn, np.array([0.7, 1.3, 2.0], np.float32), _coef(rng, (m_,), 0.5)
 
 
-def _layer_pieces(x, phi, alpha, bias, g, iters=None, eps=None, grad_mode="unrolled"):
+def _layer_pieces(x, phi, alpha, bias, g, iters=20, eps=O.EPS, grad_mode="unrolled"):
     """Forward and backward of one layer with the identity sublayer, through the fused pieces."""
     layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(x, phi, alpha, bias, iters, eps, **DS)
     out = m.mhc_post_op_fwd(layer_in, x, H_post, H_res, **DS)
