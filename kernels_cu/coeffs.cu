@@ -831,7 +831,8 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
             cs[h] = ok ? dH[t * KP + K] : 0.f;
             hp[h] = (LAYER && ok) ? H_pre[t * n + warp] : 0.f;
 #pragma unroll
-            for (int j = 0; j < 4; ++j) hr[h][j] = (LAYER && ok && j < n) ? H_res[t * n * n + j * res_j + warp * res_i] : 0.f;
+            for (int j = 0; j < 4; ++j)
+                hr[h][j] = (LAYER && ok && j < n) ? H_res[t * n * n + j * res_j + warp * res_i] : 0.f;
         }
 
         // ---- dphi += x^T dH.  A row g of m tile m: column 8 g8 + 2m (row g8 + 8: + 1);

@@ -249,7 +249,8 @@ __global__ void mhc_sinkhorn_knopp_bwd_kernel(const float* __restrict__ grad_P,
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const int i = lane + r * G;
-        if (i < N && h_post_raw != nullptr) d_post_raw[t * N + i] = post_raw_grad(g_post, h_post_raw, t * N + i, post_mult);
+        if (i < N && h_post_raw != nullptr)
+            d_post_raw[t * N + i] = post_raw_grad(g_post, h_post_raw, t * N + i, post_mult);
     }
     float* dL = d_logits + t * (N * N);
     if (grad_P == nullptr) {

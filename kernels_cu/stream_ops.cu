@@ -34,7 +34,8 @@ __global__ void mhc_post_op_fwd_kernel(const T* __restrict__ x, const T* __restr
     for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
         __syncthreads();
         if (HAS_X)
-            for (int k = threadIdx.x; k < N * N; k += blockDim.x) s_res[k] = h_res[t * (N * N) + res_index<N>(k, res_t)];
+            for (int k = threadIdx.x; k < N * N; k += blockDim.x)
+                s_res[k] = h_res[t * (N * N) + res_index<N>(k, res_t)];
         if (HAS_Y)
             for (int k = threadIdx.x; k < N; k += blockDim.x) s_post[k] = h_post[t * h_post_stride + k];
         __syncthreads();
@@ -89,7 +90,8 @@ __global__ void mhc_post_op_bwd_kernel(const TG* __restrict__ g, const T* __rest
     for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
         __syncthreads();
         if (HAS_X)
-            for (int k = threadIdx.x; k < N * N; k += blockDim.x) s_res[k] = h_res[t * (N * N) + res_index<N>(k, res_t)];
+            for (int k = threadIdx.x; k < N * N; k += blockDim.x)
+                s_res[k] = h_res[t * (N * N) + res_index<N>(k, res_t)];
         if (HAS_Y)
             for (int k = threadIdx.x; k < N; k += blockDim.x) s_post[k] = h_post[t * h_post_stride + k];
         __syncthreads();

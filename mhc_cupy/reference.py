@@ -517,8 +517,8 @@ def mhc_post_op_bwd(grad, layer_out, x, H_post, H_res, convention="paper"):
 # 7. mHC pre op
 # ----------------------------------------------------------------------------------------------
 
-def mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=DEFAULT, eps=DEFAULT, convention="paper", hc_eps=DEFAULT,
-                   post_mult=DEFAULT):
+def mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=DEFAULT, eps=DEFAULT, convention="paper",
+                   hc_eps=DEFAULT, post_mult=DEFAULT):
     """mHC coefficient activations (paper Eq. 8) and the layer input (OPS.md §7).
 
     H_pre = sigmoid(h_pre_raw) + hc_eps;  H_post = post_mult sigmoid(h_post_raw);
@@ -708,8 +708,8 @@ def mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alph
 # 9. The fused layer pieces
 # ----------------------------------------------------------------------------------------------
 
-def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, convention="paper", hc_eps=DEFAULT,
-                      post_mult=DEFAULT):
+def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, convention="paper",
+                      hc_eps=DEFAULT, post_mult=DEFAULT):
     """``mhc_coeffs_fwd`` then ``mhc_pre_op_fwd`` (OPS.md §9), plus the saved sums.
 
     Returns:

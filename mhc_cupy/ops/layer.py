@@ -46,7 +46,8 @@ def _check_common(infos, num_iters, eps, rms_eps, convention, hc_eps, post_mult)
 
 # ------------------------------------------------------------------ forward
 def _plan_pre_fwd(infos, num_iters, eps, rms_eps, convention, hc_eps, post_mult):
-    dt, lead, n, C, D, K, tokens, settings = _check_common(infos, num_iters, eps, rms_eps, convention, hc_eps, post_mult)
+    dt, lead, n, C, D, K, tokens, settings = _check_common(infos, num_iters, eps, rms_eps, convention, hc_eps,
+                                                           post_mult)
     iters, eps, rms_eps, ds, hc_eps, post_mult = settings
     mma = mma_layout(tokens, D, K)
     scratch = [((mma.splits, tokens, K + 1), "float32"), mma.planes_shape,
@@ -69,8 +70,8 @@ def _plan_pre_fwd(infos, num_iters, eps, rms_eps, convention, hc_eps, post_mult)
                 scratch=scratch, empty=tokens == 0)
 
 
-def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, *, convention="paper", hc_eps=DEFAULT,
-                      post_mult=DEFAULT):
+def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, *, convention="paper",
+                      hc_eps=DEFAULT, post_mult=DEFAULT):
     """Coefficients, activations and layer input of an mHC layer in one call (OPS.md sections 7-9).
 
     mhc_coeffs_fwd (paper Eqs. 14-18) followed by mhc_pre_op_fwd (Eq. 8): the
@@ -143,7 +144,8 @@ def mhc_layer_post_bwd(grad, layer_out, x, H_post, H_res, *, convention="paper")
 
 # ----------------------------------------------------------- pre backward
 def _plan_pre_bwd(infos, num_iters, eps, rms_eps, grad_mode, convention, hc_eps, post_mult):
-    dt, lead, n, C, D, K, tokens, settings = _check_common(infos, num_iters, eps, rms_eps, convention, hc_eps, post_mult)
+    dt, lead, n, C, D, K, tokens, settings = _check_common(infos, num_iters, eps, rms_eps, convention, hc_eps,
+                                                           post_mult)
     iters, eps, rms_eps, ds, hc_eps, post_mult = settings
     mode = _checks.grad_mode(grad_mode)
     tgs = []
@@ -195,8 +197,8 @@ def _plan_pre_bwd(infos, num_iters, eps, rms_eps, grad_mode, convention, hc_eps,
 
 
 def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats, H_pre, H_res,
-                      num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, grad_mode="unrolled", *, convention="paper", hc_eps=DEFAULT,
-                      post_mult=DEFAULT):
+                      num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, grad_mode="unrolled", *, convention="paper",
+                      hc_eps=DEFAULT, post_mult=DEFAULT):
     """Gradient of everything before the sublayer, with the post op's dx folded in (OPS.md section 9).
 
     dx_i = H_pre_i g_layer_in + sum_j H_res[j, i] grad_out_j + (coefficient path's dx_i)

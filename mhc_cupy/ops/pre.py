@@ -69,8 +69,8 @@ def _plan_bwd(infos, num_iters, eps, grad_mode, convention, hc_eps, post_mult):
                  (lead + (n, n), "float32")], run_kernels, ref, scratch=scratch, empty=tokens == 0)
 
 
-def mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=DEFAULT, eps=DEFAULT, *, convention="paper", hc_eps=DEFAULT,
-                   post_mult=DEFAULT):
+def mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=DEFAULT, eps=DEFAULT, *, convention="paper",
+                   hc_eps=DEFAULT, post_mult=DEFAULT):
     """Coefficient activations and layer input of an mHC layer (OPS.md section 7, paper Eq. 8).
 
     H_pre = sigmoid(h_pre_raw) + hc_eps;  H_post = post_mult sigmoid(h_post_raw);
@@ -104,7 +104,8 @@ def mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=DEFAULT, eps=D
 
 
 def mhc_pre_op_bwd(grad_layer_in, grad_H_pre, grad_H_post, grad_H_res, x, h_pre_raw, h_post_raw, h_res_raw,
-                   num_iters=DEFAULT, eps=DEFAULT, grad_mode="unrolled", *, convention="paper", hc_eps=DEFAULT, post_mult=DEFAULT):
+                   num_iters=DEFAULT, eps=DEFAULT, grad_mode="unrolled", *, convention="paper", hc_eps=DEFAULT,
+                   post_mult=DEFAULT):
     """Gradient of :func:`mhc_pre_op_fwd` (OPS.md section 7).
 
     With s = sigmoid(h_pre_raw), s' = sigmoid(h_post_raw):
