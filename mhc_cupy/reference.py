@@ -26,6 +26,8 @@ import math
 
 import numpy as np
 
+from ._convention import check as _check_convention, resolve as _resolve
+
 __all__ = [
     "sinkhorn_knopp_fwd",
     "sinkhorn_knopp_bwd",
@@ -99,26 +101,33 @@ def _sinkhorn_shifted_exp(L):
     return np.exp(L - m), idx
 
 
-def _sinkhorn_forward_states(L, num_iters, eps):
+def _sinkhorn_forward_states(L, num_iters, eps, convention="paper"):
     """Run the forward and keep, for every half-step, the scale vector and the output.
 
     Returns ``K, idx, states`` with ``states`` a list of ``(kind, scale, P_after)`` where kind is
-    ``"row"`` (scale [..., n, 1]) or ``"col"`` (scale [..., 1, n]).
+    ``"row"`` (scale [..., n, 1]), ``"col"`` (scale [..., 1, n]) or, under
+    ``convention="deepseek"``, ``"softmax"`` for the first row step P = K * scale + eps (scale
+    [..., n, 1] = 1 / rowsum(K), no eps in the denominator; P_after is kept without the + eps).
     """
     K, idx = _sinkhorn_shifted_exp(L)
     P = K
     states = []
-    for _ in range(int(num_iters)):
-        r = 1.0 / (P.sum(axis=-1, keepdims=True) + eps)          # [..., n, 1]
-        P = P * r
-        states.append(("row", r, P))
+    for it in range(int(num_iters)):
+        if it == 0 and convention == "deepseek":
+            r = 1.0 / P.sum(axis=-1, keepdims=True)                  # softmax of each row
+            states.append(("softmax", r, P * r))
+            P = P * r + eps
+        else:
+            r = 1.0 / (P.sum(axis=-1, keepdims=True) + eps)          # [..., n, 1]
+            P = P * r
+            states.append(("row", r, P))
         c = 1.0 / (P.sum(axis=-2, keepdims=True) + eps)          # [..., 1, n]
         P = P * c
         states.append(("col", c, P))
     return K, idx, states
 
 
-def sinkhorn_knopp_fwd(logits, num_iters=20, eps=1e-8):
+def sinkhorn_knopp_fwd(logits, num_iters=None, eps=None, convention="paper"):
     """Sinkhorn-Knopp projection onto (approximately) doubly stochastic matrices (OPS.md §1).
 
     Per matrix L ``[n, n]``:
@@ -128,30 +137,36 @@ def sinkhorn_knopp_fwd(logits, num_iters=20, eps=1e-8):
        column step P_ij <- P_ij / (sum_k P_kj + eps).
 
     ``num_iters=0`` returns K itself. The last step is a column step, so column sums are ~1.
+    Under ``convention="deepseek"`` (OPS.md "DeepSeek-V4 convention") the first row step is the
+    softmax plus eps, P_ij <- K_ij / sum_k K_ik + eps, and num_iters >= 1.
 
     Args:
         logits: ``[..., n, n]`` any float dtype.
-        num_iters: number of (row, column) iteration pairs.
-        eps: added to every row / column sum before dividing.
+        num_iters: number of (row, column) iteration pairs; None: 20.
+        eps: added to every row / column sum before dividing; None: 1e-8 (paper) / 1e-6 (deepseek).
+        convention: "paper" (default) or "deepseek".
 
     Returns:
         P: ``[..., n, n]`` float64.
     """
+    num_iters, eps = _resolve(convention, num_iters=num_iters, eps=eps)
     L = _f64(logits)
-    _, _, states = _sinkhorn_forward_states(L, num_iters, eps)
+    _, _, states = _sinkhorn_forward_states(L, num_iters, eps, convention)
     if states:
         return states[-1][2]
     return _sinkhorn_shifted_exp(L)[0]
 
 
-def _sinkhorn_bwd_unrolled(G, L, num_iters, eps):
+def _sinkhorn_bwd_unrolled(G, L, num_iters, eps, convention="paper"):
     """Exact VJP of ``sinkhorn_knopp_fwd`` (including the row-max shift)."""
-    K, idx, states = _sinkhorn_forward_states(L, num_iters, eps)
+    K, idx, states = _sinkhorn_forward_states(L, num_iters, eps, convention)
     g = G
     for kind, s, y in reversed(states):
         # y = p * s with s = 1 / (sum p + eps) along the step's axis:
         #   dp = s * (gy - sum(gy * y))   (sum along the same axis)
-        axis = -1 if kind == "row" else -2
+        # (the softmax step: y = p * s + eps with s = 1 / sum p; y is kept without the eps,
+        # and the same formula holds)
+        axis = -2 if kind == "col" else -1
         g = s * (g - (g * y).sum(axis=axis, keepdims=True))
     # g is now dLoss/dK. K = exp(L - L[i, argmax_i]):
     #   dL_ij = gK_ij K_ij - [j == argmax_i] * sum_k gK_ik K_ik
@@ -185,9 +200,9 @@ def _solve_consistent(A, rhs):
         return out.reshape(rhs.shape)
 
 
-def _sinkhorn_bwd_implicit(G, L, num_iters, eps):
+def _sinkhorn_bwd_implicit(G, L, num_iters, eps, convention="paper"):
     """Implicit-function-theorem gradient of the converged projection, evaluated at P."""
-    P = sinkhorn_knopp_fwd(L, num_iters, eps)
+    P = sinkhorn_knopp_fwd(L, num_iters, eps, convention)
     n = P.shape[-1]
     PG = P * G
     rs = P.sum(axis=-1)                                          # [..., n]
@@ -209,7 +224,7 @@ def _sinkhorn_bwd_implicit(G, L, num_iters, eps):
     return P * (G - a[..., :, None] - b[..., None, :])
 
 
-def sinkhorn_knopp_bwd(grad_P, logits, num_iters=20, eps=1e-8, grad_mode="unrolled"):
+def sinkhorn_knopp_bwd(grad_P, logits, num_iters=None, eps=None, grad_mode="unrolled", convention="paper"):
     """Backward of ``sinkhorn_knopp_fwd`` (OPS.md §1).
 
     ``grad_mode="unrolled"`` (default): the exact vector-Jacobian product of the forward as
@@ -228,22 +243,25 @@ def sinkhorn_knopp_bwd(grad_P, logits, num_iters=20, eps=1e-8, grad_mode="unroll
     converged; for small ``num_iters`` the two differ.
 
     In both modes every row of d_logits sums to 0 (up to rounding); n = 1 gives 0.
+    Under ``convention="deepseek"`` "unrolled" differentiates the deepseek forward (through its
+    softmax start); "implicit" is the same formula at the deepseek forward's P.
 
     Args:
         grad_P: ``[..., n, n]`` gradient w.r.t. P.
         logits: ``[..., n, n]`` the forward's input.
-        num_iters, eps: as in the forward.
+        num_iters, eps, convention: as in the forward.
         grad_mode: ``"unrolled"`` or ``"implicit"``; anything else raises ``ValueError``.
 
     Returns:
         d_logits: ``[..., n, n]`` float64.
     """
     _check_grad_mode(grad_mode)
+    num_iters, eps = _resolve(convention, num_iters=num_iters, eps=eps)
     G = _f64(grad_P)
     L = _f64(logits)
     if grad_mode == "unrolled":
-        return _sinkhorn_bwd_unrolled(G, L, num_iters, eps)
-    return _sinkhorn_bwd_implicit(G, L, num_iters, eps)
+        return _sinkhorn_bwd_unrolled(G, L, num_iters, eps, convention)
+    return _sinkhorn_bwd_implicit(G, L, num_iters, eps, convention)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -432,16 +450,24 @@ def stream_distribute_bwd(grad, y, h):
 # 6. mHC post op
 # ----------------------------------------------------------------------------------------------
 
-def mhc_post_op_fwd(layer_out, x, H_post, H_res):
+def _res_matrix(H_res, convention):
+    """The per-token matrix M with out = M x: H_res ("paper") or its transpose ("deepseek")."""
+    H_res = _f64(H_res)
+    return H_res if _check_convention(convention) == "paper" else np.swapaxes(H_res, -1, -2)
+
+
+def mhc_post_op_fwd(layer_out, x, H_post, H_res, convention="paper"):
     """mHC residual update, paper Eq. 3 (OPS.md §6).
 
     out_i = sum_j H_res_ij x_j + H_post_i y   (H_post already activated, 2*sigmoid).
+    ``convention="deepseek"``: H_res transposed, out_j = sum_i H_res_ij x_i + H_post_j y.
 
     Args:
         layer_out: y ``[..., C]``.
         x: ``[..., n, C]``.
         H_post: ``[..., n]``.
         H_res: ``[..., n, n]``.
+        convention: "paper" (default) or "deepseek".
 
     Returns:
         out: ``[..., n, C]`` float64.
@@ -449,15 +475,15 @@ def mhc_post_op_fwd(layer_out, x, H_post, H_res):
     y = _f64(layer_out)
     x = _f64(x)
     H_post = _f64(H_post)
-    H_res = _f64(H_res)
-    return H_res @ x + H_post[..., :, None] * y[..., None, :]
+    return _res_matrix(H_res, convention) @ x + H_post[..., :, None] * y[..., None, :]
 
 
-def mhc_post_op_bwd(grad, layer_out, x, H_post, H_res):
+def mhc_post_op_bwd(grad, layer_out, x, H_post, H_res, convention="paper"):
     """Backward of ``mhc_post_op_fwd`` (OPS.md §6).
 
     dy = sum_i H_post_i g_i;  dx_j = sum_i H_res_ij g_i;
     dH_post_i = sum_c g_ic y_c;  dH_res_ij = sum_c g_ic x_jc.
+    ``convention="deepseek"`` (H_res transposed): dx_i = sum_j H_res_ij g_j; dH_res_ij = sum_c x_ic g_jc.
 
     Args:
         grad: ``[..., n, C]``.
@@ -475,10 +501,12 @@ def mhc_post_op_bwd(grad, layer_out, x, H_post, H_res):
     x = _f64(x)
     H_post = _f64(H_post)
     H_res = _f64(H_res)
+    M = _res_matrix(H_res, convention)
     dy = (H_post[..., :, None] * g).sum(axis=-2)
-    dx = np.swapaxes(H_res, -1, -2) @ g
+    dx = np.swapaxes(M, -1, -2) @ g
     dH_post = (g * y[..., None, :]).sum(axis=-1)
-    dH_res = g @ np.swapaxes(x, -1, -2)
+    dM = g @ np.swapaxes(x, -1, -2)
+    dH_res = dM if convention == "paper" else np.swapaxes(dM, -1, -2)
     return (
         _sum_to_shape(dy, y.shape),
         _sum_to_shape(dx, x.shape),
@@ -491,39 +519,44 @@ def mhc_post_op_bwd(grad, layer_out, x, H_post, H_res):
 # 7. mHC pre op
 # ----------------------------------------------------------------------------------------------
 
-def mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=20, eps=1e-8):
+def mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=None, eps=None, convention="paper", hc_eps=None,
+                   post_mult=None):
     """mHC coefficient activations (paper Eq. 8) and the layer input (OPS.md §7).
 
-    H_pre = sigmoid(h_pre_raw);  H_post = 2 sigmoid(h_post_raw);
-    H_res = sinkhorn_knopp_fwd(h_res_raw, num_iters, eps);  layer_in = sum_i H_pre_i x_i.
+    H_pre = sigmoid(h_pre_raw) + hc_eps;  H_post = post_mult sigmoid(h_post_raw);
+    H_res = sinkhorn_knopp_fwd(h_res_raw, num_iters, eps, convention);  layer_in = sum_i H_pre_i x_i.
+    Defaults (None): hc_eps 0 (paper) / 1e-6 (deepseek), post_mult 2.
 
     Args:
         x: ``[..., n, C]``.
         h_pre_raw, h_post_raw: ``[..., n]``.
         h_res_raw: ``[..., n, n]``.
-        num_iters, eps: Sinkhorn parameters.
+        num_iters, eps, convention: Sinkhorn parameters.
+        hc_eps, post_mult: the activations' shift and scale.
 
     Returns:
         (layer_in ``[..., C]``, H_pre ``[..., n]``, H_post ``[..., n]``, H_res ``[..., n, n]``),
         float64.
     """
+    hc_eps, post_mult = _resolve(convention, hc_eps=hc_eps, post_mult=post_mult)
     x = _f64(x)
-    H_pre = _sigmoid(_f64(h_pre_raw))
-    H_post = 2.0 * _sigmoid(_f64(h_post_raw))
-    H_res = sinkhorn_knopp_fwd(h_res_raw, num_iters, eps)
+    H_pre = _sigmoid(_f64(h_pre_raw)) + hc_eps
+    H_post = post_mult * _sigmoid(_f64(h_post_raw))
+    H_res = sinkhorn_knopp_fwd(h_res_raw, num_iters, eps, convention)
     layer_in = stream_aggregate_fwd(x, H_pre)
     return layer_in, H_pre, H_post, H_res
 
 
 def mhc_pre_op_bwd(grad_layer_in, grad_H_pre, grad_H_post, grad_H_res, x, h_pre_raw,
-                   h_post_raw, h_res_raw, num_iters=20, eps=1e-8, grad_mode="unrolled"):
+                   h_post_raw, h_res_raw, num_iters=None, eps=None, grad_mode="unrolled", convention="paper",
+                   hc_eps=None, post_mult=None):
     """Backward of ``mhc_pre_op_fwd`` (OPS.md §7).
 
-    With g = grad_layer_in:
-        dx_i = H_pre_i g;
-        dh_pre_raw_i = (sum_c g_c x_ic + gH_pre_i) H_pre_i (1 - H_pre_i);
-        dh_post_raw_i = gH_post_i H_post_i (1 - H_post_i / 2);
-        dh_res_raw = sinkhorn_knopp_bwd(gH_res, h_res_raw, num_iters, eps, grad_mode).
+    With g = grad_layer_in, s_pre = sigmoid(h_pre_raw), s_post = sigmoid(h_post_raw):
+        dx_i = H_pre_i g  (H_pre = s_pre + hc_eps);
+        dh_pre_raw_i = (sum_c g_c x_ic + gH_pre_i) s_pre_i (1 - s_pre_i);
+        dh_post_raw_i = gH_post_i post_mult s_post_i (1 - s_post_i);
+        dh_res_raw = sinkhorn_knopp_bwd(gH_res, h_res_raw, num_iters, eps, grad_mode, convention).
     Any incoming gradient given as None counts as zero.
 
     Args:
@@ -532,19 +565,22 @@ def mhc_pre_op_bwd(grad_layer_in, grad_H_pre, grad_H_post, grad_H_res, x, h_pre_
         grad_H_res: ``[..., n, n]`` or None.
         x: ``[..., n, C]``.
         h_pre_raw, h_post_raw: ``[..., n]``;  h_res_raw: ``[..., n, n]``.
-        num_iters, eps, grad_mode: as in ``sinkhorn_knopp_bwd``.
+        num_iters, eps, grad_mode, convention: as in ``sinkhorn_knopp_bwd``.
+        hc_eps, post_mult: as in the forward.
 
     Returns:
         (dx ``[..., n, C]``, dh_pre_raw ``[..., n]``, dh_post_raw ``[..., n]``,
         dh_res_raw ``[..., n, n]``), float64.
     """
     _check_grad_mode(grad_mode)
+    hc_eps, post_mult = _resolve(convention, hc_eps=hc_eps, post_mult=post_mult)
     x = _f64(x)
     h_pre_raw = _f64(h_pre_raw)
     h_post_raw = _f64(h_post_raw)
     h_res_raw = _f64(h_res_raw)
-    H_pre = _sigmoid(h_pre_raw)
-    H_post = 2.0 * _sigmoid(h_post_raw)
+    s_pre = _sigmoid(h_pre_raw)
+    s_post = _sigmoid(h_post_raw)
+    H_pre = s_pre + hc_eps
 
     # d(loss)/d(H_pre): from layer_in and from the direct output gradient.
     dH_pre = np.zeros_like(H_pre)
@@ -555,15 +591,15 @@ def mhc_pre_op_bwd(grad_layer_in, grad_H_pre, grad_H_post, grad_H_res, x, h_pre_
         dx = np.zeros_like(x)
     if grad_H_pre is not None:
         dH_pre = dH_pre + _f64(grad_H_pre)
-    dh_pre_raw = dH_pre * H_pre * (1.0 - H_pre)
+    dh_pre_raw = dH_pre * s_pre * (1.0 - s_pre)
 
     if grad_H_post is not None:
-        dh_post_raw = _f64(grad_H_post) * H_post * (1.0 - H_post / 2.0)
+        dh_post_raw = _f64(grad_H_post) * (post_mult * s_post) * (1.0 - s_post)
     else:
-        dh_post_raw = np.zeros_like(H_post)
+        dh_post_raw = np.zeros_like(s_post)
 
     if grad_H_res is not None:
-        dh_res_raw = sinkhorn_knopp_bwd(grad_H_res, h_res_raw, num_iters, eps, grad_mode)
+        dh_res_raw = sinkhorn_knopp_bwd(grad_H_res, h_res_raw, num_iters, eps, grad_mode, convention)
     else:
         dh_res_raw = np.zeros_like(h_res_raw)
     return dx, dh_pre_raw, dh_post_raw, dh_res_raw
@@ -584,7 +620,7 @@ def _alpha_per_column(alpha, n):
     return np.concatenate([np.full(n, alpha[0]), np.full(n, alpha[1]), np.full(n * n, alpha[2])])
 
 
-def mhc_coeffs_fwd(x, phi, alpha, bias, eps=1e-5):
+def mhc_coeffs_fwd(x, phi, alpha, bias, eps=None, convention="paper"):
     """Raw mHC coefficients from the residual stream, paper Eqs. 14-18 (OPS.md §8).
 
     Per token, with x~ = vec(x) of length n*C (row-major reshape of ``[n, C]``):
@@ -598,11 +634,13 @@ def mhc_coeffs_fwd(x, phi, alpha, bias, eps=1e-5):
         phi: ``[n*C, n*n + 2n]`` (columns ordered pre | post | res).
         alpha: ``[3]`` = (alpha_pre, alpha_post, alpha_res).
         bias: ``[n*n + 2n]`` (same column order as phi).
-        eps: added to the mean square.
+        eps: added to the mean square; None: 1e-5 (paper) / 1e-6 (deepseek).
+        convention: "paper" (default) or "deepseek" (the same maths; only the default eps).
 
     Returns:
         (h_pre_raw ``[..., n]``, h_post_raw ``[..., n]``, h_res_raw ``[..., n, n]``), float64.
     """
+    eps = _resolve(convention, rms_eps=eps)
     x = _f64(x)
     phi = _f64(phi)
     bias = _f64(bias)
@@ -617,7 +655,7 @@ def mhc_coeffs_fwd(x, phi, alpha, bias, eps=1e-5):
 
 
 def mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alpha, bias,
-                   eps=1e-5):
+                   eps=None, convention="paper"):
     """Backward of ``mhc_coeffs_fwd`` (OPS.md §8).
 
     With gh = [g_pre | g_post | vec(g_res)] (None = zero), a = alpha per column, r^-1 = rinv:
@@ -630,12 +668,13 @@ def mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alph
     Args:
         grad_h_pre_raw, grad_h_post_raw: ``[..., n]`` or None.
         grad_h_res_raw: ``[..., n, n]`` or None.
-        x, phi, alpha, bias, eps: as in the forward.
+        x, phi, alpha, bias, eps, convention: as in the forward.
 
     Returns:
         (dx ``[..., n, C]``, dphi ``[n*C, n*n + 2n]``, dalpha ``[3]``, dbias ``[n*n + 2n]``),
         float64.
     """
+    eps = _resolve(convention, rms_eps=eps)
     x = _f64(x)
     phi = _f64(phi)
     n, C = x.shape[-2], x.shape[-1]
@@ -671,7 +710,8 @@ def mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alph
 # 9. The fused layer pieces
 # ----------------------------------------------------------------------------------------------
 
-def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=20, eps=1e-8, rms_eps=1e-5):
+def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=None, eps=None, rms_eps=None, convention="paper", hc_eps=None,
+                      post_mult=None):
     """``mhc_coeffs_fwd`` then ``mhc_pre_op_fwd`` (OPS.md §9), plus the saved sums.
 
     Returns:
@@ -682,28 +722,30 @@ def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=20, eps=1e-8, rms_eps=1e-5)
     n, C = x64.shape[-2], x64.shape[-1]
     xt = x64.reshape(x64.shape[:-2] + (n * C,))
     stats = np.concatenate([xt @ _f64(phi), (xt**2).sum(axis=-1, keepdims=True)], axis=-1)
-    h = mhc_coeffs_fwd(x, phi, alpha, bias, rms_eps)
-    return (*mhc_pre_op_fwd(x, *h, num_iters, eps), stats)
+    h = mhc_coeffs_fwd(x, phi, alpha, bias, rms_eps, convention)
+    return (*mhc_pre_op_fwd(x, *h, num_iters, eps, convention, hc_eps, post_mult), stats)
 
 
 def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats, H_pre,
-                      H_res, num_iters=20, eps=1e-8, rms_eps=1e-5, grad_mode="unrolled"):
+                      H_res, num_iters=None, eps=None, rms_eps=None, grad_mode="unrolled", convention="paper",
+                      hc_eps=None, post_mult=None):
     """Backward of ``mhc_layer_pre_fwd`` with the post op's dx folded in (OPS.md §9).
 
     dx = (pre op's dx) + (coefficient path's dx) + H_res^T grad_out (the post op's dx,
-    with the H_res given); the coefficient gradients are recomputed from x (``stats``
-    and ``H_pre`` are not needed here).  None gradients count as zero.
+    with the H_res given; H_res grad_out under ``convention="deepseek"``); the coefficient
+    gradients are recomputed from x (``stats`` and ``H_pre`` are not needed here).  None
+    gradients count as zero.
 
     Returns:
         (dx ``[..., n, C]``, dphi, dalpha, dbias), float64.
     """
-    h = mhc_coeffs_fwd(x, phi, alpha, bias, rms_eps)
+    h = mhc_coeffs_fwd(x, phi, alpha, bias, rms_eps, convention)
     dx, dh_pre, dh_post, dh_res = mhc_pre_op_bwd(grad_layer_in, None, grad_H_post, grad_H_res, x, *h, num_iters,
-                                                 eps, grad_mode)
-    dx_c, dphi, dalpha, dbias = mhc_coeffs_bwd(dh_pre, dh_post, dh_res, x, phi, alpha, bias, rms_eps)
+                                                 eps, grad_mode, convention, hc_eps, post_mult)
+    dx_c, dphi, dalpha, dbias = mhc_coeffs_bwd(dh_pre, dh_post, dh_res, x, phi, alpha, bias, rms_eps, convention)
     dx = dx + dx_c
     if grad_out is not None:
-        dx = dx + np.swapaxes(_f64(H_res), -1, -2) @ _f64(grad_out)
+        dx = dx + np.swapaxes(_res_matrix(H_res, convention), -1, -2) @ _f64(grad_out)
     return dx, dphi, dalpha, dbias
 
 

@@ -1,0 +1,57 @@
+"""The two conventions of the mHC maths (OPS.md "DeepSeek-V4 convention") and their defaults.
+
+``convention="paper"`` (the default everywhere) is OPS.md sections 1-9 as written;
+``convention="deepseek"`` is the maths of the models trained with mHC (DeepSeek-V4 and its
+reproductions): a softmax start of the Sinkhorn iteration, H_pre = sigmoid + hc_eps, and the
+post op with H_res transposed.  Every public function takes ``None`` for a setting it did not
+get; :func:`resolve` (the one place that knows the defaults) replaces it with the
+convention's default.  No framework and no op module is imported here, so the NumPy
+reference can use it too.
+"""
+
+from __future__ import annotations
+
+from . import _checks
+
+CONVENTIONS = ("paper", "deepseek")
+
+#: Default of each setting under each convention (OPS.md, the defaults tables).
+DEFAULTS = {
+    "paper": {"num_iters": 20, "eps": 1e-8, "rms_eps": 1e-5, "hc_eps": 0.0, "post_mult": 2.0},
+    "deepseek": {"num_iters": 20, "eps": 1e-6, "rms_eps": 1e-6, "hc_eps": 1e-6, "post_mult": 2.0},
+}
+
+
+def check(convention) -> str:
+    """``convention`` itself: "paper" or "deepseek"; anything else raises ValueError naming it."""
+    if not isinstance(convention, str) or convention not in CONVENTIONS:
+        raise ValueError(f"convention must be 'paper' or 'deepseek', got convention={convention!r}")
+    return convention
+
+
+def resolve(convention, **settings):
+    """The given settings (keyword order) with each None replaced by the convention's default.
+
+    ``resolve("deepseek", num_iters=None, eps=1e-7)`` -> ``(20, 1e-7)``; a single setting
+    gives a single value.  Raises ValueError for a bad convention.
+    """
+    defaults = DEFAULTS[check(convention)]
+    values = tuple(defaults[k] if v is None else v for k, v in settings.items())
+    return values[0] if len(values) == 1 else values
+
+
+def sinkhorn(convention, num_iters, eps) -> tuple:
+    """(num_iters, eps, deepseek) checked: under "deepseek" the softmax start is the first row
+    step, so num_iters must be >= 1 (ValueError otherwise)."""
+    convention = check(convention)
+    iters, eps = _checks.num_iters(num_iters), _checks.eps("eps", eps)
+    if convention == "deepseek" and iters < 1:
+        raise ValueError(f"num_iters must be >= 1 under convention='deepseek' (the softmax start is the first "
+                         f"row step), got {iters}")
+    return iters, eps, convention == "deepseek"
+
+
+def activations(hc_eps, post_mult) -> tuple:
+    """(hc_eps, post_mult) of the pre op's H_pre = sigmoid + hc_eps and H_post = post_mult sigmoid,
+    checked (finite reals >= 0)."""
+    return _checks.eps("hc_eps", hc_eps), _checks.eps("post_mult", post_mult)
