@@ -8,7 +8,8 @@ import math
 import numpy as np
 
 
-def _logit(p: float) -> float:
+def logit(p: float) -> float:
+    """log(p / (1 - p)): the sigmoid's inverse."""
     return math.log(p) - math.log1p(-p)
 
 
@@ -33,8 +34,8 @@ def identity_bias(n: int, pre: float | None = None, post: float = 1.0, res_diag:
     if not 0.0 < post < 2.0:
         raise ValueError(f"post (H_post at init) must be in (0, 2), got {post}")
     b = np.zeros(n * n + 2 * n, dtype=np.float32)
-    b[:n] = _logit(pre)
-    b[n:2 * n] = _logit(post / 2.0)
+    b[:n] = logit(pre)
+    b[n:2 * n] = logit(post / 2.0)
     if n > 1:
         if not 1.0 / n <= res_diag < 1.0:
             raise ValueError(f"res_diag (diagonal of H_res at init) must be in [1/n, 1) = [{1.0 / n}, 1), "
