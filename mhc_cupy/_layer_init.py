@@ -42,3 +42,24 @@ def identity_bias(n: int, pre: float | None = None, post: float = 1.0, res_diag:
                              f"got {res_diag}")
         b[2 * n:] = (np.eye(n) * math.log(res_diag * (n - 1) / (1.0 - res_diag))).reshape(-1)
     return b
+
+
+def deepseek_sizes(fn_shape, scale_shape, base_shape, head: bool) -> tuple:
+    """(C, n) of DeepSeek-V4-layout parameter shapes (docs/DEEPSEEK.md): ``hc_fn`` [m, n*C] with
+    m = n*n + 2n (a layer; rows pre | post | res) or m = n (the head), ``hc_scale`` [3] (layer) or
+    [1] (head), ``hc_base`` [m].
+
+    Raises:
+        ValueError: naming the argument whose shape does not fit, and what it needs.
+    """
+    fn_shape = tuple(fn_shape)
+    m, D = fn_shape if len(fn_shape) == 2 else (0, 0)
+    n = m if head else math.isqrt(m + 1) - 1
+    if n < 1 or (not head and n * n + 2 * n != m) or D % n:
+        what = "[n, n*C]" if head else "[n*n + 2n, n*C] (rows pre | post | res)"
+        raise ValueError(f"hc_fn has shape {fn_shape}; it needs {what}")
+    for name, shape, want in (("hc_scale", scale_shape, (1,) if head else (3,)), ("hc_base", base_shape, (m,))):
+        if tuple(shape) != want:
+            raise ValueError(f"{name} has shape {tuple(shape)}; it needs {want}")
+    return D // n, n
+

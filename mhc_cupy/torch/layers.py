@@ -72,22 +72,11 @@ def _as_f32(t: Tensor) -> Tensor:
 
 
 def _deepseek_sizes(hc_fn, hc_scale, hc_base, head: bool) -> tuple:
-    """(C, n) of DeepSeek-layout parameters: hc_fn [m, n*C] with m = n*n + 2n (a layer) or m = n
-    (the head), hc_scale [3] / [1], hc_base [m]; ValueError naming the argument otherwise."""
+    """(C, n) of DeepSeek-layout parameter tensors (:func:`mhc_cupy._layer_init.deepseek_sizes`)."""
     for name, t in (("hc_fn", hc_fn), ("hc_scale", hc_scale), ("hc_base", hc_base)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if hc_fn.dim() != 2:
-        raise ValueError(f"hc_fn has shape {tuple(hc_fn.shape)}; it needs [m, n*C] (2 dims)")
-    m, D = hc_fn.shape
-    n = m if head else math.isqrt(m + 1) - 1
-    if n < 1 or (not head and n * n + 2 * n != m) or D % n:
-        what = "[n, n*C]" if head else "[n*n + 2n, n*C] (rows pre | post | res)"
-        raise ValueError(f"hc_fn has shape {tuple(hc_fn.shape)}; it needs {what}")
-    for name, t, shape in (("hc_scale", hc_scale, (1,) if head else (3,)), ("hc_base", hc_base, (m,))):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} has shape {tuple(t.shape)}; it needs {shape}")
-    return D // n, n
+    return _layer_init.deepseek_sizes(hc_fn.shape, hc_scale.shape, hc_base.shape, head)
 
 
 def _detached_f32(t: Tensor) -> Tensor:
