@@ -18,6 +18,8 @@
 //   partials, writes dH [T, KP] (column K holds c, padded to KP, a multiple of
 //   4) and the per-token dalpha terms [T, 3] (summed over tokens by
 //   mhc_column_sum_kernel; dbias is the column sum of the incoming gradients).
+// * the head (OPS.md section 10): mhc_head_fwd_kernel, mhc_head_bwd_prep_kernel,
+//   mhc_head_bwd_dx_kernel (K = n columns of hc_fn = phi^T; section "head" below).
 // * n > 4 (K > 32): mhc_coeffs_bwd_dx_kernel<T, E, KC> (a thread owns E
 //   positions x TS tokens of dx, loops over K in chunks of KC columns of the
 //   transposed phi (mhc_coeffs_transpose_kernel, coalesced) and of dH staged
@@ -409,6 +411,19 @@ __device__ __forceinline__ float head_logit(const float* __restrict__ part, cons
     return fmaf(H * rinv, hc_scale[0], hc_base[k]);
 }
 
+// acc[e] += coef[j] * rows[j * stride + e] for j < n (rows of T, E consecutive elements each).
+template <typename T, int E>
+__device__ __forceinline__ void add_rows(float (&acc)[E], const T* __restrict__ rows, i64 stride, int n,
+                                         const float* coef) {
+    for (int j = 0; j < n; ++j) {
+        float v[E];
+        mhc::load_vec<T, E>(rows + j * stride, v);
+        const float h = coef[j];
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[e] = fmaf(h, v[e], acc[e]);
+    }
+}
+
 }  // namespace mhc_coeffs
 
 // out[c, r] = in[r, c] for a row-major [rows, cols] float32 matrix with few rows (hc_fn
@@ -445,13 +460,7 @@ mhc_head_fwd_kernel(const T* __restrict__ x, const float* __restrict__ part, con
             float acc[E];
 #pragma unroll
             for (int e = 0; e < E; ++e) acc[e] = 0.f;
-            for (int k = 0; k < n; ++k) {
-                float v[E];
-                mhc::load_vec<T, E>(xt + (i64)k * C + c, v);
-                const float w = s_w[k];
-#pragma unroll
-                for (int e = 0; e < E; ++e) acc[e] = fmaf(w, v[e], acc[e]);
-            }
+            mhc_coeffs::add_rows<T, E>(acc, xt + c, C, n, s_w);
             mhc::store_vec<T, E>(out + t * (i64)C + c, acc);
         }
     }
@@ -540,13 +549,7 @@ mhc_head_bwd_dx_kernel(const TG* __restrict__ g, const T* __restrict__ x, const 
             const float wk = s_w[k];
 #pragma unroll
             for (int e = 0; e < E; ++e) acc[e] = fmaf(wk, gv[e], -cx * xv[e]);
-            for (int j = 0; j < n; ++j) {
-                float f[E];
-                mhc::load_vec<float, E>(hc_fn + (i64)j * D + d, f);
-                const float h = s_dH[j];
-#pragma unroll
-                for (int e = 0; e < E; ++e) acc[e] = fmaf(h, f[e], acc[e]);
-            }
+            mhc_coeffs::add_rows<float, E>(acc, hc_fn + d, D, n, s_dH);
             mhc::store_vec<T, E>(dx + t * (i64)D + d, acc);
         }
     }
