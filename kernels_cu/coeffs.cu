@@ -537,8 +537,10 @@ mhc_head_bwd_dx_kernel(const TG* __restrict__ g, const T* __restrict__ x, const 
     const int D = n * C;
     for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
         __syncthreads();
-        if ((int)threadIdx.x <= n) s_dH[threadIdx.x] = dH[t * KP + threadIdx.x];
-        if ((int)threadIdx.x < n) s_w[threadIdx.x] = w[t * n + threadIdx.x];
+        for (int j = threadIdx.x; j <= n; j += blockDim.x) {  // n + 1 values: a block may have only 32 threads
+            s_dH[j] = dH[t * KP + j];
+            if (j < n) s_w[j] = w[t * n + j];
+        }
         __syncthreads();
         const float cx = s_dH[n];
         for (int d = threadIdx.x * E; d < D; d += blockDim.x * E) {

@@ -27,7 +27,7 @@ from .helpers import ACT_TOL, COEF_TOL, assert_close, f64, poisoned_allocations,
 pytestmark = pytest.mark.gpu
 
 DTYPES = ["bfloat16", "float16", "float32"]
-# (tokens, C): C = 1, 7, 33 odd (scalar paths); 64 / 1000 / 4096 vectorised; T = 1000 with C = 1000 splits
+# (tokens, C): C = 1 (with n = 32: 32-thread blocks), 7, 33 odd (scalar paths); 64 / 1000 / 4096 vectorised; T = 1000 with C = 1000 splits
 # D in the forward GEMM and the dhc_fn sum over tokens.
 SIZES = [(1, 1), (3, 7), (127, 33), (127, 64), (1000, 1000), (3, 4096)]
 NS = [1, 2, 3, 4, 5, 8, 16, 32]
