@@ -880,7 +880,9 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
 //   (split_rows of dH);  dH_c: [3, Kp8, tokens_p] (split_cols of dH), tokens_p a
 //   multiple of 16 >= tokens;  dH: [tokens, KP] float32, column K = c.
 //   LAYER: g [tokens, n, C] and g_li [tokens, C] (dtype TG), H_pre [tokens, n],
-//   H_res [tokens, n, n] add the pre and post ops' parts of the layer's dx.
+//   H_res [tokens, n, n] add the pre and post ops' parts of the layer's dx: the post op's
+//   sum_j H_res[j, i] g_j, or with res_t (convention="deepseek", H_res transposed in the
+//   post op) sum_j H_res[i, j] g_j.
 //   dphi: partials [splits, D, K] (the output with one split).
 // VEC: C % 8 == 0 and x, dx (and g, g_li) 16-byte aligned.  KS = K16 / 16, NQ = Kp8 / 8.
 // Dynamic shared memory: mma_bwd_smem(n, TG, LAYER, KS, NQ, STAGES) bytes (host: same formula).
@@ -891,7 +893,7 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
                           const float* __restrict__ dH, const TG* __restrict__ g, const TG* __restrict__ g_li,
                           const float* __restrict__ H_pre, const float* __restrict__ H_res, T* __restrict__ dx,
                           float* __restrict__ dphi, i64 tokens, i64 tokens_p, int n, int C, int K, int KP,
-                          i64 t_split) {
+                          i64 t_split, int res_t) {
     using namespace mhc_coeffs;
     constexpr int P = XParts<T>::value;
     constexpr int PO = sizeof(T) == 4 ? 3 : 2;
@@ -906,6 +908,7 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
     const i64 t_end = min(tokens, t_begin + t_split);
     const int steps = (int)((max(t_end - t_begin, (i64)0) + 15) / 16);
     const i64 plane_r = tokens_p * K16, plane_c = (i64)Kp8 * tokens_p, plane_phi = (i64)D * K16;
+    const int res_j = res_t ? 1 : n, res_i = res_t ? n : 1;  // H_res element (j, i) of this warp's row i
 
     // shared memory: phi rows of the block, then STAGES stages of
     // x [16][n][64] T | dH_r [3][16][K16] | dH_c [3][Kp8][16], the token rows of x padded by
@@ -982,7 +985,7 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
             cs[h] = ok ? dH[t * KP + K] : 0.f;
             hp[h] = (LAYER && ok) ? H_pre[t * n + warp] : 0.f;
 #pragma unroll
-            for (int j = 0; j < 4; ++j) hr[h][j] = (LAYER && ok && j < n) ? H_res[(t * n + j) * n + warp] : 0.f;
+            for (int j = 0; j < 4; ++j) hr[h][j] = (LAYER && ok && j < n) ? H_res[t * n * n + j * res_j + warp * res_i] : 0.f;
         }
 
         // ---- dphi += x^T dH.  A row g of m tile m: column 8 g8 + 2m (row g8 + 8: + 1);

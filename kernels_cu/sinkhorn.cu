@@ -12,6 +12,8 @@
 //   row step    P_ij <- P_ij * (1 / (sum_k P_ik + eps))
 //   column step P_ij <- P_ij * (1 / (sum_k P_kj + eps))
 // (a fast reciprocal, within 2 ulp, then a multiply: a few roundings from the division).
+// DS (convention="deepseek", OPS.md "DeepSeek-V4 convention"): the first row step is the
+// softmax plus eps, P_ij <- K_ij * (1 / sum_k K_ik) + eps (no eps in the sum, which is >= 1).
 //
 // Unrolled backward: the exact vector-Jacobian product of that forward.  The
 // forward is recomputed, keeping only the step denominators d (each lane those
@@ -19,6 +21,9 @@
 // fit, else in a global scratch buffer); the
 // reverse sweep rebuilds each step's input from its output as p = y * d.
 // For y = p / d with d_i = sum_k p_ik + eps:  dp_ij = (gy_ij - sum_k gy_ik y_ik) / d_i.
+// DS: the softmax start y = q + eps, q = K / d (d = sum_k K_ik) is the same with q for y:
+// from u = g * y (see the reverse sweep) g = u / y (y >= eps > 0; g = 0 where y = 0, so
+// eps = 0), w = g * q = u - eps g, and u_K = w - (sum_k w_ik) q.
 // The row-max shift is part of the function: dL_ij = gK_ij K_ij - [j = argmax_i] sum_k gK_ik K_ik,
 // so every row of dL sums to 0 (P does not change when a row of L is shifted).
 //
@@ -54,19 +59,22 @@ MHC_UNROLL_N
     }
 }
 
-// num_iters row + column steps in place (one thread holds the whole matrix).
-template <int N>
+// num_iters row + column steps in place (one thread holds the whole matrix); DS: the
+// first row step is the softmax plus eps.
+template <int N, bool DS>
 __device__ __forceinline__ void sinkhorn_iterate(float (&P)[N * N], int iters, float eps) {
     for (int it = 0; it < iters; ++it) {
+        const bool softmax = DS && it == 0;
 MHC_UNROLL_N
         for (int i = 0; i < N; ++i) {
             float s = 0.f;
 MHC_UNROLL_N
             for (int j = 0; j < N; ++j) s += P[i * N + j];
-            const float d = s + eps;
+            const float d = softmax ? s : s + eps;
             const float inv = 1.f / d;
+            const float add = softmax ? eps : 0.f;
 MHC_UNROLL_N
-            for (int j = 0; j < N; ++j) P[i * N + j] *= inv;
+            for (int j = 0; j < N; ++j) P[i * N + j] = softmax ? fmaf(P[i * N + j], inv, add) : P[i * N + j] * inv;
         }
 MHC_UNROLL_N
         for (int j = 0; j < N; ++j) {
@@ -94,6 +102,16 @@ __device__ __forceinline__ float group_sum(float v, unsigned mask) {
 }
 
 __device__ __forceinline__ float fast_rcp(float d) { return __fdividef(1.f, d); }
+
+// The pre op's dh_post_raw_k = gH_post_k * H_post_k * (1 - s_k), s = sigmoid(h_post_raw),
+// H_post = post_mult * s (g_post null = zero).  Paper (post_mult = 2): 1 - s = 1 - H_post / 2
+// exactly, the bits the formula gH_post H_post (1 - H_post / 2) gives.
+__device__ __forceinline__ float post_raw_grad(const float* __restrict__ g_post, const float* __restrict__ h_post_raw,
+                                               i64 k, float post_mult) {
+    const float s = mhc::sigmoid(h_post_raw[k]);
+    const float gp = g_post ? g_post[k] : 0.f;
+    return gp * (post_mult * s) * (1.f - s);
+}
 
 // Rows per lane R and history slots per lane and iteration: the R row
 // denominators of its rows and R column denominators, those of columns j with
@@ -131,8 +149,9 @@ __device__ __forceinline__ void lane_exp(const float* __restrict__ L, int lane, 
 
 // One row step and one column step on this lane's rows.  With hist non-null
 // the denominators are recorded (row r at slot r; column j at slot R + j / G
-// by lane j % G, see Layout; rows >= N record 1).
-template <int N, int G>
+// by lane j % G, see Layout; rows >= N record 1).  SOFTMAX: the row step is
+// the DeepSeek start p <- p / sum + eps (the sum recorded).
+template <int N, int G, bool SOFTMAX = false>
 __device__ __forceinline__ void lane_iteration(float (&p)[Layout<N, G>::R][N], int lane, float eps, unsigned mask,
                                                float* hist, i64 hs) {
     constexpr int R = Layout<N, G>::R;
@@ -143,10 +162,10 @@ __device__ __forceinline__ void lane_iteration(float (&p)[Layout<N, G>::R][N], i
             float s = 0.f;
 #pragma unroll
             for (int j = 0; j < N; ++j) s += p[r][j];
-            d = s + eps;
+            d = SOFTMAX ? s : s + eps;
             const float inv = fast_rcp(d);
 #pragma unroll
-            for (int j = 0; j < N; ++j) p[r][j] *= inv;
+            for (int j = 0; j < N; ++j) p[r][j] = SOFTMAX ? fmaf(p[r][j], inv, eps) : p[r][j] * inv;
         }
         if (hist) hist[r * hs] = d;
     }
@@ -166,14 +185,15 @@ __device__ __forceinline__ void lane_iteration(float (&p)[Layout<N, G>::R][N], i
 }  // namespace
 
 // P = sinkhorn(logits) for every token; when h_pre_raw is non-null also the
-// pre-op activations H_pre = sigmoid(h_pre_raw), H_post = 2 sigmoid(h_post_raw).
+// pre-op activations H_pre = sigmoid(h_pre_raw) + hc_eps, H_post = post_mult sigmoid(h_post_raw)
+// (paper: hc_eps = 0, post_mult = 2).  DS: the DeepSeek softmax start (iters >= 1).
 // blockDim.x is a multiple of G.
-template <int N, int G>
+template <int N, int G, bool DS>
 __global__ void mhc_sinkhorn_knopp_fwd_kernel(const float* __restrict__ logits, float* __restrict__ P_out,
                                               const float* __restrict__ h_pre_raw,
                                               const float* __restrict__ h_post_raw,
                                               float* __restrict__ H_pre, float* __restrict__ H_post,
-                                              i64 tokens, int iters, float eps) {
+                                              i64 tokens, int iters, float eps, float hc_eps, float post_mult) {
     constexpr int R = Layout<N, G>::R;
     const i64 t = (blockIdx.x * (i64)blockDim.x + threadIdx.x) / G;
     const int lane = threadIdx.x % G;
@@ -182,7 +202,12 @@ __global__ void mhc_sinkhorn_knopp_fwd_kernel(const float* __restrict__ logits, 
     float p[R][N];
     int amax[R];
     lane_exp<N, G>(logits + t * (N * N), lane, p, amax);
-    for (int it = 0; it < iters; ++it) lane_iteration<N, G>(p, lane, eps, mask, nullptr, 0);
+    int it = 0;
+    if (DS && iters > 0) {
+        lane_iteration<N, G, true>(p, lane, eps, mask, nullptr, 0);
+        it = 1;
+    }
+    for (; it < iters; ++it) lane_iteration<N, G>(p, lane, eps, mask, nullptr, 0);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const int i = lane + r * G;
@@ -191,8 +216,8 @@ __global__ void mhc_sinkhorn_knopp_fwd_kernel(const float* __restrict__ logits, 
 #pragma unroll
             for (int j = 0; j < N; ++j) out[j] = p[r][j];
             if (h_pre_raw != nullptr) {
-                H_pre[t * N + i] = mhc::sigmoid(h_pre_raw[t * N + i]);
-                H_post[t * N + i] = 2.f * mhc::sigmoid(h_post_raw[t * N + i]);
+                H_pre[t * N + i] = mhc::sigmoid(h_pre_raw[t * N + i]) + hc_eps;
+                H_post[t * N + i] = post_mult * mhc::sigmoid(h_post_raw[t * N + i]);
             }
         }
     }
@@ -202,16 +227,17 @@ __global__ void mhc_sinkhorn_knopp_fwd_kernel(const float* __restrict__ logits, 
 // forward.  History: SLOTS floats per lane and iteration at
 // hist[(it * SLOTS + slot) * hs], in dynamic shared memory (hs = blockDim.x)
 // when use_smem, else in hist_global (hs = gridDim.x * blockDim.x).  With
-// h_post_raw non-null also the pre op's dh_post_raw = gH_post * H_post (1 - H_post / 2)
-// (g_post null = zero).
-template <int N, int G>
+// h_post_raw non-null also the pre op's dh_post_raw = gH_post * H_post (1 - sigmoid)
+// with H_post = post_mult * sigmoid(h_post_raw) (g_post null = zero).  DS: the
+// DeepSeek softmax start (iters >= 1).
+template <int N, int G, bool DS>
 __global__ void mhc_sinkhorn_knopp_bwd_kernel(const float* __restrict__ grad_P,
                                               const float* __restrict__ logits, float* __restrict__ d_logits,
                                               float* __restrict__ hist_global, int use_smem,
                                               const float* __restrict__ g_post,
                                               const float* __restrict__ h_post_raw,
                                               float* __restrict__ d_post_raw, i64 tokens, int iters,
-                                              float eps) {
+                                              float eps, float post_mult) {
     constexpr int R = Layout<N, G>::R;
     constexpr int SLOTS = Layout<N, G>::SLOTS;
     extern __shared__ float hist_smem[];
@@ -223,11 +249,7 @@ __global__ void mhc_sinkhorn_knopp_bwd_kernel(const float* __restrict__ grad_P,
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const int i = lane + r * G;
-        if (i < N && h_post_raw != nullptr) {
-            const float hp = 2.f * mhc::sigmoid(h_post_raw[t * N + i]);
-            const float gp = g_post ? g_post[t * N + i] : 0.f;
-            d_post_raw[t * N + i] = gp * hp * (1.f - 0.5f * hp);
-        }
+        if (i < N && h_post_raw != nullptr) d_post_raw[t * N + i] = post_raw_grad(g_post, h_post_raw, t * N + i, post_mult);
     }
     float* dL = d_logits + t * (N * N);
     if (grad_P == nullptr) {
@@ -243,7 +265,12 @@ __global__ void mhc_sinkhorn_knopp_bwd_kernel(const float* __restrict__ grad_P,
     lane_exp<N, G>(logits + t * (N * N), lane, p, amax);
     float* hist = use_smem ? hist_smem + threadIdx.x : hist_global + gid;
     const i64 hs = use_smem ? (i64)blockDim.x : (i64)gridDim.x * blockDim.x;
-    for (int it = 0; it < iters; ++it) lane_iteration<N, G>(p, lane, eps, mask, hist + (i64)it * SLOTS * hs, hs);
+    for (int it = 0; it < iters; ++it) {
+        if (DS && it == 0)
+            lane_iteration<N, G, true>(p, lane, eps, mask, hist, hs);
+        else
+            lane_iteration<N, G>(p, lane, eps, mask, hist + (i64)it * SLOTS * hs, hs);
+    }
     // Reverse sweep on u = g * y (g: gradient of a step's output y).  For
     // y = p / d (d = row or column sum + eps):  dp = (g - s) / d with
     // s = sum(g * y) = sum(u), and p = y * d, so the input's u is
@@ -278,6 +305,22 @@ __global__ void mhc_sinkhorn_knopp_bwd_kernel(const float* __restrict__ grad_P,
                 p[r][j] *= d;
             }
         }
+        if (DS && it == 0) {
+            // the softmax start: p is y = q + eps, u = g * y (see the file comment)
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                float s = 0.f;
+#pragma unroll
+                for (int j = 0; j < N; ++j) {
+                    const float g = p[r][j] > 0.f ? u[r][j] / p[r][j] : 0.f;
+                    u[r][j] = fmaf(-eps, g, u[r][j]);
+                    s += u[r][j];
+                }
+#pragma unroll
+                for (int j = 0; j < N; ++j) u[r][j] = fmaf(-s, p[r][j] - eps, u[r][j]);
+            }
+            break;
+        }
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             const float d = h[r * hs];
@@ -305,24 +348,21 @@ __global__ void mhc_sinkhorn_knopp_bwd_kernel(const float* __restrict__ grad_P,
     }
 }
 
-// Implicit-mode backward, one thread per matrix (see the file comment).
-template <int N>
+// Implicit-mode backward, one thread per matrix (see the file comment); DS: P of
+// the DeepSeek forward.
+template <int N, bool DS>
 __global__ void mhc_sinkhorn_knopp_implicit_bwd_kernel(const float* __restrict__ grad_P,
                                                        const float* __restrict__ logits,
                                                        float* __restrict__ d_logits,
                                                        const float* __restrict__ g_post,
                                                        const float* __restrict__ h_post_raw,
                                                        float* __restrict__ d_post_raw, i64 tokens,
-                                                       int iters, float eps) {
+                                                       int iters, float eps, float post_mult) {
     const i64 t = blockIdx.x * (i64)blockDim.x + threadIdx.x;
     if (t >= tokens) return;
     if (h_post_raw != nullptr) {
 MHC_UNROLL_N
-        for (int i = 0; i < N; ++i) {
-            const float hp = 2.f * mhc::sigmoid(h_post_raw[t * N + i]);
-            const float gp = g_post ? g_post[t * N + i] : 0.f;
-            d_post_raw[t * N + i] = gp * hp * (1.f - 0.5f * hp);
-        }
+        for (int i = 0; i < N; ++i) d_post_raw[t * N + i] = post_raw_grad(g_post, h_post_raw, t * N + i, post_mult);
     }
     float* dL = d_logits + t * (N * N);
     if (grad_P == nullptr) {
@@ -335,7 +375,7 @@ MHC_UNROLL_N
     load_exp<N>(logits + t * (N * N), P, amax);
 MHC_UNROLL_N
     for (int k = 0; k < N * N; ++k) G[k] = grad_P[t * (N * N) + k];
-    sinkhorn_iterate<N>(P, iters, eps);
+    sinkhorn_iterate<N, DS>(P, iters, eps);
     float rs[N], cs[N], r[N], c[N];
 MHC_UNROLL_N
     for (int i = 0; i < N; ++i) { rs[i] = 0.f; cs[i] = 0.f; r[i] = 0.f; c[i] = 0.f; }
@@ -420,12 +460,12 @@ namespace {
 constexpr int IMPLICIT_WARPS = 4;
 }
 
-template <int N>
+template <int N, bool DS>
 __global__ void __launch_bounds__(32 * IMPLICIT_WARPS)
 mhc_sinkhorn_knopp_implicit_bwd_warp_kernel(const float* __restrict__ grad_P, const float* __restrict__ logits,
                                             float* __restrict__ d_logits, const float* __restrict__ g_post,
                                             const float* __restrict__ h_post_raw, float* __restrict__ d_post_raw,
-                                            i64 tokens, int iters, float eps) {
+                                            i64 tokens, int iters, float eps, float post_mult) {
     static_assert(N <= 32, "one lane per row");
     constexpr int NP = N + 1;
     constexpr unsigned FULL = 0xffffffffu;
@@ -435,11 +475,7 @@ mhc_sinkhorn_knopp_implicit_bwd_warp_kernel(const float* __restrict__ grad_P, co
     const i64 t = blockIdx.x * (i64)IMPLICIT_WARPS + warp;
     if (t >= tokens) return;  // the whole warp (t is warp-uniform)
     const bool own = l < N;
-    if (h_post_raw != nullptr && own) {
-        const float hp = 2.f * mhc::sigmoid(h_post_raw[t * N + l]);
-        const float gp = g_post ? g_post[t * N + l] : 0.f;
-        d_post_raw[t * N + l] = gp * hp * (1.f - 0.5f * hp);
-    }
+    if (h_post_raw != nullptr && own) d_post_raw[t * N + l] = post_raw_grad(g_post, h_post_raw, t * N + l, post_mult);
     float* dL = d_logits + t * (N * N);
     if (grad_P == nullptr) {
         for (int k = l; k < N * N; k += 32) dL[k] = 0.f;
@@ -463,11 +499,12 @@ mhc_sinkhorn_knopp_implicit_bwd_warp_kernel(const float* __restrict__ grad_P, co
     }
     __syncwarp();
     for (int it = 0; it < iters; ++it) {
-        if (own) {  // row step, row l
+        if (own) {  // row step, row l (DS: the softmax start first)
             float s = 0.f;
             for (int j = 0; j < N; ++j) s += P[l][j];
-            const float inv = 1.f / (s + eps);
-            for (int j = 0; j < N; ++j) P[l][j] *= inv;
+            const bool softmax = DS && it == 0;
+            const float inv = 1.f / (softmax ? s : s + eps);
+            for (int j = 0; j < N; ++j) P[l][j] = softmax ? fmaf(P[l][j], inv, eps) : P[l][j] * inv;
         }
         __syncwarp();
         if (own) {  // column step, column l

@@ -9,22 +9,32 @@
 // streams.  E > 1 needs every pointer aligned to the E-element access and
 // C % E == 0; E = 1 is the general path (odd C, offset views).
 // Backward per-token reductions (dH, dh) use mhc::block_sum: deterministic.
+//
+// res_t (the post op under convention="deepseek", OPS.md "DeepSeek-V4 convention"): the
+// matrix is H_res transposed, out_j = sum_i H_res[i, j] x_i + H_post[j] y.  Only the index
+// of H_res changes, when a block copies it to shared memory (and when it stores dH_res).
 #include "common.cuh"
 
 using mhc::i64;
+
+namespace {
+// Element k = i * N + j of the matrix M of out = M x: H_res[i, j], or H_res[j, i] when res_t.
+template <int N>
+__device__ __forceinline__ int res_index(int k, int res_t) { return res_t ? (k % N) * N + k / N : k; }
+}  // namespace
 
 // ---------------------------------------------------------------- post op fwd
 template <typename T, int N, int E, bool HAS_X, bool HAS_Y>
 __global__ void mhc_post_op_fwd_kernel(const T* __restrict__ x, const T* __restrict__ y,
                                        const float* __restrict__ h_post, i64 h_post_stride,
                                        const float* __restrict__ h_res, T* __restrict__ out,
-                                       i64 tokens, int C) {
+                                       i64 tokens, int C, int res_t) {
     __shared__ float s_res[HAS_X ? N * N : 1];
     __shared__ float s_post[HAS_Y ? N : 1];
     for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
         __syncthreads();
         if (HAS_X)
-            for (int k = threadIdx.x; k < N * N; k += blockDim.x) s_res[k] = h_res[t * (N * N) + k];
+            for (int k = threadIdx.x; k < N * N; k += blockDim.x) s_res[k] = h_res[t * (N * N) + res_index<N>(k, res_t)];
         if (HAS_Y)
             for (int k = threadIdx.x; k < N; k += blockDim.x) s_post[k] = h_post[t * h_post_stride + k];
         __syncthreads();
@@ -69,7 +79,7 @@ __global__ void mhc_post_op_bwd_kernel(const TG* __restrict__ g, const T* __rest
                                        i64 h_post_stride, const float* __restrict__ h_res,
                                        T* __restrict__ dx, T* __restrict__ dy,
                                        float* __restrict__ d_post, float* __restrict__ d_res,
-                                       i64 tokens, int C) {
+                                       i64 tokens, int C, int res_t) {
     constexpr int KR = HAS_X ? RB * N : 0;
     constexpr int KP = HAS_Y ? N : 0;
     constexpr int K = KR + KP;
@@ -79,7 +89,7 @@ __global__ void mhc_post_op_bwd_kernel(const TG* __restrict__ g, const T* __rest
     for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
         __syncthreads();
         if (HAS_X)
-            for (int k = threadIdx.x; k < N * N; k += blockDim.x) s_res[k] = h_res[t * (N * N) + k];
+            for (int k = threadIdx.x; k < N * N; k += blockDim.x) s_res[k] = h_res[t * (N * N) + res_index<N>(k, res_t)];
         if (HAS_Y)
             for (int k = threadIdx.x; k < N; k += blockDim.x) s_post[k] = h_post[t * h_post_stride + k];
         __syncthreads();
@@ -164,7 +174,7 @@ __global__ void mhc_post_op_bwd_kernel(const TG* __restrict__ g, const T* __rest
                 mhc::block_sum<K>(acc, red);
                 if (HAS_X)
                     for (int k = threadIdx.x; k < KR; k += blockDim.x)
-                        if (ib + k / N < N) d_res[t * (N * N) + (i64)ib * N + k] = red[k];
+                        if (ib + k / N < N) d_res[t * (N * N) + res_index<N>(ib * N + k, res_t)] = red[k];
                 if (HAS_Y && first)
                     for (int k = threadIdx.x; k < KP; k += blockDim.x) d_post[t * N + k] = red[KR + k];
                 __syncthreads();
@@ -203,22 +213,23 @@ __global__ void mhc_stream_aggregate_fwd_kernel(const T* __restrict__ x, const f
 
 // ------------------------------------------------------- stream aggregate bwd
 // dx_i = h_i g ; dh_i = sum_c g_c x_ic (per token, [tokens, N]).
-// ACT = 1 (pre op): h = sigmoid(h_raw) and the kernel writes
-//   dh_raw_i = (sum_c g_c x_ic + gh_i) * h_i (1 - h_i), gh (grad of H_pre) may be null.
+// ACT = 1 (pre op): h = sigmoid(h_raw) + shift (shift = hc_eps: 0 under the paper convention)
+// and the kernel writes dh_raw_i = (sum_c g_c x_ic + gh_i) * s_i (1 - s_i), s = sigmoid(h_raw),
+// gh (grad of H_pre) may be null.
 // g null means a zero incoming gradient (the pre op's unused layer input); dx null: dh only
 // (the fused layer adds H_pre_i g to its dx itself).
 template <typename T, typename TG, int N, int E, int ACT>
 __global__ void mhc_stream_aggregate_bwd_kernel(const TG* __restrict__ g, const T* __restrict__ x,
                                                 const float* __restrict__ h, i64 h_stride,
                                                 const float* __restrict__ gh, T* __restrict__ dx,
-                                                float* __restrict__ dh, i64 tokens, int C) {
+                                                float* __restrict__ dh, i64 tokens, int C, float shift) {
     __shared__ float s_h[N];
     __shared__ float red[N * 32];
     for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
         __syncthreads();
         for (int k = threadIdx.x; k < N; k += blockDim.x) {
             const float v = h[t * h_stride + k];
-            s_h[k] = ACT ? mhc::sigmoid(v) : v;
+            s_h[k] = ACT ? mhc::sigmoid(v) + shift : v;
         }
         __syncthreads();
         const TG* gt = g + t * (i64)C;
@@ -253,7 +264,8 @@ __global__ void mhc_stream_aggregate_bwd_kernel(const TG* __restrict__ g, const 
             float v = red[k];
             if (ACT) {
                 if (gh != nullptr) v += gh[t * N + k];
-                v *= s_h[k] * (1.f - s_h[k]);
+                const float s = mhc::sigmoid(h[t * h_stride + k]);
+                v *= s * (1.f - s);
             }
             dh[t * N + k] = v;
         }

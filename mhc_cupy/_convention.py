@@ -41,9 +41,9 @@ def resolve(convention, **settings):
 
 
 def sinkhorn(convention, num_iters, eps) -> tuple:
-    """(num_iters, eps, deepseek) checked: under "deepseek" the softmax start is the first row
-    step, so num_iters must be >= 1 (ValueError otherwise)."""
-    convention = check(convention)
+    """(num_iters, eps, deepseek), resolved (None: the default) and checked: under "deepseek" the
+    softmax start is the first row step, so num_iters must be >= 1 (ValueError otherwise)."""
+    num_iters, eps = resolve(convention, num_iters=num_iters, eps=eps)
     iters, eps = _checks.num_iters(num_iters), _checks.eps("eps", eps)
     if convention == "deepseek" and iters < 1:
         raise ValueError(f"num_iters must be >= 1 under convention='deepseek' (the softmax start is the first "
@@ -51,7 +51,13 @@ def sinkhorn(convention, num_iters, eps) -> tuple:
     return iters, eps, convention == "deepseek"
 
 
-def activations(hc_eps, post_mult) -> tuple:
+def activations(convention, hc_eps, post_mult) -> tuple:
     """(hc_eps, post_mult) of the pre op's H_pre = sigmoid + hc_eps and H_post = post_mult sigmoid,
-    checked (finite reals >= 0)."""
+    resolved (None: the default) and checked (finite reals >= 0)."""
+    hc_eps, post_mult = resolve(convention, hc_eps=hc_eps, post_mult=post_mult)
     return _checks.eps("hc_eps", hc_eps), _checks.eps("post_mult", post_mult)
+
+
+def rms_eps(convention, value, name: str = "rms_eps") -> float:
+    """The coefficient path's RMS eps, resolved (None: the default) and checked."""
+    return _checks.eps(name, resolve(convention, rms_eps=value))

@@ -37,7 +37,7 @@ def _infos(kernel, lead: tuple, sizes: dict, dt: str, tg: str, ptr: int, shared:
 
 def _cases(dt: str, n: int, C: int, ptr: int, tg: str):
     """(planner, infos, params) for every op spec at one configuration: with and without its
-    optional inputs, its shared input in both forms, every ``grad_mode``."""
+    optional inputs, its shared input in both forms, every ``grad_mode`` and ``convention``."""
     from .ops import SPECS, coeffs
 
     sizes = {"n": n, "C": C, "K": coeffs.columns(n)}
@@ -46,10 +46,11 @@ def _cases(dt: str, n: int, C: int, ptr: int, tg: str):
         if k.name == "mhc_layer_pre_bwd" and sizes["K"] > coeffs._MMA_BWD_MAX_K:
             continue  # the fused layer backward runs on the GPU for n <= 4 only (OPS.md section 9)
         modes = ("unrolled", "implicit") if "grad_mode" in k.params else (None,)
+        conventions = ("paper", "deepseek") if "convention" in k.params else (None,)
         shared = (False, True) if k.shared and k.shared_mode == "expand" else (False,)
         absent = (False, True) if any(a.optional for a in k.args) else (False,)
-        for mode, sh, ab in itertools.product(modes, shared, absent):
-            params = dict(k.params, **({"grad_mode": mode} if mode else {}))
+        for mode, conv, sh, ab in itertools.product(modes, conventions, shared, absent):
+            params = dict(k.params, **({"grad_mode": mode} if mode else {}), **({"convention": conv} if conv else {}))
             cases.append((k.planner, _infos(k, (3,), sizes, dt, tg, ptr, sh, ab), params))
     # RMSNorm of vec(x), as the mHC paper (OPS.md 2); the coefficient backward over many tokens
     # (the narrow column sums over tokens: dalpha, dbias)

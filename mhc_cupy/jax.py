@@ -414,22 +414,22 @@ def _k(name: str, params: tuple, *arrays) -> tuple:
 
 
 # ------------------------------------------------------- custom_vjp ops
-def _sk_params(num_iters, eps):
-    return (("num_iters", num_iters), ("eps", eps))
+def _sk_params(num_iters, eps, convention="paper"):
+    return (("num_iters", num_iters), ("eps", eps), ("convention", convention))
 
 
-@functools.partial(_jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _sinkhorn(logits, num_iters, eps, grad_mode):
-    return _k("sinkhorn_knopp_fwd", _sk_params(num_iters, eps), logits)[0]
+@functools.partial(_jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _sinkhorn(logits, num_iters, eps, grad_mode, convention):
+    return _k("sinkhorn_knopp_fwd", _sk_params(num_iters, eps, convention), logits)[0]
 
 
-def _sinkhorn_fwd(logits, num_iters, eps, grad_mode):
-    return _sinkhorn(logits, num_iters, eps, grad_mode), (logits,)
+def _sinkhorn_fwd(logits, num_iters, eps, grad_mode, convention):
+    return _sinkhorn(logits, num_iters, eps, grad_mode, convention), (logits,)
 
 
-def _sinkhorn_bwd(num_iters, eps, grad_mode, res, g):
+def _sinkhorn_bwd(num_iters, eps, grad_mode, convention, res, g):
     (logits,) = res
-    return _k("sinkhorn_knopp_bwd", _sk_params(num_iters, eps) + (("grad_mode", grad_mode),), g, logits)
+    return _k("sinkhorn_knopp_bwd", _sk_params(num_iters, eps, convention) + (("grad_mode", grad_mode),), g, logits)
 
 
 _sinkhorn.defvjp(_sinkhorn_fwd, _sinkhorn_bwd)
@@ -453,33 +453,43 @@ def _rmsnorm_bwd(eps, res, g):
 _rmsnorm.defvjp(_rmsnorm_fwd, _rmsnorm_bwd)
 
 
-def _simple_vjp(fwd_name: str, bwd_name: str):
-    """custom_vjp of a single-output op without parameters whose backward
+def _simple_vjp(fwd_name: str, bwd_name: str, params: tuple = ()):
+    """custom_vjp of a single-output op with static ``params`` whose backward
     takes (grad, *inputs) and returns one gradient per input."""
 
     @_jax.custom_vjp
     def op(*args):
-        return _k(fwd_name, (), *args)[0]
+        return _k(fwd_name, params, *args)[0]
 
     def fwd(*args):
         return op(*args), args
 
     def bwd(res, g):
-        return tuple(_k(bwd_name, (), g, *res))
+        return tuple(_k(bwd_name, params, g, *res))
 
     op.defvjp(fwd, bwd)
     return op
 
 
+def _conv(convention) -> tuple:
+    return (("convention", convention),)
+
+
 _mix = _simple_vjp("stream_mix_fwd", "stream_mix_bwd")
 _aggregate = _simple_vjp("stream_aggregate_fwd", "stream_aggregate_bwd")
 _distribute = _simple_vjp("stream_distribute_fwd", "stream_distribute_bwd")
-_post_op = _simple_vjp("mhc_post_op_fwd", "mhc_post_op_bwd")
+#: The post op of each convention (static: H_res or its transpose).
+_post_ops = {c: _simple_vjp("mhc_post_op_fwd", "mhc_post_op_bwd", _conv(c)) for c in _convention.CONVENTIONS}
 
 
-@functools.partial(_jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps, grad_mode):
-    return _k("mhc_pre_op_fwd", _sk_params(num_iters, eps), x, h_pre_raw, h_post_raw, h_res_raw)
+def _pre_params(num_iters, eps, convention, hc_eps, post_mult):
+    return _sk_params(num_iters, eps, convention) + (("hc_eps", hc_eps), ("post_mult", post_mult))
+
+
+@functools.partial(_jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps, grad_mode, convention, hc_eps, post_mult):
+    return _k("mhc_pre_op_fwd", _pre_params(num_iters, eps, convention, hc_eps, post_mult), x, h_pre_raw, h_post_raw,
+              h_res_raw)
 
 
 def _value(p):
@@ -487,14 +497,14 @@ def _value(p):
     return getattr(p, "value", p)
 
 
-def _pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps, grad_mode):
+def _pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, *settings):
     args = tuple(_value(a) for a in (x, h_pre_raw, h_post_raw, h_res_raw))
-    return _pre_op(*args, _value(num_iters), _value(eps), _value(grad_mode)), args
+    return _pre_op(*args, *(_value(p) for p in settings)), args
 
 
-def _pre_op_bwd(num_iters, eps, grad_mode, res, cts):
+def _pre_op_bwd(num_iters, eps, grad_mode, convention, hc_eps, post_mult, res, cts):
     grads = tuple(None if isinstance(g, _jax.custom_derivatives.SymbolicZero) else g for g in cts)
-    params = _sk_params(num_iters, eps) + (("grad_mode", grad_mode),)
+    params = _pre_params(num_iters, eps, convention, hc_eps, post_mult) + (("grad_mode", grad_mode),)
     return _k("mhc_pre_op_bwd", params, *grads, *res)
 
 
@@ -541,36 +551,46 @@ _head_op.defvjp(_head_op_fwd, _head_op_bwd)
 
 # Jitted entry points: eager calls hit a compiled-program cache; inside an
 # outer jit / grad / vmap they are ordinary nested calls.
-_sinkhorn_jit = _jax.jit(_sinkhorn, static_argnums=(1, 2, 3))
+_sinkhorn_jit = _jax.jit(_sinkhorn, static_argnums=(1, 2, 3, 4))
 _rmsnorm_jit = _jax.jit(_rmsnorm, static_argnums=(2,))
 _mix_jit = _jax.jit(_mix)
 _aggregate_jit = _jax.jit(_aggregate)
 _distribute_jit = _jax.jit(_distribute)
-_post_op_jit = _jax.jit(_post_op)
-_pre_op_jit = _jax.jit(_pre_op, static_argnums=(4, 5, 6))
+_post_op_jits = {c: _jax.jit(op) for c, op in _post_ops.items()}
+_pre_op_jit = _jax.jit(_pre_op, static_argnums=(4, 5, 6, 7, 8, 9))
 _coeffs_jit = _jax.jit(_coeffs_op, static_argnums=(4,))
 _head_jit = _jax.jit(_head_op, static_argnums=(4, 5))
 
 
-def _static_sinkhorn(num_iters, eps, grad_mode):
-    return _checks.num_iters(num_iters), _checks.eps("eps", eps), _checks.grad_mode(grad_mode)
+def _static_sinkhorn(num_iters, eps, grad_mode, convention="paper"):
+    """(num_iters, eps, grad_mode, convention): None resolved per convention, all checked."""
+    iters, eps, _ = _convention.sinkhorn(convention, num_iters, eps)
+    return iters, eps, _checks.grad_mode(grad_mode), convention
+
+
+def _static_activations(convention, hc_eps, post_mult):
+    return _convention.activations(convention, hc_eps, post_mult)
 
 
 # ------------------------------------------------------------ public API
-def sinkhorn_knopp(logits, num_iters=20, eps=1e-8, grad_mode="unrolled"):
+def sinkhorn_knopp(logits, num_iters=None, eps=None, grad_mode="unrolled", *, convention="paper"):
     """Project each n x n matrix of logits onto the doubly-stochastic matrices (JAX).
 
     K = exp(L - rowmax(L)); then ``num_iters`` times a row normalisation
     P <- P / (rowsum + eps) followed by a column normalisation
-    P <- P / (colsum + eps) (OPS.md section 1; paper Eq. 9).
+    P <- P / (colsum + eps) (OPS.md section 1; paper Eq. 9).  ``convention="deepseek"``
+    (OPS.md "DeepSeek-V4 convention"): the first row step is the softmax plus eps.
 
     Args:
         logits: float32 [..., n, n], 1 <= n <= 32; any leading token dims.
-        num_iters: Sinkhorn iterations (row + column step each), >= 0. Static. Default 20.
-        eps: added to every row / column sum, >= 0. Static. Default 1e-8.
+        num_iters: Sinkhorn iterations (row + column step each), >= 0 (deepseek: >= 1). Static.
+            None (default): 20.
+        eps: added to every row / column sum, >= 0. Static.  None (default): 1e-8 (paper) / 1e-6
+            (deepseek).
         grad_mode: gradient of the backward, "unrolled" (default; the exact
             vector-Jacobian product of the iteration as computed) or "implicit"
             (implicit-function gradient of the converged projection). Static.
+        convention: "paper" (default) or "deepseek".  Static, keyword only.
 
     Returns:
         P: float32 [..., n, n].
@@ -585,7 +605,7 @@ def sinkhorn_knopp(logits, num_iters=20, eps=1e-8, grad_mode="unrolled"):
         stream, in place in XLA's buffers.  Backward recomputes the forward
         from the saved logits.  jit / grad / vjp / vmap supported.
     """
-    return _sinkhorn_jit(logits, *_static_sinkhorn(num_iters, eps, grad_mode))
+    return _sinkhorn_jit(logits, *_static_sinkhorn(num_iters, eps, grad_mode, convention))
 
 
 def rmsnorm(x, eps=1e-5, weight=None):
@@ -673,14 +693,18 @@ def stream_distribute(y, h):
     return _distribute_jit(y, h)
 
 
-def mhc_post_op(layer_out, x, H_post, H_res):
+def mhc_post_op(layer_out, x, H_post, H_res, *, convention="paper"):
     """mHC residual update: out_i = sum_j H_res_ij x_j + H_post_i y (JAX; OPS.md section 6, Eq. 3).
+
+    ``convention="deepseek"`` (OPS.md "DeepSeek-V4 convention"): H_res transposed,
+    out_j = sum_i H_res_ij x_i + H_post_j y.
 
     Args:
         layer_out: y, [..., C] activations (bfloat16 / float16 / float32).
         x: [..., n, C], same dtype, 1 <= n <= 32.
         H_post: float32 [..., n] (already activated, 2 sigmoid).
         H_res: float32 [..., n, n].
+        convention: "paper" (default) or "deepseek".  Static, keyword only.
 
     Returns:
         out: [..., n, C], dtype of x (one rounding per element).
@@ -692,22 +716,25 @@ def mhc_post_op(layer_out, x, H_post, H_res):
         Backward (dy, dx, dH_post, dH_res) in one kernel, no atomics: bitwise
         reproducible.
     """
-    return _post_op_jit(layer_out, x, H_post, H_res)
+    return _post_op_jits[_convention.check(convention)](layer_out, x, H_post, H_res)
 
 
-def mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=20, eps=1e-8, grad_mode="unrolled"):
+def mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=None, eps=None, grad_mode="unrolled", *,
+               convention="paper", hc_eps=None, post_mult=None):
     """mHC coefficient activations and layer input (JAX; OPS.md section 7, paper Eq. 8).
 
-    H_pre = sigmoid(h_pre_raw);  H_post = 2 sigmoid(h_post_raw);
-    H_res = sinkhorn_knopp(h_res_raw, num_iters, eps);  layer_in = sum_i H_pre_i x_i.
+    H_pre = sigmoid(h_pre_raw) + hc_eps;  H_post = post_mult sigmoid(h_post_raw);
+    H_res = sinkhorn_knopp(h_res_raw, num_iters, eps, convention=convention);  layer_in = sum_i H_pre_i x_i.
 
     Args:
         x: [..., n, C] activations (bfloat16 / float16 / float32), 1 <= n <= 32.
         h_pre_raw, h_post_raw: float32 [..., n] per token.
         h_res_raw: float32 [..., n, n] per token.
-        num_iters: Sinkhorn iterations, static, default 20.
-        eps: Sinkhorn eps, static, default 1e-8.
+        num_iters: Sinkhorn iterations, static; None (default): 20.
+        eps: Sinkhorn eps, static; None (default): 1e-8 (paper) / 1e-6 (deepseek).
         grad_mode: Sinkhorn gradient, "unrolled" (default) or "implicit". Static.
+        convention: "paper" (default) or "deepseek" (OPS.md "DeepSeek-V4 convention").  Static,
+            keyword only, as hc_eps (None: 0 paper / 1e-6 deepseek) and post_mult (None: 2).
 
     Returns:
         (layer_in [..., C] dtype of x, H_pre float32 [..., n], H_post float32
@@ -722,10 +749,11 @@ def mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=20, eps=1e-8, grad
         passed to the backward kernel as absent (it contributes nothing and
         costs nothing); everything else is recomputed from the saved inputs.
     """
-    return _pre_op_jit(x, h_pre_raw, h_post_raw, h_res_raw, *_static_sinkhorn(num_iters, eps, grad_mode))
+    return _pre_op_jit(x, h_pre_raw, h_post_raw, h_res_raw, *_static_sinkhorn(num_iters, eps, grad_mode, convention),
+                       *_static_activations(convention, hc_eps, post_mult))
 
 
-def mhc_coeffs(x, phi, alpha, bias, eps=1e-5):
+def mhc_coeffs(x, phi, alpha, bias, eps=None, *, convention="paper"):
     """Per-token mHC coefficients from the residual stream (JAX; OPS.md section 8, paper Eqs. 14-18).
 
     With x~ = vec(x) (length n*C), r = sqrt(mean(x~^2) + eps) and Ht = x~ phi:
@@ -735,7 +763,10 @@ def mhc_coeffs(x, phi, alpha, bias, eps=1e-5):
     Args:
         x: [..., n, C] activations (bfloat16 / float16 / float32), 1 <= n <= 32.
         phi: float32 [n*C, n*n + 2n].  alpha: float32 [3].  bias: float32 [n*n + 2n].
-        eps: added to the mean square, >= 0. Static. Default 1e-5.
+        eps: added to the mean square, >= 0. Static.  None (default): 1e-5 (paper) / 1e-6 (deepseek).
+        convention: "paper" (default) or "deepseek": the same maths (DeepSeek-V4's hc_fn is phi^T,
+            hc_scale alpha, hc_base bias: OPS.md "DeepSeek-V4 convention"), only the default eps
+            differs.  Static, keyword only.
 
     Returns:
         (h_pre_raw [..., n], h_post_raw [..., n], h_res_raw [..., n, n]), float32.
@@ -748,7 +779,7 @@ def mhc_coeffs(x, phi, alpha, bias, eps=1e-5):
         are symbolic zeros); jit / grad / vmap supported (a batched phi, alpha
         or bias, or their per-example gradients, run once per example).
     """
-    return _coeffs_jit(x, phi, alpha, bias, _checks.eps("eps", eps))
+    return _coeffs_jit(x, phi, alpha, bias, _convention.rms_eps(convention, eps, "eps"))
 
 
 # ------------------------------------------------------------ the mHC layer
@@ -798,31 +829,39 @@ def mhc_to_deepseek(params: dict) -> tuple:
 
 
 # ------------------------------------------------------- fused layer (OPS.md section 9)
-def _layer_params(num_iters, eps, rms_eps):
-    return (("num_iters", num_iters), ("eps", eps), ("rms_eps", rms_eps))
+def _layer_settings(num_iters, eps, rms_eps, grad_mode, convention="paper", hc_eps=None, post_mult=None) -> tuple:
+    """The fused layer's static settings (num_iters, eps, rms_eps, grad_mode, convention, hc_eps,
+    post_mult): None resolved per convention, all checked."""
+    iters, eps, grad_mode, convention = _static_sinkhorn(num_iters, eps, grad_mode, convention)
+    return (iters, eps, _convention.rms_eps(convention, rms_eps), grad_mode, convention,
+            *_static_activations(convention, hc_eps, post_mult))
 
 
-@functools.partial(_jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5, 6))
-def _fused_layer(f, num_iters, eps, rms_eps, grad_mode, pre_conv, post_conv, phi, alpha, bias, x, *consts):
-    return _fused_layer_fwd(f, num_iters, eps, rms_eps, grad_mode, pre_conv, post_conv, phi, alpha, bias, x,
-                            *consts)[0]
+def _layer_params(settings):
+    num_iters, eps, rms_eps, _, convention, hc_eps, post_mult = settings
+    return (("num_iters", num_iters), ("eps", eps), ("rms_eps", rms_eps), ("convention", convention),
+            ("hc_eps", hc_eps), ("post_mult", post_mult))
 
 
-def _fused_layer_fwd(f, num_iters, eps, rms_eps, grad_mode, pre_conv, post_conv, phi, alpha, bias, x, *consts):
-    layer_in, H_pre, H_post, H_res, stats = _k("mhc_layer_pre_fwd", _layer_params(num_iters, eps, rms_eps) + pre_conv,
-                                               x, phi, alpha, bias)
+@functools.partial(_jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fused_layer(f, settings, phi, alpha, bias, x, *consts):
+    return _fused_layer_fwd(f, settings, phi, alpha, bias, x, *consts)[0]
+
+
+def _fused_layer_fwd(f, settings, phi, alpha, bias, x, *consts):
+    layer_in, H_pre, H_post, H_res, stats = _k("mhc_layer_pre_fwd", _layer_params(settings), x, phi, alpha, bias)
     y, f_vjp = _jax.vjp(lambda li, *c: f(li, *c).astype(x.dtype), layer_in, *consts)
-    (out,) = _k("mhc_post_op_fwd", post_conv, y, x, H_post, H_res)
+    (out,) = _k("mhc_post_op_fwd", _conv(settings[4]), y, x, H_post, H_res)
     return out, (phi, alpha, bias, x, stats, H_pre, H_post, H_res, y, f_vjp)
 
 
-def _fused_layer_bwd(f, num_iters, eps, rms_eps, grad_mode, pre_conv, post_conv, res, g):
+def _fused_layer_bwd(f, settings, res, g):
     phi, alpha, bias, x, stats, H_pre, H_post, H_res, y, f_vjp = res
-    dy, dH_post, dH_res = _k("mhc_layer_post_bwd", post_conv, g, y, x, H_post, H_res)
+    dy, dH_post, dH_res = _k("mhc_layer_post_bwd", _conv(settings[4]), g, y, x, H_post, H_res)
     g_li, *d_consts = f_vjp(dy)
     if g_li.dtype != g.dtype:
         g_li = g_li.astype(g.dtype)
-    params = _layer_params(num_iters, eps, rms_eps) + (("grad_mode", grad_mode),) + pre_conv
+    params = _layer_params(settings) + (("grad_mode", settings[3]),)
     dx, dphi, dalpha, dbias = _k("mhc_layer_pre_bwd", params, g_li, g, dH_post, dH_res, x, phi, alpha, bias, stats,
                                  H_pre, H_res)
     return (dphi, dalpha, dbias, dx, *d_consts)
@@ -862,26 +901,18 @@ def mhc_layer(params: dict, x, f, num_iters=None, eps=None, rms_eps=None, grad_m
     """
     if not isinstance(params, dict) or any(k not in params for k in ("phi", "alpha", "bias")):
         raise TypeError(f"params must be the dict of mhc_init (phi, alpha, bias), got {type(params).__name__}")
-    convention = _convention.check(convention)
-    num_iters, eps, rms_eps, hc_eps, post_mult = _convention.resolve(
-        convention, num_iters=num_iters, eps=eps, rms_eps=rms_eps, hc_eps=hc_eps, post_mult=post_mult)
-    num_iters, eps, rms_eps, grad_mode = _checks.layer_settings(num_iters, eps, rms_eps, grad_mode)
-    _convention.sinkhorn(convention, num_iters, eps)
-    hc_eps, post_mult = _convention.activations(hc_eps, post_mult)
-    # the paper layer at its defaults passes no convention settings (the calls it always made)
-    pre_kw = {} if (convention, hc_eps, post_mult) == ("paper", 0.0, 2.0) else {
-        "convention": convention, "hc_eps": hc_eps, "post_mult": post_mult}
-    post_kw = {} if convention == "paper" else {"convention": convention}
+    settings = _layer_settings(num_iters, eps, rms_eps, grad_mode, _convention.check(convention), hc_eps, post_mult)
+    num_iters, eps, rms_eps, grad_mode, convention, hc_eps, post_mult = settings
     if getattr(x, "ndim", 0) >= 2 and _ops.coeffs.columns(x.shape[-2]) <= _ops.coeffs._MMA_BWD_MAX_K:
         # the fused pieces (OPS.md section 9), one custom_vjp around the whole layer with f's VJP inside
         # (f's closed-over traced values become explicit arguments, so they get their gradients)
         example = _jax.ShapeDtypeStruct(tuple(x.shape[:-2]) + (x.shape[-1],), x.dtype)
         f_conv, consts = _jax.closure_convert(f, example)
-        return _fused_layer(f_conv, num_iters, eps, rms_eps, grad_mode, tuple(pre_kw.items()),
-                            tuple(post_kw.items()), params["phi"], params["alpha"], params["bias"], x, *consts)
+        return _fused_layer(f_conv, settings, params["phi"], params["alpha"], params["bias"], x, *consts)
     h_pre, h_post, h_res = mhc_coeffs(x, params["phi"], params["alpha"], params["bias"], rms_eps)
-    layer_in, _, H_post, H_res = mhc_pre_op(x, h_pre, h_post, h_res, num_iters, eps, grad_mode, **pre_kw)
-    return mhc_post_op(f(layer_in).astype(x.dtype), x, H_post, H_res, **post_kw)
+    layer_in, _, H_post, H_res = mhc_pre_op(x, h_pre, h_post, h_res, num_iters, eps, grad_mode,
+                                            convention=convention, hc_eps=hc_eps, post_mult=post_mult)
+    return mhc_post_op(f(layer_in).astype(x.dtype), x, H_post, H_res, convention=convention)
 
 
 # ------------------------------------------------------------------ the head (OPS.md section 10)
@@ -902,7 +933,7 @@ def mhc_head_init(key, dim: int, n_streams: int = 4, scale_init: float = 0.01) -
             "hc_base": _jnp.full((n,), logit(1.0 / n if n > 1 else 0.99), _jnp.float32)}
 
 
-def mhc_head(params: dict, x, rms_eps=None, hc_eps=None, convention: str = "deepseek"):
+def mhc_head(params: dict, x, rms_eps=None, hc_eps=None, *, convention: str = "deepseek"):
     """The mHC head: n streams -> one hidden state (JAX; OPS.md section 10, DeepSeek-V4 ``hc_head``).
 
     Per token, with x~ = vec(x): w = sigmoid((x~ hc_fn^T) / sqrt(mean(x~^2) + rms_eps) * hc_scale
@@ -915,7 +946,7 @@ def mhc_head(params: dict, x, rms_eps=None, hc_eps=None, convention: str = "deep
         x: [..., n, C] (bfloat16 / float16 / float32).
         rms_eps, hc_eps: None: the convention's defaults ("deepseek": 1e-6, 1e-6; "paper":
             1e-5, 0).  Static.
-        convention: "deepseek" (default) or "paper".
+        convention: "deepseek" (default) or "paper"; keyword only.
 
     Returns:
         out [..., C], dtype of x; differentiable in x and the parameters (custom_vjp);
@@ -928,6 +959,5 @@ def mhc_head(params: dict, x, rms_eps=None, hc_eps=None, convention: str = "deep
     if not isinstance(params, dict) or any(k not in params for k in ("hc_fn", "hc_scale", "hc_base")):
         raise TypeError(f"params must be the dict of mhc_head_init (hc_fn, hc_scale, hc_base), "
                         f"got {type(params).__name__}")
-    rms_eps, hc_eps = _convention.resolve(convention, rms_eps=rms_eps, hc_eps=hc_eps)
-    return _head_jit(x, params["hc_fn"], params["hc_scale"], params["hc_base"], _checks.eps("rms_eps", rms_eps),
-                     _checks.eps("hc_eps", hc_eps))
+    return _head_jit(x, params["hc_fn"], params["hc_scale"], params["hc_base"], _convention.rms_eps(convention, rms_eps),
+                     _checks.eps("hc_eps", _convention.resolve(convention, hc_eps=hc_eps)))

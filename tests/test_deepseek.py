@@ -185,3 +185,206 @@ def test_paper_reference_unchanged(rng):
     np.testing.assert_array_equal(R.sinkhorn_knopp_fwd(L), R.sinkhorn_knopp_fwd(L, 20, 1e-8, "paper"))
     np.testing.assert_array_equal(R.sinkhorn_knopp_bwd(G, L), R.sinkhorn_knopp_bwd(G, L, 20, 1e-8))
     assert not np.allclose(R.sinkhorn_knopp_fwd(L, 2), R.sinkhorn_knopp_fwd(L, 2, convention="deepseek"))
+
+
+# ------------------------------------------------------------------ the ops through every route
+#: name -> (inputs (name, trailing shape, kind, scale), the oracle).  kind: "act" (x's dtype),
+#: "coef" (float32).  Logits of scale 2; DeepSeek-layout parameters for the coefficient path.
+OPS = {
+    "sinkhorn_knopp": ((("logits", "nn", "coef", 2.0),), O.sinkhorn),
+    "mhc_pre_op": ((("x", "nC", "act", 1.0), ("h_pre_raw", "n", "coef", 2.0), ("h_post_raw", "n", "coef", 2.0),
+                    ("h_res_raw", "nn", "coef", 2.0)), O.pre_op),
+    "mhc_post_op": ((("layer_out", "C", "act", 1.0), ("x", "nC", "act", 1.0), ("H_post", "n", "coef", 1.0),
+                     ("H_res", "nn", "coef", 0.5)), O.post_op),
+    "mhc_coeffs": ((("x", "nC", "act", 1.0), ("phi", "p", "coef", 1.0), ("alpha", "3", "coef", 1.0),
+                    ("bias", "m", "coef", 0.5)), lambda x, phi, a, b: O.coeffs(x, phi.T, a, b)),
+}
+def _np_dtype(name):
+    import ml_dtypes
+
+    return {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[name]
+
+
+def make_inputs(rng, op, lead, n, C, dt):
+    """The op's inputs as NumPy arrays of their dtypes (activations ``dt``, coefficients float32)."""
+    shapes = {"nn": (n, n), "n": (n,), "nC": (n, C), "C": (C,), "3": (3,), "m": (n * n + 2 * n,),
+              "p": (n * C, n * n + 2 * n)}
+    out = []
+    for name, shape, kind, scale in OPS[op][0]:
+        per_token = shape in ("nn", "n", "nC", "C")
+        a = rng.normal(size=(lead if per_token else ()) + shapes[shape]) * scale
+        if name == "phi":
+            a /= np.sqrt(n * C)
+        if name in ("H_post", "H_res"):
+            a = np.abs(a)
+        out.append(a.astype(_np_dtype(dt) if kind == "act" else np.float32))
+    return out
+
+
+def oracle(op, inputs, cots):
+    """(outputs, input gradients) of the float64 oracle at the given (rounded) inputs."""
+    return oracle_vjp(OPS[op][1], [f64(a) for a in inputs], [None if g is None else f64(g) for g in cots])
+
+
+def cotangents(rng, outs, dt, op):
+    """One cotangent per output (activation outputs in ``dt``, the rest float32)."""
+    cts = []
+    for o in outs:
+        a = rng.normal(size=np.shape(o))
+        act = op in ("mhc_post_op",) or (op == "mhc_pre_op" and len(cts) == 0)
+        cts.append(a.astype(_np_dtype(dt) if act else np.float32))
+    return cts
+
+
+def tol(dt):
+    """The CPU routes compute in float64 and round each output once (TOL["rounding"]); 4x for
+    float64 -> float32 -> bfloat16 and the rms scale of near-zero elements."""
+    return TOL["rounding"][dt] * 4
+
+
+def assert_all(got, want, what):
+    """Each output within the rounding of its own dtype (activations: x's; coefficients: float32)."""
+    assert len(got) == len(want), what
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_close(g, w, tol(str(g.dtype).replace("torch.", "")), f"{what}[{i}]")
+
+
+FUNCTIONAL = {
+    "sinkhorn_knopp": (mhc_cupy.sinkhorn_knopp_fwd, mhc_cupy.sinkhorn_knopp_bwd),
+    "mhc_pre_op": (mhc_cupy.mhc_pre_op_fwd, mhc_cupy.mhc_pre_op_bwd),
+    "mhc_post_op": (mhc_cupy.mhc_post_op_fwd, mhc_cupy.mhc_post_op_bwd),
+    "mhc_coeffs": (mhc_cupy.mhc_coeffs_fwd, mhc_cupy.mhc_coeffs_bwd),
+}
+
+
+def _tuple(v):
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,)
+
+
+#: (op, activation dtype, C): Sinkhorn has neither (float32 logits only).
+OP_DTYPES = [("sinkhorn_knopp", "float32", 1)] + [(op, dt, C) for op in ("mhc_coeffs", "mhc_post_op", "mhc_pre_op")
+                                                  for dt in ("bfloat16", "float16", "float32") for C in (7, 33)]
+
+
+@pytest.mark.parametrize("lead", LEADS)
+@pytest.mark.parametrize("n", [1, 3, 4, 8])
+@pytest.mark.parametrize("op,dt,C", OP_DTYPES)
+def test_functional_cpu(rng, op, dt, C, lead, n):
+    """The functional API on CPU inputs (the NumPy reference, rounded once) vs the oracle."""
+    fwd, bwd = FUNCTIONAL[op]
+    ins = make_inputs(rng, op, lead, n, C, dt)
+    outs = _tuple(fwd(*ins, convention="deepseek"))
+    cts = cotangents(rng, outs, dt, op)
+    want, dwant = oracle(op, ins, cts)
+    assert_all(outs, want, f"{op} forward")
+    assert_all(_tuple(bwd(*cts, *ins, convention="deepseek")), dwant, f"{op} backward")
+
+
+@pytest.mark.parametrize("n", [1, 4, 5])
+@pytest.mark.parametrize("op,dt", sorted({(op, dt) for op, dt, _ in OP_DTYPES}))
+def test_torch_adapter(rng, op, dt, n):
+    """mhc_cupy.torch under convention="deepseek": values and autograd gradients vs the oracle."""
+    import mhc_cupy.torch as mt
+
+    ins = make_inputs(rng, op, (3,), n, 33, dt)
+    ts = [torch.tensor(np.asarray(a, np.float32)).to(getattr(torch, dt) if a.dtype.itemsize == 2 else torch.float32)
+          .requires_grad_() for a in ins]
+    outs = _tuple(getattr(mt, op)(*ts, convention="deepseek"))
+    cts = cotangents(rng, outs, dt, op)
+    want, dwant = oracle(op, ins, cts)
+    assert_all(outs, want, f"{op} forward")
+    tcts = [torch.tensor(np.asarray(c, np.float32)).to(o.dtype) for c, o in zip(cts, outs)]
+    assert_all(torch.autograd.grad(outs, ts, tcts), dwant, f"{op} gradients")
+
+
+@pytest.mark.parametrize("op,dt", sorted({(op, dt) for op, dt, _ in OP_DTYPES if dt != "float16"}))
+def test_jax_adapter(rng, op, dt):
+    """mhc_cupy.jax under convention="deepseek": values and jax.vjp gradients vs the oracle."""
+    jax = pytest.importorskip("jax")
+    import mhc_cupy.jax as mj
+
+    ins = make_inputs(rng, op, (3,), 4, 33, dt)
+    outs, vjp = jax.vjp(lambda *a: _tuple(getattr(mj, op)(*a, convention="deepseek")), *ins)
+    cts = cotangents(rng, outs, dt, op)
+    want, dwant = oracle(op, ins, cts)
+    assert_all(outs, want, f"{op} forward")
+    assert_all(vjp(tuple(cts)), dwant, f"{op} gradients")
+
+
+def test_torch_compile_deepseek(rng):
+    """The custom-op route (torch.compile) takes the convention: equal to the eager route."""
+    import mhc_cupy.torch as mt
+
+    ins = [torch.tensor(np.asarray(a, np.float32)).requires_grad_() for a in make_inputs(rng, "mhc_pre_op", (3,), 4,
+                                                                                        33, "float32")]
+
+    def f(*a):
+        layer_in, H_pre, H_post, H_res = mt.mhc_pre_op(*a, convention="deepseek")
+        return mt.mhc_post_op(layer_in, a[0], H_post, H_res, convention="deepseek").square().sum() + H_pre.sum()
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    got, want = compiled(*ins), f(*ins)
+    assert torch.equal(got, want)
+    for a, b in zip(torch.autograd.grad(got, ins), torch.autograd.grad(want, ins)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "implicit"])
+def test_fused_layer_pieces_functional(rng, mode):
+    """mhc_layer_pre_fwd -> post op -> mhc_layer_post_bwd -> mhc_layer_pre_bwd under deepseek (CPU)
+    against the oracle layer (identity sublayer)."""
+    x, phi, alpha, bias = make_inputs(rng, "mhc_coeffs", (3,), 4, 33, "float32")
+    iters, eps = (20, None) if mode == "unrolled" else (300, 0.0)
+    kw = dict(convention="deepseek")
+    layer_in, H_pre, H_post, H_res, stats = mhc_cupy.mhc_layer_pre_fwd(x, phi, alpha, bias, iters, eps, **kw)
+    out = mhc_cupy.mhc_post_op_fwd(layer_in, x, H_post, H_res, **kw)
+    g = rng.normal(size=x.shape).astype(np.float32)
+    (want,), dwant = oracle_vjp(lambda *a: O.layer(a[0], a[1].T, a[2], a[3], iters=iters, eps=eps or 0.0),
+                                [f64(a) for a in (x, phi, alpha, bias)], [f64(g)])
+    if mode == "unrolled":
+        (want,), dwant = oracle_vjp(lambda *a: O.layer(a[0], a[1].T, a[2], a[3]), [f64(a) for a in (x, phi, alpha, bias)],
+                                    [f64(g)])
+    assert_close(out, want, tol("float32") * 10, "layer output")
+    dy, dH_post, dH_res = mhc_cupy.mhc_layer_post_bwd(g, layer_in, x, H_post, H_res, **kw)
+    got = mhc_cupy.mhc_layer_pre_bwd(dy, g, dH_post, dH_res, x, phi, alpha, bias, stats, H_pre, H_res, iters, eps,
+                                     grad_mode=mode, **kw)
+    for i, (a, w) in enumerate(zip(got, dwant)):
+        assert_close(a, w, 1e-4 if mode == "unrolled" else 1e-3, f"layer gradient {i}")
+
+
+@pytest.mark.parametrize("mode", ["unrolled", "implicit"])
+def test_torch_layer_pieces(rng, mode):
+    """mhc_cupy.torch.mhc_layer_pre / mhc_layer_post under deepseek: autograd vs the oracle layer."""
+    import mhc_cupy.torch as mt
+
+    arrays = make_inputs(rng, "mhc_coeffs", (3,), 2, 33, "float32")
+    ts = [torch.tensor(a).requires_grad_() for a in arrays]
+    iters = 20 if mode == "unrolled" else 300
+    eps = None if mode == "unrolled" else 0.0
+    layer_in, x_link, H_post, H_res = mt.mhc_layer_pre(*ts, iters, eps, grad_mode=mode, convention="deepseek")
+    out = mt.mhc_layer_post(torch.tanh(layer_in), x_link, H_post, H_res, convention="deepseek")
+    g = rng.normal(size=arrays[0].shape)
+    (want,), dwant = oracle_vjp(lambda x, p, a, b: O.layer(x, p.T, a, b, torch.tanh, iters=iters,
+                                                           eps=1e-6 if eps is None else eps),
+                                [f64(a) for a in arrays], [g])
+    assert_close(out, want, 1e-5, "output")
+    got = torch.autograd.grad(out, ts, torch.tensor(g, dtype=torch.float32))
+    for i, (a, w) in enumerate(zip(got, dwant)):
+        assert_close(a, w, 1e-4 if mode == "unrolled" else 1e-3, f"gradient {i}")
+
+
+def test_jax_fused_layer_settings(rng):
+    """The JAX fused layer's custom_vjp carries the convention (mhc_cupy.jax._fused_layer under deepseek)."""
+    jax = pytest.importorskip("jax")
+    import mhc_cupy.jax as mj
+
+    x, phi, alpha, bias = make_inputs(rng, "mhc_coeffs", (3,), 4, 33, "float32")
+    settings = mj._layer_settings(None, None, None, "unrolled", "deepseek")
+    assert settings == (20, 1e-6, 1e-6, "unrolled", "deepseek", 1e-6, 2.0)
+    out, vjp = jax.vjp(lambda *a: mj._fused_layer(jax.numpy.tanh, settings, *a), phi, alpha, bias, x)
+    g = rng.normal(size=x.shape).astype(np.float32)
+    (want,), dwant = oracle_vjp(lambda p, a, b, xx: O.layer(xx, p.T, a, b, torch.tanh),
+                                [f64(a) for a in (phi, alpha, bias, x)], [f64(g)])
+    assert_close(out, want, 1e-5, "output")
+    for i, (a, w) in enumerate(zip(vjp(g), dwant)):
+        assert_close(a, w, 1e-4, f"gradient {i}")

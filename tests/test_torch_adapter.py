@@ -568,7 +568,7 @@ def test_opcheck_args_follow_the_spec(rng):
     assert shapes("rmsnorm_fwd") == [(3, 7), 1e-5, (7,)]
     assert shapes("stream_distribute_bwd") == [(3, 4, 7), (3, 7), (4,)]
     assert shapes("mhc_pre_op_bwd") == [(3, 7), None, (3, 4), None, (3, 4, 7), (3, 4), (3, 4), (3, 4, 4), 20, 1e-8,
-                                        "unrolled"]
+                                        "unrolled", "paper", 0.0, 2.0]
     assert shapes("mhc_layer_pre_bwd")[:9] == [(3, 7), (3, 4, 7), (3, 4), (3, 4, 4), (3, 4, 7), (28, 24), (3,), (24,),
                                                (3, 25)]
 

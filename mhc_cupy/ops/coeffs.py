@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 
-from .. import _checks, reference
+from .. import _checks, _convention, reference
 from .._dispatch import Plan, run
 from ._launch import ITEMSIZE, CTYPE, MAX_GRID, column_sum, f32, i32, i64, launch, tokens_of, vec_width
 from .stream import check_x
@@ -312,9 +312,10 @@ def mma_bwd(tokens: int, n: int, C: int, K: int) -> MmaBwd:
 
 
 def launch_mma_bwd(b: MmaBwd, dt: str, x, phi, dH, KP: int, dx, dphi, sc: dict, stream, tg: str | None = None,
-                   g=None, g_li=None, H_pre=None, H_res=None):
-    """dx = dH phi^T - c x (+ H_pre_i g_li + sum_j H_res[j, i] g_j when g is given) and dphi,
-    on tensor cores; sc holds the buffers named by b.scratch() (dphi partials summed here)."""
+                   g=None, g_li=None, H_pre=None, H_res=None, res_t=False):
+    """dx = dH phi^T - c x (+ H_pre_i g_li + sum_j H_res[j, i] g_j when g is given; with ``res_t``,
+    convention="deepseek", sum_j H_res[i, j] g_j) and dphi, on tensor cores; sc holds the buffers
+    named by b.scratch() (dphi partials summed here)."""
     D = b.n * b.C
     layer = g is not None or g_li is not None  # either layer gradient alone adds its dx term
     tg = tg or dt
@@ -331,7 +332,7 @@ def launch_mma_bwd(b: MmaBwd, dt: str, x, phi, dH, KP: int, dx, dphi, sc: dict, 
                   f"{b.K16 // 16},{b.Kp8 // 8},{stages}>",
            (_cdiv(b.C, 64), b.splits, 1), (32 * b.n, 1, 1),
            (x, sc["phi_r"], sc["dH_r"], sc["dH_c"], dH, g, g_li, H_pre, H_res, dx, out, i64(b.tokens),
-            i64(b.tokens_p), i32(b.n), i32(b.C), i32(b.K), i32(KP), i64(b.t_split)),
+            i64(b.tokens_p), i32(b.n), i32(b.C), i32(b.K), i32(KP), i64(b.t_split), i32(res_t)),
            stream, smem)
     if b.splits > 1:
         column_sum(out, dphi, b.splits, D * b.K, stream)
@@ -388,7 +389,7 @@ def _plan_bwd(infos, eps):
 
 
 # ------------------------------------------------------------------ public
-def mhc_coeffs_fwd(x, phi, alpha, bias, eps=1e-5):
+def mhc_coeffs_fwd(x, phi, alpha, bias, eps=None, *, convention="paper"):
     """Raw mHC coefficients of each token from its residual stream (OPS.md section 8, paper Eqs. 14-18).
 
     With x~ = vec(x_t) (length D = n*C), H~ = x~ @ phi and r = sqrt(mean(x~^2) + eps):
@@ -401,7 +402,10 @@ def mhc_coeffs_fwd(x, phi, alpha, bias, eps=1e-5):
         phi: float32 [n*C, n*n + 2n], columns ordered pre | post | res.
         alpha: float32 [3] = (alpha_pre, alpha_post, alpha_res).
         bias: float32 [n*n + 2n], the column order of phi.
-        eps: >= 0, added to the mean square (RMSNorm eps).  Default 1e-5.
+        eps: >= 0, added to the mean square (RMSNorm eps).  None (default): 1e-5 (paper) / 1e-6 (deepseek).
+        convention: "paper" (default) or "deepseek"; keyword only.  The maths is the same under
+            both (DeepSeek-V4's hc_fn is phi^T, hc_scale alpha, hc_base bias: OPS.md
+            "DeepSeek-V4 convention"); only the default eps differs.
 
     Returns:
         (h_pre_raw float32 [..., n], h_post_raw float32 [..., n], h_res_raw float32 [..., n, n]).
@@ -409,7 +413,7 @@ def mhc_coeffs_fwd(x, phi, alpha, bias, eps=1e-5):
 
     Raises:
         TypeError: x not an activation dtype, or phi / alpha / bias not float32.
-        ValueError: shapes disagree, n out of range, C = 0, arrays on different devices.
+        ValueError: shapes disagree, n out of range, C = 0, arrays on different devices, bad convention.
 
     Notes:
         Float32 accumulation in a fixed order (no atomics): bitwise reproducible.
@@ -420,10 +424,12 @@ def mhc_coeffs_fwd(x, phi, alpha, bias, eps=1e-5):
     Autograd: none.  Torch tensors that require grad (with grad mode on) give an
     ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_coeffs`` for gradients.
     """
-    return run(_plan_fwd, {"x": x, "phi": phi, "alpha": alpha, "bias": bias}, eps=eps)
+    return run(_plan_fwd, {"x": x, "phi": phi, "alpha": alpha, "bias": bias}, eps=_convention.resolve(convention,
+                                                                                                     rms_eps=eps))
 
 
-def mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alpha, bias, eps=1e-5):
+def mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alpha, bias, eps=None, *,
+                   convention="paper"):
     """Gradient of :func:`mhc_coeffs_fwd` (OPS.md section 8).
 
     With g = [g_pre | g_post | vec(g_res)] per token, g' = alpha_grp g and r, H~ recomputed from x:
@@ -433,7 +439,7 @@ def mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alph
     Args:
         grad_h_pre_raw, grad_h_post_raw: float32 [..., n], or None (= zero).
         grad_h_res_raw: float32 [..., n, n], or None (= zero).
-        x, phi, alpha, bias, eps: as given to the forward.
+        x, phi, alpha, bias, eps, convention: as given to the forward.
 
     Returns:
         (dx [..., n, C] dtype of x, dphi float32 [n*C, n*n + 2n], dalpha float32 [3],
@@ -452,7 +458,7 @@ def mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alph
     """
     return run(_plan_bwd, {"grad_h_pre_raw": grad_h_pre_raw, "grad_h_post_raw": grad_h_post_raw,
                            "grad_h_res_raw": grad_h_res_raw, "x": x, "phi": phi, "alpha": alpha, "bias": bias},
-               eps=eps)
+               eps=_convention.resolve(convention, rms_eps=eps))
 
 
 # ------------------------------------------------------------------ op spec

@@ -22,20 +22,25 @@ and the pre / post op kernels.
 from __future__ import annotations
 
 
-from .. import _checks, reference
+from .. import _checks, _convention, reference
 from .._dispatch import Plan, run
 from .coeffs import (_MMA_BWD_MAX_K, _check as _check_coeffs, launch_finish, launch_mma_bwd, launch_mma_gemm,
                      launch_prep, mma_bwd, mma_layout, padded_row, param_grad_plan)
 from .sinkhorn import bwd_history, launch_bwd, launch_fwd
 from .stream import check_grad, launch_aggregate_bwd, launch_aggregate_fwd, launch_post_bwd
 from .post import _check as _check_post
-from .spec import (ALPHA, BIAS, GRAD_MODE, GRAD_X, H_POST, H_PRE, H_RES, LAYER_IN, LAYER_OUT, PHI, SINKHORN_PARAMS,
-                   X, Arg, Kernel)
+from .spec import (ACTIVATION_PARAMS, ALPHA, BIAS, CONVENTION, GRAD_MODE, GRAD_X, H_POST, H_PRE, H_RES, LAYER_IN,
+                   LAYER_OUT, PHI, SINKHORN_PARAMS, X, Arg, Kernel)
 
 
-def _check_common(infos, num_iters, eps, rms_eps):
-    dt, lead, n, C, D, K, tokens, rms_eps = _check_coeffs(infos, rms_eps, False)
-    return dt, lead, n, C, D, K, tokens, _checks.num_iters(num_iters), _checks.eps("eps", eps), rms_eps
+def _check_common(infos, num_iters, eps, rms_eps, convention, hc_eps, post_mult):
+    """(dt, lead, n, C, D, K, tokens, settings): settings = (iters, eps, rms_eps, ds, hc_eps, post_mult),
+    None resolved per convention."""
+    dt, lead, n, C, D, K, tokens, rms_eps = _check_coeffs(infos, _convention.resolve(convention, rms_eps=rms_eps),
+                                                          False)
+    iters, eps, ds = _convention.sinkhorn(convention, num_iters, eps)
+    hc_eps, post_mult = _convention.activations(convention, hc_eps, post_mult)
+    return dt, lead, n, C, D, K, tokens, (iters, eps, rms_eps, ds, hc_eps, post_mult)
 
 
 def _gpu_n(n: int, what: str) -> None:
@@ -45,8 +50,9 @@ def _gpu_n(n: int, what: str) -> None:
 
 
 # ------------------------------------------------------------------ forward
-def _plan_pre_fwd(infos, num_iters, eps, rms_eps):
-    dt, lead, n, C, D, K, tokens, iters, eps, rms_eps = _check_common(infos, num_iters, eps, rms_eps)
+def _plan_pre_fwd(infos, num_iters, eps, rms_eps, convention, hc_eps, post_mult):
+    dt, lead, n, C, D, K, tokens, settings = _check_common(infos, num_iters, eps, rms_eps, convention, hc_eps, post_mult)
+    iters, eps, rms_eps, ds, hc_eps, post_mult = settings
     mma = mma_layout(tokens, D, K)
     scratch = [((mma.splits, tokens, K + 1), "float32"), mma.planes_shape,
                ((tokens, n), "float32"), ((tokens, n), "float32"), ((tokens, n, n), "float32")]
@@ -57,16 +63,19 @@ def _plan_pre_fwd(infos, num_iters, eps, rms_eps):
         launch_mma_gemm(dt, D, K, tokens, p["x"], p["phi"], part, planes, mma, stream)
         launch_finish(part, mma.splits, p["alpha"], p["bias"], h_pre, h_post, h_res, stats, tokens, D, n, K, rms_eps,
                       stream)
-        launch_fwd(n, tokens, iters, eps, h_res, H_res, stream, h_pre, h_post, H_pre, H_post)
+        launch_fwd(n, tokens, iters, eps, h_res, H_res, stream, h_pre, h_post, H_pre, H_post, ds=ds, hc_eps=hc_eps,
+                   post_mult=post_mult)
         launch_aggregate_fwd(dt, n, C, tokens, p["x"], H_pre, n, layer_in, stream)
 
     return Plan([(lead + (C,), dt), (lead + (n,), "float32"), (lead + (n,), "float32"), (lead + (n, n), "float32"),
                  (lead + (K + 1,), "float32")], run_kernels,
-                lambda a: reference.mhc_layer_pre_fwd(a["x"], a["phi"], a["alpha"], a["bias"], iters, eps, rms_eps),
+                lambda a: reference.mhc_layer_pre_fwd(a["x"], a["phi"], a["alpha"], a["bias"], iters, eps, rms_eps,
+                                                      convention, hc_eps, post_mult),
                 scratch=scratch, empty=tokens == 0)
 
 
-def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=20, eps=1e-8, rms_eps=1e-5):
+def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=None, eps=None, rms_eps=None, *, convention="paper", hc_eps=None,
+                      post_mult=None):
     """Coefficients, activations and layer input of an mHC layer in one call (OPS.md sections 7-9).
 
     mhc_coeffs_fwd (paper Eqs. 14-18) followed by mhc_pre_op_fwd (Eq. 8): the
@@ -78,6 +87,10 @@ def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=20, eps=1e-8, rms_eps=1e-5)
         bias: float32 [n*n + 2n].
         num_iters: Sinkhorn iterations (default 20);  eps: Sinkhorn eps (default 1e-8);
         rms_eps: eps of r = sqrt(mean(x~^2) + rms_eps) (default 1e-5).
+        convention: "paper" (default) or "deepseek" (OPS.md "DeepSeek-V4 convention": Sinkhorn
+            softmax start, H_pre + hc_eps; the defaults of num_iters / eps / rms_eps become
+            20 / 1e-6 / 1e-6);  hc_eps, post_mult: as mhc_pre_op_fwd.  Keyword only.  None: the
+            convention's default.
 
     Returns:
         (layer_in [..., C] dtype of x, H_pre float32 [..., n], H_post float32 [..., n],
@@ -92,35 +105,37 @@ def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=20, eps=1e-8, rms_eps=1e-5)
     ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_layer_pre`` for gradients.
     """
     return run(_plan_pre_fwd, {"x": x, "phi": phi, "alpha": alpha, "bias": bias}, num_iters=num_iters, eps=eps,
-               rms_eps=rms_eps)
+               rms_eps=rms_eps, convention=convention, hc_eps=hc_eps, post_mult=post_mult)
 
 
 # ---------------------------------------------------------- post backward
-def _plan_post_bwd(infos):
-    dt, lead, n, C, tokens = _check_post(infos)
+def _plan_post_bwd(infos, convention):
+    dt, lead, n, C, tokens, res_t = _check_post(infos, convention)
     tg = check_grad("grad", infos["grad"], infos["x"].shape, dt)
 
     def run_kernels(p, outs, scratch, stream):
         dy, d_post, d_res = outs
         launch_post_bwd(dt, tg, n, C, tokens, p["grad"], p["x"], p["layer_out"], p["H_post"], n, p["H_res"],
-                        None, dy, d_post, d_res, stream)
+                        None, dy, d_post, d_res, stream, res_t=res_t)
 
     def ref(a):
-        dy, _, d_post, d_res = reference.mhc_post_op_bwd(a["grad"], a["layer_out"], a["x"], a["H_post"], a["H_res"])
+        dy, _, d_post, d_res = reference.mhc_post_op_bwd(a["grad"], a["layer_out"], a["x"], a["H_post"], a["H_res"],
+                                                         convention)
         return dy, d_post, d_res
 
     return Plan([(infos["layer_out"].shape, dt), (infos["H_post"].shape, "float32"), (infos["H_res"].shape, "float32")],
                 run_kernels, ref, empty=tokens == 0)
 
 
-def mhc_layer_post_bwd(grad, layer_out, x, H_post, H_res):
+def mhc_layer_post_bwd(grad, layer_out, x, H_post, H_res, *, convention="paper"):
     """mhc_post_op_bwd without dx (OPS.md sections 6, 9): (d_layer_out, dH_post, dH_res).
 
     The post op's dx (sum_i H_res_ij g_i) is added by :func:`mhc_layer_pre_bwd`,
     which receives ``grad`` too, so the layer's dx is written and rounded once.
 
     Args:
-        grad: [..., n, C], dtype of x or float32.  layer_out, x, H_post, H_res: as mhc_post_op_fwd.
+        grad: [..., n, C], dtype of x or float32.  layer_out, x, H_post, H_res, convention: as
+            mhc_post_op_fwd (keyword only).
 
     Returns:
         (d_layer_out [..., C] dtype of x, dH_post float32 [..., n], dH_res float32 [..., n, n]).
@@ -128,12 +143,14 @@ def mhc_layer_post_bwd(grad, layer_out, x, H_post, H_res):
     Autograd: none.  Torch tensors that require grad (with grad mode on) give an
     ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_layer_post`` for gradients.
     """
-    return run(_plan_post_bwd, {"grad": grad, "layer_out": layer_out, "x": x, "H_post": H_post, "H_res": H_res})
+    return run(_plan_post_bwd, {"grad": grad, "layer_out": layer_out, "x": x, "H_post": H_post, "H_res": H_res},
+               convention=convention)
 
 
 # ----------------------------------------------------------- pre backward
-def _plan_pre_bwd(infos, num_iters, eps, rms_eps, grad_mode):
-    dt, lead, n, C, D, K, tokens, iters, eps, rms_eps = _check_common(infos, num_iters, eps, rms_eps)
+def _plan_pre_bwd(infos, num_iters, eps, rms_eps, grad_mode, convention, hc_eps, post_mult):
+    dt, lead, n, C, D, K, tokens, settings = _check_common(infos, num_iters, eps, rms_eps, convention, hc_eps, post_mult)
+    iters, eps, rms_eps, ds, hc_eps, post_mult = settings
     mode = _checks.grad_mode(grad_mode)
     tgs = []
     for name, shape in (("grad_layer_in", lead + (C,)), ("grad_out", lead + (n, C))):
@@ -168,28 +185,30 @@ def _plan_pre_bwd(infos, num_iters, eps, rms_eps, grad_mode):
                       rms_eps, stream)
         # Sinkhorn and H_post activation backward (null incoming gradients read as zero)
         launch_bwd(n, tokens, iters, eps, mode, p["grad_H_res"], sc["h_res"], sc["dh_res"], sc.get("hist"), stream,
-                   p["grad_H_post"], sc["h_post"], sc["dh_post"])
-        # dh_pre_raw = (sum_c g_c x_ic) H_pre (1 - H_pre); no dx here
+                   p["grad_H_post"], sc["h_post"], sc["dh_post"], ds=ds, post_mult=post_mult)
+        # dh_pre_raw = (sum_c g_c x_ic) s (1 - s), s = sigmoid(h_pre_raw); no dx here
         launch_aggregate_bwd(dt, tg, n, C, tokens, p["grad_layer_in"], p["x"], sc["h_pre"], n, None, sc["dh_pre"],
                              stream, act=1)
         launch_prep(stats, 1, (sc["dh_pre"], sc["dh_post"], sc["dh_res"]), p["alpha"], sc["dH"], sc["qa"], dalpha,
                     dbias, tokens, D, n, K, KP, rms_eps, stream)
         launch_mma_bwd(tc, dt, p["x"], p["phi"], sc["dH"], KP, dx, dphi, sc, stream, tg=tg, g=p["grad_out"],
-                       g_li=p["grad_layer_in"], H_pre=p["H_pre"], H_res=p["H_res"])
+                       g_li=p["grad_layer_in"], H_pre=p["H_pre"], H_res=p["H_res"], res_t=ds)
 
     def ref(a):
         return reference.mhc_layer_pre_bwd(a["grad_layer_in"], a["grad_out"], a["grad_H_post"], a["grad_H_res"],
                                            a["x"], a["phi"], a["alpha"], a["bias"], a["stats"], a["H_pre"], a["H_res"],
-                                           iters, eps, rms_eps, mode)
+                                           iters, eps, rms_eps, mode, convention, hc_eps, post_mult)
 
     return param_grad_plan(infos["x"].shape, dt, tokens, D, K, named, body, ref)
 
 
 def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats, H_pre, H_res,
-                      num_iters=20, eps=1e-8, rms_eps=1e-5, grad_mode="unrolled"):
+                      num_iters=None, eps=None, rms_eps=None, grad_mode="unrolled", *, convention="paper", hc_eps=None,
+                      post_mult=None):
     """Gradient of everything before the sublayer, with the post op's dx folded in (OPS.md section 9).
 
-    dx_i = H_pre_i g_layer_in + sum_j H_res[j, i] grad_out_j + (coefficient path's dx_i),
+    dx_i = H_pre_i g_layer_in + sum_j H_res[j, i] grad_out_j + (coefficient path's dx_i)
+    (convention="deepseek": sum_j H_res[i, j] grad_out_j, the post op's H_res being transposed),
     summed in float32 and rounded once; dphi, dalpha, dbias as mhc_coeffs_bwd, of the
     raw-coefficient gradients that mhc_pre_op_bwd gives for (grad_layer_in, grad_H_post,
     grad_H_res).  Sums over tokens have a fixed order (no atomics).
@@ -199,7 +218,8 @@ def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, 
         grad_out: [..., n, C] gradient of the layer's output (what mhc_layer_post_bwd got), or None;
             same dtype as grad_layer_in (the activation dtype or float32).
         grad_H_post, grad_H_res: float32 [..., n], [..., n, n] from mhc_layer_post_bwd, or None.
-        x, phi, alpha, bias, num_iters, eps, rms_eps: as given to mhc_layer_pre_fwd.
+        x, phi, alpha, bias, num_iters, eps, rms_eps, convention, hc_eps, post_mult: as given to
+            mhc_layer_pre_fwd.
         stats, H_pre, H_res: its outputs.
         grad_mode: Sinkhorn gradient, "unrolled" (default) or "implicit".
 
@@ -216,18 +236,20 @@ def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, 
     return run(_plan_pre_bwd, {"grad_layer_in": grad_layer_in, "grad_out": grad_out, "grad_H_post": grad_H_post,
                                "grad_H_res": grad_H_res, "x": x, "phi": phi, "alpha": alpha, "bias": bias,
                                "stats": stats, "H_pre": H_pre, "H_res": H_res},
-               num_iters=num_iters, eps=eps, rms_eps=rms_eps, grad_mode=grad_mode)
+               num_iters=num_iters, eps=eps, rms_eps=rms_eps, grad_mode=grad_mode, convention=convention, hc_eps=hc_eps,
+               post_mult=post_mult)
 
 
 # ------------------------------------------------------------------ op spec
 _PRE_INPUTS = (X, PHI, ALPHA, BIAS)
 _POST_INPUTS = (LAYER_OUT, X, H_POST, H_RES)
-_PARAMS = {**SINKHORN_PARAMS, "rms_eps": 1e-5}
+_PARAMS = {**SINKHORN_PARAMS, "rms_eps": 1e-5, **ACTIVATION_PARAMS}
 _STATS = Arg("stats", "...K+1", "coefficient")
 KERNELS = (
     Kernel("mhc_layer_pre_fwd", _plan_pre_fwd, _PRE_INPUTS, (LAYER_IN, H_PRE, H_POST, H_RES, _STATS),
            params=_PARAMS),
-    Kernel("mhc_layer_post_bwd", _plan_post_bwd, _POST_INPUTS, (LAYER_OUT, H_POST, H_RES), grads=(GRAD_X,)),
+    Kernel("mhc_layer_post_bwd", _plan_post_bwd, _POST_INPUTS, (LAYER_OUT, H_POST, H_RES), grads=(GRAD_X,),
+           params=CONVENTION),
     Kernel("mhc_layer_pre_bwd", _plan_pre_bwd, _PRE_INPUTS + (_STATS, H_PRE, H_RES), _PRE_INPUTS,
            grads=tuple(Arg(n, a.shape, a.kind, optional=True) for n, a in (
                ("grad_layer_in", LAYER_IN), ("grad_out", X), ("grad_H_post", H_POST), ("grad_H_res", H_RES))),

@@ -2,40 +2,46 @@
 
 from __future__ import annotations
 
-from .. import _checks, reference
+from .. import _checks, _convention, reference
 from .._dispatch import Plan, run
 from ._launch import tokens_of
 from .sinkhorn import bwd_history, launch_bwd, launch_fwd
 from .stream import check_grad, check_h, check_matrix, check_x, launch_aggregate_bwd, launch_aggregate_fwd
-from .spec import (GRAD_MODE, H_POST, H_POST_RAW, H_PRE, H_PRE_RAW, H_RES, H_RES_RAW, LAYER_IN, SINKHORN_PARAMS, X,
-                   Kernel, optional_grads)
+from .spec import (ACTIVATION_PARAMS, GRAD_MODE, H_POST, H_POST_RAW, H_PRE, H_PRE_RAW, H_RES, H_RES_RAW, LAYER_IN,
+                   SINKHORN_PARAMS, X, Kernel, optional_grads)
 
 
-def _check(infos, num_iters, eps):
+def _check(infos, num_iters, eps, convention, hc_eps, post_mult):
     dt, lead, n, C = check_x("x", infos["x"])
     check_h("h_pre_raw", infos["h_pre_raw"], lead, n, False, infos["x"].shape)
     check_h("h_post_raw", infos["h_post_raw"], lead, n, False, infos["x"].shape)
     check_matrix("h_res_raw", infos["h_res_raw"], lead, n, infos["x"].shape)
-    return dt, lead, n, C, tokens_of(lead), _checks.num_iters(num_iters), _checks.eps("eps", eps)
+    iters, eps, ds = _convention.sinkhorn(convention, num_iters, eps)
+    hc_eps, post_mult = _convention.activations(convention, hc_eps, post_mult)
+    return dt, lead, n, C, tokens_of(lead), (iters, eps, ds, hc_eps, post_mult)
 
 
-def _plan_fwd(infos, num_iters, eps):
-    dt, lead, n, C, tokens, iters, eps = _check(infos, num_iters, eps)
+def _plan_fwd(infos, num_iters, eps, convention, hc_eps, post_mult):
+    dt, lead, n, C, tokens, (iters, eps, ds, hc_eps, post_mult) = _check(infos, num_iters, eps, convention, hc_eps,
+                                                                         post_mult)
 
     def run_kernels(p, outs, scratch, stream):
         layer_in, H_pre, H_post, H_res = outs
-        launch_fwd(n, tokens, iters, eps, p["h_res_raw"], H_res, stream, p["h_pre_raw"], p["h_post_raw"], H_pre, H_post)
+        launch_fwd(n, tokens, iters, eps, p["h_res_raw"], H_res, stream, p["h_pre_raw"], p["h_post_raw"], H_pre, H_post,
+                   ds=ds, hc_eps=hc_eps, post_mult=post_mult)
         if C:
             launch_aggregate_fwd(dt, n, C, tokens, p["x"], H_pre, n, layer_in, stream)
 
     return Plan([(lead + (C,), dt), (lead + (n,), "float32"), (lead + (n,), "float32"), (lead + (n, n), "float32")],
                 run_kernels,
-                lambda a: reference.mhc_pre_op_fwd(a["x"], a["h_pre_raw"], a["h_post_raw"], a["h_res_raw"], iters, eps),
+                lambda a: reference.mhc_pre_op_fwd(a["x"], a["h_pre_raw"], a["h_post_raw"], a["h_res_raw"], iters, eps,
+                                                   convention, hc_eps, post_mult),
                 empty=tokens == 0)
 
 
-def _plan_bwd(infos, num_iters, eps, grad_mode):
-    dt, lead, n, C, tokens, iters, eps = _check(infos, num_iters, eps)
+def _plan_bwd(infos, num_iters, eps, grad_mode, convention, hc_eps, post_mult):
+    dt, lead, n, C, tokens, (iters, eps, ds, hc_eps, post_mult) = _check(infos, num_iters, eps, convention, hc_eps,
+                                                                         post_mult)
     mode = _checks.grad_mode(grad_mode)
     g = infos["grad_layer_in"]
     tg = check_grad("grad_layer_in", g, lead + (C,), dt) if g is not None else dt
@@ -49,29 +55,37 @@ def _plan_bwd(infos, num_iters, eps, grad_mode):
     def run_kernels(p, outs, s, stream):
         dx, dh_pre, dh_post, dh_res = outs
         launch_bwd(n, tokens, iters, eps, mode, p["grad_H_res"], p["h_res_raw"], dh_res, s[0] if hist else None,
-                   stream, p["grad_H_post"], p["h_post_raw"], dh_post)
+                   stream, p["grad_H_post"], p["h_post_raw"], dh_post, ds=ds, post_mult=post_mult)
         launch_aggregate_bwd(dt, tg, n, C, tokens, p["grad_layer_in"], p["x"], p["h_pre_raw"], n, dx, dh_pre,
-                             stream, act=1, gh=p["grad_H_pre"])  # a null grad_layer_in reads as zero
+                             stream, act=1, gh=p["grad_H_pre"], shift=hc_eps)  # a null grad_layer_in reads as zero
 
     def ref(a):
         return reference.mhc_pre_op_bwd(a["grad_layer_in"], a["grad_H_pre"], a["grad_H_post"], a["grad_H_res"],
-                                        a["x"], a["h_pre_raw"], a["h_post_raw"], a["h_res_raw"], iters, eps, mode)
+                                        a["x"], a["h_pre_raw"], a["h_post_raw"], a["h_res_raw"], iters, eps, mode,
+                                        convention, hc_eps, post_mult)
 
     return Plan([(infos["x"].shape, dt), (lead + (n,), "float32"), (lead + (n,), "float32"),
                  (lead + (n, n), "float32")], run_kernels, ref, scratch=scratch, empty=tokens == 0)
 
 
-def mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=20, eps=1e-8):
+def mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=None, eps=None, *, convention="paper", hc_eps=None,
+                   post_mult=None):
     """Coefficient activations and layer input of an mHC layer (OPS.md section 7, paper Eq. 8).
 
-    H_pre = sigmoid(h_pre_raw);  H_post = 2 sigmoid(h_post_raw);
-    H_res = sinkhorn_knopp(h_res_raw, num_iters, eps);  layer_in = sum_i H_pre_i x_i.
+    H_pre = sigmoid(h_pre_raw) + hc_eps;  H_post = post_mult sigmoid(h_post_raw);
+    H_res = sinkhorn_knopp(h_res_raw, num_iters, eps, convention);  layer_in = sum_i H_pre_i x_i.
+    The paper's activations are hc_eps = 0, post_mult = 2; DeepSeek-V4's hc_eps = 1e-6, post_mult = 2
+    (OPS.md "DeepSeek-V4 convention").
 
     Args:
         x: [..., n, C] activations (bfloat16 / float16 / float32), 1 <= n <= 32.
         h_pre_raw, h_post_raw: float32 [..., n] per token.
         h_res_raw: float32 [..., n, n] per token.
-        num_iters: Sinkhorn iterations, default 20.  eps: Sinkhorn eps, default 1e-8.
+        num_iters: Sinkhorn iterations; None (default): 20.
+        eps: Sinkhorn eps; None (default): 1e-8 (paper) / 1e-6 (deepseek).
+        convention: "paper" (default) or "deepseek"; keyword only, as the rest.
+        hc_eps: added to H_pre, finite >= 0; None (default): 0 (paper) / 1e-6 (deepseek).
+        post_mult: scale of H_post, finite >= 0; None (default): 2.
 
     Returns:
         (layer_in [..., C] dtype of x, H_pre float32 [..., n], H_post float32 [..., n],
@@ -85,16 +99,17 @@ def mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=20, eps=1e-8):
     ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_pre_op`` for gradients.
     """
     return run(_plan_fwd, {"x": x, "h_pre_raw": h_pre_raw, "h_post_raw": h_post_raw, "h_res_raw": h_res_raw},
-               num_iters=num_iters, eps=eps)
+               num_iters=num_iters, eps=eps, convention=convention, hc_eps=hc_eps, post_mult=post_mult)
 
 
 def mhc_pre_op_bwd(grad_layer_in, grad_H_pre, grad_H_post, grad_H_res, x, h_pre_raw, h_post_raw, h_res_raw,
-                   num_iters=20, eps=1e-8, grad_mode="unrolled"):
+                   num_iters=None, eps=None, grad_mode="unrolled", *, convention="paper", hc_eps=None, post_mult=None):
     """Gradient of :func:`mhc_pre_op_fwd` (OPS.md section 7).
 
-    dx_i = H_pre_i g;  dh_pre_raw_i = (sum_c g_c x_ic + gH_pre_i) H_pre_i (1 - H_pre_i);
-    dh_post_raw_i = gH_post_i H_post_i (1 - H_post_i / 2);
-    dh_res_raw = sinkhorn_knopp_bwd(gH_res, h_res_raw, num_iters, eps, grad_mode).
+    With s = sigmoid(h_pre_raw), s' = sigmoid(h_post_raw):
+    dx_i = H_pre_i g;  dh_pre_raw_i = (sum_c g_c x_ic + gH_pre_i) s_i (1 - s_i);
+    dh_post_raw_i = gH_post_i post_mult s'_i (1 - s'_i);
+    dh_res_raw = sinkhorn_knopp_bwd(gH_res, h_res_raw, num_iters, eps, grad_mode, convention).
     Any of the four incoming gradients may be None (= zero).  Everything is
     recomputed from x and the raw coefficients.
 
@@ -102,7 +117,8 @@ def mhc_pre_op_bwd(grad_layer_in, grad_H_pre, grad_H_post, grad_H_res, x, h_pre_
         grad_layer_in: [..., C], dtype of x or float32, or None.
         grad_H_pre, grad_H_post: float32 [..., n] or None.
         grad_H_res: float32 [..., n, n] or None.
-        x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps: as given to the forward.
+        x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps, convention, hc_eps, post_mult: as given
+            to the forward.
         grad_mode: Sinkhorn gradient, "unrolled" (default) or "implicit".
 
     Returns:
@@ -114,14 +130,16 @@ def mhc_pre_op_bwd(grad_layer_in, grad_H_pre, grad_H_post, grad_H_res, x, h_pre_
     return run(_plan_bwd, {"grad_layer_in": grad_layer_in, "grad_H_pre": grad_H_pre, "grad_H_post": grad_H_post,
                            "grad_H_res": grad_H_res, "x": x, "h_pre_raw": h_pre_raw, "h_post_raw": h_post_raw,
                            "h_res_raw": h_res_raw},
-               num_iters=num_iters, eps=eps, grad_mode=grad_mode)
+               num_iters=num_iters, eps=eps, grad_mode=grad_mode, convention=convention, hc_eps=hc_eps,
+               post_mult=post_mult)
 
 
 # ------------------------------------------------------------------ op spec
 _INPUTS = (X, H_PRE_RAW, H_POST_RAW, H_RES_RAW)
 KERNELS = (
-    Kernel("mhc_pre_op_fwd", _plan_fwd, _INPUTS, (LAYER_IN, H_PRE, H_POST, H_RES), params=SINKHORN_PARAMS),
+    Kernel("mhc_pre_op_fwd", _plan_fwd, _INPUTS, (LAYER_IN, H_PRE, H_POST, H_RES),
+           params={**SINKHORN_PARAMS, **ACTIVATION_PARAMS}),
     Kernel("mhc_pre_op_bwd", _plan_bwd, _INPUTS, _INPUTS,
            grads=optional_grads(LAYER_IN, H_PRE, H_POST, H_RES),
-           params={**SINKHORN_PARAMS, **GRAD_MODE}),
+           params={**SINKHORN_PARAMS, **GRAD_MODE, **ACTIVATION_PARAMS}),
 )

@@ -2,11 +2,13 @@
 
 One launch for all tokens (``kernels_cu/sinkhorn.cu``): a group of lanes per matrix (forward,
 unrolled backward), one thread per matrix (implicit backward, n <= 8) or one warp (n > 8).
+Every kernel has a ``DS`` template flag: the DeepSeek-V4 softmax start (OPS.md "DeepSeek-V4
+convention").
 """
 
 from __future__ import annotations
 
-from .. import _checks, reference
+from .. import _checks, _convention, reference
 from .._dispatch import Plan, run
 from ._launch import f32, i32, i64, launch, tokens_of
 from .spec import GRAD_MODE, SINKHORN_PARAMS, Arg, Kernel
@@ -58,11 +60,18 @@ def history_slots(n: int) -> int:
     return 2 * -(-n // bwd_group(n))
 
 
-def launch_fwd(n, tokens, iters, eps, logits, P, stream, h_pre_raw=None, h_post_raw=None, H_pre=None, H_post=None):
-    """Sinkhorn forward (and optionally the pre-op sigmoids) for every token."""
+def _b(v: bool) -> str:
+    return "true" if v else "false"
+
+
+def launch_fwd(n, tokens, iters, eps, logits, P, stream, h_pre_raw=None, h_post_raw=None, H_pre=None, H_post=None,
+               ds=False, hc_eps=0.0, post_mult=2.0):
+    """Sinkhorn forward (and optionally the pre-op sigmoids H_pre = sigmoid + hc_eps,
+    H_post = post_mult sigmoid) for every token; ``ds``: the DeepSeek softmax start."""
     g = fwd_group(n)
-    launch(_FILE, f"mhc_sinkhorn_knopp_fwd_kernel<{n},{g}>", (-(-tokens * g // _THREADS), 1, 1), (_THREADS, 1, 1),
-           (logits, P, h_pre_raw, h_post_raw, H_pre, H_post, i64(tokens), i32(iters), f32(eps)), stream)
+    launch(_FILE, f"mhc_sinkhorn_knopp_fwd_kernel<{n},{g},{_b(ds)}>", (-(-tokens * g // _THREADS), 1, 1),
+           (_THREADS, 1, 1), (logits, P, h_pre_raw, h_post_raw, H_pre, H_post, i64(tokens), i32(iters), f32(eps),
+                              f32(hc_eps), f32(post_mult)), stream)
 
 
 def bwd_history(n: int, tokens: int, iters: int, grad_mode: str):
@@ -83,74 +92,82 @@ def bwd_history(n: int, tokens: int, iters: int, grad_mode: str):
 
 
 def launch_bwd(n, tokens, iters, eps, grad_mode, grad_P, logits, d_logits, scratch, stream,
-               g_post=None, h_post_raw=None, d_post_raw=None):
+               g_post=None, h_post_raw=None, d_post_raw=None, ds=False, post_mult=2.0):
+    """Sinkhorn backward (and optionally the pre op's dh_post_raw of H_post = post_mult sigmoid)
+    for every token; ``ds``: of the DeepSeek forward (softmax start)."""
     threads, smem, _ = bwd_history(n, tokens, iters, grad_mode)
     if grad_mode == "implicit":
-        args = (grad_P, logits, d_logits, g_post, h_post_raw, d_post_raw, i64(tokens), i32(iters), f32(eps))
+        args = (grad_P, logits, d_logits, g_post, h_post_raw, d_post_raw, i64(tokens), i32(iters), f32(eps),
+                f32(post_mult))
         if n > _IMPLICIT_WARP_N:
-            launch(_FILE, f"mhc_sinkhorn_knopp_implicit_bwd_warp_kernel<{n}>", (-(-tokens // _IMPLICIT_WARPS), 1, 1),
-                   (32 * _IMPLICIT_WARPS, 1, 1), args, stream)
+            launch(_FILE, f"mhc_sinkhorn_knopp_implicit_bwd_warp_kernel<{n},{_b(ds)}>",
+                   (-(-tokens // _IMPLICIT_WARPS), 1, 1), (32 * _IMPLICIT_WARPS, 1, 1), args, stream)
         else:
-            launch(_FILE, f"mhc_sinkhorn_knopp_implicit_bwd_kernel<{n}>", (-(-tokens // threads), 1, 1),
+            launch(_FILE, f"mhc_sinkhorn_knopp_implicit_bwd_kernel<{n},{_b(ds)}>", (-(-tokens // threads), 1, 1),
                    (threads, 1, 1), args, stream)
         return
     g = bwd_group(n)
-    launch(_FILE, f"mhc_sinkhorn_knopp_bwd_kernel<{n},{g}>", (-(-tokens * g // threads), 1, 1), (threads, 1, 1),
-           (grad_P, logits, d_logits, scratch, i32(1 if smem else 0), g_post, h_post_raw, d_post_raw,
-            i64(tokens), i32(iters), f32(eps)), stream, shared_mem=smem)
+    launch(_FILE, f"mhc_sinkhorn_knopp_bwd_kernel<{n},{g},{_b(ds)}>", (-(-tokens * g // threads), 1, 1),
+           (threads, 1, 1), (grad_P, logits, d_logits, scratch, i32(1 if smem else 0), g_post, h_post_raw, d_post_raw,
+                             i64(tokens), i32(iters), f32(eps), f32(post_mult)), stream, shared_mem=smem)
 
 
-def _plan_fwd(infos, num_iters, eps):
+def _plan_fwd(infos, num_iters, eps, convention):
     L = infos["logits"]
     n = check_logits("logits", L)
-    iters, eps = _checks.num_iters(num_iters), _checks.eps("eps", eps)
+    iters, eps, ds = _convention.sinkhorn(convention, num_iters, eps)
     tokens = tokens_of(L.shape[:-2])
 
     def run_kernels(p, outs, scratch, stream):
-        launch_fwd(n, tokens, iters, eps, p["logits"], outs[0], stream)
+        launch_fwd(n, tokens, iters, eps, p["logits"], outs[0], stream, ds=ds)
 
     return Plan([(L.shape, "float32")], run_kernels,
-                lambda a: (reference.sinkhorn_knopp_fwd(a["logits"], iters, eps),),
+                lambda a: (reference.sinkhorn_knopp_fwd(a["logits"], iters, eps, convention),),
                 single=True, empty=tokens == 0)
 
 
-def _plan_bwd(infos, num_iters, eps, grad_mode):
+def _plan_bwd(infos, num_iters, eps, grad_mode, convention):
     L, G = infos["logits"], infos["grad_P"]
     n = check_logits("logits", L)
     _checks.coefficient("grad_P", G)
     _checks.same_shape("grad_P", G.shape, "logits", L.shape)
-    iters, eps, mode = _checks.num_iters(num_iters), _checks.eps("eps", eps), _checks.grad_mode(grad_mode)
+    iters, eps, ds = _convention.sinkhorn(convention, num_iters, eps)
+    mode = _checks.grad_mode(grad_mode)
     tokens = tokens_of(L.shape[:-2])
     hist = bwd_history(n, tokens, iters, mode)[2]
 
     def run_kernels(p, outs, scratch, stream):
         launch_bwd(n, tokens, iters, eps, mode, p["grad_P"], p["logits"], outs[0],
-                   scratch[0] if scratch else None, stream)
+                   scratch[0] if scratch else None, stream, ds=ds)
 
     return Plan([(L.shape, "float32")], run_kernels,
-                lambda a: (reference.sinkhorn_knopp_bwd(a["grad_P"], a["logits"], iters, eps, mode),),
+                lambda a: (reference.sinkhorn_knopp_bwd(a["grad_P"], a["logits"], iters, eps, mode, convention),),
                 scratch=[((hist,), "float32")] if hist else [], single=True, empty=tokens == 0)
 
 
-def sinkhorn_knopp_fwd(logits, num_iters=20, eps=1e-8):
+def sinkhorn_knopp_fwd(logits, num_iters=None, eps=None, *, convention="paper"):
     """Project each n x n matrix of logits onto the doubly-stochastic matrices.
 
     K = exp(L - rowmax(L)); then ``num_iters`` times a row normalisation
     P <- P / (rowsum + eps) followed by a column normalisation
     P <- P / (colsum + eps) (OPS.md section 1; paper Eq. 9).  The row-max shift
     never changes the result beyond rounding but keeps exp from overflowing.
+    ``convention="deepseek"`` (OPS.md "DeepSeek-V4 convention"): the first row step is
+    the softmax plus eps, P <- K / rowsum(K) + eps; num_iters counts it.
 
     Args:
         logits: float32 [..., n, n], 1 <= n <= 32; any leading token dims.
-        num_iters: Sinkhorn iterations (row + column step each), >= 0. Default 20.
-        eps: added to every row / column sum, >= 0. Default 1e-8.
+        num_iters: Sinkhorn iterations (row + column step each), >= 0 (deepseek: >= 1).
+            None (default): 20.
+        eps: added to every row / column sum, >= 0.  None (default): 1e-8 (paper), 1e-6 (deepseek).
+        convention: "paper" (default) or "deepseek"; keyword only.
 
     Returns:
         P: float32 [..., n, n]; columns sum to 1 up to rounding, rows approximately.
 
     Raises:
         TypeError: logits not float32.  ValueError: not square, n out of range,
-        bad num_iters / eps.
+        bad num_iters / eps / convention.
 
     Notes:
         GPU: one launch for all tokens on the caller's current stream.  CPU
@@ -159,10 +176,10 @@ def sinkhorn_knopp_fwd(logits, num_iters=20, eps=1e-8):
     Autograd: none.  Torch tensors that require grad (with grad mode on) give an
     ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.sinkhorn_knopp`` for gradients.
     """
-    return run(_plan_fwd, {"logits": logits}, num_iters=num_iters, eps=eps)
+    return run(_plan_fwd, {"logits": logits}, num_iters=num_iters, eps=eps, convention=convention)
 
 
-def sinkhorn_knopp_bwd(grad_P, logits, num_iters=20, eps=1e-8, grad_mode="unrolled"):
+def sinkhorn_knopp_bwd(grad_P, logits, num_iters=None, eps=None, grad_mode="unrolled", *, convention="paper"):
     """Gradient of :func:`sinkhorn_knopp_fwd` with respect to the logits.
 
     ``grad_mode="unrolled"`` (default): the exact vector-Jacobian product of
@@ -173,10 +190,12 @@ def sinkhorn_knopp_bwd(grad_P, logits, num_iters=20, eps=1e-8, grad_mode="unroll
     the n x n Schur-complement system solved directly; its cost does not
     depend on num_iters, and it differs from "unrolled" as far as the forward
     is not converged (OPS.md section 1).  Every row of d_logits sums to 0.
+    Under ``convention="deepseek"`` "unrolled" differentiates the deepseek forward,
+    softmax start included; "implicit" is the same formula at its P.
 
     Args:
         grad_P: float32 [..., n, n], gradient of the loss w.r.t. P.
-        logits, num_iters, eps: as given to the forward.
+        logits, num_iters, eps, convention: as given to the forward.
         grad_mode: "unrolled" or "implicit".
 
     Returns:
@@ -188,7 +207,8 @@ def sinkhorn_knopp_bwd(grad_P, logits, num_iters=20, eps=1e-8, grad_mode="unroll
     Autograd: none.  Torch tensors that require grad (with grad mode on) give an
     ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.sinkhorn_knopp`` for gradients.
     """
-    return run(_plan_bwd, {"grad_P": grad_P, "logits": logits}, num_iters=num_iters, eps=eps, grad_mode=grad_mode)
+    return run(_plan_bwd, {"grad_P": grad_P, "logits": logits}, num_iters=num_iters, eps=eps, grad_mode=grad_mode,
+               convention=convention)
 
 
 # ------------------------------------------------------------------ op spec

@@ -124,8 +124,14 @@ H_RES = Arg("H_res", "...nn", "coefficient")
 PHI, ALPHA, BIAS = Arg("phi", "nC,K", "parameter"), Arg("alpha", "3", "parameter"), Arg("bias", "K", "parameter")
 #: The incoming gradient of an [..., n, C] output (activation dtype or float32).
 GRAD_X = Arg("grad", "...nC", "activation")
+#: The convention of the maths (OPS.md "DeepSeek-V4 convention"): "paper" or "deepseek".
+CONVENTION = {"convention": "paper"}
 #: Sinkhorn's parameters and their defaults (OPS.md section 1); a backward adds ``grad_mode``.
-SINKHORN_PARAMS = {"num_iters": 20, "eps": 1e-8}
+#: The values are the paper convention's; the planners also take None for a setting
+#: (``mhc_cupy._convention.resolve``: the convention's default).
+SINKHORN_PARAMS = {"num_iters": 20, "eps": 1e-8, **CONVENTION}
+#: The pre op's activation settings: H_pre = sigmoid + hc_eps, H_post = post_mult sigmoid.
+ACTIVATION_PARAMS = {"hc_eps": 0.0, "post_mult": 2.0}
 GRAD_MODE = {"grad_mode": "unrolled"}
 
 

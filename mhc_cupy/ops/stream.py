@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .. import _checks, reference
 from .._dispatch import Plan, run
-from ._launch import CTYPE, column_sum, grid_for, i32, i64, launch, threads_for, tokens_of, vec_width
+from ._launch import CTYPE, column_sum, f32, grid_for, i32, i64, launch, threads_for, tokens_of, vec_width
 from .spec import GRAD_X, X, Arg, Kernel
 
 _FILE = "stream_ops.cu"
@@ -78,21 +78,24 @@ def check_grad(name: str, info, shape, dtype) -> str:
 
 
 # --------------------------------------------------------------- launchers
-def launch_post_fwd(dt, n, C, tokens, x, y, h_post, h_post_stride, h_res, out, stream):
-    """out_i = sum_j h_res_ij x_j + h_post_i y, with x and/or y absent (None)."""
+def launch_post_fwd(dt, n, C, tokens, x, y, h_post, h_post_stride, h_res, out, stream, res_t=False):
+    """out_i = sum_j h_res_ij x_j + h_post_i y, with x and/or y absent (None); ``res_t``: h_res
+    transposed (out_j = sum_i h_res_ij x_i, the post op under convention="deepseek")."""
     E = vec_width(n, C, [(p, dt) for p in (x, y, out) if p is not None])
     expr = f"mhc_post_op_fwd_kernel<{CTYPE[dt]},{n},{E},{_b(x is not None)},{_b(y is not None)}>"
     launch(_FILE, expr, grid_for(tokens), (threads_for(C, E), 1, 1),
-           (x, y, h_post, i64(h_post_stride), h_res, out, i64(tokens), i32(C)), stream)
+           (x, y, h_post, i64(h_post_stride), h_res, out, i64(tokens), i32(C), i32(res_t)), stream)
 
 
-def launch_post_bwd(dt, tg, n, C, tokens, g, x, y, h_post, h_post_stride, h_res, dx, dy, d_post, d_res, stream):
+def launch_post_bwd(dt, tg, n, C, tokens, g, x, y, h_post, h_post_stride, h_res, dx, dy, d_post, d_res, stream,
+                    res_t=False):
     has_x, has_y = x is not None, y is not None
     E = vec_width(n, C, [(g, tg)] + [(p, dt) for p in (x, y, dx, dy) if p is not None])
     rb = dh_rows(n) if has_x else 1
     expr = f"mhc_post_op_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{n},{E},{rb},{_b(has_x)},{_b(has_y)}>"
     launch(_FILE, expr, grid_for(tokens), (threads_for(C, E), 1, 1),
-           (g, x, y, h_post, i64(h_post_stride), h_res, dx, dy, d_post, d_res, i64(tokens), i32(C)), stream)
+           (g, x, y, h_post, i64(h_post_stride), h_res, dx, dy, d_post, d_res, i64(tokens), i32(C), i32(res_t)),
+           stream)
 
 
 def launch_aggregate_fwd(dt, n, C, tokens, x, h, h_stride, out, stream):
@@ -101,10 +104,11 @@ def launch_aggregate_fwd(dt, n, C, tokens, x, h, h_stride, out, stream):
            (threads_for(C, E), 1, 1), (x, h, i64(h_stride), out, i64(tokens), i32(C)), stream)
 
 
-def launch_aggregate_bwd(dt, tg, n, C, tokens, g, x, h, h_stride, dx, dh, stream, act=0, gh=None):
+def launch_aggregate_bwd(dt, tg, n, C, tokens, g, x, h, h_stride, dx, dh, stream, act=0, gh=None, shift=0.0):
+    """dx_i = h_i g, dh_i = sum_c g_c x_ic; ``act=1`` (the pre op): h = sigmoid(h_raw) + shift."""
     E = vec_width(n, C, [(g, tg), (x, dt), (dx, dt)])  # g may be None (zero gradient)
     launch(_FILE, f"mhc_stream_aggregate_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{n},{E},{act}>", grid_for(tokens),
-           (threads_for(C, E), 1, 1), (g, x, h, i64(h_stride), gh, dx, dh, i64(tokens), i32(C)), stream)
+           (threads_for(C, E), 1, 1), (g, x, h, i64(h_stride), gh, dx, dh, i64(tokens), i32(C), f32(shift)), stream)
 
 
 # ------------------------------------------------------------------- mix

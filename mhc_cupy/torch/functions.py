@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import _checks
+from .. import _checks, _convention
 from .._interop import ArrayInfo
 from .. import ops as _ops
 from ..ops.spec import shape_of as _shape_of
@@ -98,7 +98,9 @@ def _fake(name: str, impl):
     signature = inspect.signature(impl)
 
     def fake(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs).arguments
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()  # the dispatcher may leave out trailing arguments at their defaults
+        bound = call.arguments
         tensors = {k: bound.get(k) for k in spec.names}
         _validate(spec.planner, tensors, **{p: bound[p] for p in spec.params})
         ref = tensors[spec.ref.name]
@@ -161,26 +163,28 @@ def _wire(name: str, fwd_impl, bwd_ops: dict, setup_context, backward):
 
 
 # ----------------------------------------------------------------- Sinkhorn
-def _sinkhorn_fwd_impl(logits: Tensor, num_iters: int, eps: float, grad_mode: str) -> Tensor:
+def _sinkhorn_fwd_impl(logits: Tensor, num_iters: int, eps: float, grad_mode: str, convention: str = "paper") -> Tensor:
     # grad_mode is used by the backward only; it is an input so that
     # setup_context sees it.
-    return _ops.sinkhorn_knopp_fwd(logits, num_iters=num_iters, eps=eps)
+    return _ops.sinkhorn_knopp_fwd(logits, num_iters=num_iters, eps=eps, convention=convention)
 
 
-def _sinkhorn_bwd_impl(grad_P: Tensor, logits: Tensor, num_iters: int, eps: float, grad_mode: str) -> Tensor:
-    return _ops.sinkhorn_knopp_bwd(grad_P, logits, num_iters=num_iters, eps=eps, grad_mode=grad_mode)
+def _sinkhorn_bwd_impl(grad_P: Tensor, logits: Tensor, num_iters: int, eps: float, grad_mode: str,
+                       convention: str = "paper") -> Tensor:
+    return _ops.sinkhorn_knopp_bwd(grad_P, logits, num_iters=num_iters, eps=eps, grad_mode=grad_mode,
+                                   convention=convention)
 
 
 def _sinkhorn_setup(ctx, inputs, output):
-    logits, ctx.num_iters, ctx.eps, ctx.grad_mode = inputs
+    logits, *ctx.params = inputs
     ctx.save_for_backward(logits)
 
 
 def _sinkhorn_backward(bwd, ctx, grad_P):
     (logits,) = ctx.saved_tensors
     if grad_P is None:
-        return None, None, None, None
-    return bwd["sinkhorn_knopp_bwd"](grad_P, logits, ctx.num_iters, ctx.eps, ctx.grad_mode), None, None, None
+        return (None,) * 5
+    return bwd["sinkhorn_knopp_bwd"](grad_P, logits, *ctx.params), None, None, None, None
 
 
 _SinkhornFn = _wire("sinkhorn_knopp", _sinkhorn_fwd_impl,
@@ -188,39 +192,43 @@ _SinkhornFn = _wire("sinkhorn_knopp", _sinkhorn_fwd_impl,
                     _sinkhorn_setup, _sinkhorn_backward)
 
 
-def sinkhorn_knopp(logits, num_iters=20, eps=1e-8, grad_mode="unrolled"):
+def sinkhorn_knopp(logits, num_iters=None, eps=None, grad_mode="unrolled", *, convention="paper"):
     """Differentiable Sinkhorn-Knopp projection onto doubly-stochastic matrices (OPS.md section 1).
 
     K = exp(L - rowmax(L)); then ``num_iters`` times a row step
     P <- P / (rowsum + eps) and a column step P <- P / (colsum + eps)
-    (paper Eq. 9).
+    (paper Eq. 9).  ``convention="deepseek"`` (OPS.md "DeepSeek-V4 convention"): the
+    first row step is the softmax plus eps, P <- K / rowsum(K) + eps.
 
     Args:
         logits: float32 tensor [..., n, n], 1 <= n <= 32; any leading token dims.
-        num_iters: iterations (row + column step each), int >= 0. Default 20.
-        eps: added to every row / column sum, >= 0. Default 1e-8.
+        num_iters: iterations (row + column step each), int >= 0 (deepseek: >= 1).
+            None (default): 20.
+        eps: added to every row / column sum, >= 0.  None (default): 1e-8 (paper), 1e-6 (deepseek).
         grad_mode: backward only. "unrolled" (default): the exact gradient of
             the forward as computed.  "implicit": the gradient of the converged
             projection (implicit function theorem); it differs from "unrolled"
             as far as the forward is not converged.
+        convention: "paper" (default) or "deepseek"; keyword only.
 
     Returns:
         P: float32 tensor [..., n, n], on the device of ``logits``.
 
     Raises:
         TypeError: logits not float32.  ValueError: not square, n out of
-        range, bad num_iters / eps / grad_mode (at trace time under torch.compile).
+        range, bad num_iters / eps / grad_mode / convention (at trace time under torch.compile).
 
     Notes:
         Backward saves only ``logits`` and recomputes the iteration on chip;
         d_logits is float32 and each of its rows sums to 0.
     """
     _checks.grad_mode(grad_mode)  # fail now, not at backward
+    params = (*_convention.resolve(convention, num_iters=num_iters, eps=eps), grad_mode, convention)
     if _use_custom_op(logits):
-        return _op("sinkhorn_knopp_fwd")(logits, num_iters, eps, grad_mode)
+        return _op("sinkhorn_knopp_fwd")(logits, *params)
     if _needs_autograd(logits):
-        return _SinkhornFn.apply(logits, num_iters, eps, grad_mode)
-    return _sinkhorn_fwd_impl(logits, num_iters, eps, grad_mode)
+        return _SinkhornFn.apply(logits, *params)
+    return _sinkhorn_fwd_impl(logits, *params)
 
 
 # ------------------------------------------------------------------ RMSNorm
@@ -427,70 +435,83 @@ def stream_distribute(y, h):
 
 
 # ------------------------------------------------------------------ post op
-def _post_fwd_impl(layer_out: Tensor, x: Tensor, H_post: Tensor, H_res: Tensor) -> Tensor:
-    return _ops.mhc_post_op_fwd(layer_out, x, H_post, H_res)
+def _post_fwd_impl(layer_out: Tensor, x: Tensor, H_post: Tensor, H_res: Tensor, convention: str = "paper") -> Tensor:
+    return _ops.mhc_post_op_fwd(layer_out, x, H_post, H_res, convention=convention)
 
 
-def _post_bwd_impl(grad: Tensor, layer_out: Tensor, x: Tensor, H_post: Tensor,
-                   H_res: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _ops.mhc_post_op_bwd(grad, layer_out, x, H_post, H_res)
+def _post_bwd_impl(grad: Tensor, layer_out: Tensor, x: Tensor, H_post: Tensor, H_res: Tensor,
+                   convention: str = "paper") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _ops.mhc_post_op_bwd(grad, layer_out, x, H_post, H_res, convention=convention)
+
+
+def _post_setup(ctx, inputs, output):
+    *tensors, ctx.convention = inputs
+    ctx.save_for_backward(*tensors)
 
 
 def _post_backward(bwd, ctx, grad):
     layer_out, x, H_post, H_res = ctx.saved_tensors
     if grad is None:
-        return None, None, None, None
-    return bwd["mhc_post_op_bwd"](grad, layer_out, x, H_post, H_res)
+        return (None,) * 5
+    return (*bwd["mhc_post_op_bwd"](grad, layer_out, x, H_post, H_res, ctx.convention), None)
 
 
 _PostFn = _wire("mhc_post_op", _post_fwd_impl, {"mhc_post_op_bwd": _post_bwd_impl},
-                _save_inputs, _post_backward)
+                _post_setup, _post_backward)
 
 
-def mhc_post_op(layer_out, x, H_post, H_res):
+def mhc_post_op(layer_out, x, H_post, H_res, *, convention="paper"):
     """Differentiable mHC residual update (OPS.md section 6, paper Eq. 3).
 
     out_i = sum_j H_res_ij x_j + H_post_i y, one rounding per output element.
+    ``convention="deepseek"`` (OPS.md "DeepSeek-V4 convention"): H_res transposed,
+    out_j = sum_i H_res_ij x_i + H_post_j y.
 
     Args:
         layer_out: y, [..., C] tensor, bfloat16 / float16 / float32.
         x: [..., n, C] tensor, same dtype, 1 <= n <= 32.
         H_post: float32 [..., n] (already activated, 2 sigmoid: the pre op's output).
         H_res: float32 [..., n, n] (the pre op's Sinkhorn output).
+        convention: "paper" (default) or "deepseek"; keyword only.
 
     Returns:
         out: [..., n, C], dtype and device of x.
 
     Raises:
-        TypeError: bad dtypes.  ValueError: shapes disagree, n out of range, devices.
+        TypeError: bad dtypes.  ValueError: shapes disagree, n out of range, devices, bad convention.
 
     Notes:
         Backward saves the four inputs.  It returns (d_layer_out, dx) in the
         activation dtype and (dH_post, dH_res) in float32, without atomics:
         bitwise reproducible.
     """
+    _convention.check(convention)
     if _use_custom_op(layer_out, x, H_post, H_res):
-        return _op("mhc_post_op_fwd")(layer_out, x, H_post, H_res)
+        return _op("mhc_post_op_fwd")(layer_out, x, H_post, H_res, convention)
     if _needs_autograd(layer_out, x, H_post, H_res):
-        return _PostFn.apply(layer_out, x, H_post, H_res)
-    return _post_fwd_impl(layer_out, x, H_post, H_res)
+        return _PostFn.apply(layer_out, x, H_post, H_res, convention)
+    return _post_fwd_impl(layer_out, x, H_post, H_res, convention)
 
 
 # ------------------------------------------------------------------- pre op
 def _pre_fwd_impl(x: Tensor, h_pre_raw: Tensor, h_post_raw: Tensor, h_res_raw: Tensor, num_iters: int, eps: float,
-                  grad_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _ops.mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=num_iters, eps=eps)
+                  grad_mode: str, convention: str = "paper", hc_eps: float = 0.0,
+                  post_mult: float = 2.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _ops.mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=num_iters, eps=eps,
+                               convention=convention, hc_eps=hc_eps, post_mult=post_mult)
 
 
 def _pre_bwd_impl(grad_layer_in: Optional[Tensor], grad_H_pre: Optional[Tensor], grad_H_post: Optional[Tensor],
                   grad_H_res: Optional[Tensor], x: Tensor, h_pre_raw: Tensor, h_post_raw: Tensor, h_res_raw: Tensor,
-                  num_iters: int, eps: float, grad_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                  num_iters: int, eps: float, grad_mode: str, convention: str = "paper", hc_eps: float = 0.0,
+                  post_mult: float = 2.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _ops.mhc_pre_op_bwd(grad_layer_in, grad_H_pre, grad_H_post, grad_H_res, x, h_pre_raw, h_post_raw,
-                               h_res_raw, num_iters=num_iters, eps=eps, grad_mode=grad_mode)
+                               h_res_raw, num_iters=num_iters, eps=eps, grad_mode=grad_mode, convention=convention,
+                               hc_eps=hc_eps, post_mult=post_mult)
 
 
 def _pre_setup(ctx, inputs, output):
-    x, h_pre_raw, h_post_raw, h_res_raw, ctx.num_iters, ctx.eps, ctx.grad_mode = inputs
+    x, h_pre_raw, h_post_raw, h_res_raw, *ctx.params = inputs
     ctx.save_for_backward(x, h_pre_raw, h_post_raw, h_res_raw)
     # Gradients of unused outputs arrive as None (not zero tensors): the
     # backward skips their work (OPS.md section 7: None counts as zero).
@@ -500,30 +521,34 @@ def _pre_setup(ctx, inputs, output):
 def _pre_backward(bwd, ctx, g_layer_in, g_H_pre, g_H_post, g_H_res):
     x, h_pre_raw, h_post_raw, h_res_raw = ctx.saved_tensors
     if g_layer_in is None and g_H_pre is None and g_H_post is None and g_H_res is None:
-        return (None,) * 7
+        return (None,) * 10
     dx, d_pre, d_post, d_res = bwd["mhc_pre_op_bwd"](g_layer_in, g_H_pre, g_H_post, g_H_res, x, h_pre_raw,
-                                                     h_post_raw, h_res_raw, ctx.num_iters, ctx.eps, ctx.grad_mode)
-    return dx, d_pre, d_post, d_res, None, None, None
+                                                     h_post_raw, h_res_raw, *ctx.params)
+    return (dx, d_pre, d_post, d_res) + (None,) * 6
 
 
 _PreFn = _wire("mhc_pre_op", _pre_fwd_impl, {"mhc_pre_op_bwd": _pre_bwd_impl},
                _pre_setup, _pre_backward)
 
 
-def mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=20, eps=1e-8, grad_mode="unrolled"):
+def mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=None, eps=None, grad_mode="unrolled", *,
+               convention="paper", hc_eps=None, post_mult=None):
     """Differentiable mHC pre op: coefficient activations and layer input (OPS.md section 7, paper Eq. 8).
 
-    H_pre = sigmoid(h_pre_raw);  H_post = 2 sigmoid(h_post_raw);
-    H_res = sinkhorn_knopp(h_res_raw, num_iters, eps);  layer_in = sum_i H_pre_i x_i.
+    H_pre = sigmoid(h_pre_raw) + hc_eps;  H_post = post_mult sigmoid(h_post_raw);
+    H_res = sinkhorn_knopp(h_res_raw, num_iters, eps, convention=convention);  layer_in = sum_i H_pre_i x_i.
 
     Args:
         x: [..., n, C] tensor, bfloat16 / float16 / float32, 1 <= n <= 32.
         h_pre_raw, h_post_raw: float32 [..., n] tensors, one set per token.
         h_res_raw: float32 [..., n, n] tensor.
-        num_iters: Sinkhorn iterations, int >= 0. Default 20.
-        eps: Sinkhorn eps, >= 0. Default 1e-8.
+        num_iters: Sinkhorn iterations, int >= 0 (deepseek: >= 1).  None (default): 20.
+        eps: Sinkhorn eps, >= 0.  None (default): 1e-8 (paper) / 1e-6 (deepseek).
         grad_mode: Sinkhorn gradient, "unrolled" (default, exact) or
             "implicit" (converged projection); see :func:`sinkhorn_knopp`.
+        convention: "paper" (default) or "deepseek" (OPS.md "DeepSeek-V4 convention"); keyword only.
+        hc_eps: added to H_pre, >= 0.  None (default): 0 (paper) / 1e-6 (deepseek).  Keyword only.
+        post_mult: scale of H_post, >= 0.  None (default): 2.  Keyword only.
 
     Returns:
         (layer_in [..., C] dtype of x, H_pre float32 [..., n],
@@ -540,11 +565,14 @@ def mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=20, eps=1e-8, grad
         gradient (None, counted as zero; no work for H_res's Sinkhorn backward).
     """
     _checks.grad_mode(grad_mode)  # fail now, not at backward
+    num_iters, eps, hc_eps, post_mult = _convention.resolve(convention, num_iters=num_iters, eps=eps, hc_eps=hc_eps,
+                                                            post_mult=post_mult)
+    params = (num_iters, eps, grad_mode, convention, hc_eps, post_mult)
     if _use_custom_op(x, h_pre_raw, h_post_raw, h_res_raw):
-        return _op("mhc_pre_op_fwd")(x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps, grad_mode)
+        return _op("mhc_pre_op_fwd")(x, h_pre_raw, h_post_raw, h_res_raw, *params)
     if _needs_autograd(x, h_pre_raw, h_post_raw, h_res_raw):
-        return _PreFn.apply(x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps, grad_mode)
-    return _pre_fwd_impl(x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps, grad_mode)
+        return _PreFn.apply(x, h_pre_raw, h_post_raw, h_res_raw, *params)
+    return _pre_fwd_impl(x, h_pre_raw, h_post_raw, h_res_raw, *params)
 
 
 # ------------------------------------------------------------ coefficients
@@ -577,7 +605,7 @@ _CoeffsFn = _wire("mhc_coeffs", _coeffs_fwd_impl,
                   {"mhc_coeffs_bwd": _coeffs_bwd_impl}, _coeffs_setup, _coeffs_backward)
 
 
-def mhc_coeffs(x, phi, alpha, bias, eps=1e-5):
+def mhc_coeffs(x, phi, alpha, bias, eps=None, *, convention="paper"):
     """Differentiable per-token mHC coefficients (OPS.md section 8, paper Eqs. 14-18).
 
     With x~ = vec(x) (length n*C), r = sqrt(mean(x~^2) + eps) and Ht = x~ phi:
@@ -587,7 +615,10 @@ def mhc_coeffs(x, phi, alpha, bias, eps=1e-5):
     Args:
         x: [..., n, C] tensor, bfloat16 / float16 / float32, 1 <= n <= 32.
         phi: float32 [n*C, n*n + 2n].  alpha: float32 [3].  bias: float32 [n*n + 2n].
-        eps: added to the mean square, >= 0. Default 1e-5.
+        eps: added to the mean square, >= 0.  None (default): 1e-5 (paper) / 1e-6 (deepseek).
+        convention: "paper" (default) or "deepseek": the same maths (DeepSeek-V4's hc_fn is
+            phi^T, hc_scale alpha, hc_base bias; OPS.md "DeepSeek-V4 convention"), only the default
+            eps differs.  Keyword only.
 
     Returns:
         (h_pre_raw [..., n], h_post_raw [..., n], h_res_raw [..., n, n]), float32, differentiable
@@ -601,6 +632,7 @@ def mhc_coeffs(x, phi, alpha, bias, eps=1e-5):
         recomputes them and sums the parameter gradients over tokens in a fixed
         order (deterministic).
     """
+    eps = _convention.resolve(convention, rms_eps=eps)
     if _use_custom_op(x, phi, alpha, bias):
         return _op("mhc_coeffs_fwd")(x, phi, alpha, bias, eps)
     if _needs_autograd(x, phi, alpha, bias):
@@ -669,21 +701,25 @@ def mhc_head(x, hc_fn, hc_scale, hc_base, rms_eps=1e-6, hc_eps=1e-6):
 # returns ``x_link`` (a view of x) that only the post piece consumes, and the post
 # piece's backward sends g, the gradient of the layer's output, back along it.
 def _layer_pre_fwd_impl(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, num_iters: int, eps: float,
-                        rms_eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _ops.mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=num_iters, eps=eps, rms_eps=rms_eps)
+                        rms_eps: float, convention: str = "paper", hc_eps: float = 0.0,
+                        post_mult: float = 2.0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _ops.mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=num_iters, eps=eps, rms_eps=rms_eps,
+                                  convention=convention, hc_eps=hc_eps, post_mult=post_mult)
 
 
 def _layer_pre_bwd_impl(grad_layer_in: Optional[Tensor], grad_out: Optional[Tensor], grad_H_post: Optional[Tensor],
                         grad_H_res: Optional[Tensor], x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor,
                         stats: Tensor, H_pre: Tensor, H_res: Tensor, num_iters: int, eps: float, rms_eps: float,
-                        grad_mode: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                        grad_mode: str, convention: str = "paper", hc_eps: float = 0.0,
+                        post_mult: float = 2.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _ops.mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats,
-                                  H_pre, H_res, num_iters=num_iters, eps=eps, rms_eps=rms_eps, grad_mode=grad_mode)
+                                  H_pre, H_res, num_iters=num_iters, eps=eps, rms_eps=rms_eps, grad_mode=grad_mode,
+                                  convention=convention, hc_eps=hc_eps, post_mult=post_mult)
 
 
-def _layer_post_bwd_impl(grad: Tensor, layer_out: Tensor, x: Tensor, H_post: Tensor,
-                         H_res: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    return _ops.mhc_layer_post_bwd(grad, layer_out, x, H_post, H_res)
+def _layer_post_bwd_impl(grad: Tensor, layer_out: Tensor, x: Tensor, H_post: Tensor, H_res: Tensor,
+                         convention: str = "paper") -> tuple[Tensor, Tensor, Tensor]:
+    return _ops.mhc_layer_post_bwd(grad, layer_out, x, H_post, H_res, convention=convention)
 
 
 _LAYER_OPS = {name: (impl, _register(name, impl)) for name, impl in (
@@ -700,12 +736,12 @@ def _layer_call(name: str, custom: bool, *args):
 
 class _LayerPreFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, phi, alpha, bias, num_iters, eps, rms_eps, grad_mode):
+    def forward(ctx, x, phi, alpha, bias, num_iters, eps, rms_eps, grad_mode, convention, hc_eps, post_mult):
         custom = _use_custom_op(x, phi, alpha, bias)
         layer_in, H_pre, H_post, H_res, stats = _layer_call("mhc_layer_pre_fwd", custom, x, phi, alpha, bias,
-                                                            num_iters, eps, rms_eps)
+                                                            num_iters, eps, rms_eps, convention, hc_eps, post_mult)
         ctx.save_for_backward(x, phi, alpha, bias, stats, H_pre, H_res)
-        ctx.params, ctx.custom = (num_iters, eps, rms_eps, grad_mode), custom
+        ctx.params, ctx.custom = (num_iters, eps, rms_eps, grad_mode, convention, hc_eps, post_mult), custom
         ctx.set_materialize_grads(False)
         return layer_in, x.view_as(x), H_post, H_res
 
@@ -717,27 +753,29 @@ class _LayerPreFn(torch.autograd.Function):
             g_layer_in = g_layer_in.to(g_out.dtype)
         dx, dphi, dalpha, dbias = _layer_call("mhc_layer_pre_bwd", ctx.custom, g_layer_in, g_out, g_H_post, g_H_res,
                                               x, phi, alpha, bias, stats, H_pre, H_res, *ctx.params)
-        return dx, dphi, dalpha, dbias, None, None, None, None
+        return (dx, dphi, dalpha, dbias) + (None,) * 7
 
 
 class _LayerPostFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, layer_out, x_link, H_post, H_res):
+    def forward(ctx, layer_out, x_link, H_post, H_res, convention):
         custom = _use_custom_op(layer_out, x_link, H_post, H_res)
         ctx.save_for_backward(layer_out, x_link, H_post, H_res)
-        ctx.custom = custom
-        return _op("mhc_post_op_fwd")(layer_out, x_link, H_post, H_res) if custom else \
-            _post_fwd_impl(layer_out, x_link, H_post, H_res)
+        ctx.custom, ctx.convention = custom, convention
+        return _op("mhc_post_op_fwd")(layer_out, x_link, H_post, H_res, convention) if custom else \
+            _post_fwd_impl(layer_out, x_link, H_post, H_res, convention)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
         layer_out, x_link, H_post, H_res = ctx.saved_tensors
-        dy, dH_post, dH_res = _layer_call("mhc_layer_post_bwd", ctx.custom, g, layer_out, x_link, H_post, H_res)
-        return dy, g, dH_post, dH_res  # g travels to _LayerPreFn.backward along x_link
+        dy, dH_post, dH_res = _layer_call("mhc_layer_post_bwd", ctx.custom, g, layer_out, x_link, H_post, H_res,
+                                          ctx.convention)
+        return dy, g, dH_post, dH_res, None  # g travels to _LayerPreFn.backward along x_link
 
 
-def mhc_layer_pre(x, phi, alpha, bias, num_iters=20, eps=1e-8, rms_eps=1e-5, grad_mode="unrolled"):
+def mhc_layer_pre(x, phi, alpha, bias, num_iters=None, eps=None, rms_eps=None, grad_mode="unrolled", *,
+                  convention="paper", hc_eps=None, post_mult=None):
     """Differentiable first half of the fused mHC layer (OPS.md section 9).
 
     The coefficient path and the pre op in one call (:func:`mhc_coeffs` then
@@ -750,6 +788,9 @@ def mhc_layer_pre(x, phi, alpha, bias, num_iters=20, eps=1e-8, rms_eps=1e-5, gra
         phi, alpha, bias: float32 parameters as in :func:`mhc_coeffs`.
         num_iters, eps: Sinkhorn (defaults 20, 1e-8);  rms_eps: default 1e-5;
         grad_mode: Sinkhorn gradient, "unrolled" (default) or "implicit".
+        convention, hc_eps, post_mult: as :func:`mhc_pre_op` (keyword only); under
+            convention="deepseek" the defaults (None) of eps / rms_eps are 1e-6 / 1e-6.  Give
+            :func:`mhc_layer_post` the same convention.
 
     Returns:
         (layer_in [..., C], x_link [..., n, C], H_post float32 [..., n], H_res float32 [..., n, n]).
@@ -758,18 +799,22 @@ def mhc_layer_pre(x, phi, alpha, bias, num_iters=20, eps=1e-8, rms_eps=1e-5, gra
         TypeError / ValueError: as the functional ``mhc_layer_pre_fwd``.
     """
     _checks.grad_mode(grad_mode)
+    num_iters, eps, rms_eps, hc_eps, post_mult = _convention.resolve(
+        convention, num_iters=num_iters, eps=eps, rms_eps=rms_eps, hc_eps=hc_eps, post_mult=post_mult)
     if _needs_autograd(x, phi, alpha, bias):
-        return _LayerPreFn.apply(x, phi, alpha, bias, num_iters, eps, rms_eps, grad_mode)
+        return _LayerPreFn.apply(x, phi, alpha, bias, num_iters, eps, rms_eps, grad_mode, convention, hc_eps,
+                                 post_mult)
     layer_in, _, H_post, H_res, _ = _layer_call("mhc_layer_pre_fwd", _use_custom_op(x, phi, alpha, bias), x, phi,
-                                                alpha, bias, num_iters, eps, rms_eps)
+                                                alpha, bias, num_iters, eps, rms_eps, convention, hc_eps, post_mult)
     return layer_in, x, H_post, H_res
 
 
-def mhc_layer_post(layer_out, x_link, H_post, H_res):
+def mhc_layer_post(layer_out, x_link, H_post, H_res, *, convention="paper"):
     """Differentiable second half of the fused mHC layer: the post op (OPS.md sections 6, 9).
 
-    out_i = sum_j H_res_ij x_j + H_post_i y, with x_link, H_post, H_res from
-    :func:`mhc_layer_pre`.  Its backward computes d_layer_out, dH_post, dH_res and
+    out_i = sum_j H_res_ij x_j + H_post_i y (convention="deepseek": H_res transposed, as
+    :func:`mhc_post_op`), with x_link, H_post, H_res from :func:`mhc_layer_pre` (called with the
+    same convention).  Its backward computes d_layer_out, dH_post, dH_res and
     hands the output gradient to :func:`mhc_layer_pre`'s backward for dx.
 
     Returns:
@@ -785,6 +830,6 @@ def mhc_layer_post(layer_out, x_link, H_post, H_res):
         if x_link.requires_grad and not _is_compiling() and type(x_link.grad_fn).__name__ != "_LayerPreFnBackward":
             raise ValueError("x_link must be the x_link output of mhc_layer_pre (its backward receives this op's "
                              f"output gradient); got a tensor whose grad_fn is {type(x_link.grad_fn).__name__}")
-        return _LayerPostFn.apply(layer_out, x_link, H_post, H_res)
-    return mhc_post_op(layer_out, x_link, H_post, H_res)
+        return _LayerPostFn.apply(layer_out, x_link, H_post, H_res, _convention.check(convention))
+    return mhc_post_op(layer_out, x_link, H_post, H_res, convention=convention)
 

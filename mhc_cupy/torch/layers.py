@@ -236,11 +236,9 @@ class MHC(nn.Module):
         # checked before phi (n*C x (n*n + 2n) floats) is allocated
         dim, n_streams = _checks.layer_size(dim, n_streams)
         self.convention = _convention.check(convention)
-        num_iters, eps, rms_eps, hc_eps, post_mult = _convention.resolve(
-            convention, num_iters=num_iters, eps=eps, rms_eps=rms_eps, hc_eps=hc_eps, post_mult=post_mult)
-        num_iters, eps, rms_eps, grad_mode = _checks.layer_settings(num_iters, eps, rms_eps, grad_mode)
-        _convention.sinkhorn(convention, num_iters, eps)
-        self.hc_eps, self.post_mult = _convention.activations(hc_eps, post_mult)
+        num_iters, eps, _ = _convention.sinkhorn(convention, num_iters, eps)  # None: the convention's default
+        rms_eps, grad_mode = _convention.rms_eps(convention, rms_eps), _checks.grad_mode(grad_mode)
+        self.hc_eps, self.post_mult = _convention.activations(convention, hc_eps, post_mult)
         self.dim, self.n_streams = dim, n_streams
         self.num_iters, self.eps, self.rms_eps, self.grad_mode = num_iters, eps, rms_eps, grad_mode
         self.alpha_init = alpha_init
@@ -264,14 +262,6 @@ class MHC(nn.Module):
         self.alpha.fill_(self.alpha_init)
         self.bias.copy_(identity_bias(self.n_streams, self.pre_init, self.post_init * 2.0 / self.post_mult if self.post_mult else 1.0,
                                       self.res_diag_init))
-
-    def _convention_kw(self) -> tuple[dict, dict]:
-        """Keyword arguments of the pre-side and post-side ops for this layer's convention
-        (none for the paper convention at its defaults: the calls of the paper layer)."""
-        if (self.convention, self.hc_eps, self.post_mult) == ("paper", 0.0, 2.0):
-            return {}, {}
-        return ({"convention": self.convention, "hc_eps": self.hc_eps, "post_mult": self.post_mult},
-                {"convention": self.convention})
 
     @classmethod
     def from_deepseek(cls, hc_fn: Tensor, hc_scale: Tensor, hc_base: Tensor, sublayer: Optional[nn.Module] = None,
@@ -325,7 +315,7 @@ class MHC(nn.Module):
         return x.device.type == "cpu" or self.n_streams <= 4
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
-        pre_kw, post_kw = self._convention_kw()
+        pre_kw = {"convention": self.convention, "hc_eps": self.hc_eps, "post_mult": self.post_mult}
         if self.fused(x):
             self._check(x)
             layer_in, x_in, H_post, H_res = mhc_layer_pre(x, _as_f32(self.phi), _as_f32(self.alpha),
@@ -340,7 +330,7 @@ class MHC(nn.Module):
         y = self.sublayer(layer_in, *args, **kwargs)
         if y.shape != layer_in.shape:
             raise ValueError(f"sublayer returned shape {tuple(y.shape)}; MHC needs [..., C] = {tuple(layer_in.shape)}")
-        return post(y.to(x.dtype), x_in, H_post, H_res, **post_kw)
+        return post(y.to(x.dtype), x_in, H_post, H_res, convention=self.convention)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, n_streams={self.n_streams}, num_iters={self.num_iters}, eps={self.eps}, "
@@ -386,8 +376,8 @@ class MHCHead(nn.Module):
         super().__init__()
         dim, n_streams = _checks.layer_size(dim, n_streams)
         self.convention = _convention.check(convention)
-        rms_eps, hc_eps = _convention.resolve(convention, rms_eps=rms_eps, hc_eps=hc_eps)
-        self.rms_eps, self.hc_eps = _checks.eps("rms_eps", rms_eps), _checks.eps("hc_eps", hc_eps)
+        self.rms_eps = _convention.rms_eps(convention, rms_eps)
+        self.hc_eps = _checks.eps("hc_eps", _convention.resolve(convention, hc_eps=hc_eps))
         self.dim, self.n_streams = dim, n_streams
         self.scale_init = scale_init
         self.fn_init_std = 1.0 / math.sqrt(n_streams * dim) if fn_init_std is None else fn_init_std
