@@ -870,7 +870,7 @@ def _fused_layer_bwd(f, settings, res, g):
 _fused_layer.defvjp(_fused_layer_fwd, _fused_layer_bwd)
 
 
-def mhc_layer(params: dict, x, f, num_iters=None, eps=None, rms_eps=None, grad_mode: str = "unrolled",
+def mhc_layer(params: dict, x, f, num_iters=None, eps=None, rms_eps=None, grad_mode: str = "unrolled", *,
               convention: str = "paper", hc_eps=None, post_mult=None):
     """One mHC layer, functional (paper Eq. 3): x_{l+1} = H_res x_l + H_post^T f(H_pre x_l).
 
@@ -888,7 +888,7 @@ def mhc_layer(params: dict, x, f, num_iters=None, eps=None, rms_eps=None, grad_m
             None: the convention's default (20, 1e-8, 1e-5; "deepseek": 20, 1e-6, 1e-6).
         convention: "paper" (default) or "deepseek" (the DeepSeek-V4 maths, OPS.md
             "DeepSeek-V4 convention": softmax-start Sinkhorn, H_pre = sigmoid + hc_eps,
-            H_post = post_mult sigmoid, the post op with H_res transposed).
+            H_post = post_mult sigmoid, the post op with H_res transposed).  Keyword only.
         hc_eps: added to H_pre (None: 0, "deepseek" 1e-6).  post_mult: H_post's factor (None: 2).
 
     Returns:

@@ -206,7 +206,8 @@ class MHC(nn.Module):
         convention: "paper" (default; OPS.md sections 6-9 as written) or "deepseek" (the
             DeepSeek-V4 maths, OPS.md "DeepSeek-V4 convention": Sinkhorn with a softmax start,
             H_pre = sigmoid + hc_eps, H_post = post_mult sigmoid, the post op with H_res
-            transposed).  Load a DeepSeek-V4 checkpoint with :meth:`from_deepseek`.
+            transposed).  Load a DeepSeek-V4 checkpoint with :meth:`from_deepseek`.  Keyword only
+            (as hc_eps and post_mult).
         hc_eps: added to H_pre. Default (None) 0, or 1e-6 under "deepseek".
         post_mult: H_post = post_mult sigmoid(h_post_raw). Default (None) 2.
 
@@ -230,7 +231,7 @@ class MHC(nn.Module):
     def __init__(self, dim: int, n_streams: int = 4, sublayer: Optional[nn.Module] = None,
                  num_iters: Optional[int] = None, eps: Optional[float] = None, rms_eps: Optional[float] = None,
                  alpha_init: float = 0.01, phi_init_std: Optional[float] = None, pre_init: Optional[float] = None,
-                 post_init: float = 1.0, res_diag_init: float = 0.95, grad_mode: str = "unrolled", device=None,
+                 post_init: float = 1.0, res_diag_init: float = 0.95, grad_mode: str = "unrolled", device=None, *,
                  convention: str = "paper", hc_eps: Optional[float] = None, post_mult: Optional[float] = None):
         super().__init__()
         # checked before phi (n*C x (n*n + 2n) floats) is allocated
