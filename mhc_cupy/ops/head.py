@@ -157,8 +157,9 @@ def mhc_head_fwd(x, hc_fn, hc_scale, hc_base, rms_eps=1e-6, hc_eps=1e-6):
         path's tensor-core kernel), the weighted sum in a second.  Deterministic; zero
         tokens launch nothing.
 
-    Autograd: none (``AutogradNotRecordedWarning`` for torch tensors that require grad):
-    use ``mhc_cupy.torch.mhc_head`` / ``MHCHead`` or ``mhc_cupy.jax.mhc_head``.
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_head`` / ``MHCHead``
+    (or ``mhc_cupy.jax.mhc_head``) for gradients.
     """
     return run(_plan_fwd, {"x": x, "hc_fn": hc_fn, "hc_scale": hc_scale, "hc_base": hc_base}, rms_eps=rms_eps,
                hc_eps=hc_eps)
@@ -186,7 +187,8 @@ def mhc_head_bwd(grad, x, hc_fn, hc_scale, hc_base, rms_eps=1e-6, hc_eps=1e-6):
         per-block partials added in a fixed order (no atomics): bitwise reproducible.
         Zero tokens give an empty dx and zero parameter gradients.
 
-    Autograd: none (see :func:`mhc_head_fwd`).
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_head`` for gradients.
     """
     return run(_plan_bwd, {"grad": grad, "x": x, "hc_fn": hc_fn, "hc_scale": hc_scale, "hc_base": hc_base},
                rms_eps=rms_eps, hc_eps=hc_eps)
