@@ -18,9 +18,9 @@
 //   partials, writes dH [T, KP] (column K holds c, padded to KP, a multiple of
 //   4) and the per-token dalpha terms [T, 3] (summed over tokens by
 //   mhc_column_sum_kernel; dbias is the column sum of the incoming gradients).
-// * the head (OPS.md section 10): mhc_head_fwd_kernel, mhc_head_bwd_prep_kernel,
+// * the head (OPS.md section 11): mhc_head_fwd_kernel, mhc_head_bwd_prep_kernel,
 //   mhc_head_bwd_dx_kernel (K = n columns of hc_fn = phi^T; section "head" below).
-// * n > 4 (K > 32): mhc_coeffs_bwd_dx_kernel<T, E, KC> (a thread owns E
+// * n > 4 (K > 32): mhc_coeffs_bwd_dx_kernel<T, TG, E, KC, LAYER> (a thread owns E
 //   positions x TS tokens of dx, loops over K in chunks of KC columns of the
 //   transposed phi (mhc_coeffs_transpose_kernel, coalesced) and of dH staged
 //   in shared memory) and mhc_coeffs_bwd_dphi_kernel<T, E, KC> (a thread owns
@@ -234,10 +234,16 @@ __global__ void mhc_coeffs_transpose_kernel(const float* __restrict__ in, float*
 // owns positions d = (bx * 256 + tid) * E .. + E of the TS tokens of `tile`;
 // it walks K in chunks of KC columns: phi_t [K, D] (coalesced) in registers,
 // dH[tile tokens, chunk] staged in shared memory.
-template <typename T, int E, int KC>
+// LAYER (the fused layer's backward, E divides C): dx_i also gets H_pre_i g_li +
+// sum_j H_res[j, i] g_j (g [tokens, n, C], g_li [tokens, C] of dtype TG, either may
+// be null = zero), in that order and before the one rounding, as the tensor-core kernel;
+// res_t (convention="deepseek", H_res transposed in the post op): sum_j H_res[i, j] g_j.
+template <typename T, typename TG, int E, int KC, bool LAYER>
 __global__ void __launch_bounds__(256)
 mhc_coeffs_bwd_dx_kernel(const T* __restrict__ x, const float* __restrict__ phi_t, const float* __restrict__ dH,
-                         T* __restrict__ dx, i64 tokens, int D, int K, int KP, int dblocks) {
+                         const TG* __restrict__ g, const TG* __restrict__ g_li, const float* __restrict__ H_pre,
+                         const float* __restrict__ H_res, T* __restrict__ dx, i64 tokens, int D, int K, int KP,
+                         int dblocks, int n, int C, int res_t) {
     using namespace mhc_coeffs;
     constexpr int KCP = (KC + 3) / 4 * 4;
     __shared__ __align__(16) float s_dH[TS][KCP];
@@ -298,6 +304,24 @@ mhc_coeffs_bwd_dx_kernel(const T* __restrict__ x, const float* __restrict__ phi_
             mhc::load_vec<T, E>(x + t * (i64)D + d, xv);
 #pragma unroll
             for (int e = 0; e < E; ++e) o[e] = fmaf(-xv[e], c, acc[tt][e]);
+            if constexpr (LAYER) {
+                const int i = d / C, col = d - i * C;  // E divides C: the E positions share stream i
+                float gv[E];
+                if (g_li != nullptr) {
+                    const float w = H_pre[t * n + i];
+                    mhc::load_vec<TG, E>(g_li + t * (i64)C + col, gv);
+#pragma unroll
+                    for (int e = 0; e < E; ++e) o[e] = fmaf(w, gv[e], o[e]);
+                }
+                if (g != nullptr) {
+                    for (int j = 0; j < n; ++j) {
+                        const float w = H_res[t * n * n + (res_t ? i * n + j : j * n + i)];
+                        mhc::load_vec<TG, E>(g + (t * n + j) * (i64)C + col, gv);
+#pragma unroll
+                        for (int e = 0; e < E; ++e) o[e] = fmaf(w, gv[e], o[e]);
+                    }
+                }
+            }
             mhc::store_vec<T, E>(dx + t * (i64)D + d, o);
         }
     }
@@ -382,7 +406,7 @@ __global__ void mhc_coeffs_zero_kernel(float* __restrict__ out, i64 count) {
 }
 
 // ====================================================================== head
-// The mHC head (OPS.md section 10, DeepSeek-V4's hc_head): the coefficient
+// The mHC head (OPS.md section 11, DeepSeek-V4's hc_head): the coefficient
 // path with K = n columns, then one weighted sum of the streams.  Per token,
 // with hc_fn [n, D] (phi^T: the forward GEMM runs on phi = hc_fn^T through
 // mhc_coeffs_mma_fwd_kernel, giving part [splits, T, n+1]):

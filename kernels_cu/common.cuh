@@ -159,19 +159,59 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Warp reduce-scatter of K values per lane (K padded to KP = 32 Q): after it, lane l holds
+// in v[m] (m < Q) the warp total of value l * Q + m.  Five halving steps; at the step of
+// offset s each lane keeps the half of its live values selected by bit s of its lane id and
+// sends the other half: KP (1 - 1/32) shuffles in all instead of 5 K for K separate
+// butterflies.  Fixed order (deterministic).
+template <int M, int S>
+__device__ __forceinline__ void reduce_scatter_step(float* v, int lane) {
+    if constexpr (S > 0) {
+        const bool upper = (lane & S) != 0;
+#pragma unroll
+        for (int k = 0; k < M / 2; ++k) {
+            const float lo = v[k], hi = v[k + M / 2];  // selects of values, not of indices
+            const float recv = __shfl_xor_sync(0xffffffffu, upper ? lo : hi, S);
+            v[k] = (upper ? hi : lo) + recv;
+        }
+        reduce_scatter_step<M / 2, S / 2>(v, lane);
+    }
+}
+
+template <int KP>
+__device__ __forceinline__ void warp_reduce_scatter(float (&v)[KP]) {
+    static_assert(KP % 32 == 0, "pad to a multiple of 32");
+    reduce_scatter_step<KP, 16>(v, threadIdx.x & 31);
+}
+
 // Deterministic block-wide sum of K per-thread values.  `red` is shared
 // memory of at least K * (blockDim.x / 32) floats; blockDim.x is a multiple
 // of 32.  On return red[k] holds the block total of acc[k] for every k < K
-// (visible to all threads).  Fixed summation order: butterfly within each
-// warp, then warps 0, 1, 2, ... in sequence.
+// (visible to all threads).  Fixed summation order: within each warp a
+// butterfly per value (K <= 6) or one reduce-scatter (larger K, fewer shuffles),
+// then warps 0, 1, 2, ... in sequence.
 template <int K>
 __device__ __forceinline__ void block_sum(float (&acc)[K], float* red) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nwarps = blockDim.x >> 5;
+    constexpr int KP = (K + 31) / 32 * 32;
+    if constexpr (5 * K > KP) {
+        constexpr int Q = KP / 32;
+        float v[KP];
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-        float v = warp_sum(acc[k]);
-        if (lane == 0) red[k * nwarps + warp] = v;
+        for (int k = 0; k < KP; ++k) v[k] = k < K ? acc[k] : 0.f;
+        warp_reduce_scatter<KP>(v);
+#pragma unroll
+        for (int m = 0; m < Q; ++m) {
+            const int k = lane * Q + m;
+            if (k < K) red[k * nwarps + warp] = v[m];
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            float v = warp_sum(acc[k]);
+            if (lane == 0) red[k * nwarps + warp] = v;
+        }
     }
     __syncthreads();
     float tot[(K + 31) / 32 > 0 ? (K + 31) / 32 : 1];

@@ -547,7 +547,12 @@ mhc_sinkhorn_knopp_implicit_bwd_warp_kernel(const float* __restrict__ grad_P, co
     }
     __syncwarp();
     // Cholesky, column by column (pivots below 1e-8 as in the one-thread kernel);
-    // lane i > j finishes S[i][j] of column j.
+    // lane i > j finishes S[i][j] of column j.  The diagonal of L is kept only
+    // as pinv and never stored: nothing reads it, and lanes i > j read row j
+    // (S[j][k], k < j) in the same step, which the compiler may widen to pairs
+    // S[j][j-1..j] (NVRTC 12.9 does, LDS.64): a store to S[j][j] here raced with
+    // those reads (compute-sanitizer racecheck).  In each step, lane i writes
+    // only S[i][j] of its own row, which no other lane reads until the next step.
     float pinv = 0.f;  // lane l: 1 / L_ll
     for (int j = 0; j < N; ++j) {
         float dj = 0.f;
@@ -559,7 +564,6 @@ mhc_sinkhorn_knopp_implicit_bwd_warp_kernel(const float* __restrict__ grad_P, co
         const float pj = dj > 1e-8f ? 1.f / sqrtf(dj) : 0.f;
         if (l == j) {
             pinv = pj;
-            S[j][j] = dj > 1e-8f ? sqrtf(dj) : 0.f;
         } else if (l > j && own) {
             float w = S[l][j];
             for (int k = 0; k < j; ++k) w -= S[l][k] * S[j][k];
@@ -580,11 +584,17 @@ mhc_sinkhorn_knopp_implicit_bwd_warp_kernel(const float* __restrict__ grad_P, co
     }
     if (own) b_v[l] = v;
     __syncwarp();
-    if (own) {  // a_i = (r_i - sum_j P_ij b_j) / rs_i
+    float a = 0.f;  // a_i = (r_i - sum_j P_ij b_j) / rs_i
+    if (own) {
         float pb = 0.f;
         for (int j = 0; j < N; ++j) pb += P[l][j] * b_v[j];
-        a_v[l] = (r_v[l] - pb) / rs_v[l];
+        a = (r_v[l] - pb) / rs_v[l];
     }
+    // a_v follows b_v in s_v, and the loads of b_v may be widened past b_v[N - 1]
+    // (NVRTC 12.9 reads b_v[N-3..N-1] with a_v[0] as one LDS.128 at N = 17):
+    // every lane finishes reading b_v before any lane writes a_v.
+    __syncwarp();
+    if (own) a_v[l] = a;
     __syncwarp();
     if (own)  // dL = P * (G - a 1^T - 1 b^T), row by row (coalesced)
         for (int i = 0; i < N; ++i) dL[i * N + l] = P[i][l] * (Gt[i * N + l] - a_v[i] - v);

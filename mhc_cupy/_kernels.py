@@ -43,8 +43,6 @@ def _cases(dt: str, n: int, C: int, ptr: int, tg: str):
     sizes = {"n": n, "C": C, "K": coeffs.columns(n)}
     cases = []
     for k in SPECS.values():
-        if k.name == "mhc_layer_pre_bwd" and sizes["K"] > coeffs._MMA_BWD_MAX_K:
-            continue  # the fused layer backward runs on the GPU for n <= 4 only (OPS.md section 9)
         modes = ("unrolled", "implicit") if "grad_mode" in k.params else (None,)
         conventions = ("paper", "deepseek") if "convention" in k.params else (None,)
         shared = (False, True) if k.shared and k.shared_mode == "expand" else (False,)

@@ -878,7 +878,8 @@ def mhc_layer(params: dict, x, f, num_iters=None, eps=None, rms_eps=None, grad_m
     OPS.md section 8), then :func:`mhc_pre_op` and :func:`mhc_post_op`.  For n <= 4
     the layer is one ``custom_vjp`` over the fused pieces (OPS.md section 9: the
     coefficients and the pre op in one forward, dx written once in the backward)
-    with f's VJP inside; larger n composes the separate ops.
+    with f's VJP inside; larger n composes the separate ops (faster there on the GPU,
+    as the fused backward then runs on CUDA cores).
 
     Args:
         params: {"phi", "alpha", "bias"} from :func:`mhc_init` (or :func:`mhc_from_deepseek`).
@@ -915,7 +916,7 @@ def mhc_layer(params: dict, x, f, num_iters=None, eps=None, rms_eps=None, grad_m
     return mhc_post_op(f(layer_in).astype(x.dtype), x, H_post, H_res, convention=convention)
 
 
-# ------------------------------------------------------------------ the head (OPS.md section 10)
+# ------------------------------------------------------------------ the head (OPS.md section 11)
 def mhc_head_init(key, dim: int, n_streams: int = 4, scale_init: float = 0.01) -> dict:
     """Parameters of the mHC head for :func:`mhc_head`, in DeepSeek-V4's layout and names:
     hc_fn [n, n*C] small normal (std 1/sqrt(n*C)), hc_scale [1] = ``scale_init``, hc_base [n] =
@@ -934,7 +935,7 @@ def mhc_head_init(key, dim: int, n_streams: int = 4, scale_init: float = 0.01) -
 
 
 def mhc_head(params: dict, x, rms_eps=None, hc_eps=None, *, convention: str = "deepseek"):
-    """The mHC head: n streams -> one hidden state (JAX; OPS.md section 10, DeepSeek-V4 ``hc_head``).
+    """The mHC head: n streams -> one hidden state (JAX; OPS.md section 11, DeepSeek-V4 ``hc_head``).
 
     Per token, with x~ = vec(x): w = sigmoid((x~ hc_fn^T) / sqrt(mean(x~^2) + rms_eps) * hc_scale
     + hc_base) + hc_eps; out = sum_i w_i x_i.

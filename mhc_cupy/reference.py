@@ -750,7 +750,7 @@ def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, 
 
 
 # ----------------------------------------------------------------------------------------------
-# 10. The head (DeepSeek-V4 hc_head)
+# 11. The head (DeepSeek-V4 hc_head)
 # ----------------------------------------------------------------------------------------------
 
 def _head_terms(x, hc_fn, hc_scale, hc_base, rms_eps):
@@ -764,7 +764,7 @@ def _head_terms(x, hc_fn, hc_scale, hc_base, rms_eps):
 
 
 def mhc_head_fwd(x, hc_fn, hc_scale, hc_base, rms_eps=1e-6, hc_eps=1e-6):
-    """The mHC head: n streams to one hidden state (OPS.md §10, DeepSeek-V4 ``hc_head``).
+    """The mHC head: n streams to one hidden state (OPS.md §11, DeepSeek-V4 ``hc_head``).
 
     Per token, with x~ = vec(x): w = sigmoid((x~ hc_fn^T) / r * hc_scale + hc_base) + hc_eps,
     r = sqrt(mean(x~^2) + rms_eps); out = sum_i w_i x_i.
@@ -783,7 +783,7 @@ def mhc_head_fwd(x, hc_fn, hc_scale, hc_base, rms_eps=1e-6, hc_eps=1e-6):
 
 
 def mhc_head_bwd(grad, x, hc_fn, hc_scale, hc_base, rms_eps=1e-6, hc_eps=1e-6):
-    """Backward of ``mhc_head_fwd`` (OPS.md §10).
+    """Backward of ``mhc_head_fwd`` (OPS.md §11).
 
     With gw_i = sum_c g_c x_ic, gz = gw sigmoid'(z), dH = gz hc_scale / r:
         dx~ = vec(w_i g) + dH hc_fn - (sum_k gz_k hc_scale H~_k) / (nC r^3) x~;

@@ -47,6 +47,10 @@ step tests $PY -m pytest -p no:cacheprovider $XDIST ${GPU_CHECK_PYTEST_ARGS:--q 
 if command -v compute-sanitizer > /dev/null; then
     step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 $PY scripts/sanitize_subset.py
     step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 $PY scripts/sanitize_subset.py
+    # an intra-warp hazard is a racecheck warning, which --error-exitcode ignores
+    if [ -n "${status[racecheck]:-}" ] && grep -qE "RACECHECK SUMMARY: [1-9]" "$OUT/racecheck.log" 2>/dev/null; then
+        status[racecheck]="hazards reported (warnings count too, see racecheck.log): ${status[racecheck]}"
+    fi
     step synccheck compute-sanitizer --tool synccheck --error-exitcode 9 $PY scripts/sanitize_subset.py
     # reads of device memory that no one wrote (e.g. unused slots of a scratch buffer)
     step initcheck compute-sanitizer --tool initcheck --error-exitcode 9 $PY scripts/sanitize_subset.py

@@ -47,3 +47,13 @@ def pytest_collection_modifyitems(config, items):
 def rng(request):
     """A NumPy generator seeded from the test id: fresh data per test, reproducible per test."""
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def jax_on_cpu():
+    """Run the test with JAX's default device the CPU, GPU present or not: the CPU adapter
+    tests check the reference path (float64, rounded once) that runs on CPU buffers, which
+    the float32 GPU kernels (and TF32 matmuls of a jnp oracle) would not meet."""
+    jax = pytest.importorskip("jax")
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield

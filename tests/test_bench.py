@@ -169,8 +169,19 @@ def test_parse_args_flags():
     assert bench.parse_args(["--extra-shapes", "8x16x2"]).shapes[-1] == (8, 16, 2)
 
 
+def test_parse_args_convention():
+    """--convention deepseek times mhc_cupy alone (the baselines are the paper maths); paper is the default."""
+    assert bench.parse_args([]).convention == "paper"
+    a = bench.parse_args(["--convention", "deepseek"])
+    assert (a.convention, a.baselines) == ("deepseek", [])
+    from mhc_cupy.bench.specs import CONVENTION_OPS
+
+    assert set(CONVENTION_OPS) <= set(bench.DEFAULT_OPS)
+
+
 @pytest.mark.parametrize("argv", [["--ops", "bogus"], ["--dtype", "int8"], ["--tokens", "abc"], ["--C", "0"],
-                                  ["--baselines", "numpy"], ["--extra-shapes", "1x2"], ["--reps", "0"]])
+                                  ["--baselines", "numpy"], ["--extra-shapes", "1x2"], ["--reps", "0"],
+                                  ["--convention", "v4"], ["--convention", "deepseek", "--layer"]])
 def test_parse_args_errors(argv, capsys):
     with pytest.raises(SystemExit) as e:
         bench.parse_args(argv)

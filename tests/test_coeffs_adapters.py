@@ -38,6 +38,7 @@ def test_torch_forward_backward_and_compile(rng):
         assert torch.equal(a, b)
 
 
+@pytest.mark.usefixtures("jax_on_cpu")
 def test_jax_jit_grad_vmap(rng):
     jax = pytest.importorskip("jax")
     import mhc_cupy.jax as mj
@@ -64,6 +65,7 @@ def test_jax_jit_grad_vmap(rng):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("jax_on_cpu")
 def test_jax_mhc_layer_matches_reference(rng):
     """mhc_cupy.jax.mhc_layer = H_res x + H_post^T f(H_pre x) with coefficients from the coefficient path."""
     jax = pytest.importorskip("jax")

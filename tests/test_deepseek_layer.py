@@ -1,4 +1,4 @@
-"""The DeepSeek-V4 head and layer on the CPU: ``mhc_head`` (OPS.md section 10) at every level
+"""The DeepSeek-V4 head and layer on the CPU: ``mhc_head`` (OPS.md section 11) at every level
 (NumPy reference, functional API, torch ``mhc_head`` / ``MHCHead``, JAX ``mhc_head``), the
 ``convention="deepseek"`` layer (torch ``MHC``, JAX ``mhc_layer``) and the DeepSeek parameter
 layout (``from_deepseek`` / ``to_deepseek``, docs/DEEPSEEK.md).

@@ -48,3 +48,39 @@ def test_every_tolerance_row_gives_its_reason():
         values = row.value.values() if isinstance(row.value, dict) else [row.value]
         assert all(0 < v < 0.1 for v in np.ravel(list(values))), name
     assert TOL["sinkhorn"].value <= TOL["sinkhorn_chain_grad"].value
+
+
+def test_gpu_poison_fill_goes_on_the_allocating_threads_stream(monkeypatch):
+    """tests/gpu/helpers.poisoned_allocations (the NaN fill of every CuPy allocation in the
+    GPU tests), with a stand-in cupy: each fill is queued on the stream current in the
+    thread that allocates (the stream the op then writes the buffer on), never on the
+    legacy default stream, which a non-blocking stream is not ordered with (a late fill
+    turned a correct 8-thread rmsnorm_bwd result into NaN)."""
+    import sys
+    import threading
+    import types
+
+    fills, allocators, local = [], [], threading.local()
+    pool = types.SimpleNamespace(malloc=lambda size: types.SimpleNamespace(ptr=0x10000 + size))
+    runtime = types.SimpleNamespace(
+        memsetAsync=lambda ptr, value, size, stream: fills.append((ptr, value, size, stream)),
+        memset=lambda ptr, value, size: fills.append((ptr, value, size, "legacy default stream")))
+    cuda = types.SimpleNamespace(runtime=runtime, set_allocator=allocators.append,
+                                 get_current_stream=lambda: types.SimpleNamespace(ptr=getattr(local, "stream", 0)))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda, get_default_memory_pool=lambda: pool))
+    from gpu.helpers import poisoned_allocations
+
+    def worker(stream, size):
+        local.stream = stream
+        assert alloc(size).ptr == 0x10000 + size
+
+    with poisoned_allocations():
+        alloc = allocators[-1]
+        threads = [threading.Thread(target=worker, args=(0xA000 + k, 16 * (k + 1))) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        alloc(0)  # nothing to fill
+    assert allocators[-1] is pool.malloc  # restored
+    assert sorted(fills) == [(0x10000 + 16 * (k + 1), 0xFF, 16 * (k + 1), 0xA000 + k) for k in range(4)]

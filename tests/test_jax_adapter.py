@@ -35,6 +35,8 @@ from mhc_cupy.bench.baselines import jnp_sinkhorn
 
 from harness import assert_close, assert_rounded, f64
 
+pytestmark = pytest.mark.usefixtures("jax_on_cpu")
+
 NI, SK_EPS, RMS_EPS = 20, 1e-8, 1e-5
 DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 

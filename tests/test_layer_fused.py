@@ -136,7 +136,8 @@ def test_mismatched_gradient_dtypes_raise(rng):
 
 
 # --------------------------------------------------------------------- GPU
-GPU_CASES = [((1,), 1, 7), ((3,), 2, 33), ((127,), 4, 64), ((2, 5), 3, 16), ((300,), 4, 1000), ((70,), 4, 4096)]
+GPU_CASES = [((1,), 1, 7), ((3,), 2, 33), ((127,), 4, 64), ((2, 5), 3, 16), ((300,), 4, 1000), ((70,), 4, 4096),
+             ((9,), 5, 12), ((127,), 8, 33), ((3, 50), 8, 256), ((40,), 16, 64)]  # n > 4: the CUDA-core backward
 
 
 def _gpu_layer(dt, lead, n, C, rng):
@@ -181,10 +182,11 @@ def test_gpu_pieces_match_reference(rng, dt, lead, n, C):
 
 
 @pytest.mark.gpu
-def test_gpu_pieces_bitwise_repeatable(rng):
+@pytest.mark.parametrize("n", [4, 8])
+def test_gpu_pieces_bitwise_repeatable(rng, n):
     import cupy as cp
 
-    _, dev, (g_d, y_d, gli_d), _ = _gpu_layer("bfloat16", (1000,), 4, 256, rng)
+    _, dev, (g_d, y_d, gli_d), _ = _gpu_layer("bfloat16", (1000,), n, 256, rng)
 
     def once():
         layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(*dev)
@@ -198,11 +200,30 @@ def test_gpu_pieces_bitwise_repeatable(rng):
 
 
 @pytest.mark.gpu
-def test_gpu_large_n_raises_clearly(rng):
-    _, dev, (g_d, y_d, gli_d), _ = _gpu_layer("bfloat16", (3,), 5, 8, rng)
+@pytest.mark.parametrize("n,C", [(4, 64), (8, 40)])  # the tensor-core and the CUDA-core backward
+@pytest.mark.parametrize("missing", ["grad_layer_in", "grad_out", "both"])
+def test_gpu_pre_bwd_missing_layer_gradients(rng, n, C, missing):
+    """A None layer gradient counts as zero in dx (each alone adds its term)."""
+    from gpu.helpers import ACT_TOL, COEF_TOL, assert_close, poisoned_allocations, to_host
+
+    (x, phi, alpha, bias), dev, (g_d, y_d, gli_d), (g, y, g_li) = _gpu_layer("float32", (37,), n, C, rng)
     layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(*dev)
-    with pytest.raises(ValueError, match="n <= 4"):
-        m.mhc_layer_pre_bwd(gli_d, g_d, None, None, *dev, stats, H_pre, H_res)
+    dH_post, dH_res = (to_gpu_like(rng, H_post), to_gpu_like(rng, H_res))
+    use_li = gli_d if missing not in ("grad_layer_in", "both") else None
+    use_g = g_d if missing not in ("grad_out", "both") else None
+    with poisoned_allocations():
+        got = m.mhc_layer_pre_bwd(use_li, use_g, dH_post, dH_res, *dev, stats, H_pre, H_res)
+    ref = R.mhc_layer_pre_bwd(None if use_li is None else g_li, None if use_g is None else g, to_host(dH_post),
+                              to_host(dH_res), x, phi, alpha, bias, None, to_host(H_pre), to_host(H_res))
+    assert_close(got[0], ref[0], 2 * ACT_TOL["float32"], "dx", scale=float(np.sqrt(np.mean(ref[0] ** 2))) + 1e-30)
+    assert_close(got[1], ref[1], COEF_TOL, "dphi")
+
+
+def to_gpu_like(rng, a):
+    """A fresh float32 random array of a's shape on the GPU (an incoming coefficient gradient)."""
+    from gpu.helpers import to_gpu
+
+    return to_gpu(rng.standard_normal(a.shape).astype(np.float32))
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -223,10 +244,10 @@ def test_torch_fused_layer_compiles_fullgraph(backend):
     torch._dynamo.reset()
 
 
-def _cuda_layer():
+def _cuda_layer(n=4):
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA")
-    n, C, T = 4, 256, 300
+    C, T = 256, 300
     layer = _layer_torch(n, C).cuda()
     x = torch.randn(T, n, C, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     return layer, x, torch.randn_like(x)
@@ -249,12 +270,10 @@ def test_gpu_fused_layer_compiles():
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason=(
-    "known defect (H200, this session): capturing MHC (fused or separate ops) fails with 'operation would make "
-    "the legacy stream depend on a capturing blocking stream'; the ops-only capture test passes"))
-def test_gpu_layer_cuda_graph():
+@pytest.mark.parametrize("n", [4, 8])
+def test_gpu_layer_cuda_graph(n):
     """A captured forward + backward of MHC replays bitwise to eager on new inputs."""
-    layer, x, g = _cuda_layer()
+    layer, x, g = _cuda_layer(n)
     static_x = x.detach().clone().requires_grad_()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

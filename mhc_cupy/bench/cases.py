@@ -10,7 +10,7 @@ from . import env
 from .baselines import jax_fwd, torch_bwd, torch_fwd
 from .inputs import _cupy_to_jax, _cupy_to_torch, _max_rel_err, make_inputs
 from .report import evaluate_targets, write_json
-from .specs import ITEMSIZE, nbytes, plan_cases, rotation, shape_str
+from .specs import CONVENTION_OPS, ITEMSIZE, nbytes, plan_cases, rotation, shape_str
 from .timing import _time_cupy, _time_jax, _time_torch, copy_bandwidth, per_call_us
 
 def _case(op, T, C, n, dtype, cfg, copy_GBps, l2, baselines) -> list[dict]:
@@ -19,6 +19,8 @@ def _case(op, T, C, n, dtype, cfg, copy_GBps, l2, baselines) -> list[dict]:
 
     isz = ITEMSIZE[dtype]
     Cb = C if C is not None else 1
+    # --convention deepseek: the ops that take it run under it (the others are the same maths)
+    convention = getattr(cfg, "convention", "paper") if op in CONVENTION_OPS else "paper"
     fwd_bytes = nbytes(op, "fwd", T, Cb, n, isz)
     R, calls = rotation(fwd_bytes, l2, cfg.min_calls)
     sets = [make_inputs(op, T, Cb, n, dtype, seed=k, xp="cupy") for k in range(R)]
@@ -28,6 +30,8 @@ def _case(op, T, C, n, dtype, cfg, copy_GBps, l2, baselines) -> list[dict]:
         b = nbytes(op, d, T, Cb, n, isz)
         rows[d] = {"op": op, "dir": d, "tokens": T, "C": C, "n": n, "dtype": dtype, "bytes": b, "sets": R,
                    "calls_per_graph": calls, "copy_GBps": copy_GBps, "impls": {}}
+        if convention != "paper":
+            rows[d]["convention"] = convention
 
     def record(d, impl, res):
         if "us" in res:
@@ -36,8 +40,10 @@ def _case(op, T, C, n, dtype, cfg, copy_GBps, l2, baselines) -> list[dict]:
         rows[d]["impls"][impl] = res
 
     fwd_fn, bwd_fn = getattr(m, f"{op}_fwd"), getattr(m, f"{op}_bwd")
+    kw = {"convention": convention} if convention != "paper" else {}
     ours = {}
-    for d, fn in (("fwd", lambda k: fwd_fn(*sets[k]["in"])), ("bwd", lambda k: bwd_fn(*sets[k]["grads"], *sets[k]["in"]))):
+    for d, fn in (("fwd", lambda k: fwd_fn(*sets[k]["in"], **kw)),
+                  ("bwd", lambda k: bwd_fn(*sets[k]["grads"], *sets[k]["in"], **kw))):
         try:
             record(d, "mhc_cupy", _time_cupy(fn, R, calls, cfg.warmup, cfg.reps))
             ours[d] = fn(0)
@@ -217,6 +223,7 @@ def run_benchmarks(cfg) -> dict:
                  "argv": list(cfg.argv), "device": device, "versions": env._versions(),
                  "settings": {"dtype": cfg.dtype, "reps": cfg.reps, "warmup": cfg.warmup, "min_calls": cfg.min_calls,
                               "baselines": baselines, "shapes": [list(s) for s in cfg.shapes], "ops": list(cfg.ops),
+                              "convention": getattr(cfg, "convention", "paper"),
                               "l2_bytes_used_for_rotation": l2}},
         "copy": {}, "results": [], "host_overhead_us": {}, "targets": [], "skipped": skipped,
     }

@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: it)")
     ap.add_argument("--no-baselines", action="store_true", help="time mhc_cupy only")
     ap.add_argument("--no-host", action="store_true", help="skip the host-overhead measurements")
+    ap.add_argument("--convention", default="paper", choices=("paper", "deepseek"),
+                    help="the maths of sinkhorn_knopp, mhc_pre_op, mhc_post_op, mhc_coeffs (OPS.md 'DeepSeek-V4 "
+                         "convention'); deepseek times mhc_cupy only (the baselines implement the paper maths)")
     ap.add_argument("--check-tol", type=float, default=1e-2,
                     help="warn when a baseline differs from mhc_cupy by more than this (relative L2)")
     ap.add_argument("--out", default="bench_out", help="output directory (bench.json, bench.txt, bench.png)")
@@ -122,7 +125,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.dtype = dt
     args.mode = "layer" if args.layer else "block" if args.block else "ops"
     allowed = _MODE_BASELINES[args.mode]
-    if args.no_baselines:
+    if args.convention != "paper" and args.mode != "ops":
+        ap.error("--convention: only the op benchmark (no --layer / --block) takes it")
+    if args.no_baselines or args.convention != "paper":
         args.baselines = []
     elif args.baselines is None:
         args.baselines = list(allowed)

@@ -16,6 +16,10 @@ BASELINES = IMPLS[1:]
 DEFAULT_OPS = ("stream_mix", "stream_aggregate", "stream_distribute", "mhc_post_op", "mhc_pre_op",
                "sinkhorn_knopp", "rmsnorm", "mhc_coeffs")
 
+#: Ops that take ``convention`` (OPS.md "DeepSeek-V4 convention"; ``--convention deepseek`` times them
+#: with it, the other ops as they are).
+CONVENTION_OPS = ("sinkhorn_knopp", "mhc_pre_op", "mhc_post_op", "mhc_coeffs")
+
 #: Ops whose benchmark runs on vec(x), [T, n*C] (shape code letter ``N``), as mHC calls them (OPS.md 2).
 _VEC_X = ("rmsnorm",)
 

@@ -1,5 +1,5 @@
 """The mHC operators: one module per family, each with its public ``*_fwd`` /
-``*_bwd`` functions and their launch plans (OPS.md sections 1-10)."""
+``*_bwd`` functions and their launch plans (OPS.md sections 1-11)."""
 
 from .coeffs import mhc_coeffs_bwd, mhc_coeffs_fwd
 from .head import mhc_head_bwd, mhc_head_fwd

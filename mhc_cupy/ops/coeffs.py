@@ -338,24 +338,78 @@ def launch_mma_bwd(b: MmaBwd, dt: str, x, phi, dH, KP: int, dx, dphi, sc: dict, 
         column_sum(out, dphi, b.splits, D * b.K, stream)
 
 
+class CoreBwd(NamedTuple):
+    """Layout and scratch of the CUDA-core backward (dx and dphi for K > 32, i.e. n > 4)."""
+
+    n: int
+    C: int
+    K: int
+    tokens: int
+
+    @property
+    def col_chunks(self) -> int:
+        return _cdiv(self.K, column_chunk(self.K))
+
+    @property
+    def splits(self) -> tuple[int, int]:
+        return token_splits(self.tokens, self.n * self.C, self.K, self.col_chunks)
+
+    def scratch(self) -> list:
+        """[(name, (shape, dtype))] the launch needs besides dH."""
+        D = self.n * self.C
+        out = [("phi_t", ((self.K, D), "float32"))]
+        if self.splits[0] > 1:
+            out.append(("dphi_part", ((self.splits[0], D, self.K), "float32")))
+        return out
+
+
+def launch_core_bwd(b: CoreBwd, dt: str, x, phi, dH, KP: int, dx, dphi, sc: dict, stream, tg: str | None = None,
+                    g=None, g_li=None, H_pre=None, H_res=None, res_t=False):
+    """dx = dH phi^T - c x (+ H_pre_i g_li + sum_j H_res[j, i] g_j when g or g_li is given; with
+    ``res_t``, convention="deepseek", sum_j H_res[i, j] g_j) and dphi, on CUDA cores (any K); sc
+    holds the buffers named by b.scratch() (dphi partials summed here)."""
+    D, K = b.n * b.C, b.K
+    layer = g is not None or g_li is not None
+    tg = tg or dt
+    kc_phi = column_chunk(K)
+    t_splits, t_split = b.splits
+    dphi_out = sc.get("dphi_part", dphi)
+    # the layer's terms read g by stream: a thread's E positions must not straddle two streams
+    E = vec_width(1, b.C if layer else D, [(x, dt), (dx, dt), (g, tg), (g_li, tg)], budget=_BWD_E)
+    dblocks = _cdiv(D, _NT * E)
+    phi_t = sc["phi_t"]
+    launch(_FILE, "mhc_coeffs_transpose_kernel", (_cdiv(D, 32), _cdiv(K, 32), 1), (32, 8, 1),
+           (phi, phi_t, i32(D), i32(K)), stream)
+    launch(_FILE, f"mhc_coeffs_bwd_dx_kernel<{CTYPE[dt]},{CTYPE[tg]},{E},{_DX_KC},{'true' if layer else 'false'}>",
+           (dblocks * _cdiv(b.tokens, _TS), 1, 1), (_NT, 1, 1),
+           (x, phi_t, dH, g, g_li, H_pre, H_res, dx, i64(b.tokens), i32(D), i32(K), i32(KP), i32(dblocks),
+            i32(b.n), i32(b.C), i32(res_t)), stream)
+    launch(_FILE, f"mhc_coeffs_bwd_dphi_kernel<{CTYPE[dt]},{E},{kc_phi}>", (b.col_chunks * dblocks * t_splits, 1, 1),
+           (_NT, 1, 1), (x, dH, dphi_out, i64(b.tokens), i32(D), i32(K), i32(KP), i32(b.col_chunks),
+                         i32(dblocks), i64(t_split)), stream)
+    if t_splits > 1:
+        column_sum(dphi_out, dphi, t_splits, D * K, stream)
+
+
+def backward_layout(tokens: int, n: int, C: int, K: int):
+    """The backward's dx / dphi layout: MmaBwd (tensor cores, K <= 32) or CoreBwd (CUDA cores)."""
+    return mma_bwd(tokens, n, C, K) if K <= _MMA_BWD_MAX_K else CoreBwd(n, C, K, tokens)
+
+
+def launch_param_bwd(b, *args, **kwargs):
+    """launch_mma_bwd or launch_core_bwd, as backward_layout chose."""
+    (launch_mma_bwd if isinstance(b, MmaBwd) else launch_core_bwd)(b, *args, **kwargs)
+
+
 def _plan_bwd(infos, eps):
     dt, lead, n, C, D, K, tokens, eps = _check(infos, eps, True)
     mma = mma_layout(tokens, D, K)
     KP = padded_row(K)
-    tc = mma_bwd(tokens, n, C, K) if K <= _MMA_BWD_MAX_K else None
-    kc_phi = column_chunk(K)
-    ncc_phi = _cdiv(K, kc_phi)
-    t_splits, t_split = token_splits(tokens, D, K, ncc_phi) if tc is None else (tc.splits, tc.t_split)
+    b = backward_layout(tokens, n, C, K)
     named = [("part", ((mma.splits, tokens, K + 1), "float32")),  # raw H~ and sum of squares per D range
              ("dH", ((tokens, KP), "float32")),  # dH | c
              ("qa", ((tokens, 3), "float32")),  # per-token dalpha terms
-             ("planes", mma.planes_shape)]  # phi split for the forward GEMM
-    if tc is not None:
-        named += tc.scratch()
-    else:
-        named.append(("phi_t", ((K, D), "float32")))
-        if t_splits > 1:
-            named.append(("dphi_part", ((t_splits, D, K), "float32")))
+             ("planes", mma.planes_shape)] + b.scratch()  # phi split for the forward GEMM
 
     def body(p, outs, sc, stream):
         dx, dphi, dalpha, dbias = outs
@@ -363,23 +417,7 @@ def _plan_bwd(infos, eps):
         launch_mma_gemm(dt, D, K, tokens, p["x"], p["phi"], part, sc["planes"], mma, stream)
         launch_prep(part, mma.splits, (p["grad_h_pre_raw"], p["grad_h_post_raw"], p["grad_h_res_raw"]), p["alpha"],
                     dH, qa, dalpha, dbias, tokens, D, n, K, KP, eps, stream)
-        if tc is not None:
-            launch_mma_bwd(tc, dt, p["x"], p["phi"], dH, KP, dx, dphi, sc, stream)
-            return
-        # n > 4: CUDA cores (dx, then dphi over token ranges)
-        dphi_out = sc.get("dphi_part", dphi)
-        E = vec_width(1, D, [(p["x"], dt), (dx, dt)], budget=_BWD_E)
-        dblocks = _cdiv(D, _NT * E)
-        phi_t = sc["phi_t"]
-        launch(_FILE, "mhc_coeffs_transpose_kernel", (_cdiv(D, 32), _cdiv(K, 32), 1), (32, 8, 1),
-               (p["phi"], phi_t, i32(D), i32(K)), stream)
-        launch(_FILE, f"mhc_coeffs_bwd_dx_kernel<{CTYPE[dt]},{E},{_DX_KC}>", (dblocks * _cdiv(tokens, _TS), 1, 1),
-               (_NT, 1, 1), (p["x"], phi_t, dH, dx, i64(tokens), i32(D), i32(K), i32(KP), i32(dblocks)), stream)
-        launch(_FILE, f"mhc_coeffs_bwd_dphi_kernel<{CTYPE[dt]},{E},{kc_phi}>", (ncc_phi * dblocks * t_splits, 1, 1),
-               (_NT, 1, 1), (p["x"], dH, dphi_out, i64(tokens), i32(D), i32(K), i32(KP), i32(ncc_phi),
-                             i32(dblocks), i64(t_split)), stream)
-        if t_splits > 1:
-            column_sum(dphi_out, dphi, t_splits, D * K, stream)
+        launch_param_bwd(b, dt, p["x"], p["phi"], dH, KP, dx, dphi, sc, stream)
 
     def ref(a):
         return reference.mhc_coeffs_bwd(a["grad_h_pre_raw"], a["grad_h_post_raw"], a["grad_h_res_raw"], a["x"],

@@ -1,5 +1,5 @@
 """The mHC head: the n residual streams merged into one hidden state at the end of the
-network (OPS.md section 10; DeepSeek-V4's ``hc_head``), kernels in ``kernels_cu/coeffs.cu``.
+network (OPS.md section 11; DeepSeek-V4's ``hc_head``), kernels in ``kernels_cu/coeffs.cu``.
 
 Per token, with x~ = vec(x) (D = n*C values): H~ = x~ hc_fn^T, r = sqrt(mean(x~^2) + rms_eps),
 w = sigmoid(H~ / r * hc_scale + hc_base) + hc_eps, out = sum_i w_i x_i.  It is the coefficient
@@ -132,7 +132,7 @@ def _plan_bwd(infos, rms_eps, hc_eps):
 
 # ------------------------------------------------------------------ public
 def mhc_head_fwd(x, hc_fn, hc_scale, hc_base, rms_eps=1e-6, hc_eps=1e-6):
-    """The mHC head: merge the n residual streams into one hidden state (OPS.md section 10).
+    """The mHC head: merge the n residual streams into one hidden state (OPS.md section 11).
 
     DeepSeek-V4's ``hc_head``.  Per token, with x~ = vec(x) (D = n*C):
     w = sigmoid((x~ hc_fn^T) / sqrt(mean(x~^2) + rms_eps) * hc_scale + hc_base) + hc_eps;
@@ -166,7 +166,7 @@ def mhc_head_fwd(x, hc_fn, hc_scale, hc_base, rms_eps=1e-6, hc_eps=1e-6):
 
 
 def mhc_head_bwd(grad, x, hc_fn, hc_scale, hc_base, rms_eps=1e-6, hc_eps=1e-6):
-    """Gradient of :func:`mhc_head_fwd` (OPS.md section 10).
+    """Gradient of :func:`mhc_head_fwd` (OPS.md section 11).
 
     With gw_i = sum_c g_c x_ic, s = sigmoid(z), gz = gw s (1 - s), dH = gz hc_scale / r:
     dx~ = vec(w_i g) + dH hc_fn - c x~ with c = sum_k gz_k hc_scale H~_k / (D r^3);

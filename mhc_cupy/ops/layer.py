@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from .. import _checks, _convention, reference
 from .._dispatch import Plan, run
-from .coeffs import (_MMA_BWD_MAX_K, _check as _check_coeffs, launch_finish, launch_mma_bwd, launch_mma_gemm,
-                     launch_prep, mma_bwd, mma_layout, padded_row, param_grad_plan)
+from .coeffs import (_check as _check_coeffs, backward_layout, launch_finish, launch_mma_gemm, launch_param_bwd,
+                     launch_prep, mma_layout, padded_row, param_grad_plan)
 from .sinkhorn import bwd_history, launch_bwd, launch_fwd
 from .stream import check_grad, launch_aggregate_bwd, launch_aggregate_fwd, launch_post_bwd
 from .post import _check as _check_post
@@ -41,12 +41,6 @@ def _check_common(infos, num_iters, eps, rms_eps, convention, hc_eps, post_mult)
     iters, eps, ds = _convention.sinkhorn(convention, num_iters, eps)
     hc_eps, post_mult = _convention.activations(convention, hc_eps, post_mult)
     return dt, lead, n, C, D, K, tokens, (iters, eps, rms_eps, ds, hc_eps, post_mult)
-
-
-def _gpu_n(n: int, what: str) -> None:
-    if n * n + 2 * n > _MMA_BWD_MAX_K:
-        raise ValueError(f"x has n = {n} streams; {what} on the GPU supports n <= 4 (the tensor-core backward); "
-                         "use mhc_coeffs / mhc_pre_op / mhc_post_op for larger n")
 
 
 # ------------------------------------------------------------------ forward
@@ -165,15 +159,13 @@ def _plan_pre_bwd(infos, num_iters, eps, rms_eps, grad_mode, convention, hc_eps,
         if infos[name] is not None or name in ("stats", "H_pre", "H_res"):
             _checks.coefficient(name, infos[name])
             _checks.expect_shape(name, infos[name].shape, shape, "the shape mhc_layer_pre_fwd / the post op gave")
-    if infos["x"].device[0] != "cpu":
-        _gpu_n(n, "mhc_layer_pre_bwd")
     KP = padded_row(K)
-    tc = mma_bwd(tokens, n, C, K)
+    b = backward_layout(tokens, n, C, K)  # tensor cores for n <= 4, CUDA cores above
     hist = bwd_history(n, tokens, iters, mode)[2] if infos["grad_H_res"] is not None else 0
     named = [("h_pre", ((tokens, n), "float32")), ("h_post", ((tokens, n), "float32")),
              ("h_res", ((tokens, n, n), "float32")), ("dh_pre", ((tokens, n), "float32")),
              ("dh_post", ((tokens, n), "float32")), ("dh_res", ((tokens, n, n), "float32")),
-             ("dH", ((tokens, KP), "float32")), ("qa", ((tokens, 3), "float32"))] + tc.scratch()
+             ("dH", ((tokens, KP), "float32")), ("qa", ((tokens, 3), "float32"))] + b.scratch()
     if hist:
         named.append(("hist", ((hist,), "float32")))
 
@@ -191,8 +183,8 @@ def _plan_pre_bwd(infos, num_iters, eps, rms_eps, grad_mode, convention, hc_eps,
                              stream, act=1)
         launch_prep(stats, 1, (sc["dh_pre"], sc["dh_post"], sc["dh_res"]), p["alpha"], sc["dH"], sc["qa"], dalpha,
                     dbias, tokens, D, n, K, KP, rms_eps, stream)
-        launch_mma_bwd(tc, dt, p["x"], p["phi"], sc["dH"], KP, dx, dphi, sc, stream, tg=tg, g=p["grad_out"],
-                       g_li=p["grad_layer_in"], H_pre=p["H_pre"], H_res=p["H_res"], res_t=ds)
+        launch_param_bwd(b, dt, p["x"], p["phi"], sc["dH"], KP, dx, dphi, sc, stream, tg=tg, g=p["grad_out"],
+                         g_li=p["grad_layer_in"], H_pre=p["H_pre"], H_res=p["H_res"], res_t=ds)
 
     def ref(a):
         return reference.mhc_layer_pre_bwd(a["grad_layer_in"], a["grad_out"], a["grad_H_post"], a["grad_H_res"],
@@ -228,7 +220,7 @@ def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, 
         dbias float32 [n*n + 2n]).
 
     Raises:
-        TypeError / ValueError: bad dtypes or shapes; on the GPU, n > 4 (use the unfused ops).
+        TypeError / ValueError: bad dtypes or shapes.
 
     Autograd: none.  Torch tensors that require grad (with grad mode on) give an
     ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_layer_pre`` for gradients.

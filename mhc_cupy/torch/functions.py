@@ -667,7 +667,7 @@ _HeadFn = _wire("mhc_head", _head_fwd_impl, {"mhc_head_bwd": _head_bwd_impl}, _h
 
 
 def mhc_head(x, hc_fn, hc_scale, hc_base, rms_eps=1e-6, hc_eps=1e-6):
-    """Differentiable mHC head: n streams -> one hidden state (OPS.md section 10, DeepSeek-V4 ``hc_head``).
+    """Differentiable mHC head: n streams -> one hidden state (OPS.md section 11, DeepSeek-V4 ``hc_head``).
 
     Per token, with x~ = vec(x): w = sigmoid((x~ hc_fn^T) / sqrt(mean(x~^2) + rms_eps) * hc_scale
     + hc_base) + hc_eps, out = sum_i w_i x_i.
@@ -784,7 +784,7 @@ def mhc_layer_pre(x, phi, alpha, bias, num_iters=None, eps=None, rms_eps=None, g
     layer's backward then writes dx once, with the post op's part folded in.
 
     Args:
-        x: [..., n, C] tensor, bfloat16 / float16 / float32 (GPU: n <= 4).
+        x: [..., n, C] tensor, bfloat16 / float16 / float32.
         phi, alpha, bias: float32 parameters as in :func:`mhc_coeffs`.
         num_iters, eps: Sinkhorn (defaults 20, 1e-8);  rms_eps: default 1e-5;
         grad_mode: Sinkhorn gradient, "unrolled" (default) or "implicit".

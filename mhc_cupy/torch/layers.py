@@ -310,9 +310,10 @@ class MHC(nn.Module):
         return mhc_coeffs(x, _as_f32(self.phi), _as_f32(self.alpha), _as_f32(self.bias), self.rms_eps)
 
     def fused(self, x: Tensor) -> bool:
-        """Whether forward runs the fused layer pieces (OPS.md section 9): on the CPU
-        (the NumPy reference) and on the GPU for n <= 4 (the tensor-core backward);
-        otherwise coefficients -> pre op -> sublayer -> post op as separate ops."""
+        """Whether forward runs the fused layer pieces (OPS.md section 9): on the CPU (the NumPy
+        reference) and on the GPU for n <= 4, where its backward runs on tensor cores; for n > 4
+        the separate ops (coefficients -> pre op -> sublayer -> post op) are faster on the H200
+        (fused backward on CUDA cores: 12.1 vs 9.8 ms fwd+bwd at 16384 x 2048 x 8, bf16)."""
         return x.device.type == "cpu" or self.n_streams <= 4
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
@@ -343,7 +344,7 @@ class MHC(nn.Module):
 # -------------------------------------------------------------------- head
 class MHCHead(nn.Module):
     """The mHC head: the n residual streams merged into one hidden state at the end of the
-    network (OPS.md section 10; DeepSeek-V4's ``hc_head``), in place of :func:`collapse_streams`.
+    network (OPS.md section 11; DeepSeek-V4's ``hc_head``), in place of :func:`collapse_streams`.
 
     Per token, with x~ = vec(x): w = sigmoid((x~ hc_fn^T) / sqrt(mean(x~^2) + rms_eps) * hc_scale
     + hc_base) + hc_eps; out = sum_i w_i x_i (:func:`mhc_cupy.torch.mhc_head`; CUDA tensors run

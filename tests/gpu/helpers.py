@@ -43,7 +43,13 @@ def to_gpu(a):
 
 @contextlib.contextmanager
 def poisoned_allocations():
-    """Every CuPy allocation in the block starts as 0xFF bytes (NaN in bf16/f16/f32)."""
+    """Every CuPy allocation in the block starts as 0xFF bytes (NaN in bf16/f16/f32).
+
+    The fill is queued on the stream current in the allocating thread, the stream CuPy's pool
+    hands the memory out for and the op then writes it on.  (A plain ``cudaMemset`` goes on the
+    legacy default stream, which is not ordered with a non-blocking stream: the fill could land
+    after the op had written the buffer, and a correct result read back as NaN.)
+    """
     import cupy as cp
 
     pool = cp.get_default_memory_pool()
@@ -51,7 +57,7 @@ def poisoned_allocations():
     def alloc(size):
         mem = pool.malloc(size)
         if size:
-            cp.cuda.runtime.memset(mem.ptr, 0xFF, size)
+            cp.cuda.runtime.memsetAsync(mem.ptr, 0xFF, size, cp.cuda.get_current_stream().ptr)
         return mem
 
     cp.cuda.set_allocator(alloc)

@@ -1,4 +1,4 @@
-"""The mHC head (OPS.md section 10, DeepSeek-V4 ``hc_head``) and the deepseek-convention layer on
+"""The mHC head (OPS.md section 11, DeepSeek-V4 ``hc_head``) and the deepseek-convention layer on
 the GPU, against the float64 reference / oracle.
 
 Inputs are rounded to the activation dtype first and the reference runs in float64 on exactly
