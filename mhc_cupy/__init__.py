@@ -19,6 +19,8 @@ from ._nvrtc import KernelCompileError
 from .ops import (
     mhc_coeffs_bwd,
     mhc_coeffs_fwd,
+    mhc_head_bwd,
+    mhc_head_fwd,
     mhc_layer_post_bwd,
     mhc_layer_pre_bwd,
     mhc_layer_pre_fwd,
@@ -45,6 +47,6 @@ __all__ = [
     "stream_mix_fwd", "stream_mix_bwd", "stream_aggregate_fwd", "stream_aggregate_bwd",
     "stream_distribute_fwd", "stream_distribute_bwd", "mhc_post_op_fwd", "mhc_post_op_bwd",
     "mhc_pre_op_fwd", "mhc_pre_op_bwd", "mhc_coeffs_fwd", "mhc_coeffs_bwd",
-    "mhc_layer_pre_fwd", "mhc_layer_pre_bwd", "mhc_layer_post_bwd", "warmup", "MIN_N", "MAX_N",
-    "MAX_NUM_ITERS", "AutogradNotRecordedWarning", "KernelCompileError",
+    "mhc_layer_pre_fwd", "mhc_layer_pre_bwd", "mhc_layer_post_bwd", "mhc_head_fwd", "mhc_head_bwd",
+    "warmup", "MIN_N", "MAX_N", "MAX_NUM_ITERS", "AutogradNotRecordedWarning", "KernelCompileError",
 ]

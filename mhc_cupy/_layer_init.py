@@ -8,7 +8,8 @@ import math
 import numpy as np
 
 
-def _logit(p: float) -> float:
+def logit(p: float) -> float:
+    """log(p / (1 - p)): the sigmoid's inverse."""
     return math.log(p) - math.log1p(-p)
 
 
@@ -33,11 +34,32 @@ def identity_bias(n: int, pre: float | None = None, post: float = 1.0, res_diag:
     if not 0.0 < post < 2.0:
         raise ValueError(f"post (H_post at init) must be in (0, 2), got {post}")
     b = np.zeros(n * n + 2 * n, dtype=np.float32)
-    b[:n] = _logit(pre)
-    b[n:2 * n] = _logit(post / 2.0)
+    b[:n] = logit(pre)
+    b[n:2 * n] = logit(post / 2.0)
     if n > 1:
         if not 1.0 / n <= res_diag < 1.0:
             raise ValueError(f"res_diag (diagonal of H_res at init) must be in [1/n, 1) = [{1.0 / n}, 1), "
                              f"got {res_diag}")
         b[2 * n:] = (np.eye(n) * math.log(res_diag * (n - 1) / (1.0 - res_diag))).reshape(-1)
     return b
+
+
+def deepseek_sizes(fn_shape, scale_shape, base_shape, head: bool) -> tuple:
+    """(C, n) of DeepSeek-V4-layout parameter shapes (docs/DEEPSEEK.md): ``hc_fn`` [m, n*C] with
+    m = n*n + 2n (a layer; rows pre | post | res) or m = n (the head), ``hc_scale`` [3] (layer) or
+    [1] (head), ``hc_base`` [m].
+
+    Raises:
+        ValueError: naming the argument whose shape does not fit, and what it needs.
+    """
+    fn_shape = tuple(fn_shape)
+    m, D = fn_shape if len(fn_shape) == 2 else (0, 0)
+    n = m if head else math.isqrt(m + 1) - 1
+    if n < 1 or (not head and n * n + 2 * n != m) or D % n:
+        what = "[n, n*C]" if head else "[n*n + 2n, n*C] (rows pre | post | res)"
+        raise ValueError(f"hc_fn has shape {fn_shape}; it needs {what}")
+    for name, shape, want in (("hc_scale", scale_shape, (1,) if head else (3,)), ("hc_base", base_shape, (m,))):
+        if tuple(shape) != want:
+            raise ValueError(f"{name} has shape {tuple(shape)}; it needs {want}")
+    return D // n, n
+

@@ -97,7 +97,8 @@ except ImportError:  # pragma: no cover - depends on the installed jax
 
 __all__ = [
     "sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute",
-    "mhc_post_op", "mhc_pre_op", "mhc_coeffs", "mhc_init", "mhc_layer",
+    "mhc_post_op", "mhc_pre_op", "mhc_coeffs", "mhc_init", "mhc_layer", "mhc_from_deepseek", "mhc_to_deepseek",
+    "mhc_head", "mhc_head_init",
 ]
 
 #: Placeholder device of the trace-time ArrayInfo: planners read only shapes
@@ -529,6 +530,26 @@ def _coeffs_op_bwd(eps, res, cts):
 _coeffs_op.defvjp(_coeffs_op_fwd, _coeffs_op_bwd, symbolic_zeros=True)
 
 
+def _head_params(rms_eps, hc_eps):
+    return (("rms_eps", rms_eps), ("hc_eps", hc_eps))
+
+
+@functools.partial(_jax.custom_vjp, nondiff_argnums=(4, 5))
+def _head_op(x, hc_fn, hc_scale, hc_base, rms_eps, hc_eps):
+    return _k("mhc_head_fwd", _head_params(rms_eps, hc_eps), x, hc_fn, hc_scale, hc_base)[0]
+
+
+def _head_op_fwd(x, hc_fn, hc_scale, hc_base, rms_eps, hc_eps):
+    return _head_op(x, hc_fn, hc_scale, hc_base, rms_eps, hc_eps), (x, hc_fn, hc_scale, hc_base)
+
+
+def _head_op_bwd(rms_eps, hc_eps, res, g):
+    return tuple(_k("mhc_head_bwd", _head_params(rms_eps, hc_eps), g, *res))
+
+
+_head_op.defvjp(_head_op_fwd, _head_op_bwd)
+
+
 # Jitted entry points: eager calls hit a compiled-program cache; inside an
 # outer jit / grad / vmap they are ordinary nested calls.
 _sinkhorn_jit = _jax.jit(_sinkhorn, static_argnums=(1, 2, 3, 4))
@@ -539,6 +560,7 @@ _distribute_jit = _jax.jit(_distribute)
 _post_op_jits = {c: _jax.jit(op) for c, op in _post_ops.items()}
 _pre_op_jit = _jax.jit(_pre_op, static_argnums=(4, 5, 6, 7, 8, 9))
 _coeffs_jit = _jax.jit(_coeffs_op, static_argnums=(4,))
+_head_jit = _jax.jit(_head_op, static_argnums=(4, 5))
 
 
 def _static_sinkhorn(num_iters, eps, grad_mode, convention="paper"):
@@ -762,24 +784,49 @@ def mhc_coeffs(x, phi, alpha, bias, eps=DEFAULT, *, convention="paper"):
 
 
 # ------------------------------------------------------------ the mHC layer
-def mhc_init(key, dim: int, n_streams: int = 4, alpha_init: float = 0.01) -> dict:
+def mhc_init(key, dim: int, n_streams: int = 4, alpha_init: float = 0.01, convention: str = "paper") -> dict:
     """Parameters of one mHC layer for :func:`mhc_layer` (the paper's initialisation).
 
     phi [n*C, n*n + 2n] small normal (std 1/sqrt(n*C)); alpha [3] = ``alpha_init``
     (small, paper section 4); bias from :func:`mhc_cupy._layer_init.identity_bias`,
     so that the layer starts close to a plain residual connection (H_pre = 1/n,
-    H_post = 1, H_res = 0.95 on the diagonal).  All float32.
+    H_post = 1, H_res = 0.95 on the diagonal).  All float32.  ``convention`` ("paper" or
+    "deepseek") is checked only: both conventions use the same parameters and start (pass the
+    same convention to :func:`mhc_layer`; DeepSeek-V4 weights: :func:`mhc_from_deepseek`).
 
     Raises:
-        TypeError / ValueError: dim not an int >= 1, n_streams not in 1..32.
+        TypeError / ValueError: dim not an int >= 1, n_streams not in 1..32, bad convention.
     """
     from ._layer_init import identity_bias
 
+    _convention.check(convention)
     dim, n_streams = _checks.layer_size(dim, n_streams)
     n, D = n_streams, n_streams * dim
     phi = _jax.random.normal(key, (D, n * n + 2 * n), _jnp.float32) / np.sqrt(D)
     return {"phi": phi, "alpha": _jnp.full((3,), alpha_init, _jnp.float32),
             "bias": _jnp.asarray(identity_bias(n))}
+
+
+def mhc_from_deepseek(hc_fn, hc_scale, hc_base) -> dict:
+    """:func:`mhc_layer` parameters from DeepSeek-V4's layout (docs/DEEPSEEK.md): ``hc_fn``
+    [n*n + 2n, n*C] (a checkpoint's ``hc_attn_fn`` / ``hc_ffn_fn``, rows pre | post | res) ->
+    phi = hc_fn^T; ``hc_scale`` [3] -> alpha; ``hc_base`` [n*n + 2n] -> bias.  float32.
+    Use with ``mhc_layer(..., convention="deepseek")``.
+
+    Raises:
+        ValueError: shapes that are not a DeepSeek layer's.
+    """
+    from ._layer_init import deepseek_sizes
+
+    hc_fn, hc_scale, hc_base = (_jnp.asarray(a, _jnp.float32) for a in (hc_fn, hc_scale, hc_base))
+    deepseek_sizes(hc_fn.shape, hc_scale.shape, hc_base.shape, head=False)
+    return {"phi": hc_fn.T, "alpha": hc_scale, "bias": hc_base}
+
+
+def mhc_to_deepseek(params: dict) -> tuple:
+    """(hc_fn [n*n + 2n, n*C], hc_scale [3], hc_base [n*n + 2n]) of :func:`mhc_layer` parameters:
+    the inverse of :func:`mhc_from_deepseek`."""
+    return params["phi"].T, params["alpha"], params["bias"]
 
 
 # ------------------------------------------------------- fused layer (OPS.md section 9)
@@ -825,8 +872,8 @@ def _fused_layer_bwd(f, settings, res, g):
 _fused_layer.defvjp(_fused_layer_fwd, _fused_layer_bwd)
 
 
-def mhc_layer(params: dict, x, f, num_iters: int = 20, eps: float = 1e-8, rms_eps: float = 1e-5,
-              grad_mode: str = "unrolled"):
+def mhc_layer(params: dict, x, f, num_iters=None, eps=None, rms_eps=None, grad_mode: str = "unrolled", *,
+              convention: str = "paper", hc_eps=None, post_mult=None):
     """One mHC layer, functional (paper Eq. 3): x_{l+1} = H_res x_l + H_post^T f(H_pre x_l).
 
     The per-token coefficients come from the coefficient path (:func:`mhc_coeffs`,
@@ -837,28 +884,83 @@ def mhc_layer(params: dict, x, f, num_iters: int = 20, eps: float = 1e-8, rms_ep
     as the fused backward then runs on CUDA cores).
 
     Args:
-        params: {"phi", "alpha", "bias"} from :func:`mhc_init`.
+        params: {"phi", "alpha", "bias"} from :func:`mhc_init` (or :func:`mhc_from_deepseek`).
         x: [..., n, C] residual streams (bfloat16 / float16 / float32).
         f: the sublayer, [..., C] -> [..., C] (its output is cast to x's dtype).
         num_iters, eps, grad_mode: Sinkhorn-Knopp settings; rms_eps: the coefficient path's eps.
+            None: the convention's default (20, 1e-8, 1e-5; "deepseek": 20, 1e-6, 1e-6).
+        convention: "paper" (default) or "deepseek" (the DeepSeek-V4 maths, OPS.md
+            "DeepSeek-V4 convention": softmax-start Sinkhorn, H_pre = sigmoid + hc_eps,
+            H_post = post_mult sigmoid, the post op with H_res transposed).  Keyword only.
+        hc_eps: added to H_pre (None: 0, "deepseek" 1e-6).  post_mult: H_post's factor (None: 2).
 
     Returns:
         x_{l+1}: [..., n, C], dtype of x.  Differentiable (jit / grad / vmap).
 
     Raises:
-        TypeError / ValueError: bad num_iters (an int in 0..10000), eps, rms_eps
-        or grad_mode, or shapes (x's n and C must match params["phi"]).
+        TypeError / ValueError: bad num_iters (an int in 0..10000, >= 1 under "deepseek"), eps,
+        rms_eps, hc_eps, post_mult, grad_mode or convention, or shapes (x's n and C must match
+        params["phi"]).
     """
     if not isinstance(params, dict) or any(k not in params for k in ("phi", "alpha", "bias")):
         raise TypeError(f"params must be the dict of mhc_init (phi, alpha, bias), got {type(params).__name__}")
-    num_iters, eps, rms_eps, grad_mode = _checks.layer_settings(num_iters, eps, rms_eps, grad_mode)
+    settings = _layer_settings(num_iters, eps, rms_eps, grad_mode, _convention.check(convention), hc_eps, post_mult)
+    num_iters, eps, rms_eps, grad_mode, convention, hc_eps, post_mult = settings
     if getattr(x, "ndim", 0) >= 2 and _ops.coeffs.columns(x.shape[-2]) <= _ops.coeffs._MMA_BWD_MAX_K:
         # the fused pieces (OPS.md section 9), one custom_vjp around the whole layer with f's VJP inside
         # (f's closed-over traced values become explicit arguments, so they get their gradients)
         example = _jax.ShapeDtypeStruct(tuple(x.shape[:-2]) + (x.shape[-1],), x.dtype)
         f_conv, consts = _jax.closure_convert(f, example)
-        return _fused_layer(f_conv, _layer_settings(num_iters, eps, rms_eps, grad_mode), params["phi"],
-                            params["alpha"], params["bias"], x, *consts)
+        return _fused_layer(f_conv, settings, params["phi"], params["alpha"], params["bias"], x, *consts)
     h_pre, h_post, h_res = mhc_coeffs(x, params["phi"], params["alpha"], params["bias"], rms_eps)
-    layer_in, _, H_post, H_res = mhc_pre_op(x, h_pre, h_post, h_res, num_iters, eps, grad_mode)
-    return mhc_post_op(f(layer_in).astype(x.dtype), x, H_post, H_res)
+    layer_in, _, H_post, H_res = mhc_pre_op(x, h_pre, h_post, h_res, num_iters, eps, grad_mode,
+                                            convention=convention, hc_eps=hc_eps, post_mult=post_mult)
+    return mhc_post_op(f(layer_in).astype(x.dtype), x, H_post, H_res, convention=convention)
+
+
+# ------------------------------------------------------------------ the head (OPS.md section 11)
+def mhc_head_init(key, dim: int, n_streams: int = 4, scale_init: float = 0.01) -> dict:
+    """Parameters of the mHC head for :func:`mhc_head`, in DeepSeek-V4's layout and names:
+    hc_fn [n, n*C] small normal (std 1/sqrt(n*C)), hc_scale [1] = ``scale_init``, hc_base [n] =
+    logit(1/n) (0.99 for n = 1: the head starts as the stream mean).  All float32.
+
+    Raises:
+        TypeError / ValueError: dim not an int >= 1, n_streams not in 1..32.
+    """
+    from ._layer_init import logit
+
+    dim, n = _checks.layer_size(dim, n_streams)
+    D = n * dim
+    return {"hc_fn": _jax.random.normal(key, (n, D), _jnp.float32) / np.sqrt(D),
+            "hc_scale": _jnp.full((1,), scale_init, _jnp.float32),
+            "hc_base": _jnp.full((n,), logit(1.0 / n if n > 1 else 0.99), _jnp.float32)}
+
+
+def mhc_head(params: dict, x, rms_eps=None, hc_eps=None, *, convention: str = "deepseek"):
+    """The mHC head: n streams -> one hidden state (JAX; OPS.md section 11, DeepSeek-V4 ``hc_head``).
+
+    Per token, with x~ = vec(x): w = sigmoid((x~ hc_fn^T) / sqrt(mean(x~^2) + rms_eps) * hc_scale
+    + hc_base) + hc_eps; out = sum_i w_i x_i.
+
+    Args:
+        params: {"hc_fn" [n, n*C], "hc_scale" [1], "hc_base" [n]} (float32), from
+            :func:`mhc_head_init` or a V4 checkpoint's ``hc_head_fn`` / ``hc_head_scale`` /
+            ``hc_head_base`` as they are.
+        x: [..., n, C] (bfloat16 / float16 / float32).
+        rms_eps, hc_eps: None: the convention's defaults ("deepseek": 1e-6, 1e-6; "paper":
+            1e-5, 0).  Static.
+        convention: "deepseek" (default) or "paper"; keyword only.
+
+    Returns:
+        out [..., C], dtype of x; differentiable in x and the parameters (custom_vjp);
+        jit / grad / vmap supported.
+
+    Raises:
+        TypeError / ValueError (at trace time): params not that dict, bad dtypes or shapes,
+        bad rms_eps / hc_eps / convention.
+    """
+    if not isinstance(params, dict) or any(k not in params for k in ("hc_fn", "hc_scale", "hc_base")):
+        raise TypeError(f"params must be the dict of mhc_head_init (hc_fn, hc_scale, hc_base), "
+                        f"got {type(params).__name__}")
+    return _head_jit(x, params["hc_fn"], params["hc_scale"], params["hc_base"], _convention.rms_eps(convention, rms_eps),
+                     _checks.eps("hc_eps", _convention.resolve(convention, hc_eps=hc_eps)))

@@ -45,6 +45,8 @@ __all__ = [
     "mhc_pre_op_bwd",
     "mhc_coeffs_fwd",
     "mhc_coeffs_bwd",
+    "mhc_head_fwd",
+    "mhc_head_bwd",
 ]
 
 _GRAD_MODES = ("unrolled", "implicit")
@@ -745,3 +747,60 @@ def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, 
     if grad_out is not None:
         dx = dx + np.swapaxes(_res_matrix(H_res, convention), -1, -2) @ _f64(grad_out)
     return dx, dphi, dalpha, dbias
+
+
+# ----------------------------------------------------------------------------------------------
+# 11. The head (DeepSeek-V4 hc_head)
+# ----------------------------------------------------------------------------------------------
+
+def _head_terms(x, hc_fn, hc_scale, hc_base, rms_eps):
+    """(x~ [T, nC], H~ [T, n], 1/r [T, 1], sigmoid(z) [T, n]) of the head's forward."""
+    x = _f64(x)
+    n, C = x.shape[-2], x.shape[-1]
+    xt = x.reshape(math.prod(x.shape[:-2]), n * C)
+    Ht = xt @ _f64(hc_fn).T
+    rinv = _rms_inv(xt, rms_eps)
+    return xt, Ht, rinv, _sigmoid(Ht * rinv * _f64(hc_scale)[0] + _f64(hc_base))
+
+
+def mhc_head_fwd(x, hc_fn, hc_scale, hc_base, rms_eps=1e-6, hc_eps=1e-6):
+    """The mHC head: n streams to one hidden state (OPS.md §11, DeepSeek-V4 ``hc_head``).
+
+    Per token, with x~ = vec(x): w = sigmoid((x~ hc_fn^T) / r * hc_scale + hc_base) + hc_eps,
+    r = sqrt(mean(x~^2) + rms_eps); out = sum_i w_i x_i.
+
+    Args:
+        x: ``[..., n, C]``.  hc_fn: ``[n, n*C]``.  hc_scale: ``[1]``.  hc_base: ``[n]``.
+
+    Returns:
+        out ``[..., C]``, float64.
+    """
+    x = _f64(x)
+    n, C = x.shape[-2], x.shape[-1]
+    xt, _, _, s = _head_terms(x, hc_fn, hc_scale, hc_base, rms_eps)
+    out = np.einsum("tk,tkc->tc", s + hc_eps, xt.reshape(-1, n, C))
+    return out.reshape(x.shape[:-2] + (C,))
+
+
+def mhc_head_bwd(grad, x, hc_fn, hc_scale, hc_base, rms_eps=1e-6, hc_eps=1e-6):
+    """Backward of ``mhc_head_fwd`` (OPS.md §11).
+
+    With gw_i = sum_c g_c x_ic, gz = gw sigmoid'(z), dH = gz hc_scale / r:
+        dx~ = vec(w_i g) + dH hc_fn - (sum_k gz_k hc_scale H~_k) / (nC r^3) x~;
+        dhc_fn = sum_tokens dH^T x~;  dhc_scale = sum_tokens sum_k gz_k H~_k / r;  dhc_base = sum_tokens gz.
+
+    Returns:
+        (dx ``[..., n, C]``, dhc_fn ``[n, n*C]``, dhc_scale ``[1]``, dhc_base ``[n]``), float64.
+    """
+    x = _f64(x)
+    n, C = x.shape[-2], x.shape[-1]
+    xt, Ht, rinv, s = _head_terms(x, hc_fn, hc_scale, hc_base, rms_eps)
+    g = _f64(grad).reshape(-1, C)
+    x3 = xt.reshape(-1, n, C)
+    gz = np.einsum("tc,tkc->tk", g, x3) * s * (1.0 - s)
+    scale = _f64(hc_scale)[0]
+    dH = gz * scale * rinv
+    c = (gz * scale * Ht).sum(axis=-1, keepdims=True) * rinv**3 / (n * C)
+    dx = ((s + hc_eps)[:, :, None] * g[:, None, :]).reshape(xt.shape) + dH @ _f64(hc_fn) - c * xt
+    return (dx.reshape(x.shape), dH.T @ xt, np.array([(gz * Ht * rinv).sum()]), gz.sum(axis=0))
+

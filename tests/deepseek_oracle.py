@@ -56,3 +56,13 @@ def layer(x, hc_fn, hc_scale, hc_base, sublayer=None, iters=ITERS, eps=EPS, rms_
                                         post_mult)
     y = layer_in if sublayer is None else sublayer(layer_in)
     return post_op(y, x, H_post, H_res)
+
+
+def head(x, hc_fn, hc_scale, hc_base, rms_eps=RMS_EPS, hc_eps=HC_EPS):
+    """hc_head: w = sigmoid((x~ hc_fn^T) rsqrt(mean(x~^2) + rms_eps) hc_scale + hc_base) + hc_eps
+    (hc_fn [n, nC], hc_scale [1], hc_base [n]); out = sum_i w_i x_i."""
+    n, C = x.shape[-2], x.shape[-1]
+    xt = x.reshape(*x.shape[:-2], n * C)
+    mixes = (xt @ hc_fn.T) * torch.rsqrt(xt.square().mean(-1, keepdim=True) + rms_eps)
+    w = torch.sigmoid(mixes * hc_scale + hc_base) + hc_eps
+    return (w[..., :, None] * x).sum(dim=-2)

@@ -59,15 +59,22 @@ def padded_row(K: int) -> int:
 
 
 # ------------------------------------------------------------------ checks
-def _check(infos, eps, with_grads: bool):
-    dt, lead, n, C = check_x("x", infos["x"])
+def check_vec_x(info, op: str):
+    """(dtype, lead dims, n, C, D = n*C) of an x whose vec(x) feeds the coefficient GEMM."""
+    dt, lead, n, C = check_x("x", info)
     if C == 0:
-        raise ValueError(f"x has shape {tuple(infos['x'].shape)}; mhc_coeffs needs C >= 1 "
+        raise ValueError(f"x has shape {tuple(info.shape)}; {op} needs C >= 1 "
                          "(the RMS of an empty vector is undefined)")
-    D, K = n * C, columns(n)
+    D = n * C
     if D > _MAX_D:
-        raise ValueError(f"x has shape {tuple(infos['x'].shape)}: n * C = {D} exceeds the supported maximum "
+        raise ValueError(f"x has shape {tuple(info.shape)}: n * C = {D} exceeds the supported maximum "
                          f"2^30 = {_MAX_D} of the coefficient path")
+    return dt, lead, n, C, D
+
+
+def _check(infos, eps, with_grads: bool):
+    dt, lead, n, C, D = check_vec_x(infos["x"], "mhc_coeffs")
+    K = columns(n)
     for name, shape, why in (("phi", (D, K), "[n*C, n*n + 2n] with n, C of x; columns pre | post | res"),
                              ("alpha", (3,), "(alpha_pre, alpha_post, alpha_res)"),
                              ("bias", (K,), "[n*n + 2n], the column order of phi")):

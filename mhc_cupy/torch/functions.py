@@ -20,7 +20,7 @@ from ..ops.spec import shape_of as _shape_of
 
 __all__ = [
     "sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute",
-    "mhc_post_op", "mhc_pre_op", "mhc_coeffs", "mhc_layer_pre", "mhc_layer_post",
+    "mhc_post_op", "mhc_pre_op", "mhc_coeffs", "mhc_layer_pre", "mhc_layer_post", "mhc_head",
 ]
 
 #: Namespace of the custom operators: ``torch.ops.mhc_cupy.<name>``.
@@ -639,6 +639,60 @@ def mhc_coeffs(x, phi, alpha, bias, eps=DEFAULT, *, convention="paper"):
     if _needs_autograd(x, phi, alpha, bias):
         return _CoeffsFn.apply(x, phi, alpha, bias, eps)
     return _coeffs_fwd_impl(x, phi, alpha, bias, eps)
+
+
+# ------------------------------------------------------------------- head
+def _head_fwd_impl(x: Tensor, hc_fn: Tensor, hc_scale: Tensor, hc_base: Tensor, rms_eps: float,
+                   hc_eps: float) -> Tensor:
+    return _ops.mhc_head_fwd(x, hc_fn, hc_scale, hc_base, rms_eps=rms_eps, hc_eps=hc_eps)
+
+
+def _head_bwd_impl(grad: Tensor, x: Tensor, hc_fn: Tensor, hc_scale: Tensor, hc_base: Tensor, rms_eps: float,
+                   hc_eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _ops.mhc_head_bwd(grad, x, hc_fn, hc_scale, hc_base, rms_eps=rms_eps, hc_eps=hc_eps)
+
+
+def _head_setup(ctx, inputs, output):
+    x, hc_fn, hc_scale, hc_base, ctx.rms_eps, ctx.hc_eps = inputs
+    ctx.save_for_backward(x, hc_fn, hc_scale, hc_base)
+
+
+def _head_backward(bwd, ctx, grad):
+    x, hc_fn, hc_scale, hc_base = ctx.saved_tensors
+    if grad is None:
+        return (None,) * 6
+    return (*bwd["mhc_head_bwd"](grad, x, hc_fn, hc_scale, hc_base, ctx.rms_eps, ctx.hc_eps), None, None)
+
+
+_HeadFn = _wire("mhc_head", _head_fwd_impl, {"mhc_head_bwd": _head_bwd_impl}, _head_setup, _head_backward)
+
+
+def mhc_head(x, hc_fn, hc_scale, hc_base, rms_eps=1e-6, hc_eps=1e-6):
+    """Differentiable mHC head: n streams -> one hidden state (OPS.md section 11, DeepSeek-V4 ``hc_head``).
+
+    Per token, with x~ = vec(x): w = sigmoid((x~ hc_fn^T) / sqrt(mean(x~^2) + rms_eps) * hc_scale
+    + hc_base) + hc_eps, out = sum_i w_i x_i.
+
+    Args:
+        x: [..., n, C] tensor, bfloat16 / float16 / float32, 1 <= n <= 32.
+        hc_fn: float32 [n, n*C].  hc_scale: float32 [1].  hc_base: float32 [n].
+        rms_eps: inside the square root, >= 0. Default 1e-6.  hc_eps: added to w, >= 0. Default 1e-6.
+
+    Returns:
+        out [..., C], dtype and device of x; differentiable in x, hc_fn, hc_scale and hc_base.
+
+    Raises:
+        TypeError: bad dtypes.  ValueError: shapes disagree, n out of range, devices.
+
+    Notes:
+        Saves the inputs; the backward recomputes the GEMM and sums the parameter
+        gradients over tokens in a fixed order (deterministic).
+    """
+    if _use_custom_op(x, hc_fn, hc_scale, hc_base):
+        return _op("mhc_head_fwd")(x, hc_fn, hc_scale, hc_base, rms_eps, hc_eps)
+    if _needs_autograd(x, hc_fn, hc_scale, hc_base):
+        return _HeadFn.apply(x, hc_fn, hc_scale, hc_base, rms_eps, hc_eps)
+    return _head_fwd_impl(x, hc_fn, hc_scale, hc_base, rms_eps, hc_eps)
 
 
 # ----------------------------------------------------- fused layer pieces

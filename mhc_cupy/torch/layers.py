@@ -56,12 +56,12 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .. import _checks, _layer_init
-from .functions import mhc_coeffs, mhc_layer_post, mhc_layer_pre, mhc_post_op, mhc_pre_op
+from .. import _checks, _convention, _layer_init
+from .functions import mhc_coeffs, mhc_head, mhc_layer_post, mhc_layer_pre, mhc_post_op, mhc_pre_op
 
 
 __all__ = [
-    "MHC", "identity_bias", "expand_streams", "collapse_streams", "ExpandStreams", "CollapseStreams",
+    "MHC", "MHCHead", "identity_bias", "expand_streams", "collapse_streams", "ExpandStreams", "CollapseStreams",
 ]
 
 
@@ -69,6 +69,19 @@ __all__ = [
 def _as_f32(t: Tensor) -> Tensor:
     """Coefficient parameters are float32 (OPS.md); differentiable cast if a module was ``.to()``-ed."""
     return t if t.dtype == torch.float32 else t.float()
+
+
+def _deepseek_sizes(hc_fn, hc_scale, hc_base, head: bool) -> tuple:
+    """(C, n) of DeepSeek-layout parameter tensors (:func:`mhc_cupy._layer_init.deepseek_sizes`)."""
+    for name, t in (("hc_fn", hc_fn), ("hc_scale", hc_scale), ("hc_base", hc_base)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return _layer_init.deepseek_sizes(hc_fn.shape, hc_scale.shape, hc_base.shape, head)
+
+
+def _detached_f32(t: Tensor) -> Tensor:
+    """A float32 copy of a parameter, detached (for ``to_deepseek``)."""
+    return t.detach().to(torch.float32, copy=True).contiguous()
 
 
 # ------------------------------------------------------------ initialisation
@@ -179,9 +192,9 @@ class MHC(nn.Module):
         sublayer: F, any module [..., C] -> [..., C] (attention, MLP, with
             its own pre-norm); None = identity.  Extra forward arguments are
             passed through to it.  Its output is cast to x's dtype.
-        num_iters: Sinkhorn iterations (paper t_max). Default 20.
-        eps: Sinkhorn eps. Default 1e-8.
-        rms_eps: eps of r = sqrt(mean(x~^2) + eps). Default 1e-5.
+        num_iters: Sinkhorn iterations (paper t_max). Default (None) 20.
+        eps: Sinkhorn eps. Default (None) 1e-8, or 1e-6 under ``convention="deepseek"``.
+        rms_eps: eps of r = sqrt(mean(x~^2) + eps). Default (None) 1e-5, or 1e-6 under "deepseek".
         alpha_init: initial value of alpha_pre, alpha_post, alpha_res
             (paper: small). Default 0.01.
         phi_init_std: std of phi's normal init; default 1/sqrt(n*C) (each
@@ -190,10 +203,19 @@ class MHC(nn.Module):
         pre_init, post_init, res_diag_init: H_pre, H_post and diag(H_res) at
             init; see :func:`identity_bias`.
         grad_mode: Sinkhorn backward, "unrolled" (default, exact) or "implicit".
+        convention: "paper" (default; OPS.md sections 6-9 as written) or "deepseek" (the
+            DeepSeek-V4 maths, OPS.md "DeepSeek-V4 convention": Sinkhorn with a softmax start,
+            H_pre = sigmoid + hc_eps, H_post = post_mult sigmoid, the post op with H_res
+            transposed).  Load a DeepSeek-V4 checkpoint with :meth:`from_deepseek`.  Keyword only
+            (as hc_eps and post_mult).
+        hc_eps: added to H_pre. Default (None) 0, or 1e-6 under "deepseek".
+        post_mult: H_post = post_mult sigmoid(h_post_raw). Default (None) 2.
 
     Parameters:
         phi: float32 [n*C, n*n + 2n] (columns pre | post | res);
         alpha: float32 [3]; bias: float32 [n*n + 2n].
+        DeepSeek-V4's layout of the same numbers (``hc_fn = phi^T``, ``hc_scale = alpha``,
+        ``hc_base = bias``): :meth:`from_deepseek` / :meth:`to_deepseek` (docs/DEEPSEEK.md).
 
     Shapes:
         forward(x [..., n, C], *args, **kwargs) -> [..., n, C], dtype of x
@@ -202,18 +224,22 @@ class MHC(nn.Module):
     Raises:
         TypeError / ValueError in the constructor (before allocating): dim not an
         int >= 1, n_streams not in 1..32, num_iters not an int in 0..10000
-        (``mhc_cupy.MAX_NUM_ITERS``), eps / rms_eps not a finite float >= 0,
-        bad grad_mode.
+        (``mhc_cupy.MAX_NUM_ITERS``; >= 1 under "deepseek"), eps / rms_eps / hc_eps /
+        post_mult not a finite float >= 0, bad grad_mode or convention.
     """
 
-    def __init__(self, dim: int, n_streams: int = 4, sublayer: Optional[nn.Module] = None, num_iters: int = 20,
-                 eps: float = 1e-8, rms_eps: float = 1e-5, alpha_init: float = 0.01,
-                 phi_init_std: Optional[float] = None, pre_init: Optional[float] = None, post_init: float = 1.0,
-                 res_diag_init: float = 0.95, grad_mode: str = "unrolled", device=None):
+    def __init__(self, dim: int, n_streams: int = 4, sublayer: Optional[nn.Module] = None,
+                 num_iters: Optional[int] = None, eps: Optional[float] = None, rms_eps: Optional[float] = None,
+                 alpha_init: float = 0.01, phi_init_std: Optional[float] = None, pre_init: Optional[float] = None,
+                 post_init: float = 1.0, res_diag_init: float = 0.95, grad_mode: str = "unrolled", device=None, *,
+                 convention: str = "paper", hc_eps: Optional[float] = None, post_mult: Optional[float] = None):
         super().__init__()
         # checked before phi (n*C x (n*n + 2n) floats) is allocated
         dim, n_streams = _checks.layer_size(dim, n_streams)
-        num_iters, eps, rms_eps, grad_mode = _checks.layer_settings(num_iters, eps, rms_eps, grad_mode)
+        self.convention = _convention.check(convention)
+        num_iters, eps, _ = _convention.sinkhorn(convention, num_iters, eps)  # None: the convention's default
+        rms_eps, grad_mode = _convention.rms_eps(convention, rms_eps), _checks.grad_mode(grad_mode)
+        self.hc_eps, self.post_mult = _convention.activations(convention, hc_eps, post_mult)
         self.dim, self.n_streams = dim, n_streams
         self.num_iters, self.eps, self.rms_eps, self.grad_mode = num_iters, eps, rms_eps, grad_mode
         self.alpha_init = alpha_init
@@ -235,7 +261,43 @@ class MHC(nn.Module):
         else:
             self.phi.zero_()
         self.alpha.fill_(self.alpha_init)
-        self.bias.copy_(identity_bias(self.n_streams, self.pre_init, self.post_init, self.res_diag_init))
+        self.bias.copy_(identity_bias(self.n_streams, self.pre_init, self.post_init * 2.0 / self.post_mult if self.post_mult else 1.0,
+                                      self.res_diag_init))
+
+    @classmethod
+    def from_deepseek(cls, hc_fn: Tensor, hc_scale: Tensor, hc_base: Tensor, sublayer: Optional[nn.Module] = None,
+                      **kw) -> "MHC":
+        """An MHC layer holding DeepSeek-V4 parameters (docs/DEEPSEEK.md), ``convention="deepseek"``.
+
+        Args:
+            hc_fn: [n*n + 2n, n*C] (a V4 checkpoint's ``hc_attn_fn`` / ``hc_ffn_fn``), rows
+                ordered pre | post | res: becomes phi = hc_fn^T.
+            hc_scale: [3] (``hc_*_scale``) = alpha.  hc_base: [n*n + 2n] (``hc_*_base``) = bias.
+            sublayer: F (attention / MLP with its own norm); None = identity.
+            **kw: the constructor's other arguments (``convention`` defaults to "deepseek",
+                ``device`` to hc_fn's).
+
+        Returns:
+            MHC with dim = C and n_streams = n read off hc_fn; its parameters are float32 copies
+            (bit-exact for float32 input: :meth:`to_deepseek` gives the same tensors back).
+
+        Raises:
+            TypeError: a parameter is not a tensor.  ValueError: shapes are not a DeepSeek layer's.
+        """
+        C, n = _deepseek_sizes(hc_fn, hc_scale, hc_base, head=False)
+        kw.setdefault("convention", "deepseek")
+        kw.setdefault("device", hc_fn.device)
+        layer = cls(C, n, sublayer, **kw)
+        with torch.no_grad():
+            layer.phi.copy_(hc_fn.t())
+            layer.alpha.copy_(hc_scale)
+            layer.bias.copy_(hc_base)
+        return layer
+
+    def to_deepseek(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(hc_fn [n*n + 2n, n*C], hc_scale [3], hc_base [n*n + 2n]): the parameters in
+        DeepSeek-V4's layout (float32 copies, detached; the inverse of :meth:`from_deepseek`)."""
+        return _detached_f32(self.phi.t()), _detached_f32(self.alpha), _detached_f32(self.bias)
 
     def _check(self, x: Tensor) -> None:
         if x.dim() < 2 or x.shape[-2] != self.n_streams or x.shape[-1] != self.dim:
@@ -255,22 +317,113 @@ class MHC(nn.Module):
         return x.device.type == "cpu" or self.n_streams <= 4
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        pre_kw = {"convention": self.convention, "hc_eps": self.hc_eps, "post_mult": self.post_mult}
         if self.fused(x):
             self._check(x)
             layer_in, x_in, H_post, H_res = mhc_layer_pre(x, _as_f32(self.phi), _as_f32(self.alpha),
                                                              _as_f32(self.bias), self.num_iters, self.eps,
-                                                             self.rms_eps, self.grad_mode)
+                                                             self.rms_eps, self.grad_mode, **pre_kw)
             post = mhc_layer_post
         else:
             h_pre_raw, h_post_raw, h_res_raw = self.coefficients(x)
             layer_in, _, H_post, H_res = mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=self.num_iters,
-                                                    eps=self.eps, grad_mode=self.grad_mode)
+                                                    eps=self.eps, grad_mode=self.grad_mode, **pre_kw)
             x_in, post = x, mhc_post_op
         y = self.sublayer(layer_in, *args, **kwargs)
         if y.shape != layer_in.shape:
             raise ValueError(f"sublayer returned shape {tuple(y.shape)}; MHC needs [..., C] = {tuple(layer_in.shape)}")
-        return post(y.to(x.dtype), x_in, H_post, H_res)
+        return post(y.to(x.dtype), x_in, H_post, H_res, convention=self.convention)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, n_streams={self.n_streams}, num_iters={self.num_iters}, eps={self.eps}, "
-                f"rms_eps={self.rms_eps}, grad_mode={self.grad_mode!r}")
+                f"rms_eps={self.rms_eps}, grad_mode={self.grad_mode!r}"
+                + ("" if self.convention == "paper" else
+                   f", convention={self.convention!r}, hc_eps={self.hc_eps}, post_mult={self.post_mult}"))
+
+
+# -------------------------------------------------------------------- head
+class MHCHead(nn.Module):
+    """The mHC head: the n residual streams merged into one hidden state at the end of the
+    network (OPS.md section 11; DeepSeek-V4's ``hc_head``), in place of :func:`collapse_streams`.
+
+    Per token, with x~ = vec(x): w = sigmoid((x~ hc_fn^T) / sqrt(mean(x~^2) + rms_eps) * hc_scale
+    + hc_base) + hc_eps; out = sum_i w_i x_i (:func:`mhc_cupy.torch.mhc_head`; CUDA tensors run
+    the fused kernels, CPU tensors the NumPy reference).
+
+    Args:
+        dim: C.  n_streams: n (1..32). Default 4.
+        convention: "deepseek" (default: rms_eps = hc_eps = 1e-6, DeepSeek-V4's) or "paper"
+            (the paper has no head: the coefficient path's rms_eps = 1e-5 and hc_eps = 0).
+        rms_eps, hc_eps: override the convention's defaults (None: the default).
+        scale_init: initial hc_scale (small, as the paper's alpha). Default 0.01.
+        fn_init_std: std of hc_fn's normal init; default 1/sqrt(n*C).
+        device: of the parameters.
+
+    Parameters (DeepSeek-V4's layout and names, so a checkpoint's ``hc_head_fn`` /
+    ``hc_head_scale`` / ``hc_head_base`` load as they are):
+        hc_fn: float32 [n, n*C]; hc_scale: float32 [1]; hc_base: float32 [n], initialised to
+        logit(1/n) (0.99 for n = 1) so that the head starts as the stream mean.
+
+    Shapes:
+        forward(x [..., n, C]) -> [..., C], dtype of x.
+
+    Raises:
+        TypeError / ValueError in the constructor: dim not an int >= 1, n_streams not in 1..32,
+        rms_eps / hc_eps not a finite float >= 0, bad convention.
+    """
+
+    def __init__(self, dim: int, n_streams: int = 4, convention: str = "deepseek", rms_eps: Optional[float] = None,
+                 hc_eps: Optional[float] = None, scale_init: float = 0.01, fn_init_std: Optional[float] = None,
+                 device=None):
+        super().__init__()
+        dim, n_streams = _checks.layer_size(dim, n_streams)
+        self.convention = _convention.check(convention)
+        self.rms_eps = _convention.rms_eps(convention, rms_eps)
+        self.hc_eps = _checks.eps("hc_eps", _convention.resolve(convention, hc_eps=hc_eps))
+        self.dim, self.n_streams = dim, n_streams
+        self.scale_init = scale_init
+        self.fn_init_std = 1.0 / math.sqrt(n_streams * dim) if fn_init_std is None else fn_init_std
+        kw = {"device": device, "dtype": torch.float32}
+        self.hc_fn = nn.Parameter(torch.empty(n_streams, n_streams * dim, **kw))
+        self.hc_scale = nn.Parameter(torch.empty(1, **kw))
+        self.hc_base = nn.Parameter(torch.empty(n_streams, **kw))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Re-initialise hc_fn (small normal), hc_scale (``scale_init``) and hc_base (the stream mean)."""
+        if self.fn_init_std > 0:
+            self.hc_fn.normal_(0.0, self.fn_init_std)
+        else:
+            self.hc_fn.zero_()
+        self.hc_scale.fill_(self.scale_init)
+        self.hc_base.fill_(_layer_init.logit(1.0 / self.n_streams if self.n_streams > 1 else 0.99))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() < 2 or x.shape[-2] != self.n_streams or x.shape[-1] != self.dim:
+            raise ValueError(f"x has shape {tuple(x.shape)}; MHCHead needs [..., n_streams={self.n_streams}, "
+                             f"dim={self.dim}]")
+        return mhc_head(x, _as_f32(self.hc_fn), _as_f32(self.hc_scale), _as_f32(self.hc_base), self.rms_eps,
+                        self.hc_eps)
+
+    @classmethod
+    def from_deepseek(cls, hc_fn: Tensor, hc_scale: Tensor, hc_base: Tensor, **kw) -> "MHCHead":
+        """A head holding DeepSeek-V4's ``hc_head_fn`` [n, n*C], ``hc_head_scale`` [1] and
+        ``hc_head_base`` [n] (float32 copies; ``**kw``: the constructor's other arguments,
+        ``device`` defaulting to hc_fn's).  Raises TypeError / ValueError for other shapes."""
+        C, n = _deepseek_sizes(hc_fn, hc_scale, hc_base, head=True)
+        kw.setdefault("device", hc_fn.device)
+        head = cls(C, n, **kw)
+        with torch.no_grad():
+            for p, t in ((head.hc_fn, hc_fn), (head.hc_scale, hc_scale), (head.hc_base, hc_base)):
+                p.copy_(t)
+        return head
+
+    def to_deepseek(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(hc_fn [n, n*C], hc_scale [1], hc_base [n]), float32 copies, detached."""
+        return _detached_f32(self.hc_fn), _detached_f32(self.hc_scale), _detached_f32(self.hc_base)
+
+    def extra_repr(self) -> str:
+        return (f"dim={self.dim}, n_streams={self.n_streams}, convention={self.convention!r}, "
+                f"rms_eps={self.rms_eps}, hc_eps={self.hc_eps}")
+
