@@ -872,8 +872,8 @@ def _fused_layer_bwd(f, settings, res, g):
 _fused_layer.defvjp(_fused_layer_fwd, _fused_layer_bwd)
 
 
-def mhc_layer(params: dict, x, f, num_iters=None, eps=None, rms_eps=None, grad_mode: str = "unrolled", *,
-              convention: str = "paper", hc_eps=None, post_mult=None):
+def mhc_layer(params: dict, x, f, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, grad_mode: str = "unrolled", *,
+              convention: str = "paper", hc_eps=DEFAULT, post_mult=DEFAULT):
     """One mHC layer, functional (paper Eq. 3): x_{l+1} = H_res x_l + H_post^T f(H_pre x_l).
 
     The per-token coefficients come from the coefficient path (:func:`mhc_coeffs`,
@@ -888,11 +888,11 @@ def mhc_layer(params: dict, x, f, num_iters=None, eps=None, rms_eps=None, grad_m
         x: [..., n, C] residual streams (bfloat16 / float16 / float32).
         f: the sublayer, [..., C] -> [..., C] (its output is cast to x's dtype).
         num_iters, eps, grad_mode: Sinkhorn-Knopp settings; rms_eps: the coefficient path's eps.
-            None: the convention's default (20, 1e-8, 1e-5; "deepseek": 20, 1e-6, 1e-6).
+            left out: the convention's default (20, 1e-8, 1e-5; "deepseek": 20, 1e-6, 1e-6).
         convention: "paper" (default) or "deepseek" (the DeepSeek-V4 maths, OPS.md
             "DeepSeek-V4 convention": softmax-start Sinkhorn, H_pre = sigmoid + hc_eps,
             H_post = post_mult sigmoid, the post op with H_res transposed).  Keyword only.
-        hc_eps: added to H_pre (None: 0, "deepseek" 1e-6).  post_mult: H_post's factor (None: 2).
+        hc_eps: added to H_pre (default 0, "deepseek" 1e-6).  post_mult: H_post's factor (default 2).
 
     Returns:
         x_{l+1}: [..., n, C], dtype of x.  Differentiable (jit / grad / vmap).
@@ -936,7 +936,7 @@ def mhc_head_init(key, dim: int, n_streams: int = 4, scale_init: float = 0.01) -
             "hc_base": _jnp.full((n,), logit(1.0 / n if n > 1 else 0.99), _jnp.float32)}
 
 
-def mhc_head(params: dict, x, rms_eps=None, hc_eps=None, *, convention: str = "deepseek"):
+def mhc_head(params: dict, x, rms_eps=DEFAULT, hc_eps=DEFAULT, *, convention: str = "deepseek"):
     """The mHC head: n streams -> one hidden state (JAX; OPS.md section 11, DeepSeek-V4 ``hc_head``).
 
     Per token, with x~ = vec(x): w = sigmoid((x~ hc_fn^T) / sqrt(mean(x~^2) + rms_eps) * hc_scale
@@ -947,7 +947,7 @@ def mhc_head(params: dict, x, rms_eps=None, hc_eps=None, *, convention: str = "d
             :func:`mhc_head_init` or a V4 checkpoint's ``hc_head_fn`` / ``hc_head_scale`` /
             ``hc_head_base`` as they are.
         x: [..., n, C] (bfloat16 / float16 / float32).
-        rms_eps, hc_eps: None: the convention's defaults ("deepseek": 1e-6, 1e-6; "paper":
+        rms_eps, hc_eps: left out, the convention's defaults ("deepseek": 1e-6, 1e-6; "paper":
             1e-5, 0).  Static.
         convention: "deepseek" (default) or "paper"; keyword only.
 

@@ -323,3 +323,16 @@ def test_jax_layer_matches_plain_jnp(rng, n):
     out = jax.vmap(lambda xi: mj.mhc_layer(params, xi, jnp.tanh))(x)
     ref = jnp_mhc_layer(params, x, jnp.tanh)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [True, "1e-5", None])
+def test_rms_eps_errors_name_rms_eps(rng, bad):
+    """A bad rms_eps of the fused pieces is reported under its own name (not the coefficient op's eps)."""
+    n, C = 3, 7
+    x = rng.standard_normal((2, n, C)).astype(np.float32)
+    phi, alpha, bias = _params(rng, n, C)
+    with pytest.raises(TypeError, match="rms_eps must be a float"):
+        m.mhc_layer_pre_fwd(x, phi, alpha, bias, rms_eps=bad)
+    layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(x, phi, alpha, bias)
+    with pytest.raises(TypeError, match="rms_eps must be a float"):
+        m.mhc_layer_pre_bwd(layer_in, None, None, None, x, phi, alpha, bias, stats, H_pre, H_res, rms_eps=bad)

@@ -57,6 +57,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _checks, _convention, _layer_init
+from .._convention import DEFAULT
 from .functions import mhc_coeffs, mhc_head, mhc_layer_post, mhc_layer_pre, mhc_post_op, mhc_pre_op
 
 
@@ -192,9 +193,9 @@ class MHC(nn.Module):
         sublayer: F, any module [..., C] -> [..., C] (attention, MLP, with
             its own pre-norm); None = identity.  Extra forward arguments are
             passed through to it.  Its output is cast to x's dtype.
-        num_iters: Sinkhorn iterations (paper t_max). Default (None) 20.
-        eps: Sinkhorn eps. Default (None) 1e-8, or 1e-6 under ``convention="deepseek"``.
-        rms_eps: eps of r = sqrt(mean(x~^2) + eps). Default (None) 1e-5, or 1e-6 under "deepseek".
+        num_iters: Sinkhorn iterations (paper t_max). Default 20.
+        eps: Sinkhorn eps. Default 1e-8, or 1e-6 under ``convention="deepseek"``.
+        rms_eps: eps of r = sqrt(mean(x~^2) + eps). Default 1e-5, or 1e-6 under "deepseek".
         alpha_init: initial value of alpha_pre, alpha_post, alpha_res
             (paper: small). Default 0.01.
         phi_init_std: std of phi's normal init; default 1/sqrt(n*C) (each
@@ -208,8 +209,8 @@ class MHC(nn.Module):
             H_pre = sigmoid + hc_eps, H_post = post_mult sigmoid, the post op with H_res
             transposed).  Load a DeepSeek-V4 checkpoint with :meth:`from_deepseek`.  Keyword only
             (as hc_eps and post_mult).
-        hc_eps: added to H_pre. Default (None) 0, or 1e-6 under "deepseek".
-        post_mult: H_post = post_mult sigmoid(h_post_raw). Default (None) 2.
+        hc_eps: added to H_pre. Default 0, or 1e-6 under "deepseek".
+        post_mult: H_post = post_mult sigmoid(h_post_raw). Default 2.
 
     Parameters:
         phi: float32 [n*C, n*n + 2n] (columns pre | post | res);
@@ -229,15 +230,15 @@ class MHC(nn.Module):
     """
 
     def __init__(self, dim: int, n_streams: int = 4, sublayer: Optional[nn.Module] = None,
-                 num_iters: Optional[int] = None, eps: Optional[float] = None, rms_eps: Optional[float] = None,
+                 num_iters: int = DEFAULT, eps: float = DEFAULT, rms_eps: float = DEFAULT,
                  alpha_init: float = 0.01, phi_init_std: Optional[float] = None, pre_init: Optional[float] = None,
                  post_init: float = 1.0, res_diag_init: float = 0.95, grad_mode: str = "unrolled", device=None, *,
-                 convention: str = "paper", hc_eps: Optional[float] = None, post_mult: Optional[float] = None):
+                 convention: str = "paper", hc_eps: float = DEFAULT, post_mult: float = DEFAULT):
         super().__init__()
         # checked before phi (n*C x (n*n + 2n) floats) is allocated
         dim, n_streams = _checks.layer_size(dim, n_streams)
         self.convention = _convention.check(convention)
-        num_iters, eps, _ = _convention.sinkhorn(convention, num_iters, eps)  # None: the convention's default
+        num_iters, eps, _ = _convention.sinkhorn(convention, num_iters, eps)  # DEFAULT: the convention's
         rms_eps, grad_mode = _convention.rms_eps(convention, rms_eps), _checks.grad_mode(grad_mode)
         self.hc_eps, self.post_mult = _convention.activations(convention, hc_eps, post_mult)
         self.dim, self.n_streams = dim, n_streams
@@ -354,7 +355,7 @@ class MHCHead(nn.Module):
         dim: C.  n_streams: n (1..32). Default 4.
         convention: "deepseek" (default: rms_eps = hc_eps = 1e-6, DeepSeek-V4's) or "paper"
             (the paper has no head: the coefficient path's rms_eps = 1e-5 and hc_eps = 0).
-        rms_eps, hc_eps: override the convention's defaults (None: the default).
+        rms_eps, hc_eps: override the convention's defaults (left out: the default).
         scale_init: initial hc_scale (small, as the paper's alpha). Default 0.01.
         fn_init_std: std of hc_fn's normal init; default 1/sqrt(n*C).
         device: of the parameters.
@@ -372,8 +373,8 @@ class MHCHead(nn.Module):
         rms_eps / hc_eps not a finite float >= 0, bad convention.
     """
 
-    def __init__(self, dim: int, n_streams: int = 4, convention: str = "deepseek", rms_eps: Optional[float] = None,
-                 hc_eps: Optional[float] = None, scale_init: float = 0.01, fn_init_std: Optional[float] = None,
+    def __init__(self, dim: int, n_streams: int = 4, convention: str = "deepseek", rms_eps: float = DEFAULT,
+                 hc_eps: float = DEFAULT, scale_init: float = 0.01, fn_init_std: Optional[float] = None,
                  device=None):
         super().__init__()
         dim, n_streams = _checks.layer_size(dim, n_streams)
