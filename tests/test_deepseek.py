@@ -312,6 +312,7 @@ def test_torch_adapter(rng, op, dt, n):
     assert_all(torch.autograd.grad(outs, ts, tcts), dwant, f"{op} gradients")
 
 
+@pytest.mark.usefixtures("jax_on_cpu")  # the CPU path; tests/gpu has the CUDA one
 @pytest.mark.parametrize("op,dt", sorted({(op, dt) for op, dt, _ in OP_DTYPES if dt != "float16"}))
 def test_jax_adapter(rng, op, dt):
     """mhc_cupy.jax under convention="deepseek": values and jax.vjp gradients vs the oracle."""
@@ -386,6 +387,7 @@ def test_torch_layer_pieces(rng, mode):
         assert_close(a, w, 1e-4 if mode == "unrolled" else 1e-3, f"gradient {i}")
 
 
+@pytest.mark.usefixtures("jax_on_cpu")  # the CPU path; tests/gpu has the CUDA one
 def test_jax_fused_layer_settings(rng):
     """The JAX fused layer's custom_vjp carries the convention (mhc_cupy.jax._fused_layer under deepseek)."""
     jax = pytest.importorskip("jax")
