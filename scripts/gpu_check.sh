@@ -5,7 +5,7 @@
 # With 2 or more GPUs visible it also runs the 2-GPU checks (step multigpu: tests/gpu/test_multidevice_gpu.py;
 # step multigpu_bench: scripts/multigpu_bench.py, JAX token-sharded layer and demo tokens/s, 1 vs 2 GPUs).
 # Usage (repo root, on a CUDA machine):  bash scripts/gpu_check.sh [OUT_DIR]
-# Knobs: GPU_CHECK_PYTEST_ARGS (default: -q tests; two -q hide the count line), GPU_CHECK_BENCH_ARGS,
+# Knobs: GPU_CHECK_PYTEST_ARGS (default: -v -rf tests), GPU_CHECK_BENCH_ARGS,
 # GPU_CHECK_BENCH_LAYER_ARGS, GPU_CHECK_BENCH_BLOCK_ARGS (the --layer / --block runs),
 # GPU_CHECK_MULTIGPU_ARGS (scripts/multigpu_bench.py),
 # GPU_CHECK_DEMO_ARGS (default: --baseline), GPU_CHECK_WORKERS (pytest-xdist),
@@ -43,7 +43,8 @@ step info $PY -m mhc_cupy info
 step warmup $PY -m mhc_cupy warmup --dtypes bfloat16 --n 4  # the rest compiles in parallel in the tests
 XDIST=""
 $PY -c "import xdist" 2>/dev/null && XDIST="-n ${GPU_CHECK_WORKERS:-8}"
-step tests $PY -m pytest -p no:cacheprovider $XDIST ${GPU_CHECK_PYTEST_ARGS:--q tests $MULTI_IGNORE}
+# -v: every result on its own line as it happens, so a run cut off by the step timeout still names its failures
+step tests $PY -m pytest -p no:cacheprovider $XDIST ${GPU_CHECK_PYTEST_ARGS:--v -rf tests $MULTI_IGNORE}
 if command -v compute-sanitizer > /dev/null; then
     step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 $PY scripts/sanitize_subset.py
     step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 $PY scripts/sanitize_subset.py
@@ -78,5 +79,6 @@ for k in info warmup tests memcheck racecheck synccheck initcheck sanitizer benc
     case "${status[$k]}" in rc=0* | skipped:*) ;; *) rc=1 ;; esac
 done
 grep -E "passed|failed" "$OUT/tests.log" | tail -n 1
+grep -E "^\[gw[0-9]+\].* (FAILED|ERROR) |^(FAILED|ERROR) " "$OUT/tests.log" 2>/dev/null | head -n 40
 grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT"/{memcheck,racecheck,synccheck,initcheck}.log 2>/dev/null
 exit $rc
