@@ -538,13 +538,16 @@ mhc_head_bwd_prep_kernel(const TG* __restrict__ g, const T* __restrict__ x, cons
                 dH[t * KP + k] = gz * scale * rinv;
                 w_out[t * n + k] = s + hc_eps;
                 gz_out[t * n + k] = gz;
-                c_part = gz * scale * H;
-                q_part = gz * H * rinv;
+                // products with H / r (O(1) for any |x|): gz H overflows float32 once |x| ~ 1e19
+                // makes both gz (a sum over x) and H large (as mhc_coeffs_bwd_prep_kernel)
+                const float Hn = H * rinv;
+                c_part = gz * scale * Hn;
+                q_part = gz * Hn;
             }
             c_part = mhc::warp_sum(c_part);
             q_part = mhc::warp_sum(q_part);
             if (k == 0) {
-                dH[t * KP + n] = c_part * rinv * rinv * rinv / (float)D;
+                dH[t * KP + n] = c_part * rinv * rinv / (float)D;  // (c_part / r) / r
                 qs_out[t] = q_part;
             }
             for (int j = n + 1 + k; j < KP; j += 32) dH[t * KP + j] = 0.f;
