@@ -525,7 +525,7 @@ def mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=DEFAULT, eps=D
 
     H_pre = sigmoid(h_pre_raw) + hc_eps;  H_post = post_mult sigmoid(h_post_raw);
     H_res = sinkhorn_knopp_fwd(h_res_raw, num_iters, eps, convention);  layer_in = sum_i H_pre_i x_i.
-    Defaults (None): hc_eps 0 (paper) / 1e-6 (deepseek), post_mult 2.
+    Defaults (left out): hc_eps 0 (paper) / 1e-6 (deepseek), post_mult 2.
 
     Args:
         x: ``[..., n, C]``.

@@ -281,3 +281,35 @@ def test_jax_mhc_layer_deepseek_matches_oracle(rng, n):
     got = (dx, dp["phi"].T, dp["alpha"], dp["bias"], dw)
     for a, want_g, name in zip(got, [t.grad for t in ts] + [w64.grad], ("dx", "dhc_fn", "dhc_scale", "dhc_base", "dw")):
         assert_close(a, want_g, tol, name)
+
+
+def test_post_mult_below_one_and_post_init_range():
+    """post_mult <= 1 is a valid setting (H_post at init defaults to post_mult / 2); an explicit
+    post_init outside (0, post_mult) is refused naming both."""
+    import mhc_cupy.torch as mt
+
+    for post_mult in (1.0, 0.5):
+        layer = mt.MHC(8, 4, post_mult=post_mult)
+        H_post = post_mult * torch.sigmoid(layer.bias[4:8].detach())
+        torch.testing.assert_close(H_post, torch.full((4,), post_mult / 2))
+    torch.testing.assert_close(mt.MHC(8, 4).bias[4:8], torch.zeros(4))  # default: b_post = 0 as before
+    with pytest.raises(ValueError, match=r"post_init .* post_mult = 1.0"):
+        mt.MHC(8, 4, post_init=1.5, post_mult=1.0)
+    hc_fn, hc_scale, hc_base = mt.MHC(8, 4, convention="deepseek").to_deepseek()
+    layer = mt.MHC.from_deepseek(hc_fn, hc_scale, hc_base, post_mult=1.0)
+    assert torch.equal(layer.bias, hc_base)
+
+
+def test_layer_halves_must_share_the_convention():
+    """mhc_layer_post under another convention than mhc_layer_pre raises (its dx would be folded
+    in the pre half's convention)."""
+    import mhc_cupy.torch as mt
+
+    layer = mt.MHC(8, 3)
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    layer_in, x_link, H_post, H_res = mt.mhc_layer_pre(x, layer.phi, layer.alpha, layer.bias, convention="deepseek")
+    with pytest.raises(ValueError, match="convention='paper' but mhc_layer_pre ran with convention='deepseek'"):
+        mt.mhc_layer_post(layer_in, x_link, H_post, H_res, convention="paper")
+    out = mt.mhc_layer_post(layer_in, x_link, H_post, H_res, convention="deepseek")
+    out.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()

@@ -127,8 +127,9 @@ GRAD_X = Arg("grad", "...nC", "activation")
 #: The convention of the maths (OPS.md "DeepSeek-V4 convention"): "paper" or "deepseek".
 CONVENTION = {"convention": "paper"}
 #: Sinkhorn's parameters and their defaults (OPS.md section 1); a backward adds ``grad_mode``.
-#: The values are the paper convention's; the planners also take None for a setting
-#: (``mhc_cupy._convention.resolve``: the convention's default).
+#: The values are the paper convention's (also the defaults of the registered torch custom-op
+#: schemas: a direct ``torch.ops.mhc_cupy.*`` call under "deepseek" passes its settings); the
+#: public functions default to ``mhc_cupy._convention.DEFAULT``, the convention's value.
 SINKHORN_PARAMS = {"num_iters": 20, "eps": 1e-8, **CONVENTION}
 #: The pre op's activation settings: H_pre = sigmoid + hc_eps, H_post = post_mult sigmoid.
 ACTIVATION_PARAMS = {"hc_eps": 0.0, "post_mult": 2.0}

@@ -790,7 +790,7 @@ def mhc_layer_pre(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_eps=D
         num_iters, eps: Sinkhorn (defaults 20, 1e-8);  rms_eps: default 1e-5;
         grad_mode: Sinkhorn gradient, "unrolled" (default) or "implicit".
         convention, hc_eps, post_mult: as :func:`mhc_pre_op` (keyword only); under
-            convention="deepseek" the defaults (None) of eps / rms_eps are 1e-6 / 1e-6.  Give
+            convention="deepseek" the defaults of eps / rms_eps are 1e-6 / 1e-6.  Give
             :func:`mhc_layer_post` the same convention.
 
     Returns:
@@ -822,15 +822,23 @@ def mhc_layer_post(layer_out, x_link, H_post, H_res, *, convention="paper"):
         out: [..., n, C], dtype and device of x.
 
     Raises:
-        ValueError: x_link (requiring grad) is not mhc_layer_pre's x_link.  Use x_link for
+        ValueError: a convention other than mhc_layer_pre's, or x_link (requiring grad) is not
+            mhc_layer_pre's x_link.  Use x_link for
             nothing else: its gradient is taken to be this op's output gradient, so a
             second use of it gives a wrong dx (not detected).
     """
     if _needs_autograd(layer_out, x_link, H_post, H_res):
-        # autograd names a Function's backward node "<Function name>Backward"
-        if x_link.requires_grad and not _is_compiling() and type(x_link.grad_fn).__name__ != "_LayerPreFnBackward":
-            raise ValueError("x_link must be the x_link output of mhc_layer_pre (its backward receives this op's "
-                             f"output gradient); got a tensor whose grad_fn is {type(x_link.grad_fn).__name__}")
-        return _LayerPostFn.apply(layer_out, x_link, H_post, H_res, _convention.check(convention))
+        convention = _convention.check(convention)
+        if x_link.requires_grad and not _is_compiling():
+            # autograd names a Function's backward node "<Function name>Backward"; the node is its ctx
+            pre = x_link.grad_fn
+            if type(pre).__name__ != "_LayerPreFnBackward":
+                raise ValueError("x_link must be the x_link output of mhc_layer_pre (its backward receives this "
+                                 f"op's output gradient); got a tensor whose grad_fn is {type(pre).__name__}")
+            pre_convention = pre.params[4]  # (num_iters, eps, rms_eps, grad_mode, convention, ...)
+            if pre_convention != convention:  # the pre half's backward folds this op's dx in its convention
+                raise ValueError(f"mhc_layer_post got convention={convention!r} but mhc_layer_pre ran with "
+                                 f"convention={pre_convention!r}; give both halves the same convention")
+        return _LayerPostFn.apply(layer_out, x_link, H_post, H_res, convention)
     return mhc_post_op(layer_out, x_link, H_post, H_res, convention=convention)
 

@@ -202,7 +202,8 @@ class MHC(nn.Module):
             dynamic logit then starts ~N(0, alpha_init^2)).  0 gives zeros
             (then the n streams stay identical: no symmetry breaking).
         pre_init, post_init, res_diag_init: H_pre, H_post and diag(H_res) at
-            init; see :func:`identity_bias`.
+            init; see :func:`identity_bias`.  post_init is in (0, post_mult); default
+            post_mult / 2 (b_post = 0: 1 with the default post_mult 2).
         grad_mode: Sinkhorn backward, "unrolled" (default, exact) or "implicit".
         convention: "paper" (default; OPS.md sections 6-9 as written) or "deepseek" (the
             DeepSeek-V4 maths, OPS.md "DeepSeek-V4 convention": Sinkhorn with a softmax start,
@@ -226,13 +227,13 @@ class MHC(nn.Module):
         TypeError / ValueError in the constructor (before allocating): dim not an
         int >= 1, n_streams not in 1..32, num_iters not an int in 0..10000
         (``mhc_cupy.MAX_NUM_ITERS``; >= 1 under "deepseek"), eps / rms_eps / hc_eps /
-        post_mult not a finite float >= 0, bad grad_mode or convention.
+        post_mult not a finite float >= 0, post_init not in (0, post_mult), bad grad_mode or convention.
     """
 
     def __init__(self, dim: int, n_streams: int = 4, sublayer: Optional[nn.Module] = None,
                  num_iters: int = DEFAULT, eps: float = DEFAULT, rms_eps: float = DEFAULT,
                  alpha_init: float = 0.01, phi_init_std: Optional[float] = None, pre_init: Optional[float] = None,
-                 post_init: float = 1.0, res_diag_init: float = 0.95, grad_mode: str = "unrolled", device=None, *,
+                 post_init: Optional[float] = None, res_diag_init: float = 0.95, grad_mode: str = "unrolled", device=None, *,
                  convention: str = "paper", hc_eps: float = DEFAULT, post_mult: float = DEFAULT):
         super().__init__()
         # checked before phi (n*C x (n*n + 2n) floats) is allocated
@@ -245,6 +246,9 @@ class MHC(nn.Module):
         self.num_iters, self.eps, self.rms_eps, self.grad_mode = num_iters, eps, rms_eps, grad_mode
         self.alpha_init = alpha_init
         self.phi_init_std = 1.0 / math.sqrt(n_streams * dim) if phi_init_std is None else phi_init_std
+        if post_init is not None and self.post_mult > 0 and not 0 < post_init < self.post_mult:
+            raise ValueError(f"post_init (H_post at init = post_mult sigmoid(b_post)) must be in (0, post_mult = "
+                             f"{self.post_mult}), got {post_init}")
         self.pre_init, self.post_init, self.res_diag_init = pre_init, post_init, res_diag_init
         m = n_streams * n_streams + 2 * n_streams
         kw = {"device": device, "dtype": torch.float32}
@@ -262,8 +266,9 @@ class MHC(nn.Module):
         else:
             self.phi.zero_()
         self.alpha.fill_(self.alpha_init)
-        self.bias.copy_(identity_bias(self.n_streams, self.pre_init, self.post_init * 2.0 / self.post_mult if self.post_mult else 1.0,
-                                      self.res_diag_init))
+        # identity_bias sets H_post = 2 sigmoid(b_post) = post: the same b_post gives post_mult / 2 of it here
+        post = 1.0 if self.post_init is None or not self.post_mult else 2.0 * self.post_init / self.post_mult
+        self.bias.copy_(identity_bias(self.n_streams, self.pre_init, post, self.res_diag_init))
 
     @classmethod
     def from_deepseek(cls, hc_fn: Tensor, hc_scale: Tensor, hc_base: Tensor, sublayer: Optional[nn.Module] = None,

@@ -63,8 +63,10 @@ def _scales(g, x, hc_fn, hc_scale, hc_base, rms_eps=1e-6):
     return dx_scale, float(np.sqrt(np.sum((gz * H * rinv) ** 2))), float(np.sqrt(np.sum(gz**2) / n))
 
 
-def _check(rng, lead, n, C, dt, g_dtype=None):
+def _check(rng, lead, n, C, dt, g_dtype=None, x_scale=1.0):
     x, hc_fn, hc_scale, hc_base, g = _case(rng, lead, n, C, dt)
+    if x_scale != 1.0:
+        x = (f64(x) * x_scale).astype(x.dtype)
     if g_dtype is not None:
         g = g.astype(g_dtype)
     gpu = [to_gpu(v) for v in (x, hc_fn, hc_scale, hc_base)]
@@ -217,3 +219,11 @@ def test_torch_mhc_deepseek_deterministic(rng):
     first = run()
     for a, b in zip(first, run()):
         assert torch.equal(a, b)  # finite values: equal means the same bits
+
+
+@pytest.mark.parametrize("x_scale", [1e10, 1e20])
+def test_head_huge_tokens(rng, x_scale):
+    """|x| ~ 1e20 (its float32 sum of squares overflows, and g x and the raw mix H both grow with
+    |x|): the forward's scaled sum and the backward's products with H / r keep out, dx, dhc_fn,
+    dhc_scale and dhc_base finite and right."""
+    _check(rng, (3,), 4, 4096, "bfloat16", x_scale=x_scale)
