@@ -262,6 +262,11 @@ class DataParallel:
 
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
+    def barrier(self):
+        import torch.distributed as dist
+
+        dist.barrier()
+
     def close(self):
         import torch.distributed as dist
 
@@ -471,7 +476,10 @@ def main(argv=None) -> dict:
     quiet = contextlib.redirect_stdout(io.StringIO()) if dp and not dp.main else contextlib.nullcontext()
     try:
         with quiet:  # only rank 0 prints
-            return _run(args, device, use_gpu, dp)
+            result = _run(args, device, use_gpu, dp)
+        if dp:  # every rank done (rank 0 writes its files last) before the process group goes
+            dp.barrier()
+        return result
     finally:
         if dp:
             dp.close()
