@@ -72,7 +72,7 @@ def check_vec_x(info, op: str):
     return dt, lead, n, C, D
 
 
-def _check(infos, eps, with_grads: bool):
+def _check(infos, eps, with_grads: bool, eps_name: str = "eps"):
     dt, lead, n, C, D = check_vec_x(infos["x"], "mhc_coeffs")
     K = columns(n)
     for name, shape, why in (("phi", (D, K), "[n*C, n*n + 2n] with n, C of x; columns pre | post | res"),
@@ -86,7 +86,7 @@ def _check(infos, eps, with_grads: bool):
             if infos[name] is not None:
                 _checks.coefficient(name, infos[name])
                 _checks.expect_shape(name, infos[name].shape, shape, "the shape of the forward output")
-    return dt, lead, n, C, D, K, tokens_of(lead), _checks.eps("eps", eps)
+    return dt, lead, n, C, D, K, tokens_of(lead), _checks.eps(eps_name, eps)
 
 
 def _zero(ptr, count: int, stream, offset: int = 0) -> None:

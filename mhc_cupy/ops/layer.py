@@ -37,8 +37,8 @@ from .spec import (ACTIVATION_PARAMS, ALPHA, BIAS, CONVENTION, GRAD_MODE, GRAD_X
 def _check_common(infos, num_iters, eps, rms_eps, convention, hc_eps, post_mult):
     """(dt, lead, n, C, D, K, tokens, settings): settings = (iters, eps, rms_eps, ds, hc_eps, post_mult),
     DEFAULT resolved per convention."""
-    rms_eps = _checks.eps("rms_eps", _convention.resolve(convention, rms_eps=rms_eps))  # named as the caller knows it
-    dt, lead, n, C, D, K, tokens, rms_eps = _check_coeffs(infos, rms_eps, False)
+    dt, lead, n, C, D, K, tokens, rms_eps = _check_coeffs(infos, _convention.resolve(convention, rms_eps=rms_eps),
+                                                          False, eps_name="rms_eps")
     iters, eps, ds = _convention.sinkhorn(convention, num_iters, eps)
     hc_eps, post_mult = _convention.activations(convention, hc_eps, post_mult)
     return dt, lead, n, C, D, K, tokens, (iters, eps, rms_eps, ds, hc_eps, post_mult)

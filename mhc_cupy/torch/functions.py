@@ -309,15 +309,32 @@ def _save_inputs(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
-def _mix_backward(bwd, ctx, grad):
-    x, M = ctx.saved_tensors
-    if grad is None:
-        return None, None
-    return bwd["stream_mix_bwd"](grad, x, M)
+def _pair_op(name: str, fwd_impl, bwd_impl):
+    """The eager Function of a two-input stream op (mix, aggregate, distribute), whose backward
+    is ``<name>_bwd(grad, a, b) -> (da, db)`` of the saved inputs.  The ``_impl`` functions
+    stay written out: their parameter names are the custom ops' schemas."""
+    bwd_name = f"{name}_bwd"
+
+    def backward(bwd, ctx, grad):
+        a, b = ctx.saved_tensors
+        if grad is None:
+            return None, None
+        return bwd[bwd_name](grad, a, b)
+
+    return _wire(name, fwd_impl, {bwd_name: bwd_impl}, _save_inputs, backward)
 
 
-_MixFn = _wire("stream_mix", _mix_fwd_impl, {"stream_mix_bwd": _mix_bwd_impl},
-               _save_inputs, _mix_backward)
+def _call_pair(name: str, fn, fwd_impl, a, b):
+    """A two-input stream op: the custom op (torch.compile), the eager Function (autograd) or
+    the functional API."""
+    if _use_custom_op(a, b):
+        return _op(f"{name}_fwd")(a, b)
+    if _needs_autograd(a, b):
+        return fn.apply(a, b)
+    return fwd_impl(a, b)
+
+
+_MixFn = _pair_op("stream_mix", _mix_fwd_impl, _mix_bwd_impl)
 
 
 def stream_mix(x, M):
@@ -338,11 +355,7 @@ def stream_mix(x, M):
         Backward saves x and M.  dx has the dtype of x; dM is float32
         (fixed-order sums over C: bitwise reproducible).
     """
-    if _use_custom_op(x, M):
-        return _op("stream_mix_fwd")(x, M)
-    if _needs_autograd(x, M):
-        return _MixFn.apply(x, M)
-    return _mix_fwd_impl(x, M)
+    return _call_pair("stream_mix", _MixFn, _mix_fwd_impl, x, M)
 
 
 # --------------------------------------------------------- stream aggregate
@@ -354,16 +367,7 @@ def _aggregate_bwd_impl(grad: Tensor, x: Tensor, h: Tensor) -> tuple[Tensor, Ten
     return _ops.stream_aggregate_bwd(grad, x, h)
 
 
-def _aggregate_backward(bwd, ctx, grad):
-    x, h = ctx.saved_tensors
-    if grad is None:
-        return None, None
-    return bwd["stream_aggregate_bwd"](grad, x, h)
-
-
-_AggregateFn = _wire("stream_aggregate", _aggregate_fwd_impl,
-                     {"stream_aggregate_bwd": _aggregate_bwd_impl},
-                     _save_inputs, _aggregate_backward)
+_AggregateFn = _pair_op("stream_aggregate", _aggregate_fwd_impl, _aggregate_bwd_impl)
 
 
 def stream_aggregate(x, h):
@@ -383,11 +387,7 @@ def stream_aggregate(x, h):
         Backward saves x and h.  dh has h's shape (float32); for a shared h it
         is summed over all tokens in a fixed order (deterministic).
     """
-    if _use_custom_op(x, h):
-        return _op("stream_aggregate_fwd")(x, h)
-    if _needs_autograd(x, h):
-        return _AggregateFn.apply(x, h)
-    return _aggregate_fwd_impl(x, h)
+    return _call_pair("stream_aggregate", _AggregateFn, _aggregate_fwd_impl, x, h)
 
 
 # -------------------------------------------------------- stream distribute
@@ -399,16 +399,7 @@ def _distribute_bwd_impl(grad: Tensor, y: Tensor, h: Tensor) -> tuple[Tensor, Te
     return _ops.stream_distribute_bwd(grad, y, h)
 
 
-def _distribute_backward(bwd, ctx, grad):
-    y, h = ctx.saved_tensors
-    if grad is None:
-        return None, None
-    return bwd["stream_distribute_bwd"](grad, y, h)
-
-
-_DistributeFn = _wire("stream_distribute", _distribute_fwd_impl,
-                      {"stream_distribute_bwd": _distribute_bwd_impl},
-                      _save_inputs, _distribute_backward)
+_DistributeFn = _pair_op("stream_distribute", _distribute_fwd_impl, _distribute_bwd_impl)
 
 
 def stream_distribute(y, h):
@@ -428,11 +419,7 @@ def stream_distribute(y, h):
         Backward saves y and h.  dh has h's shape (float32), summed over
         tokens for a shared h in a fixed order (deterministic).
     """
-    if _use_custom_op(y, h):
-        return _op("stream_distribute_fwd")(y, h)
-    if _needs_autograd(y, h):
-        return _DistributeFn.apply(y, h)
-    return _distribute_fwd_impl(y, h)
+    return _call_pair("stream_distribute", _DistributeFn, _distribute_fwd_impl, y, h)
 
 
 # ------------------------------------------------------------------ post op
