@@ -111,6 +111,20 @@ def test_coeffs_wide(rng, dt, T):
     _check(rng, T, 4, 4096, dt)
 
 
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("T,C", [(3, 32768), (1000, 4096)])
+def test_coeffs_float32_accurate_over_long_rows(rng, dt, T, C):
+    """h to ~float32 accuracy at D = n*C up to 131072: a float32 sum of D terms in any sane order
+    is good to a few 1e-7 of max |h| here (H~ ~ 1).  The tensor cores' own accumulation truncates;
+    summing a D range's thousands of MMAs in it gave 1e-5 .. 4e-5 (H200), so each step's MMAs go
+    into a fresh accumulator added in float32.  2e-6 fails the truncating sum and passes the fix."""
+    n = 4
+    x, phi, alpha, bias, _ = _case(rng, T, n, C, dt)
+    got = m.mhc_coeffs_fwd(*(to_gpu(v) for v in (x, phi, alpha, bias)))
+    for a, r, what in zip(got, R.mhc_coeffs_fwd(x, phi, alpha, bias), ("h_pre_raw", "h_post_raw", "h_res_raw")):
+        assert_close(to_host(a), r, 2e-6, what, scale="max")
+
+
 @pytest.mark.parametrize("n,T,C", [(16, 127, 64), (16, 3, 1000), (5, 50, 33), (32, 2, 16)])
 def test_coeffs_large_n(rng, n, T, C):
     """n > 4: column chunks in the forward, the separate dx / dphi kernels in the backward."""

@@ -244,12 +244,13 @@ def test_sinkhorn_implicit_large_n(rng, n, T):
     assert_close(dpre[-1], ref, 1e-3, "pre op dh_res_raw")
 
 
-def test_sinkhorn_implicit_n32_uses_no_local_memory():
+@pytest.mark.parametrize("ds", ["false", "true"])
+def test_sinkhorn_implicit_n32_uses_no_local_memory(ds):
     from cupy_backends.cuda.api import driver
 
     from mhc_cupy import _jit
 
-    fn = _jit.get_function("sinkhorn.cu", "mhc_sinkhorn_knopp_implicit_bwd_warp_kernel<32>")
+    fn = _jit.get_function("sinkhorn.cu", f"mhc_sinkhorn_knopp_implicit_bwd_warp_kernel<32,{ds}>")
     assert driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, fn.ptr) == 0
 
 
