@@ -16,37 +16,10 @@ from ._checks import MAX_N, MAX_NUM_ITERS, MIN_N
 from ._dispatch import AutogradNotRecordedWarning
 from ._kernels import warmup
 from ._nvrtc import KernelCompileError
-from .ops import (
-    mhc_coeffs_bwd,
-    mhc_coeffs_fwd,
-    mhc_head_bwd,
-    mhc_head_fwd,
-    mhc_layer_post_bwd,
-    mhc_layer_pre_bwd,
-    mhc_layer_pre_fwd,
-    mhc_post_op_bwd,
-    mhc_post_op_fwd,
-    mhc_pre_op_bwd,
-    mhc_pre_op_fwd,
-    rmsnorm_bwd,
-    rmsnorm_fwd,
-    sinkhorn_knopp_bwd,
-    sinkhorn_knopp_fwd,
-    stream_aggregate_bwd,
-    stream_aggregate_fwd,
-    stream_distribute_bwd,
-    stream_distribute_fwd,
-    stream_mix_bwd,
-    stream_mix_fwd,
-)
+from . import ops as _ops
+from .ops import *  # noqa: F401,F403 - the functional API: every op's *_fwd / *_bwd (ops.__all__)
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "sinkhorn_knopp_fwd", "sinkhorn_knopp_bwd", "rmsnorm_fwd", "rmsnorm_bwd",
-    "stream_mix_fwd", "stream_mix_bwd", "stream_aggregate_fwd", "stream_aggregate_bwd",
-    "stream_distribute_fwd", "stream_distribute_bwd", "mhc_post_op_fwd", "mhc_post_op_bwd",
-    "mhc_pre_op_fwd", "mhc_pre_op_bwd", "mhc_coeffs_fwd", "mhc_coeffs_bwd",
-    "mhc_layer_pre_fwd", "mhc_layer_pre_bwd", "mhc_layer_post_bwd", "mhc_head_fwd", "mhc_head_bwd",
-    "warmup", "MIN_N", "MAX_N", "MAX_NUM_ITERS", "AutogradNotRecordedWarning", "KernelCompileError",
-]
+__all__ = [*_ops.__all__, "warmup", "MIN_N", "MAX_N", "MAX_NUM_ITERS", "AutogradNotRecordedWarning",
+           "KernelCompileError"]

@@ -50,11 +50,15 @@ from . import _checks, _interop, _replay
 @dataclass
 class Plan:
     outputs: list  # [(shape, dtype name)], in return order
-    launch: Callable  # launch(ptrs: dict name -> int|None, outs: list[int], scratch: list[int], stream: int)
+    kernels: Callable  # kernels(ptrs: dict name -> int|None, outs: list[int], scratch: dict name -> int, stream: int)
     reference: Callable  # reference(arrays: dict name -> np.ndarray|None) -> tuple of np.ndarray
-    scratch: list = field(default_factory=list)  # [(shape, dtype name)] temporaries
+    scratch: dict = field(default_factory=dict)  # name -> (shape, dtype name): temporaries, allocated in this order
     single: bool = False  # return outputs[0] alone
     empty: bool = False  # nothing to compute (zero tokens): no launch
+
+    def launch(self, ptrs: dict, outs: list, scratch: list, stream: int) -> None:
+        """Queue the kernels; ``scratch``: the temporaries' pointers in the order of ``self.scratch``."""
+        self.kernels(ptrs, outs, dict(zip(self.scratch, scratch)), stream)
 
 
 class AutogradNotRecordedWarning(UserWarning):
@@ -198,7 +202,7 @@ def _run_fast(entry: _Entry, in_ptrs: list, like, arrays: dict):
     ptr = fe.ptr
     outs = [fe.empty(shape, dt, like) for shape, dt in plan.outputs]
     if not plan.empty:
-        scratch = [fe.empty(shape, dt, like) for shape, dt in plan.scratch]
+        scratch = [fe.empty(shape, dt, like) for shape, dt in plan.scratch.values()]
         out_ptrs = [ptr(o) for o in outs]
         all_ptrs = in_ptrs + out_ptrs + [ptr(s) for s in scratch]
         if entry.replay is not None and _replay.aligned(all_ptrs):
@@ -317,7 +321,7 @@ def _run(planner, arrays: dict, fast_key, params: dict):
                     objs[name] = (fw, v)  # keep the copy alive until the launch is queued
                     info = fe.info(v)
                 ptrs[name] = info.ptr
-            scratch = [afe.empty(shape, dt, alloc_like) for shape, dt in plan.scratch]
+            scratch = [afe.empty(shape, dt, alloc_like) for shape, dt in plan.scratch.values()]
             out_ptrs, scratch_ptrs = [afe.ptr(o) for o in outs], [afe.ptr(s) for s in scratch]
             fws = {fw for fw, _ in objs.values()}
             others = ()

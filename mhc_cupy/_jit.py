@@ -2,7 +2,7 @@
 
 A kernel is named by its source file and a C++ name expression, the template
 instantiation with every baked-in constant (dtype, n, vector width, ...), e.g.
-``("stream_ops.cu", "mhc_post_op_fwd_kernel<__nv_bfloat16,4,8,true,true>")``.
+``("stream.cu", "mhc_stream_mix_distribute_fwd_kernel<__nv_bfloat16,4,8,true,true>")``.
 
 Caches:
   * in process: one loaded function per (device, file, name expression);

@@ -229,7 +229,7 @@ def _make_callback(plan, names: tuple, present: tuple):
     that are given (absent ones, e.g. pre-op gradients, stay None).
     """
     n_out = len(plan.outputs)
-    shapes = [tuple(s) for s, _ in plan.outputs + plan.scratch]
+    shapes = [tuple(s) for s, _ in plan.outputs + list(plan.scratch.values())]
 
     def callback(ctx, outs, *ins):
         for b, shape in zip(outs, shapes):  # guard: the plan fits what XLA allocated
@@ -299,7 +299,8 @@ def _bind(name: str, params: tuple, arrays: tuple) -> tuple:
     if _buffer_callback is None:  # pragma: no cover - depends on the installed jax
         raise ImportError(f"mhc_cupy.jax needs jax.experimental.buffer_callback (jax >= 0.6.1); "
                           f"this is jax {_jax.__version__}")
-    results = [_jax.ShapeDtypeStruct(tuple(shape), _jnp_dtype(dt)) for shape, dt in plan.outputs + plan.scratch]
+    results = [_jax.ShapeDtypeStruct(tuple(shape), _jnp_dtype(dt))
+               for shape, dt in plan.outputs + list(plan.scratch.values())]
     # vmap never reaches this primitive (custom_vmap above it batches by
     # re-planning); "sequential" is the safe statement should it ever do.
     # Not command-buffer compatible (the default): the callback may compile

@@ -679,7 +679,6 @@ def mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alph
     phi = _f64(phi)
     n, C = x.shape[-2], x.shape[-1]
     lead = x.shape[:-2]
-    m = n * n + 2 * n
     xt = x.reshape(math.prod(lead), n * C)                       # tokens flattened: 2-D matmuls
     T = xt.shape[0]
     Ht = xt @ phi

@@ -33,7 +33,7 @@ x = cp.random.standard_normal((1, 4, 64), dtype=cp.float32)
 M = cp.random.standard_normal((1, 4, 4), dtype=cp.float32)
 out = cp.empty_like(x)
 m.stream_mix_fwd(x, M)
-fn = _jit.get_function("stream_ops.cu", "mhc_post_op_fwd_kernel<float,4,4,true,false>")
+fn = _jit.get_function("stream.cu", "mhc_stream_mix_distribute_fwd_kernel<float,4,4,true,false>")
 stream = cp.cuda.get_current_stream()
 args = (x.data.ptr, None, None, 0, M.data.ptr, out.data.ptr, 1, np.int32(64))
 rows = {"raw cupy Function launch": lambda: fn((1, 1, 1), (32, 1, 1), args, stream=stream),

@@ -363,7 +363,7 @@ def test_torch_baseline_matches_reference(op, T, C, n, dtype):
 @pytest.mark.parametrize("T,C,n", SMALL)
 @pytest.mark.parametrize("op", list(bench.SPECS))
 def test_jax_baseline_matches_reference(op, T, C, n, dtype):
-    jax = pytest.importorskip("jax")
+    pytest.importorskip("jax")
     import jax.numpy as jnp
 
     s = bench.make_inputs(op, T, C, n, dtype, seed=T * 100 + n + 1)

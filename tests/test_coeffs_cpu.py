@@ -246,7 +246,7 @@ def test_launch_plans(n, C, T):
         assert "mhc_coeffs_mma_bwd_kernel" in names and "mhc_coeffs_bwd_dx_kernel" not in names
     else:
         assert {"mhc_coeffs_transpose_kernel", "mhc_coeffs_bwd_dx_kernel", "mhc_coeffs_bwd_dphi_kernel"} <= set(names)
-    scratch_bytes = sum(4 * int(np.prod(s)) for s, _ in plan.scratch)
+    scratch_bytes = sum(4 * int(np.prod(s)) for s, _ in plan.scratch.values())
     assert scratch_bytes <= 4 * (64 * T * (K + 1) + T * (K + 8) + 16 * 2**20 + D * K) + 12 * (D + 32) * (K + 16) \
         + 12 * (T + 16) * (K + 16)
     for expr, grid, block, args in calls:

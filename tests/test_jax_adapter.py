@@ -404,22 +404,20 @@ def _nested(op, axes, inner, outer):
     return lambda *xs: _loop(lambda *ys: _loop(op.adapter, axes, ys, inner), axes, xs, outer)
 
 
-@pytest.mark.parametrize("name", ALL_OPS)
-def test_grad_of_nested_vmap(name, rng):
-    op = OPS[name]
-    lead, n, C, dt = (2,), 3, 7, "float32"
-    outer, inner = 2, 3
+def check_grad_of_nested_vmap(op, rng, lead, n, C, jit: bool):
+    """vmap(vmap(op)) (jitted or not) == explicit loops, and so is the grad of a loss through it
+    (float32; a shared input stays unbatched, the common case: one h / weight for the model).
+    The GPU tests (tests/gpu/test_jax_gpu.py) run it on device arrays."""
+    outer, inner, dt = 2, 3, "float32"
     a = op.make(rng, (outer, inner) + lead, n, C, dt)
-    if op.shared:  # shared input unbatched (the common case: one h / weight for the model)
+    if op.shared:
         a[op.shared] = op.make(rng, lead, n, C, dt)[op.shared]
     args = tuple(a[k] for k in op.args)
     axes = tuple(None if k == op.shared else 0 for k in op.args)
     f = jax.vmap(jax.vmap(op.adapter, axes), axes)
-    got = f(*args)
-    want = _nested(op, axes, inner, outer)(*args)
-    for g, w in zip(got, want):
+    got = (jax.jit(f) if jit else f)(*args)
+    for g, w in zip(got, _nested(op, axes, inner, outer)(*args)):
         assert_same(g, w)
-    # grad of a loss over the nested vmap == grad through the explicit loops
     cts = _cotangents(rng, got)
 
     def loss(fn):
@@ -430,6 +428,11 @@ def test_grad_of_nested_vmap(name, rng):
     g_loop = jax.grad(loss(_nested(op, axes, inner, outer)), argnums)(*args)
     for g, w in zip(g_vmap, g_loop):
         assert_close(g, w, 1e-6, scale="max")
+
+
+@pytest.mark.parametrize("name", ALL_OPS)
+def test_grad_of_nested_vmap(name, rng):
+    check_grad_of_nested_vmap(OPS[name], rng, (2,), 3, 7, jit=False)
 
 
 def test_vmap_rmsnorm_weight_per_example_gradient(rng):

@@ -7,13 +7,12 @@ import hashlib
 import json
 import os
 import shutil
-import warnings
 
 import pytest
 
 from mhc_cupy import _headers, _jit
 
-FILE, EXPR, TARGET = "stream_ops.cu", "mhc_column_sum_kernel", "sm_90"
+FILE, EXPR, TARGET = "stream.cu", "mhc_column_sum_kernel", "sm_90"
 
 
 @pytest.fixture

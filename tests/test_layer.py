@@ -408,6 +408,7 @@ def test_double_backward_raises():
     (dict(dim=64, eps=-1.0), ValueError, "eps must be finite and >= 0"),
     (dict(dim=64, rms_eps="1e-5"), TypeError, "rms_eps must be a float"),
     (dict(dim=64, grad_mode="exact"), ValueError, "grad_mode must be"),
+    (dict(dim=64, sublayer=3), TypeError, "sublayer must be a module"),
 ])
 def test_constructor_validates_before_allocating(monkeypatch, kw, exc, match):
     """Bad settings raise in MHC(...) before phi is allocated, not at the first forward."""

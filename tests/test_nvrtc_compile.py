@@ -318,9 +318,9 @@ def test_jit_compile_error_names_the_kernel(nvrtc_version, tmp_path, monkeypatch
     monkeypatch.setenv(_headers.ENV_INCLUDE_DIRS, str(inc))
     monkeypatch.setenv("MHC_CUPY_CACHE_DIR", str(tmp_path / "cache"))
     with pytest.raises(mhc_cupy.KernelCompileError) as ei:
-        _jit.kernel_binary("stream_ops.cu", "mhc_column_sum_kernel", "sm_90")
+        _jit.kernel_binary("stream.cu", "mhc_column_sum_kernel", "sm_90")
     msg = str(ei.value)
-    assert msg.startswith("mhc_column_sum_kernel from kernels_cu/stream_ops.cu")
+    assert msg.startswith("mhc_column_sum_kernel from kernels_cu/stream.cu")
     assert "broken on purpose" in msg and str(inc) in msg
     assert f"NVRTC {nvrtc_version[0]}.{nvrtc_version[1]}" in msg
     assert ei.value.arch == "sm_90" and ei.value.include_dirs[0] == str(inc)

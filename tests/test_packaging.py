@@ -154,6 +154,29 @@ def test_readme_commands_each_work_alone():
     assert cmds[1].endswith("python -m pytest -q --nbmake") and "python -m pytest -q --nbmake" in ci
 
 
+def test_readme_op_kernel_table_names_real_kernels():
+    """Every kernel the README's "Ops and their kernels" table names (``mhc_a_{fwd,bwd}_kernel``
+    standing for two) is a __global__ function of kernels_cu/, and every kernel the op plans
+    launch is in the table."""
+    text = (REPO / "README.md").read_text().split("## Ops and their kernels", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert len(rows) >= 10, rows
+    defined = set()
+    for f in (REPO / "kernels_cu").glob("*.cu"):
+        defined |= set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)", f.read_text()))
+    named = set()
+    for word in re.findall(r"`(mhc_[\w{},]*kernel)`", "\n".join(rows)):
+        brace = re.fullmatch(r"(\w*)\{([\w,]+)\}(\w*)", word)
+        named |= {brace.group(1) + a + brace.group(3) for a in brace.group(2).split(",")} if brace else {word}
+    assert named and not named - defined, f"README names kernels no .cu file defines: {sorted(named - defined)}"
+    from mhc_cupy import _kernels
+
+    launched = {expr.split("<")[0] for _, expr, *_ in _kernels.dry_launches(ns=(1, 4, 8, 17))}
+    shorthand = set(re.findall(r"`(_\w+_kernel)`", text))  # "`_implicit_bwd_warp_kernel`" after its full sibling
+    missing = {k for k in launched - named if not any(k.endswith(s) for s in shorthand)}
+    assert not missing, f"kernels the op plans launch that the README table does not name: {sorted(missing)}"
+
+
 def test_readme_dropout_note_matches_the_demo_configs():
     pytest.importorskip("torch")
     from mhc_cupy import demo

@@ -331,7 +331,7 @@ def test_fast_path_makes_the_context_current_before_a_replay(driver_calls, monke
 
     x = BASE
     rp = _replay.record(_launches((x, x + 4096, np.int32(3))), [x, x + 4096])
-    plan = _dispatch.Plan([((4,), "float32")], launch=None, reference=None, single=True)
+    plan = _dispatch.Plan([((4,), "float32")], kernels=None, reference=None, single=True)
     entry = _dispatch._Entry(plan, FrontEnd, 0, rp)
 
     def two_calls():
@@ -350,7 +350,7 @@ def test_launch_refuses_scalars_without_an_explicit_width(bad):
 
     with _jit.dry_run() as launches:
         with pytest.raises(TypeError, match=r"argument 1 of kernel k<float, 4> is "):
-            _jit.launch("stream_ops.cu", "k<float, 4>", (1, 1, 1), (32, 1, 1), (BASE, bad), 0)
+            _jit.launch("stream.cu", "k<float, 4>", (1, 1, 1), (32, 1, 1), (BASE, bad), 0)
     assert launches == []
 
 
@@ -360,8 +360,8 @@ def test_launch_accepts_pointers_none_and_numpy_scalars():
     # 0 is a null pointer: the address of an empty buffer (a zero-token scratch on the GPU)
     args = (BASE, None, 0, np.int32(-1), np.uint32(2), np.int64(3), np.uint64(4), np.float32(0.5))
     with _jit.dry_run() as launches:
-        _jit.launch("stream_ops.cu", "k<float, 4>", (1, 1, 1), (32, 1, 1), args, 0, shared_mem=64)
-    assert launches == [("stream_ops.cu", "k<float,4>", (1, 1, 1), (32, 1, 1), args, 64)]
+        _jit.launch("stream.cu", "k<float, 4>", (1, 1, 1), (32, 1, 1), args, 0, shared_mem=64)
+    assert launches == [("stream.cu", "k<float,4>", (1, 1, 1), (32, 1, 1), args, 64)]
 
 
 def test_every_op_launch_scalar_carries_its_width():

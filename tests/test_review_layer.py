@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from mhc_cupy.ops import coeffs
@@ -21,37 +20,65 @@ def test_mma_bwd_adds_the_layer_terms_whenever_a_layer_gradient_is_given(monkeyp
     get H_pre_i grad_layer_in; launch_mma_bwd chose LAYER = (g is not None) and dropped it."""
     calls = _capture(monkeypatch)
     b = coeffs.mma_bwd(100, 4, 64, 24)
-    sc = {name: 1 << 20 for name, _ in b.scratch()}
-    coeffs.launch_mma_bwd(b, "bfloat16", 1 << 12, 1 << 13, 1 << 14, 28, 1 << 15, 1 << 16, sc, 0,
-                          tg="bfloat16", g=g, g_li=g_li, H_pre=1 << 17, H_res=1 << 18)
+    sc = dict.fromkeys(b.scratch(), 1 << 20)
+    coeffs.launch_mma_bwd(b, "bfloat16", x=1 << 12, phi=1 << 13, dH=1 << 14, KP=28, dx=1 << 15, dphi=1 << 16, sc=sc,
+                          stream=0, tg="bfloat16", g=g, g_li=g_li, H_pre=1 << 17, H_res=1 << 18)
     kernel = [c for c in calls if c.startswith("mhc_coeffs_mma_bwd_kernel")][0]
     layer_flag = kernel.split("<")[1].split(",")[3]
     assert layer_flag == "true", kernel
 
 
-@pytest.mark.xfail(strict=True, reason="review finding: x_link used twice gives a silently wrong dx")
-def test_x_link_misuse_gives_silently_wrong_dx():
-    """Using x_link for anything but mhc_layer_post (here: also as a plain residual) gives a wrong dx
-    without any error: the pre piece's backward treats the summed gradient of x_link as the
-    gradient of the post op's output."""
-    torch = pytest.importorskip("torch")
-    from mhc_cupy.torch import mhc_layer_post, mhc_layer_pre, mhc_coeffs, mhc_pre_op, mhc_post_op
-
+def _layer_case(torch, n=2, C=8):
     torch.manual_seed(0)
-    n, C = 2, 8
     x = torch.randn(3, n, C, dtype=torch.float64).float().requires_grad_()
     phi = (0.1 * torch.randn(n * C, n * n + 2 * n)).requires_grad_()
     alpha = torch.full((3,), 0.5, requires_grad=True)
     bias = torch.zeros(n * n + 2 * n, requires_grad=True)
+    return x, phi, alpha, bias
 
+
+@pytest.mark.parametrize("misuse", ["residual", "post_twice", "no_post", "other_grad_first"])
+def test_x_link_misuse_raises_instead_of_a_wrong_dx(misuse):
+    """x_link's gradient is taken to be mhc_layer_post's output gradient: any other use of it
+    (here also a plain residual, a second post call, no post call) gave a silently wrong dx
+    (review finding); now it raises, in the forward where it can and else in the backward."""
+    torch = pytest.importorskip("torch")
+    from mhc_cupy.torch import mhc_layer_post, mhc_layer_pre
+
+    x, phi, alpha, bias = _layer_case(torch)
     layer_in, x_link, H_post, H_res = mhc_layer_pre(x, phi, alpha, bias)
-    out = mhc_layer_post(torch.tanh(layer_in), x_link, H_post, H_res) + x_link
-    (gx_fused,) = torch.autograd.grad(out.square().sum(), x)
+    if misuse == "post_twice":
+        mhc_layer_post(torch.tanh(layer_in), x_link, H_post, H_res)
+        with pytest.raises(ValueError, match="already given to mhc_layer_post"):
+            mhc_layer_post(torch.tanh(layer_in), x_link, H_post, H_res)
+        return
+    if misuse == "residual":
+        out = mhc_layer_post(torch.tanh(layer_in), x_link, H_post, H_res) + x_link
+    elif misuse == "other_grad_first":  # the other use's gradient reaches x_link before the post op's
+        out = mhc_layer_post(torch.tanh(layer_in), x_link, H_post, H_res) * 2.0 + x_link.sum()
+    else:
+        out = torch.tanh(layer_in)[..., None, :] * x_link
+    with pytest.raises(RuntimeError, match="x_link received a gradient"):
+        out.square().sum().backward()
+
+
+def test_x_link_intended_use_matches_the_separate_ops():
+    """The intended use (x_link only into one mhc_layer_post) gives the separate ops' values and dx,
+    also when the layer's output feeds several later uses."""
+    torch = pytest.importorskip("torch")
+    from mhc_cupy.torch import mhc_coeffs, mhc_layer_post, mhc_layer_pre, mhc_post_op, mhc_pre_op
+
+    x, phi, alpha, bias = _layer_case(torch)
+    layer_in, x_link, H_post, H_res = mhc_layer_pre(x, phi, alpha, bias)
+    out = mhc_layer_post(torch.tanh(layer_in), x_link, H_post, H_res)
+    loss = out.square().sum() + (out * out.detach()).sum() + x.sum()  # x itself may be used anywhere
+    (gx_fused,) = torch.autograd.grad(loss, x)
 
     h = mhc_coeffs(x, phi, alpha, bias)
     layer_in2, _, H_post2, H_res2 = mhc_pre_op(x, *h)
-    out2 = mhc_post_op(torch.tanh(layer_in2), x, H_post2, H_res2) + x
-    (gx_ref,) = torch.autograd.grad(out2.square().sum(), x)
+    out2 = mhc_post_op(torch.tanh(layer_in2), x, H_post2, H_res2)
+    loss2 = out2.square().sum() + (out2 * out2.detach()).sum() + x.sum()
+    (gx_ref,) = torch.autograd.grad(loss2, x)
     torch.testing.assert_close(out, out2, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gx_fused, gx_ref, rtol=1e-4, atol=1e-4)
 

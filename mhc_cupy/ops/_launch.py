@@ -77,9 +77,9 @@ def grid_for(tokens: int) -> tuple:
 def column_sum(part_ptr, out_ptr, rows: int, cols: int, stream) -> None:
     """out[c] = sum_r part[r, c] in a fixed order (deterministic; the order depends on the shape only)."""
     if cols <= 32 and rows > 256:  # a sum over tokens of a few per-token terms: all 1024 threads on them
-        launch("stream_ops.cu", "mhc_column_sum_narrow_kernel", (1, 1, 1), (1024, 1, 1),
+        launch("stream.cu", "mhc_column_sum_narrow_kernel", (1, 1, 1), (1024, 1, 1),
                (part_ptr, out_ptr, i64(rows), i32(cols)), stream)
         return
     ty = 32 if rows > 256 else 8  # tall: more threads per column
-    launch("stream_ops.cu", "mhc_column_sum_kernel", (-(-cols // 32), 1, 1), (32, ty, 1),
+    launch("stream.cu", "mhc_column_sum_kernel", (-(-cols // 32), 1, 1), (32, ty, 1),
            (part_ptr, out_ptr, i64(rows), i32(cols)), stream)

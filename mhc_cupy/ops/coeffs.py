@@ -101,30 +101,29 @@ def zero_param_grads(dphi, dalpha, dbias, D: int, K: int, stream) -> None:
         _zero(ptr, count, stream)
 
 
-def param_grad_plan(x_shape, dt: str, tokens: int, D: int, K: int, named: list, body, ref) -> Plan:
-    """The Plan of a backward giving (dx, dphi, dalpha, dbias): scratch from ``named``
-    [(name, (shape, dtype))], ``body(p, outs, scratch by name, stream)`` launching the
-    kernels; with zero tokens the parameter gradients are zero-filled instead."""
-    names = [name for name, _ in named]
+def param_grad_plan(x_shape, dt: str, tokens: int, D: int, K: int, scratch: dict, body, ref) -> Plan:
+    """The Plan of a backward giving (dx, dphi, dalpha, dbias): ``scratch`` name -> (shape, dtype),
+    ``body(p, outs, scratch by name, stream)`` launching the kernels; with zero tokens the
+    parameter gradients are zero-filled instead."""
 
-    def run_kernels(p, outs, s, stream):
+    def run_kernels(p, outs, sc, stream):
         if tokens == 0:
             zero_param_grads(*outs[1:], D, K, stream)
         else:
-            body(p, outs, dict(zip(names, s)), stream)
+            body(p, outs, sc, stream)
 
     return Plan([(x_shape, dt), ((D, K), "float32"), ((3,), "float32"), ((K,), "float32")], run_kernels, ref,
-                scratch=[spec for _, spec in named], empty=False)
+                scratch=scratch, empty=False)
 
 
-def launch_finish(part, splits: int, alpha, bias, h_pre, h_post, h_res, stats, tokens, D, n, K, eps, stream):
+def launch_finish(tokens, D, n, K, eps, *, part, splits: int, alpha, bias, h_pre, h_post, h_res, stats, stream):
     """h (and stats, unless None) from the per-D-range sums part [splits, T, K+1]."""
     launch(_FILE, "mhc_coeffs_fwd_finish_kernel", (min(_cdiv(tokens * K, _NT), MAX_GRID), 1, 1), (_NT, 1, 1),
            (part, alpha, bias, h_pre, h_post, h_res, stats, i64(tokens), i32(D), i32(n), i32(K), i32(splits),
             f32(eps)), stream)
 
 
-def launch_prep(part, splits: int, grads: tuple, alpha, dH, qa, dalpha, dbias, tokens, D, n, K, KP, eps, stream):
+def launch_prep(tokens, D, n, K, KP, eps, *, part, splits: int, grads: tuple, alpha, dH, qa, dalpha, dbias, stream):
     """dH | c and the per-token dalpha terms from the sums and the raw-coefficient gradients
     ``grads`` = (pre, post, res) pointers (None = zero), then dalpha and dbias summed over tokens."""
     launch(_FILE, "mhc_coeffs_bwd_prep_kernel", (min(_cdiv(tokens, _WARPS), MAX_GRID), 1, 1), (_NT, 1, 1),
@@ -215,7 +214,7 @@ def _grid_stride(count: int) -> tuple:
     return (max(1, min(_cdiv(count, _NT), 4096)), 1, 1)
 
 
-def launch_mma_gemm(dt, D, K, tokens, x, phi, part, planes, mma: MmaLayout, stream):
+def launch_mma_gemm(dt, D, K, tokens, *, x, phi, part, planes, mma: MmaLayout, stream):
     """Raw H~ and sums of squares per D range into part [splits, T, K+1], on tensor cores
     (phi split into three bf16 planes first: kernels_cu/coeffs.cu, tensor-core path)."""
     launch(_FILE, "mhc_coeffs_split_phi_fwd_kernel", _grid_stride(mma.Kp * mma.Dp), (_NT, 1, 1),
@@ -231,12 +230,14 @@ def launch_mma_gemm(dt, D, K, tokens, x, phi, part, planes, mma: MmaLayout, stre
 def _plan_fwd(infos, eps):
     dt, lead, n, C, D, K, tokens, eps = _check(infos, eps, False)
     mma = mma_layout(tokens, D, K)
-    scratch = [((mma.splits, tokens, K + 1), "float32"), mma.planes_shape]
+    scratch = {"part": ((mma.splits, tokens, K + 1), "float32"), "planes": mma.planes_shape}
 
-    def run_kernels(p, outs, s, stream):
-        part, planes = s
-        launch_mma_gemm(dt, D, K, tokens, p["x"], p["phi"], part, planes, mma, stream)
-        launch_finish(part, mma.splits, p["alpha"], p["bias"], *outs, None, tokens, D, n, K, eps, stream)
+    def run_kernels(p, outs, sc, stream):
+        h_pre, h_post, h_res = outs
+        launch_mma_gemm(dt, D, K, tokens, x=p["x"], phi=p["phi"], part=sc["part"], planes=sc["planes"], mma=mma,
+                        stream=stream)
+        launch_finish(tokens, D, n, K, eps, part=sc["part"], splits=mma.splits, alpha=p["alpha"], bias=p["bias"],
+                      h_pre=h_pre, h_post=h_post, h_res=h_res, stats=None, stream=stream)
 
     return Plan([(lead + (n,), "float32"), (lead + (n,), "float32"), (lead + (n, n), "float32")], run_kernels,
                 lambda a: reference.mhc_coeffs_fwd(a["x"], a["phi"], a["alpha"], a["bias"], eps),
@@ -289,13 +290,13 @@ class MmaBwd(NamedTuple):
     def tokens_p(self):
         return _cdiv(max(self.tokens, 1), 16) * 16
 
-    def scratch(self) -> list:
-        """[(name, (shape, dtype))] the launch needs besides dH (phi and dH split into bf16 planes)."""
+    def scratch(self) -> dict:
+        """name -> (shape, dtype): what the launch needs besides dH (phi and dH split into bf16 planes)."""
         D = self.n * self.C
-        out = [("phi_r", ((3, D, self.K16), "bfloat16")), ("dH_r", ((3, self.tokens_p, self.K16), "bfloat16")),
-               ("dH_c", ((3, self.Kp8, self.tokens_p), "bfloat16"))]
+        out = {"phi_r": ((3, D, self.K16), "bfloat16"), "dH_r": ((3, self.tokens_p, self.K16), "bfloat16"),
+               "dH_c": ((3, self.Kp8, self.tokens_p), "bfloat16")}
         if self.splits > 1:
-            out.append(("dphi_part", ((self.splits, D, self.K), "float32")))
+            out["dphi_part"] = ((self.splits, D, self.K), "float32")
         return out
 
     def pipeline(self, dt: str) -> tuple[int, int]:
@@ -312,7 +313,7 @@ def mma_bwd(tokens: int, n: int, C: int, K: int) -> MmaBwd:
     return MmaBwd(n, C, K, tokens, *mma_token_splits(tokens, n, C, K))
 
 
-def launch_mma_bwd(b: MmaBwd, dt: str, x, phi, dH, KP: int, dx, dphi, sc: dict, stream, tg: str | None = None,
+def launch_mma_bwd(b: MmaBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc: dict, stream, tg: str | None = None,
                    g=None, g_li=None, H_pre=None, H_res=None, res_t=False):
     """dx = dH phi^T - c x (+ H_pre_i g_li + sum_j H_res[j, i] g_j when g is given; with ``res_t``,
     convention="deepseek", sum_j H_res[i, j] g_j) and dphi, on tensor cores; sc holds the buffers
@@ -355,16 +356,16 @@ class CoreBwd(NamedTuple):
     def splits(self) -> tuple[int, int]:
         return token_splits(self.tokens, self.n * self.C, self.K, self.col_chunks)
 
-    def scratch(self) -> list:
-        """[(name, (shape, dtype))] the launch needs besides dH."""
+    def scratch(self) -> dict:
+        """name -> (shape, dtype): what the launch needs besides dH."""
         D = self.n * self.C
-        out = [("phi_t", ((self.K, D), "float32"))]
+        out = {"phi_t": ((self.K, D), "float32")}
         if self.splits[0] > 1:
-            out.append(("dphi_part", ((self.splits[0], D, self.K), "float32")))
+            out["dphi_part"] = ((self.splits[0], D, self.K), "float32")
         return out
 
 
-def launch_core_bwd(b: CoreBwd, dt: str, x, phi, dH, KP: int, dx, dphi, sc: dict, stream, tg: str | None = None,
+def launch_core_bwd(b: CoreBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc: dict, stream, tg: str | None = None,
                     g=None, g_li=None, H_pre=None, H_res=None, res_t=False):
     """dx = dH phi^T - c x (+ H_pre_i g_li + sum_j H_res[j, i] g_j when g or g_li is given; with
     ``res_t``, convention="deepseek", sum_j H_res[i, j] g_j) and dphi, on CUDA cores (any K); sc
@@ -397,9 +398,9 @@ def backward_layout(tokens: int, n: int, C: int, K: int):
     return mma_bwd(tokens, n, C, K) if K <= _MMA_BWD_MAX_K else CoreBwd(n, C, K, tokens)
 
 
-def launch_param_bwd(b, *args, **kwargs):
-    """launch_mma_bwd or launch_core_bwd, as backward_layout chose."""
-    (launch_mma_bwd if isinstance(b, MmaBwd) else launch_core_bwd)(b, *args, **kwargs)
+def launch_param_bwd(b, dt: str, **kwargs):
+    """launch_mma_bwd or launch_core_bwd (keyword arguments), as backward_layout chose."""
+    (launch_mma_bwd if isinstance(b, MmaBwd) else launch_core_bwd)(b, dt, **kwargs)
 
 
 def _plan_bwd(infos, eps):
@@ -407,24 +408,26 @@ def _plan_bwd(infos, eps):
     mma = mma_layout(tokens, D, K)
     KP = padded_row(K)
     b = backward_layout(tokens, n, C, K)
-    named = [("part", ((mma.splits, tokens, K + 1), "float32")),  # raw H~ and sum of squares per D range
-             ("dH", ((tokens, KP), "float32")),  # dH | c
-             ("qa", ((tokens, 3), "float32")),  # per-token dalpha terms
-             ("planes", mma.planes_shape)] + b.scratch()  # phi split for the forward GEMM
+    scratch = {"part": ((mma.splits, tokens, K + 1), "float32"),  # raw H~ and sum of squares per D range
+               "dH": ((tokens, KP), "float32"),  # dH | c
+               "qa": ((tokens, 3), "float32"),  # per-token dalpha terms
+               "planes": mma.planes_shape, **b.scratch()}  # phi split for the forward GEMM
 
     def body(p, outs, sc, stream):
         dx, dphi, dalpha, dbias = outs
         part, dH, qa = sc["part"], sc["dH"], sc["qa"]
-        launch_mma_gemm(dt, D, K, tokens, p["x"], p["phi"], part, sc["planes"], mma, stream)
-        launch_prep(part, mma.splits, (p["grad_h_pre_raw"], p["grad_h_post_raw"], p["grad_h_res_raw"]), p["alpha"],
-                    dH, qa, dalpha, dbias, tokens, D, n, K, KP, eps, stream)
-        launch_param_bwd(b, dt, p["x"], p["phi"], dH, KP, dx, dphi, sc, stream)
+        launch_mma_gemm(dt, D, K, tokens, x=p["x"], phi=p["phi"], part=part, planes=sc["planes"], mma=mma,
+                        stream=stream)
+        launch_prep(tokens, D, n, K, KP, eps, part=part, splits=mma.splits,
+                    grads=(p["grad_h_pre_raw"], p["grad_h_post_raw"], p["grad_h_res_raw"]), alpha=p["alpha"], dH=dH,
+                    qa=qa, dalpha=dalpha, dbias=dbias, stream=stream)
+        launch_param_bwd(b, dt, x=p["x"], phi=p["phi"], dH=dH, KP=KP, dx=dx, dphi=dphi, sc=sc, stream=stream)
 
     def ref(a):
         return reference.mhc_coeffs_bwd(a["grad_h_pre_raw"], a["grad_h_post_raw"], a["grad_h_res_raw"], a["x"],
                                         a["phi"], a["alpha"], a["bias"], eps)
 
-    return param_grad_plan(infos["x"].shape, dt, tokens, D, K, named, body, ref)
+    return param_grad_plan(infos["x"].shape, dt, tokens, D, K, scratch, body, ref)
 
 
 # ------------------------------------------------------------------ public

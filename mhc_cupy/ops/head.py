@@ -48,22 +48,22 @@ def _transpose(src, dst, rows: int, cols: int, stream) -> None:
 def _gemm_scratch(tokens: int, D: int, n: int):
     """The forward GEMM's layout and its scratch: part [splits, T, n+1], phi [D, n], bf16 planes."""
     mma = coeffs.mma_layout(tokens, D, n)
-    return mma, [("part", ((mma.splits, tokens, n + 1), "float32")), ("phi", ((D, n), "float32")),
-                 ("planes", mma.planes_shape)]
+    return mma, {"part": ((mma.splits, tokens, n + 1), "float32"), "phi": ((D, n), "float32"),
+                 "planes": mma.planes_shape}
 
 
 def _launch_gemm(dt, D, n, tokens, x, hc_fn, sc: dict, mma, stream) -> None:
     """Raw H~ and sums of squares per D range into sc["part"] (the coefficient path's GEMM)."""
     _transpose(hc_fn, sc["phi"], n, D, stream)
-    coeffs.launch_mma_gemm(dt, D, n, tokens, x, sc["phi"], sc["part"], sc["planes"], mma, stream)
+    coeffs.launch_mma_gemm(dt, D, n, tokens, x=x, phi=sc["phi"], part=sc["part"], planes=sc["planes"], mma=mma,
+                           stream=stream)
 
 
 def _plan_fwd(infos, rms_eps, hc_eps):
     dt, _, lead, n, C, D, tokens, rms_eps, hc_eps = _check(infos, rms_eps, hc_eps, False)
-    mma, named = _gemm_scratch(tokens, D, n)
+    mma, scratch = _gemm_scratch(tokens, D, n)
 
-    def run_kernels(p, outs, s, stream):
-        sc = dict(zip((name for name, _ in named), s))
+    def run_kernels(p, outs, sc, stream):
         _launch_gemm(dt, D, n, tokens, p["x"], p["hc_fn"], sc, mma, stream)
         E = vec_width(n, C, [(p["x"], dt), (outs[0], dt)])
         launch(_FILE, f"mhc_head_fwd_kernel<{CTYPE[dt]},{E}>", grid_for(tokens), (threads_for(C, E), 1, 1),
@@ -73,32 +73,30 @@ def _plan_fwd(infos, rms_eps, hc_eps):
     def ref(a):
         return (reference.mhc_head_fwd(a["x"], a["hc_fn"], a["hc_scale"], a["hc_base"], rms_eps, hc_eps),)
 
-    return Plan([(lead + (C,), dt)], run_kernels, ref, scratch=[spec for _, spec in named], single=True,
+    return Plan([(lead + (C,), dt)], run_kernels, ref, scratch=scratch, single=True,
                 empty=tokens == 0)
 
 
 def _plan_bwd(infos, rms_eps, hc_eps):
     dt, tg, lead, n, C, D, tokens, rms_eps, hc_eps = _check(infos, rms_eps, hc_eps, True)
-    mma, named = _gemm_scratch(tokens, D, n)
+    mma, scratch = _gemm_scratch(tokens, D, n)
     KP = coeffs.padded_row(n)
     kc = coeffs.column_chunk(n)
     ncc = -(-n // kc)
     t_splits, t_split = coeffs.token_splits(tokens, D, n, ncc)
-    named += [("dH", ((tokens, KP), "float32")),  # dH | c
-              ("w", ((tokens, n), "float32")), ("gz", ((tokens, n), "float32")),  # w; dbase terms
-              ("qs", ((tokens, 1), "float32")),  # dscale terms
-              ("dphi", ((D, n), "float32"))]  # dhc_fn^T
+    scratch.update({"dH": ((tokens, KP), "float32"),  # dH | c
+                    "w": ((tokens, n), "float32"), "gz": ((tokens, n), "float32"),  # w; dbase terms
+                    "qs": ((tokens, 1), "float32"),  # dscale terms
+                    "dphi": ((D, n), "float32")})  # dhc_fn^T
     if t_splits > 1:
-        named.append(("dphi_part", ((t_splits, D, n), "float32")))
-    names = [name for name, _ in named]
+        scratch["dphi_part"] = ((t_splits, D, n), "float32")
 
-    def run_kernels(p, outs, s, stream):
+    def run_kernels(p, outs, sc, stream):
         dx, dhc_fn, dscale, dbase = outs
         if tokens == 0:
             for ptr, count in ((dhc_fn, n * D), (dscale, 1), (dbase, n)):
                 coeffs._zero(ptr, count, stream)
             return
-        sc = dict(zip(names, s))
         x, g = p["x"], p["grad"]
         _launch_gemm(dt, D, n, tokens, x, p["hc_fn"], sc, mma, stream)
         E = vec_width(n, C, [(x, dt), (g, tg)])
@@ -127,7 +125,7 @@ def _plan_bwd(infos, rms_eps, hc_eps):
         return reference.mhc_head_bwd(a["grad"], a["x"], a["hc_fn"], a["hc_scale"], a["hc_base"], rms_eps, hc_eps)
 
     return Plan([(infos["x"].shape, dt), ((n, D), "float32"), ((1,), "float32"), ((n,), "float32")], run_kernels,
-                ref, scratch=[spec for _, spec in named], empty=False)
+                ref, scratch=scratch, empty=False)
 
 
 # ------------------------------------------------------------------ public

@@ -28,7 +28,7 @@ from .._dispatch import Plan, run
 from .coeffs import (_check as _check_coeffs, backward_layout, launch_finish, launch_mma_gemm, launch_param_bwd,
                      launch_prep, mma_layout, padded_row, param_grad_plan)
 from .sinkhorn import bwd_history, launch_bwd, launch_fwd
-from .stream import check_grad, launch_aggregate_bwd, launch_aggregate_fwd, launch_post_bwd
+from .stream import check_grad, launch_aggregate_bwd, launch_aggregate_fwd, launch_mix_distribute_bwd
 from .post import _check as _check_post
 from .spec import (ACTIVATION_PARAMS, ALPHA, BIAS, CONVENTION, GRAD_MODE, GRAD_X, H_POST, H_PRE, H_RES, LAYER_IN,
                    LAYER_OUT, PHI, SINKHORN_PARAMS, X, Arg, Kernel)
@@ -50,18 +50,19 @@ def _plan_pre_fwd(infos, num_iters, eps, rms_eps, convention, hc_eps, post_mult)
                                                            post_mult)
     iters, eps, rms_eps, ds, hc_eps, post_mult = settings
     mma = mma_layout(tokens, D, K)
-    scratch = [((mma.splits, tokens, K + 1), "float32"), mma.planes_shape,
-               ((tokens, n), "float32"), ((tokens, n), "float32"), ((tokens, n, n), "float32")]
+    scratch = {"part": ((mma.splits, tokens, K + 1), "float32"), "planes": mma.planes_shape,
+               "h_pre": ((tokens, n), "float32"), "h_post": ((tokens, n), "float32"),
+               "h_res": ((tokens, n, n), "float32")}
 
-    def run_kernels(p, outs, s, stream):
+    def run_kernels(p, outs, sc, stream):
         layer_in, H_pre, H_post, H_res, stats = outs
-        part, planes, h_pre, h_post, h_res = s
-        launch_mma_gemm(dt, D, K, tokens, p["x"], p["phi"], part, planes, mma, stream)
-        launch_finish(part, mma.splits, p["alpha"], p["bias"], h_pre, h_post, h_res, stats, tokens, D, n, K, rms_eps,
-                      stream)
-        launch_fwd(n, tokens, iters, eps, h_res, H_res, stream, h_pre, h_post, H_pre, H_post, ds=ds, hc_eps=hc_eps,
-                   post_mult=post_mult)
-        launch_aggregate_fwd(dt, n, C, tokens, p["x"], H_pre, n, layer_in, stream)
+        launch_mma_gemm(dt, D, K, tokens, x=p["x"], phi=p["phi"], part=sc["part"], planes=sc["planes"], mma=mma,
+                        stream=stream)
+        launch_finish(tokens, D, n, K, rms_eps, part=sc["part"], splits=mma.splits, alpha=p["alpha"], bias=p["bias"],
+                      h_pre=sc["h_pre"], h_post=sc["h_post"], h_res=sc["h_res"], stats=stats, stream=stream)
+        launch_fwd(n, tokens, iters, eps, logits=sc["h_res"], P=H_res, stream=stream, h_pre_raw=sc["h_pre"],
+                   h_post_raw=sc["h_post"], H_pre=H_pre, H_post=H_post, ds=ds, hc_eps=hc_eps, post_mult=post_mult)
+        launch_aggregate_fwd(dt, n, C, tokens, x=p["x"], h=H_pre, h_stride=n, out=layer_in, stream=stream)
 
     return Plan([(lead + (C,), dt), (lead + (n,), "float32"), (lead + (n,), "float32"), (lead + (n, n), "float32"),
                  (lead + (K + 1,), "float32")], run_kernels,
@@ -108,10 +109,10 @@ def _plan_post_bwd(infos, convention):
     dt, lead, n, C, tokens, res_t = _check_post(infos, convention)
     tg = check_grad("grad", infos["grad"], infos["x"].shape, dt)
 
-    def run_kernels(p, outs, scratch, stream):
+    def run_kernels(p, outs, sc, stream):
         dy, d_post, d_res = outs
-        launch_post_bwd(dt, tg, n, C, tokens, p["grad"], p["x"], p["layer_out"], p["H_post"], n, p["H_res"],
-                        None, dy, d_post, d_res, stream, res_t=res_t)
+        launch_mix_distribute_bwd(dt, tg, n, C, tokens, g=p["grad"], x=p["x"], M=p["H_res"], y=p["layer_out"],
+                                  h=p["H_post"], h_stride=n, dy=dy, dh=d_post, dM=d_res, stream=stream, res_t=res_t)
 
     def ref(a):
         dy, _, d_post, d_res = reference.mhc_post_op_bwd(a["grad"], a["layer_out"], a["x"], a["H_post"], a["H_res"],
@@ -164,36 +165,37 @@ def _plan_pre_bwd(infos, num_iters, eps, rms_eps, grad_mode, convention, hc_eps,
     KP = padded_row(K)
     b = backward_layout(tokens, n, C, K)  # tensor cores for n <= 4, CUDA cores above
     hist = bwd_history(n, tokens, iters, mode)[2] if infos["grad_H_res"] is not None else 0
-    named = [("h_pre", ((tokens, n), "float32")), ("h_post", ((tokens, n), "float32")),
-             ("h_res", ((tokens, n, n), "float32")), ("dh_pre", ((tokens, n), "float32")),
-             ("dh_post", ((tokens, n), "float32")), ("dh_res", ((tokens, n, n), "float32")),
-             ("dH", ((tokens, KP), "float32")), ("qa", ((tokens, 3), "float32"))] + b.scratch()
+    scratch = {"h_pre": ((tokens, n), "float32"), "h_post": ((tokens, n), "float32"),
+               "h_res": ((tokens, n, n), "float32"), "dh_pre": ((tokens, n), "float32"),
+               "dh_post": ((tokens, n), "float32"), "dh_res": ((tokens, n, n), "float32"),
+               "dH": ((tokens, KP), "float32"), "qa": ((tokens, 3), "float32"), **b.scratch()}
     if hist:
-        named.append(("hist", ((hist,), "float32")))
+        scratch["hist"] = ((hist,), "float32")
 
     def body(p, outs, sc, stream):
         dx, dphi, dalpha, dbias = outs
         stats = p["stats"]
         # raw coefficients from the saved sums (no second GEMM)
-        launch_finish(stats, 1, p["alpha"], p["bias"], sc["h_pre"], sc["h_post"], sc["h_res"], None, tokens, D, n, K,
-                      rms_eps, stream)
+        launch_finish(tokens, D, n, K, rms_eps, part=stats, splits=1, alpha=p["alpha"], bias=p["bias"],
+                      h_pre=sc["h_pre"], h_post=sc["h_post"], h_res=sc["h_res"], stats=None, stream=stream)
         # Sinkhorn and H_post activation backward (null incoming gradients read as zero)
-        launch_bwd(n, tokens, iters, eps, mode, p["grad_H_res"], sc["h_res"], sc["dh_res"], sc.get("hist"), stream,
-                   p["grad_H_post"], sc["h_post"], sc["dh_post"], ds=ds, post_mult=post_mult)
+        launch_bwd(n, tokens, iters, eps, mode, grad_P=p["grad_H_res"], logits=sc["h_res"], d_logits=sc["dh_res"],
+                   hist=sc.get("hist"), stream=stream, g_post=p["grad_H_post"], h_post_raw=sc["h_post"],
+                   d_post_raw=sc["dh_post"], ds=ds, post_mult=post_mult)
         # dh_pre_raw = (sum_c g_c x_ic) s (1 - s), s = sigmoid(h_pre_raw); no dx here
-        launch_aggregate_bwd(dt, tg, n, C, tokens, p["grad_layer_in"], p["x"], sc["h_pre"], n, None, sc["dh_pre"],
-                             stream, act=1)
-        launch_prep(stats, 1, (sc["dh_pre"], sc["dh_post"], sc["dh_res"]), p["alpha"], sc["dH"], sc["qa"], dalpha,
-                    dbias, tokens, D, n, K, KP, rms_eps, stream)
-        launch_param_bwd(b, dt, p["x"], p["phi"], sc["dH"], KP, dx, dphi, sc, stream, tg=tg, g=p["grad_out"],
-                         g_li=p["grad_layer_in"], H_pre=p["H_pre"], H_res=p["H_res"], res_t=ds)
+        launch_aggregate_bwd(dt, tg, n, C, tokens, g=p["grad_layer_in"], x=p["x"], h=sc["h_pre"], h_stride=n, dx=None,
+                             dh=sc["dh_pre"], stream=stream, act=1)
+        launch_prep(tokens, D, n, K, KP, rms_eps, part=stats, splits=1, grads=(sc["dh_pre"], sc["dh_post"], sc["dh_res"]),
+                    alpha=p["alpha"], dH=sc["dH"], qa=sc["qa"], dalpha=dalpha, dbias=dbias, stream=stream)
+        launch_param_bwd(b, dt, x=p["x"], phi=p["phi"], dH=sc["dH"], KP=KP, dx=dx, dphi=dphi, sc=sc, stream=stream,
+                         tg=tg, g=p["grad_out"], g_li=p["grad_layer_in"], H_pre=p["H_pre"], H_res=p["H_res"], res_t=ds)
 
     def ref(a):
         return reference.mhc_layer_pre_bwd(a["grad_layer_in"], a["grad_out"], a["grad_H_post"], a["grad_H_res"],
                                            a["x"], a["phi"], a["alpha"], a["bias"], a["stats"], a["H_pre"], a["H_res"],
                                            iters, eps, rms_eps, mode, convention, hc_eps, post_mult)
 
-    return param_grad_plan(infos["x"].shape, dt, tokens, D, K, named, body, ref)
+    return param_grad_plan(infos["x"].shape, dt, tokens, D, K, scratch, body, ref)
 
 
 def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats, H_pre, H_res,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .. import _convention, reference
 from .._dispatch import Plan, run
 from ._launch import tokens_of
-from .stream import check_grad, check_h, check_matrix, check_x, check_y, launch_post_bwd, launch_post_fwd
+from .stream import check_grad, check_h, check_matrix, check_x, check_y, launch_mix_distribute_bwd, launch_mix_distribute_fwd
 from .spec import CONVENTION, GRAD_X, H_POST, H_RES, LAYER_OUT, X, Arg, Kernel
 
 
@@ -21,9 +21,9 @@ def _check(infos, convention):
 def _plan_fwd(infos, convention):
     dt, lead, n, C, tokens, res_t = _check(infos, convention)
 
-    def run_kernels(p, outs, scratch, stream):
-        launch_post_fwd(dt, n, C, tokens, p["x"], p["layer_out"], p["H_post"], n, p["H_res"], outs[0], stream,
-                        res_t=res_t)
+    def run_kernels(p, outs, sc, stream):
+        launch_mix_distribute_fwd(dt, n, C, tokens, x=p["x"], M=p["H_res"], y=p["layer_out"], h=p["H_post"],
+                                  h_stride=n, out=outs[0], stream=stream, res_t=res_t)
 
     return Plan([(infos["x"].shape, dt)], run_kernels,
                 lambda a: (reference.mhc_post_op_fwd(a["layer_out"], a["x"], a["H_post"], a["H_res"], convention),),
@@ -34,9 +34,10 @@ def _plan_bwd(infos, convention):
     dt, lead, n, C, tokens, res_t = _check(infos, convention)
     tg = check_grad("grad", infos["grad"], infos["x"].shape, dt)
 
-    def run_kernels(p, outs, scratch, stream):
-        launch_post_bwd(dt, tg, n, C, tokens, p["grad"], p["x"], p["layer_out"], p["H_post"], n, p["H_res"],
-                        outs[1], outs[0], outs[2], outs[3], stream, res_t=res_t)
+    def run_kernels(p, outs, sc, stream):
+        dy, dx, dh, dM = outs
+        launch_mix_distribute_bwd(dt, tg, n, C, tokens, g=p["grad"], x=p["x"], M=p["H_res"], y=p["layer_out"],
+                                  h=p["H_post"], h_stride=n, dx=dx, dy=dy, dh=dh, dM=dM, stream=stream, res_t=res_t)
 
     return Plan([(infos["layer_out"].shape, dt), (infos["x"].shape, dt), (infos["H_post"].shape, "float32"),
                  (infos["H_res"].shape, "float32")], run_kernels,

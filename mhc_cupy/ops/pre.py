@@ -26,12 +26,12 @@ def _plan_fwd(infos, num_iters, eps, convention, hc_eps, post_mult):
     dt, lead, n, C, tokens, (iters, eps, ds, hc_eps, post_mult) = _check(infos, num_iters, eps, convention, hc_eps,
                                                                          post_mult)
 
-    def run_kernels(p, outs, scratch, stream):
+    def run_kernels(p, outs, sc, stream):
         layer_in, H_pre, H_post, H_res = outs
-        launch_fwd(n, tokens, iters, eps, p["h_res_raw"], H_res, stream, p["h_pre_raw"], p["h_post_raw"], H_pre, H_post,
-                   ds=ds, hc_eps=hc_eps, post_mult=post_mult)
+        launch_fwd(n, tokens, iters, eps, logits=p["h_res_raw"], P=H_res, stream=stream, h_pre_raw=p["h_pre_raw"],
+                   h_post_raw=p["h_post_raw"], H_pre=H_pre, H_post=H_post, ds=ds, hc_eps=hc_eps, post_mult=post_mult)
         if C:
-            launch_aggregate_fwd(dt, n, C, tokens, p["x"], H_pre, n, layer_in, stream)
+            launch_aggregate_fwd(dt, n, C, tokens, x=p["x"], h=H_pre, h_stride=n, out=layer_in, stream=stream)
 
     return Plan([(lead + (C,), dt), (lead + (n,), "float32"), (lead + (n,), "float32"), (lead + (n, n), "float32")],
                 run_kernels,
@@ -51,14 +51,15 @@ def _plan_bwd(infos, num_iters, eps, grad_mode, convention, hc_eps, post_mult):
             _checks.coefficient(name, infos[name])
             _checks.expect_shape(name, infos[name].shape, shape, "the shape of the forward output")
     hist = bwd_history(n, tokens, iters, mode)[2] if infos["grad_H_res"] is not None else 0
-    scratch = [((hist,), "float32")] if hist else []
+    scratch = {"hist": ((hist,), "float32")} if hist else {}
 
-    def run_kernels(p, outs, s, stream):
+    def run_kernels(p, outs, sc, stream):
         dx, dh_pre, dh_post, dh_res = outs
-        launch_bwd(n, tokens, iters, eps, mode, p["grad_H_res"], p["h_res_raw"], dh_res, s[0] if hist else None,
-                   stream, p["grad_H_post"], p["h_post_raw"], dh_post, ds=ds, post_mult=post_mult)
-        launch_aggregate_bwd(dt, tg, n, C, tokens, p["grad_layer_in"], p["x"], p["h_pre_raw"], n, dx, dh_pre,
-                             stream, act=1, gh=p["grad_H_pre"], shift=hc_eps)  # a null grad_layer_in reads as zero
+        launch_bwd(n, tokens, iters, eps, mode, grad_P=p["grad_H_res"], logits=p["h_res_raw"], d_logits=dh_res,
+                   hist=sc.get("hist"), stream=stream, g_post=p["grad_H_post"], h_post_raw=p["h_post_raw"],
+                   d_post_raw=dh_post, ds=ds, post_mult=post_mult)
+        launch_aggregate_bwd(dt, tg, n, C, tokens, g=p["grad_layer_in"], x=p["x"], h=p["h_pre_raw"], h_stride=n, dx=dx,
+                             dh=dh_pre, stream=stream, act=1, gh=p["grad_H_pre"], shift=hc_eps)  # null g: zero
 
     def ref(a):
         return reference.mhc_pre_op_bwd(a["grad_layer_in"], a["grad_H_pre"], a["grad_H_post"], a["grad_H_res"],

@@ -138,7 +138,7 @@ def _plan_fwd(infos, eps):
     dt, _, C, rows, eps = _check(infos, eps, False)
     has_w = infos["weight"] is not None
 
-    def run_kernels(p, outs, scratch, stream):
+    def run_kernels(p, outs, sc, stream):
         E = vec_width(1, C, [(p["x"], dt), (outs[0], dt)])
         expr, threads = _kernel("fwd", CTYPE[dt], E, C, has_w, cached_layout("fwd", C, E, (dt,)))
         launch(_FILE, expr, grid_for(rows), (threads, 1, 1),
@@ -156,16 +156,16 @@ def _plan_bwd(infos, eps):
     blocks = -(-rows // per_block) if rows else 1
     outputs = [(infos["x"].shape, dt)] + ([((C,), "float32")] if has_w else [])
 
-    def run_kernels(p, outs, scratch, stream):
+    def run_kernels(p, outs, sc, stream):
         E = vec_width(1, C, [(p["x"], dt), (p["grad"], tg), (outs[0], dt)])
         expr, threads = _kernel("bwd", f"{CTYPE[dt]},{CTYPE[tg]}", E, C, has_w, cached_layout("bwd", C, E, (dt, tg)))
         if has_w and C * 4 > _DEFAULT_SMEM // 2:
             _check_launch_smem(expr, C)
         launch(_FILE, expr, (blocks, 1, 1), (threads, 1, 1),
-               (p["grad"], p["x"], p["weight"], outs[0], scratch[0] if has_w else None, i64(rows), i32(C), f32(eps),
+               (p["grad"], p["x"], p["weight"], outs[0], sc.get("dweight_part"), i64(rows), i32(C), f32(eps),
                 i64(per_block)), stream, shared_mem=C * 4 if has_w else 0)
         if has_w:
-            column_sum(scratch[0], outs[1], blocks, C, stream)
+            column_sum(sc["dweight_part"], outs[1], blocks, C, stream)
 
     def ref(a):
         r = reference.rmsnorm_bwd(a["grad"], a["x"], eps, a["weight"])
@@ -173,7 +173,7 @@ def _plan_bwd(infos, eps):
 
     # With a weight and no rows, the launch still runs: it writes d_weight = 0.
     empty = C == 0 or (rows == 0 and not has_w)
-    return Plan(outputs, run_kernels, ref, scratch=[((blocks, C), "float32")] if has_w else [],
+    return Plan(outputs, run_kernels, ref, scratch={"dweight_part": ((blocks, C), "float32")} if has_w else {},
                 single=not has_w, empty=empty)
 
 

@@ -65,7 +65,7 @@ def _b(v: bool) -> str:
     return "true" if v else "false"
 
 
-def launch_fwd(n, tokens, iters, eps, logits, P, stream, h_pre_raw=None, h_post_raw=None, H_pre=None, H_post=None,
+def launch_fwd(n, tokens, iters, eps, *, logits, P, stream, h_pre_raw=None, h_post_raw=None, H_pre=None, H_post=None,
                ds=False, hc_eps=0.0, post_mult=2.0):
     """Sinkhorn forward (and optionally the pre-op sigmoids H_pre = sigmoid + hc_eps,
     H_post = post_mult sigmoid) for every token; ``ds``: the DeepSeek softmax start."""
@@ -92,7 +92,7 @@ def bwd_history(n: int, tokens: int, iters: int, grad_mode: str):
     return _THREADS, 0, history_slots(n) * iters * blocks * _THREADS
 
 
-def launch_bwd(n, tokens, iters, eps, grad_mode, grad_P, logits, d_logits, scratch, stream,
+def launch_bwd(n, tokens, iters, eps, grad_mode, *, grad_P, logits, d_logits, hist, stream,
                g_post=None, h_post_raw=None, d_post_raw=None, ds=False, post_mult=2.0):
     """Sinkhorn backward (and optionally the pre op's dh_post_raw of H_post = post_mult sigmoid)
     for every token; ``ds``: of the DeepSeek forward (softmax start)."""
@@ -109,7 +109,7 @@ def launch_bwd(n, tokens, iters, eps, grad_mode, grad_P, logits, d_logits, scrat
         return
     g = bwd_group(n)
     launch(_FILE, f"mhc_sinkhorn_knopp_bwd_kernel<{n},{g},{_b(ds)}>", (-(-tokens * g // threads), 1, 1),
-           (threads, 1, 1), (grad_P, logits, d_logits, scratch, i32(1 if smem else 0), g_post, h_post_raw, d_post_raw,
+           (threads, 1, 1), (grad_P, logits, d_logits, hist, i32(1 if smem else 0), g_post, h_post_raw, d_post_raw,
                              i64(tokens), i32(iters), f32(eps), f32(post_mult)), stream, shared_mem=smem)
 
 
@@ -119,8 +119,8 @@ def _plan_fwd(infos, num_iters, eps, convention):
     iters, eps, ds = _convention.sinkhorn(convention, num_iters, eps)
     tokens = tokens_of(L.shape[:-2])
 
-    def run_kernels(p, outs, scratch, stream):
-        launch_fwd(n, tokens, iters, eps, p["logits"], outs[0], stream, ds=ds)
+    def run_kernels(p, outs, sc, stream):
+        launch_fwd(n, tokens, iters, eps, logits=p["logits"], P=outs[0], stream=stream, ds=ds)
 
     return Plan([(L.shape, "float32")], run_kernels,
                 lambda a: (reference.sinkhorn_knopp_fwd(a["logits"], iters, eps, convention),),
@@ -137,13 +137,13 @@ def _plan_bwd(infos, num_iters, eps, grad_mode, convention):
     tokens = tokens_of(L.shape[:-2])
     hist = bwd_history(n, tokens, iters, mode)[2]
 
-    def run_kernels(p, outs, scratch, stream):
-        launch_bwd(n, tokens, iters, eps, mode, p["grad_P"], p["logits"], outs[0],
-                   scratch[0] if scratch else None, stream, ds=ds)
+    def run_kernels(p, outs, sc, stream):
+        launch_bwd(n, tokens, iters, eps, mode, grad_P=p["grad_P"], logits=p["logits"], d_logits=outs[0],
+                   hist=sc.get("hist"), stream=stream, ds=ds)
 
     return Plan([(L.shape, "float32")], run_kernels,
                 lambda a: (reference.sinkhorn_knopp_bwd(a["grad_P"], a["logits"], iters, eps, mode, convention),),
-                scratch=[((hist,), "float32")] if hist else [], single=True, empty=tokens == 0)
+                scratch={"hist": ((hist,), "float32")} if hist else {}, single=True, empty=tokens == 0)
 
 
 def sinkhorn_knopp_fwd(logits, num_iters=DEFAULT, eps=DEFAULT, *, convention="paper"):

@@ -1,4 +1,4 @@
-"""Stream mix, aggregate and distribute (OPS.md sections 3-5), ``kernels_cu/stream_ops.cu``.
+"""Stream mix, aggregate and distribute (OPS.md sections 3-5), ``kernels_cu/stream.cu``.
 
 The launchers here are shared with the post op and the pre op: stream mix
 and stream distribute are the residual-update kernel
@@ -13,7 +13,7 @@ from .._dispatch import Plan, run
 from ._launch import CTYPE, column_sum, f32, grid_for, i32, i64, launch, threads_for, tokens_of, vec_width
 from .spec import GRAD_X, X, Arg, Kernel
 
-_FILE = "stream_ops.cu"
+_FILE = "stream.cu"
 
 
 def _b(v: bool) -> str:
@@ -78,33 +78,36 @@ def check_grad(name: str, info, shape, dtype) -> str:
 
 
 # --------------------------------------------------------------- launchers
-def launch_post_fwd(dt, n, C, tokens, x, y, h_post, h_post_stride, h_res, out, stream, res_t=False):
-    """out_i = sum_j h_res_ij x_j + h_post_i y, with x and/or y absent (None); ``res_t``: h_res
-    transposed (out_j = sum_i h_res_ij x_i, the post op under convention="deepseek")."""
+def launch_mix_distribute_fwd(dt, n, C, tokens, *, out, stream, x=None, M=None, y=None, h=None, h_stride=0,
+                              res_t=False):
+    """out_i = sum_j M_ij x_j + h_i y: stream mix (x, M), distribute (y, h) or both (the post op,
+    M = H_res, h = H_post); ``h_stride``: 0 for a shared h [n], n for one per token; ``res_t``: M
+    transposed (out_j = sum_i M_ij x_i, the post op under convention="deepseek")."""
     E = vec_width(n, C, [(p, dt) for p in (x, y, out) if p is not None])
-    expr = f"mhc_post_op_fwd_kernel<{CTYPE[dt]},{n},{E},{_b(x is not None)},{_b(y is not None)}>"
+    expr = f"mhc_stream_mix_distribute_fwd_kernel<{CTYPE[dt]},{n},{E},{_b(x is not None)},{_b(y is not None)}>"
     launch(_FILE, expr, grid_for(tokens), (threads_for(C, E), 1, 1),
-           (x, y, h_post, i64(h_post_stride), h_res, out, i64(tokens), i32(C), i32(res_t)), stream)
+           (x, y, h, i64(h_stride), M, out, i64(tokens), i32(C), i32(res_t)), stream)
 
 
-def launch_post_bwd(dt, tg, n, C, tokens, g, x, y, h_post, h_post_stride, h_res, dx, dy, d_post, d_res, stream,
-                    res_t=False):
+def launch_mix_distribute_bwd(dt, tg, n, C, tokens, *, g, stream, x=None, M=None, y=None, h=None, h_stride=0,
+                              dx=None, dy=None, dh=None, dM=None, res_t=False):
+    """Backward of :func:`launch_mix_distribute_fwd` (incoming gradient g); an absent (None)
+    output is not written (dx, dy: activation dtype; dh, dM: float32 per token)."""
     has_x, has_y = x is not None, y is not None
     E = vec_width(n, C, [(g, tg)] + [(p, dt) for p in (x, y, dx, dy) if p is not None])
     rb = dh_rows(n) if has_x else 1
-    expr = f"mhc_post_op_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{n},{E},{rb},{_b(has_x)},{_b(has_y)}>"
+    expr = f"mhc_stream_mix_distribute_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{n},{E},{rb},{_b(has_x)},{_b(has_y)}>"
     launch(_FILE, expr, grid_for(tokens), (threads_for(C, E), 1, 1),
-           (g, x, y, h_post, i64(h_post_stride), h_res, dx, dy, d_post, d_res, i64(tokens), i32(C), i32(res_t)),
-           stream)
+           (g, x, y, h, i64(h_stride), M, dx, dy, dh, dM, i64(tokens), i32(C), i32(res_t)), stream)
 
 
-def launch_aggregate_fwd(dt, n, C, tokens, x, h, h_stride, out, stream):
+def launch_aggregate_fwd(dt, n, C, tokens, *, x, h, h_stride, out, stream):
     E = vec_width(n, C, [(x, dt), (out, dt)])
     launch(_FILE, f"mhc_stream_aggregate_fwd_kernel<{CTYPE[dt]},{n},{E}>", grid_for(tokens),
            (threads_for(C, E), 1, 1), (x, h, i64(h_stride), out, i64(tokens), i32(C)), stream)
 
 
-def launch_aggregate_bwd(dt, tg, n, C, tokens, g, x, h, h_stride, dx, dh, stream, act=0, gh=None, shift=0.0):
+def launch_aggregate_bwd(dt, tg, n, C, tokens, *, g, x, h, h_stride, dx, dh, stream, act=0, gh=None, shift=0.0):
     """dx_i = h_i g, dh_i = sum_c g_c x_ic; ``act=1`` (the pre op): h = sigmoid(h_raw) + shift."""
     E = vec_width(n, C, [(g, tg), (x, dt), (dx, dt)])  # g may be None (zero gradient)
     launch(_FILE, f"mhc_stream_aggregate_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{n},{E},{act}>", grid_for(tokens),
@@ -117,8 +120,8 @@ def _plan_mix_fwd(infos):
     check_matrix("M", infos["M"], lead, n, infos["x"].shape)
     tokens = tokens_of(lead)
 
-    def run_kernels(p, outs, scratch, stream):
-        launch_post_fwd(dt, n, C, tokens, p["x"], None, None, 0, p["M"], outs[0], stream)
+    def run_kernels(p, outs, sc, stream):
+        launch_mix_distribute_fwd(dt, n, C, tokens, x=p["x"], M=p["M"], out=outs[0], stream=stream)
 
     return Plan([(infos["x"].shape, dt)], run_kernels,
                 lambda a: (reference.stream_mix_fwd(a["x"], a["M"]),), single=True, empty=tokens * C == 0)
@@ -130,9 +133,9 @@ def _plan_mix_bwd(infos):
     tg = check_grad("grad", infos["grad"], infos["x"].shape, dt)
     tokens = tokens_of(lead)
 
-    def run_kernels(p, outs, scratch, stream):
-        launch_post_bwd(dt, tg, n, C, tokens, p["grad"], p["x"], None, None, 0, p["M"], outs[0], None, None,
-                        outs[1], stream)
+    def run_kernels(p, outs, sc, stream):
+        launch_mix_distribute_bwd(dt, tg, n, C, tokens, g=p["grad"], x=p["x"], M=p["M"], dx=outs[0], dM=outs[1],
+                                  stream=stream)
 
     return Plan([(infos["x"].shape, dt), (infos["M"].shape, "float32")], run_kernels,
                 lambda a: reference.stream_mix_bwd(a["grad"], a["x"], a["M"]), empty=tokens == 0)
@@ -188,8 +191,9 @@ def _plan_aggregate_fwd(infos):
     shared = check_h("h", infos["h"], lead, n, True, infos["x"].shape)
     tokens = tokens_of(lead)
 
-    def run_kernels(p, outs, scratch, stream):
-        launch_aggregate_fwd(dt, n, C, tokens, p["x"], p["h"], 0 if shared else n, outs[0], stream)
+    def run_kernels(p, outs, sc, stream):
+        launch_aggregate_fwd(dt, n, C, tokens, x=p["x"], h=p["h"], h_stride=0 if shared else n, out=outs[0],
+                             stream=stream)
 
     return Plan([(lead + (C,), dt)], run_kernels,
                 lambda a: (reference.stream_aggregate_fwd(a["x"], a["h"]),), single=True, empty=tokens * C == 0)
@@ -201,17 +205,18 @@ def _plan_aggregate_bwd(infos):
     tg = check_grad("grad", infos["grad"], lead + (C,), dt)
     tokens = tokens_of(lead)
 
-    def run_kernels(p, outs, scratch, stream):
-        dh = scratch[0] if shared else outs[1]
+    def run_kernels(p, outs, sc, stream):
+        dh = sc["dh_per_token"] if shared else outs[1]
         if tokens:
-            launch_aggregate_bwd(dt, tg, n, C, tokens, p["grad"], p["x"], p["h"], 0 if shared else n,
-                                 outs[0], dh, stream)
+            launch_aggregate_bwd(dt, tg, n, C, tokens, g=p["grad"], x=p["x"], h=p["h"], h_stride=0 if shared else n,
+                                 dx=outs[0], dh=dh, stream=stream)
         if shared:
             column_sum(dh, outs[1], tokens, n, stream)
 
     return Plan([(infos["x"].shape, dt), (infos["h"].shape, "float32")], run_kernels,
                 lambda a: reference.stream_aggregate_bwd(a["grad"], a["x"], a["h"]),
-                scratch=[((tokens, n), "float32")] if shared else [], empty=tokens == 0 and not shared)
+                scratch={"dh_per_token": ((tokens, n), "float32")} if shared else {},
+                empty=tokens == 0 and not shared)
 
 
 def stream_aggregate_fwd(x, h):
@@ -268,8 +273,9 @@ def _plan_distribute_fwd(infos):
     dt, lead, n, C, shared = _check_distribute(infos)
     tokens = tokens_of(lead)
 
-    def run_kernels(p, outs, scratch, stream):
-        launch_post_fwd(dt, n, C, tokens, None, p["y"], p["h"], 0 if shared else n, None, outs[0], stream)
+    def run_kernels(p, outs, sc, stream):
+        launch_mix_distribute_fwd(dt, n, C, tokens, y=p["y"], h=p["h"], h_stride=0 if shared else n, out=outs[0],
+                                  stream=stream)
 
     return Plan([(lead + (n, C), dt)], run_kernels,
                 lambda a: (reference.stream_distribute_fwd(a["y"], a["h"]),), single=True, empty=tokens * C == 0)
@@ -280,17 +286,18 @@ def _plan_distribute_bwd(infos):
     tg = check_grad("grad", infos["grad"], lead + (n, C), dt)
     tokens = tokens_of(lead)
 
-    def run_kernels(p, outs, scratch, stream):
-        dh = scratch[0] if shared else outs[1]
+    def run_kernels(p, outs, sc, stream):
+        dh = sc["dh_per_token"] if shared else outs[1]
         if tokens:
-            launch_post_bwd(dt, tg, n, C, tokens, p["grad"], None, p["y"], p["h"], 0 if shared else n, None,
-                            None, outs[0], dh, None, stream)
+            launch_mix_distribute_bwd(dt, tg, n, C, tokens, g=p["grad"], y=p["y"], h=p["h"],
+                                      h_stride=0 if shared else n, dy=outs[0], dh=dh, stream=stream)
         if shared:
             column_sum(dh, outs[1], tokens, n, stream)
 
     return Plan([(infos["y"].shape, dt), (infos["h"].shape, "float32")], run_kernels,
                 lambda a: reference.stream_distribute_bwd(a["grad"], a["y"], a["h"]),
-                scratch=[((tokens, n), "float32")] if shared else [], empty=tokens == 0 and not shared)
+                scratch={"dh_per_token": ((tokens, n), "float32")} if shared else {},
+                empty=tokens == 0 and not shared)
 
 
 def stream_distribute_fwd(y, h):

@@ -47,6 +47,11 @@ def _use_custom_op(*tensors) -> bool:
     return False  # non-tensors (a list, None for a tensor) go on to the functional API, which names them
 
 
+def _same_tensor(a: Tensor, b) -> bool:
+    """a is b's data (same address, shape and strides), b a tensor or None."""
+    return b is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
 def _needs_autograd(*tensors) -> bool:
     if not torch.is_grad_enabled():
         return False
@@ -737,6 +742,15 @@ class _LayerPreFn(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_layer_in, g_out, g_H_post, g_H_res):
         x, phi, alpha, bias, stats, H_pre, H_res = ctx.saved_tensors
+        sent, ctx.g_sent = getattr(ctx, "g_sent", None), None
+        if g_out is not None and not ctx.custom and not _same_tensor(g_out, sent):
+            # x_link's gradient must be exactly what mhc_layer_post's backward sent (the layer
+            # output's gradient): anything else (x_link also used elsewhere, or without
+            # mhc_layer_post) would be folded into dx as if it were, silently wrong
+            raise RuntimeError(
+                "mhc_layer_pre's x_link received a gradient that is not (only) mhc_layer_post's: x_link may "
+                "be used for nothing but one mhc_layer_post call (use x, or x_link.detach(), elsewhere); "
+                "or use mhc_pre_op / mhc_post_op, which allow any use of x")
         if g_layer_in is not None and g_out is not None and g_layer_in.dtype != g_out.dtype:
             g_layer_in = g_layer_in.to(g_out.dtype)
         dx, dphi, dalpha, dbias = _layer_call("mhc_layer_pre_bwd", ctx.custom, g_layer_in, g_out, g_H_post, g_H_res,
@@ -746,10 +760,10 @@ class _LayerPreFn(torch.autograd.Function):
 
 class _LayerPostFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, layer_out, x_link, H_post, H_res, convention):
+    def forward(ctx, layer_out, x_link, H_post, H_res, convention, pre):
         custom = _use_custom_op(layer_out, x_link, H_post, H_res)
         ctx.save_for_backward(layer_out, x_link, H_post, H_res)
-        ctx.custom, ctx.convention = custom, convention
+        ctx.custom, ctx.convention, ctx.pre = custom, convention, pre
         return _op("mhc_post_op_fwd")(layer_out, x_link, H_post, H_res, convention) if custom else \
             _post_fwd_impl(layer_out, x_link, H_post, H_res, convention)
 
@@ -759,7 +773,9 @@ class _LayerPostFn(torch.autograd.Function):
         layer_out, x_link, H_post, H_res = ctx.saved_tensors
         dy, dH_post, dH_res = _layer_call("mhc_layer_post_bwd", ctx.custom, g, layer_out, x_link, H_post, H_res,
                                           ctx.convention)
-        return dy, g, dH_post, dH_res, None  # g travels to _LayerPreFn.backward along x_link
+        if ctx.pre is not None:  # the pre piece checks that x_link's gradient is this g and nothing else
+            ctx.pre.g_sent = g  # (the reference also keeps autograd from summing into g in place)
+        return dy, g, dH_post, dH_res, None, None  # g travels to _LayerPreFn.backward along x_link
 
 
 def mhc_layer_pre(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, grad_mode="unrolled", *,
@@ -784,7 +800,8 @@ def mhc_layer_pre(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_eps=D
         (layer_in [..., C], x_link [..., n, C], H_post float32 [..., n], H_res float32 [..., n, n]).
 
     Raises:
-        TypeError / ValueError: as the functional ``mhc_layer_pre_fwd``.
+        TypeError / ValueError: as the functional ``mhc_layer_pre_fwd``.  RuntimeError (in
+        backward): x_link got a gradient other than one mhc_layer_post call's (see there).
     """
     _checks.grad_mode(grad_mode)
     num_iters, eps, rms_eps, hc_eps, post_mult = _convention.resolve(
@@ -809,13 +826,15 @@ def mhc_layer_post(layer_out, x_link, H_post, H_res, *, convention="paper"):
         out: [..., n, C], dtype and device of x.
 
     Raises:
-        ValueError: a convention other than mhc_layer_pre's, or x_link (requiring grad) is not
-            mhc_layer_pre's x_link.  Use x_link for
-            nothing else: its gradient is taken to be this op's output gradient, so a
-            second use of it gives a wrong dx (not detected).
+        ValueError: a convention other than mhc_layer_pre's, x_link (requiring grad) is not
+            mhc_layer_pre's x_link, or that x_link already went to mhc_layer_post.
+        RuntimeError (in backward): x_link was also used for something else, so its gradient
+            is not only this op's output gradient (eager mode; under torch.compile not
+            checked: use x_link for nothing else).
     """
     if _needs_autograd(layer_out, x_link, H_post, H_res):
         convention = _convention.check(convention)
+        pre = None
         if x_link.requires_grad and not _is_compiling():
             # autograd names a Function's backward node "<Function name>Backward"; the node is its ctx
             pre = x_link.grad_fn
@@ -826,6 +845,10 @@ def mhc_layer_post(layer_out, x_link, H_post, H_res, *, convention="paper"):
             if pre_convention != convention:  # the pre half's backward folds this op's dx in its convention
                 raise ValueError(f"mhc_layer_post got convention={convention!r} but mhc_layer_pre ran with "
                                  f"convention={pre_convention!r}; give both halves the same convention")
-        return _LayerPostFn.apply(layer_out, x_link, H_post, H_res, convention)
+            if getattr(pre, "post_linked", False):
+                raise ValueError("this x_link was already given to mhc_layer_post: each mhc_layer_pre output "
+                                 "goes to exactly one mhc_layer_post call")
+            pre.post_linked = True
+        return _LayerPostFn.apply(layer_out, x_link, H_post, H_res, convention, pre)
     return mhc_post_op(layer_out, x_link, H_post, H_res, convention=convention)
 

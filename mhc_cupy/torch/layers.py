@@ -227,7 +227,8 @@ class MHC(nn.Module):
         TypeError / ValueError in the constructor (before allocating): dim not an
         int >= 1, n_streams not in 1..32, num_iters not an int in 0..10000
         (``mhc_cupy.MAX_NUM_ITERS``; >= 1 under "deepseek"), eps / rms_eps / hc_eps /
-        post_mult not a finite float >= 0, post_init not in (0, post_mult), bad grad_mode or convention.
+        post_mult not a finite float >= 0, post_init not in (0, post_mult), bad grad_mode or convention,
+        sublayer neither None nor callable.
     """
 
     def __init__(self, dim: int, n_streams: int = 4, sublayer: Optional[nn.Module] = None,
@@ -238,6 +239,9 @@ class MHC(nn.Module):
         super().__init__()
         # checked before phi (n*C x (n*n + 2n) floats) is allocated
         dim, n_streams = _checks.layer_size(dim, n_streams)
+        if sublayer is not None and not callable(sublayer):
+            raise TypeError(f"sublayer must be a module (or callable) [..., C] -> [..., C] or None, got "
+                            f"{type(sublayer).__name__} {sublayer!r}")
         self.convention = _convention.check(convention)
         num_iters, eps, _ = _convention.sinkhorn(convention, num_iters, eps)  # DEFAULT: the convention's
         rms_eps, grad_mode = _convention.rms_eps(convention, rms_eps), _checks.grad_mode(grad_mode)

@@ -52,7 +52,6 @@ if _gpu_ok():
 
     import mhc_cupy
     import mhc_cupy.jax as mj
-    from mhc_cupy import reference as R
 
     # The op table, oracles and helpers of the CPU adapter tests (tests/ is on sys.path: conftest.py).
     import test_jax_adapter as C
@@ -184,34 +183,12 @@ def test_vmap_equals_loop(name, in_axes, rng):
 
 @pytest.mark.parametrize("name", ALL_OPS)
 def test_nested_vmap_grad(name, rng):
-    op = OPS[name]
-    lead, n, Cc, dt = (5,), 3, 33, "float32"
-    outer, inner = 2, 3
-    a = op.make(rng, (outer, inner) + lead, n, Cc, dt)
-    if op.shared:
-        a[op.shared] = op.make(rng, lead, n, Cc, dt)[op.shared]
-    args = tuple(a[k] for k in op.args)
-    axes = tuple(None if k == op.shared else 0 for k in op.args)
-    f = jax.vmap(jax.vmap(op.adapter, axes), axes)
-    got = jax.jit(f)(*args)
-    for g, w in zip(got, C._nested(op, axes, inner, outer)(*args)):
-        C.assert_same(g, w)
-    cts = C._cotangents(rng, got)
-
-    def loss(fn):
-        return lambda *xs: sum(jnp.vdot(o.astype(jnp.float32), c.astype(jnp.float32)) for o, c in zip(fn(*xs), cts))
-
-    argnums = tuple(range(len(args)))
-    g_vmap = jax.jit(jax.grad(loss(f), argnums))(*args)
-    g_loop = jax.grad(loss(C._nested(op, axes, inner, outer)), argnums)(*args)
-    for g, w in zip(g_vmap, g_loop):
-        assert_close(g, w, 1e-6, scale="max")
+    C.check_grad_of_nested_vmap(OPS[name], rng, (5,), 3, 33, jit=True)
 
 
 # ------------------------------------------------------------ re-tracing
 def _model(x, hp, hq, hr):
     layer_in, H_pre, H_post, H_res = mj.mhc_pre_op(x, hp, hq, hr)
-    n, Cc = x.shape[-2], x.shape[-1]
     y = mj.rmsnorm(layer_in)
     mixed = mj.stream_mix(x, mj.sinkhorn_knopp(hr))
     agg = mj.stream_aggregate(mixed, H_pre)

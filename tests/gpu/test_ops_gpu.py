@@ -394,13 +394,13 @@ def test_zero_copy_torch_jax_cupy_through_stream_mix(rng):
     seen = []  # the input pointers the kernel receives
     import mhc_cupy.ops.stream as st
 
-    real = st.launch_post_fwd
+    real = st.launch_mix_distribute_fwd
 
-    def spy(dt, n_, C_, tokens, x, *rest):
-        seen.append(x)
-        return real(dt, n_, C_, tokens, x, *rest)
+    def spy(dt, n_, C_, tokens, **kw):
+        seen.append(kw["x"])
+        return real(dt, n_, C_, tokens, **kw)
 
-    st.launch_post_fwd = spy
+    st.launch_mix_distribute_fwd = spy
     try:
         xc = to_gpu(xh)
         out = m.stream_mix_fwd(xc, to_gpu(Mh))
@@ -419,7 +419,7 @@ def test_zero_copy_torch_jax_cupy_through_stream_mix(rng):
             assert isinstance(out, jax.Array) and seen[-1] == xj.unsafe_buffer_pointer()
             assert_close(np.asarray(out), ref, ACT_TOL["bfloat16"], "jax")
     finally:
-        st.launch_post_fwd = real
+        st.launch_mix_distribute_fwd = real
 
 
 def test_foreign_dlpack_producer(rng):

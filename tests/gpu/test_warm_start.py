@@ -44,7 +44,7 @@ _BROKEN = r"""
 import mhc_cupy
 from mhc_cupy import _jit
 try:
-    _jit.get_function("stream_ops.cu", "mhc_column_sum_kernel")
+    _jit.get_function("stream.cu", "mhc_column_sum_kernel")
 except mhc_cupy.KernelCompileError as e:
     print("RAISED")
     print(e)

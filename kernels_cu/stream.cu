@@ -25,7 +25,7 @@ __device__ __forceinline__ int res_index(int k, int res_t) { return res_t ? (k %
 
 // ---------------------------------------------------------------- post op fwd
 template <typename T, int N, int E, bool HAS_X, bool HAS_Y>
-__global__ void mhc_post_op_fwd_kernel(const T* __restrict__ x, const T* __restrict__ y,
+__global__ void mhc_stream_mix_distribute_fwd_kernel(const T* __restrict__ x, const T* __restrict__ y,
                                        const float* __restrict__ h_post, i64 h_post_stride,
                                        const float* __restrict__ h_res, T* __restrict__ out,
                                        i64 tokens, int C, int res_t) {
@@ -75,7 +75,7 @@ __global__ void mhc_post_op_fwd_kernel(const T* __restrict__ x, const T* __restr
 // first pass also writes dx (unless null), dy and dH_post.  d_post is [tokens, N] per token
 // (the host sums it over tokens for a shared H_post).
 template <typename T, typename TG, int N, int E, int RB, bool HAS_X, bool HAS_Y>
-__global__ void mhc_post_op_bwd_kernel(const TG* __restrict__ g, const T* __restrict__ x,
+__global__ void mhc_stream_mix_distribute_bwd_kernel(const TG* __restrict__ g, const T* __restrict__ x,
                                        const T* __restrict__ y, const float* __restrict__ h_post,
                                        i64 h_post_stride, const float* __restrict__ h_res,
                                        T* __restrict__ dx, T* __restrict__ dy,
