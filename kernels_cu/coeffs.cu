@@ -865,7 +865,7 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
         // The step's products go into a fresh accumulator, added to acc in float32 (round to
         // nearest): the tensor cores' own accumulation truncates, which over the thousands of
         // MMAs of a long D range left up to 2e-5 of max |H~| (H200, D = 131072; 8e-7 with this,
-        // at no measured cost: tests/gpu/test_coeffs_gpu.py::test_coeffs_float32_accurate_over_long_rows).
+        // at no measured cost: tests/test_coeffs.py::test_coeffs_float32_accurate_over_long_rows).
         float stp[MT][NTILE][4];
 #pragma unroll
         for (int m = 0; m < MT; ++m)

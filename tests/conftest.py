@@ -57,3 +57,12 @@ def jax_on_cpu():
     jax = pytest.importorskip("jax")
     with jax.default_device(jax.devices("cpu")[0]):
         yield
+
+
+@pytest.fixture
+def nan_poison():
+    """Every CuPy allocation of the test starts as 0xFF bytes (NaN): see harness.gpu_test."""
+    from gpu.helpers import poisoned_allocations
+
+    with poisoned_allocations():
+        yield

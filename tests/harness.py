@@ -188,3 +188,19 @@ def token_scales(ref, x, g):
         s = d.abs().reshape(-1, d.shape[-1]).sum(0).double()
         scales[name] = torch.maximum(s, s.square().mean().sqrt())
     return scales
+
+
+# ------------------------------------------------------------------ GPU cases
+def gpu_test(*marks, poison: bool = True):
+    """Decorator of a GPU case in a family's test file: ``pytest.mark.gpu`` (skipped without a
+    CUDA GPU, see conftest.py), the given extra ``marks`` (e.g. a skipif), and with ``poison``
+    the ``nan_poison`` fixture (every CuPy allocation starts as NaN, so an element a kernel
+    failed to write fails the comparison)."""
+    import pytest
+
+    def decorate(fn):
+        for mark in (pytest.mark.gpu, *marks) + ((pytest.mark.usefixtures("nan_poison"),) if poison else ()):
+            fn = mark(fn)
+        return fn
+
+    return decorate

@@ -6,7 +6,7 @@ those values, so what is left is the kernels' float32 arithmetic:
 
 * out: sum_i w_i x_i with w from a float32 dot product over D = n*C terms (the coefficient
   path's tensor-core GEMM, float32-accurate): ACT_TOL (one rounding) plus the w error, which is
-  ~1e-6 relative (see tests/gpu/test_coeffs_gpu.py), far below bfloat16 / float16 rounding and
+  ~1e-6 relative (see tests/test_coeffs.py), far below bfloat16 / float16 rounding and
   covered for float32 by ACT_TOL's 1e-5.
 * dx: w_i g + dH hc_fn - c x, float32, rounded once: 2 ACT_TOL on the scale of its terms.
 * dhc_fn, dhc_scale, dhc_base: float32 sums over tokens in a fixed order: COEF_TOL of the root

@@ -301,7 +301,7 @@ def test_coeffs_huge_tokens(rng, dt, T, C, scale):
     scaled, in the forward kernel).  The backward is checked where its c term
     (~ sqrt(K) / (n C |x|^2), a float32 of its own) stays above 1e-40: beyond
     that it is a float32 denormal."""
-    from .test_coeffs_gpu import _case, _check_bwd, _run
+    from test_coeffs import _case, _check_bwd, _run
 
     n = 4
     D, K = n * C, n * n + 2 * n
@@ -322,7 +322,7 @@ def test_layer_pre_huge_tokens(rng, scale):
     """The fused layer's saved sums (stats) carry an overflowed sum of squares to
     its backward (negative: minus the scaled sum); forward and the coefficient
     gradients dphi, dalpha against the float64 reference."""
-    from .test_coeffs_gpu import _case
+    from test_coeffs import _case
 
     if not hasattr(m, "mhc_layer_pre_fwd"):
         pytest.skip("no fused layer op")

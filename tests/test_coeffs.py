@@ -1,0 +1,623 @@
+"""The coefficient path, ``mhc_coeffs_fwd`` / ``mhc_coeffs_bwd`` (OPS.md section 8): CPU and GPU cases.
+
+CPU (no GPU needed): CPU inputs run the float64 reference through the same planner the GPU
+path uses, so these pin the API (shapes, dtypes, None gradients, zero tokens, error
+messages) and the launch plans' index layout invariants; the reference itself is checked
+against torch autograd in tests/test_reference.py.  Also the op through mhc_cupy.torch and
+mhc_cupy.jax.
+
+GPU (``gpu_test``: skipped without a GPU; CuPy allocations NaN-poisoned, so an unwritten
+element fails): the kernels against the float64 reference.  Inputs are rounded to the
+activation dtype first and the reference runs on exactly those values, so what is left is
+the kernels' float32 arithmetic:
+
+* h (forward): a float32 dot product over D = n*C terms on tensor cores (phi in three bf16
+  parts, each step's MMAs summed into a float32 accumulator), then at most 64 D ranges in a
+  fixed order: a few units of 2^-24 times sqrt(number of terms) times the size of the terms;
+  with phi ~ 1/sqrt(D) the terms are ~1/sqrt(D) and h ~ 1, which gives ~1e-6 relative.
+  COEF_TOL = 1e-4 of the output scale leaves a wide margin for the general cases;
+  ``test_coeffs_float32_accurate_over_long_rows`` holds h to 2e-6 at D = 131072.
+* dx: dH phi^T (K float32 terms) minus c x, rounded once to the activation dtype, so
+  ACT_TOL (one rounding) on the scale of its two terms (they may cancel).
+* dphi: float32 sums over tokens of x dH (fixed order): COEF_TOL of its scale.
+* dalpha, dbias: float32 sums over tokens (and columns) of terms of random sign; the
+  scale is the root sum of squares of the terms, the natural size of such a sum.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mhc_cupy as m
+from mhc_cupy import _kernels
+from mhc_cupy import reference as R
+from mhc_cupy._interop import ArrayInfo
+from mhc_cupy.ops import coeffs
+
+from gpu.helpers import ACT_TOL, COEF_TOL, f64, rounded, to_gpu, to_host
+from harness import assert_close, gpu_test
+
+GPU = gpu_test()
+
+
+# ============================================================ CPU
+def _inputs(rng, lead, n, C, dtype=np.float32):
+    D, K = n * C, n * n + 2 * n
+    x = rng.standard_normal(lead + (n, C)).astype(dtype)
+    phi = (rng.standard_normal((D, K)) / np.sqrt(D)).astype(np.float32)
+    alpha = np.array([0.7, -1.3, 0.4], np.float32)
+    bias = (0.1 * rng.standard_normal(K)).astype(np.float32)
+    return x, phi, alpha, bias
+
+
+def _grads(rng, lead, n):
+    return (rng.standard_normal(lead + (n,)).astype(np.float32), rng.standard_normal(lead + (n,)).astype(np.float32),
+            rng.standard_normal(lead + (n, n)).astype(np.float32))
+
+
+# ------------------------------------------------------------ API on CPU
+@pytest.mark.parametrize("lead", [(), (5,), (2, 3)])
+@pytest.mark.parametrize("n,C", [(1, 1), (4, 7), (3, 16)])
+def test_numpy_matches_reference(rng, lead, n, C):
+    x, phi, alpha, bias = _inputs(rng, lead, n, C)
+    h = m.mhc_coeffs_fwd(x, phi, alpha, bias)
+    ref = R.mhc_coeffs_fwd(x, phi, alpha, bias)
+    for got, r, shape, name in zip(h, ref, (lead + (n,), lead + (n,), lead + (n, n)), ("pre", "post", "res")):
+        assert isinstance(got, np.ndarray) and got.dtype == np.float32 and got.shape == shape, name
+        assert_close(got, r, 1e-6, name, scale="max")
+    g = _grads(rng, lead, n)
+    got = m.mhc_coeffs_bwd(*g, x, phi, alpha, bias, eps=1e-3)
+    ref = R.mhc_coeffs_bwd(*g, x, phi, alpha, bias, eps=1e-3)
+    D, K = n * C, n * n + 2 * n
+    for a, r, shape, dt, name in zip(got, ref, (x.shape, (D, K), (3,), (K,)),
+                                     (np.float32, np.float32, np.float32, np.float32),
+                                     ("dx", "dphi", "dalpha", "dbias")):
+        assert a.shape == shape and a.dtype == dt, name
+        assert_close(a, r, 1e-6, name, scale="max")
+
+
+def test_eps_is_used(rng):
+    x, phi, alpha, bias = _inputs(rng, (4,), 2, 3)
+    x *= 1e-3
+    a = m.mhc_coeffs_fwd(x, phi, alpha, bias, 1e-5)[2]
+    b = m.mhc_coeffs_fwd(x, phi, alpha, bias, 1e-2)[2]
+    assert_close(b, R.mhc_coeffs_fwd(x, phi, alpha, bias, 1e-2)[2], 1e-6, "eps 1e-2", scale="max")
+    assert not np.allclose(a, b)
+
+
+def test_torch_cpu_bfloat16(rng):
+    torch = pytest.importorskip("torch")
+    n, C = 4, 8
+    x, phi, alpha, bias = _inputs(rng, (3,), n, C)
+    xt = torch.from_numpy(x).to(torch.bfloat16)
+    xr = xt.float().numpy()  # the values the reference sees
+    h = m.mhc_coeffs_fwd(xt, torch.from_numpy(phi), torch.from_numpy(alpha), torch.from_numpy(bias))
+    assert all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in h)
+    for got, r in zip(h, R.mhc_coeffs_fwd(xr, phi, alpha, bias)):
+        assert_close(got.numpy(), r, 1e-6, "h", scale="max")
+    g = [torch.from_numpy(v) for v in _grads(rng, (3,), n)]
+    dx, dphi, dalpha, dbias = m.mhc_coeffs_bwd(*g, xt, torch.from_numpy(phi), torch.from_numpy(alpha),
+                                              torch.from_numpy(bias))
+    assert dx.dtype == torch.bfloat16 and dx.shape == xt.shape
+    assert dphi.dtype == dalpha.dtype == dbias.dtype == torch.float32
+    ref = R.mhc_coeffs_bwd(*[v.numpy() for v in g], xr, phi, alpha, bias)
+    np.testing.assert_allclose(dx.float().numpy(), ref[0], rtol=1e-2, atol=1e-2 * np.abs(ref[0]).max())
+    for a, r in zip((dphi, dalpha, dbias), ref[1:]):
+        assert_close(a.numpy(), r, 1e-6, "param grad", scale="max")
+
+
+@pytest.mark.parametrize("present", [(True, False, False), (False, True, False), (False, False, True),
+                                     (False, False, False)])
+def test_missing_gradients_are_zero(rng, present):
+    n, C = 3, 5
+    x, phi, alpha, bias = _inputs(rng, (6,), n, C)
+    full = _grads(rng, (6,), n)
+    g = [v if p else None for v, p in zip(full, present)]
+    got = m.mhc_coeffs_bwd(*g, x, phi, alpha, bias)
+    ref = R.mhc_coeffs_bwd(*[v if p else np.zeros_like(v) for v, p in zip(full, present)], x, phi, alpha, bias)
+    for a, r in zip(got, ref):
+        assert_close(a, r, 1e-6, "grad", scale="max")
+    if not any(present):
+        assert all((np.asarray(a) == 0).all() for a in got)
+
+
+def test_zero_tokens(rng):
+    n, C = 4, 6
+    x, phi, alpha, bias = _inputs(rng, (0, 3), n, C)
+    h = m.mhc_coeffs_fwd(x, phi, alpha, bias)
+    assert [v.shape for v in h] == [(0, 3, n), (0, 3, n), (0, 3, n, n)]
+    g = _grads(rng, (0, 3), n)
+    dx, dphi, dalpha, dbias = m.mhc_coeffs_bwd(*g, x, phi, alpha, bias)
+    assert dx.shape == x.shape
+    assert dphi.shape == phi.shape and (dphi == 0).all()
+    assert (dalpha == 0).all() and (dbias == 0).all()
+
+
+# ------------------------------------------------------------ validation
+def _ok(rng, n=4, C=8, T=3):
+    x, phi, alpha, bias = _inputs(rng, (T,), n, C)
+    return dict(x=x, phi=phi, alpha=alpha, bias=bias)
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (lambda a: a.update(x=a["x"].astype(np.float64)), TypeError, "x has dtype float64"),
+    (lambda a: a.update(x=a["x"].astype(np.int8)), TypeError, "x has dtype int8"),
+    (lambda a: a.update(phi=a["phi"].astype(np.float16)), TypeError, "phi has dtype float16"),
+    (lambda a: a.update(alpha=a["alpha"].astype(np.float64)), TypeError, "alpha has dtype float64"),
+    (lambda a: a.update(bias=a["bias"].astype(np.float16)), TypeError, "bias has dtype float16"),
+    (lambda a: a.update(phi=a["phi"][:, :-1]), ValueError, r"phi has shape \(32, 23\); it needs \(32, 24\)"),
+    (lambda a: a.update(phi=a["phi"].T.copy()), ValueError, "phi has shape"),
+    (lambda a: a.update(alpha=a["alpha"][:2]), ValueError, r"alpha has shape \(2,\); it needs \(3,\)"),
+    (lambda a: a.update(bias=a["bias"][:-2]), ValueError, r"bias has shape \(22,\); it needs \(24,\)"),
+    (lambda a: a.update(x=a["x"][0, 0]), ValueError, r"x has shape \(8,\); it needs \[\.\.\., n, C\]"),
+    (lambda a: a.update(x=np.zeros((3, 4, 0), np.float32), phi=np.zeros((0, 24), np.float32)), ValueError,
+     "C >= 1"),
+])
+def test_forward_validation(rng, change, exc, match):
+    a = _ok(rng)
+    change(a)
+    with pytest.raises(exc, match=match):
+        m.mhc_coeffs_fwd(a["x"], a["phi"], a["alpha"], a["bias"])
+
+
+def test_n_out_of_range():
+    x = np.zeros((2, 33, 1), np.float32)
+    K = 33 * 33 + 66
+    with pytest.raises(ValueError, match="supported n is 1 to 32"):
+        m.mhc_coeffs_fwd(x, np.zeros((33, K), np.float32), np.zeros(3, np.float32), np.zeros(K, np.float32))
+
+
+def test_eps_validation(rng):
+    a = _ok(rng)
+    with pytest.raises(ValueError, match="eps must be finite and >= 0"):
+        m.mhc_coeffs_fwd(a["x"], a["phi"], a["alpha"], a["bias"], eps=-1.0)
+    with pytest.raises(TypeError, match="eps must be a float"):
+        m.mhc_coeffs_fwd(a["x"], a["phi"], a["alpha"], a["bias"], eps="big")
+
+
+@pytest.mark.parametrize("which,bad,exc,match", [
+    (0, lambda g: g.astype(np.float64), TypeError, "grad_h_pre_raw has dtype float64"),
+    (1, lambda g: g[:, :3], ValueError, r"grad_h_post_raw has shape \(3, 3\); it needs \(3, 4\)"),
+    (2, lambda g: g.reshape(3, 16), ValueError, r"grad_h_res_raw has shape \(3, 16\); it needs \(3, 4, 4\)"),
+    (2, lambda g: g.astype(np.float16), TypeError, "grad_h_res_raw has dtype float16"),
+])
+def test_backward_validation(rng, which, bad, exc, match):
+    a = _ok(rng)
+    g = list(_grads(rng, (3,), 4))
+    g[which] = bad(g[which])
+    with pytest.raises(exc, match=match):
+        m.mhc_coeffs_bwd(*g, a["x"], a["phi"], a["alpha"], a["bias"])
+
+
+def test_exports():
+    assert "mhc_coeffs_fwd" in m.__all__ and "mhc_coeffs_bwd" in m.__all__
+    assert m.mhc_coeffs_fwd is coeffs.mhc_coeffs_fwd
+
+
+# ------------------------------------------------------------ launch plans
+def _info(shape, dtype="float32", ptr=1 << 20):
+    return ArrayInfo(tuple(shape), dtype, ("cuda", 0), ptr, None)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 31, 32, 33, 1000, 100_000])
+@pytest.mark.parametrize("n,C", [(1, 1), (4, 7), (4, 1000), (4, 4096), (8, 4096), (32, 64)])
+def test_mma_layout_covers_everything_once(tokens, n, C):
+    D, K = n * C, coeffs.columns(n)
+    L = coeffs.mma_layout(tokens, D, K)
+    assert L.ntile <= 6 and L.ncc * L.ntile * 8 == L.Kp >= K  # every column in exactly one chunk
+    assert L.Kp - K < 8 * L.ncc  # chunks nearly equal: less than one 8-column tile of padding per chunk
+    assert L.tiles * 128 >= tokens > (L.tiles - 1) * 128
+    assert L.d_split % 32 == 0 and L.Dp % 32 == 0 and L.Dp >= D  # whole steps; the planes cover D
+    assert L.splits * L.d_split >= D > (L.splits - 1) * L.d_split  # no empty D range
+    assert 1 <= L.splits <= 64 and L.ncc * L.tiles * L.splits <= 2**31 - 1
+    if L.ncc * L.tiles >= 1024:
+        assert L.splits == 1  # split D only to fill the GPU
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 63, 65, 5000, 10**6])
+@pytest.mark.parametrize("n,C", [(1, 1), (2, 7), (4, 4096), (4, 7168)])
+def test_mma_token_splits(tokens, n, C):
+    K = coeffs.columns(n)
+    splits, per = coeffs.mma_token_splits(tokens, n, C, K)
+    assert splits >= 1 and per >= 16 and per % 16 == 0
+    assert splits * per >= tokens > (splits - 1) * per or tokens == 0
+    assert splits == 1 or splits * n * C * K <= 16 * 2**20  # partials bounded (64 MiB)
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 63, 65, 5000, 10**6])
+@pytest.mark.parametrize("n,C", [(1, 1), (4, 7), (4, 4096), (8, 4096), (32, 4096)])
+def test_token_splits(tokens, n, C):
+    D, K = n * C, coeffs.columns(n)
+    splits, per = coeffs.token_splits(tokens, D, K, 1)
+    assert splits >= 1 and per >= 1
+    assert splits * per >= tokens > (splits - 1) * per or tokens == 0
+    assert splits == 1 or splits * D * K <= 16 * 2**20  # partials bounded (64 MiB)
+
+
+def _record(planner, infos, **params):
+    from mhc_cupy import _jit
+
+    with _jit.dry_run() as launches:
+        plan = planner(infos, **params)
+        ptrs = {k: (None if v is None else v.ptr) for k, v in infos.items()}
+        plan.launch(ptrs, [1 << 20] * len(plan.outputs), [1 << 21] * len(plan.scratch), 0)
+    return plan, [(expr, grid, block, args) for _, expr, grid, block, args, _ in launches]
+
+
+@pytest.mark.parametrize("n,C,T", [(4, 4096, 16384), (4, 7, 3), (1, 1, 1), (8, 1000, 1000), (16, 64, 5)])
+def test_launch_plans(n, C, T):
+    D, K = n * C, coeffs.columns(n)
+    cx = {"x": _info((T, n, C), "bfloat16"), "phi": _info((D, K)), "alpha": _info((3,)), "bias": _info((K,))}
+    plan, calls = _record(coeffs._plan_fwd, cx, eps=1e-5)
+    names = [c[0].split("<")[0] for c in calls]
+    assert names == ["mhc_coeffs_split_phi_fwd_kernel", "mhc_coeffs_mma_fwd_kernel", "mhc_coeffs_fwd_finish_kernel"]
+    for expr, grid, block, args in calls:
+        assert 1 <= grid[0] <= 2**31 - 1 and grid[1] <= 65535 and block[0] * block[1] <= 1024
+    g = {"grad_h_pre_raw": _info((T, n)), "grad_h_post_raw": _info((T, n)), "grad_h_res_raw": _info((T, n, n))}
+    plan, calls = _record(coeffs._plan_bwd, {**g, **cx}, eps=1e-5)
+    names = [c[0].split("<")[0] for c in calls]
+    assert names[:3] == ["mhc_coeffs_split_phi_fwd_kernel", "mhc_coeffs_mma_fwd_kernel", "mhc_coeffs_bwd_prep_kernel"]
+    if K <= 32:
+        assert "mhc_coeffs_mma_bwd_kernel" in names and "mhc_coeffs_bwd_dx_kernel" not in names
+    else:
+        assert {"mhc_coeffs_transpose_kernel", "mhc_coeffs_bwd_dx_kernel", "mhc_coeffs_bwd_dphi_kernel"} <= set(names)
+    scratch_bytes = sum(4 * int(np.prod(s)) for s, _ in plan.scratch.values())
+    assert scratch_bytes <= 4 * (64 * T * (K + 1) + T * (K + 8) + 16 * 2**20 + D * K) + 12 * (D + 32) * (K + 16) \
+        + 12 * (T + 16) * (K + 16)
+    for expr, grid, block, args in calls:
+        assert 1 <= grid[0] <= 2**31 - 1 and grid[1] <= 65535 and block[0] * block[1] <= 1024
+
+
+def test_zero_token_backward_plan_only_zero_fills():
+    cx = {"x": _info((0, 4, 8), "bfloat16"), "phi": _info((32, 24)), "alpha": _info((3,)), "bias": _info((24,))}
+    g = {"grad_h_pre_raw": None, "grad_h_post_raw": None, "grad_h_res_raw": None}
+    plan, calls = _record(coeffs._plan_bwd, {**g, **cx}, eps=1e-5)
+    assert {c[0] for c in calls} == {"mhc_coeffs_zero_kernel"}
+    assert sorted(c[3][1] for c in calls) == [3, 24, 32 * 24]
+
+
+def test_missing_gradients_zero_fill_their_bias_slice():
+    n = 3
+    cx = {"x": _info((5, n, 8), "float32"), "phi": _info((n * 8, 15)), "alpha": _info((3,)), "bias": _info((15,))}
+    g = {"grad_h_pre_raw": _info((5, n)), "grad_h_post_raw": None, "grad_h_res_raw": None}
+    plan, calls = _record(coeffs._plan_bwd, {**g, **cx}, eps=1e-5)
+    zeros = [(c[3][0], c[3][1]) for c in calls if c[0] == "mhc_coeffs_zero_kernel"]
+    dbias = 1 << 20  # every output has this fake pointer
+    assert sorted(zeros) == [(dbias + 4 * n, n), (dbias + 8 * n, n * n)]
+
+
+def test_registry_lists_coeffs_kernels():
+    specs = [e for f, e in _kernels.all_specialisations() if f == "coeffs.cu"]
+    for name in ("mhc_coeffs_mma_fwd_kernel<__nv_bfloat16,true,2,3,4>", "mhc_coeffs_fwd_finish_kernel",
+                 "mhc_coeffs_bwd_prep_kernel", "mhc_coeffs_mma_bwd_kernel<__nv_bfloat16,__nv_bfloat16,true,false,2,3,3>",
+                 "mhc_coeffs_bwd_dx_kernel<__nv_bfloat16,__nv_bfloat16,2,16,false>", "mhc_coeffs_transpose_kernel",
+                 "mhc_coeffs_zero_kernel", "mhc_coeffs_split_phi_fwd_kernel", "mhc_coeffs_split_rows_kernel",
+                 "mhc_coeffs_split_cols_kernel"):
+        assert name in specs, name
+
+# ------------------------------------------------- through the adapters (CPU)
+def test_torch_forward_backward_and_compile(rng):
+    torch = pytest.importorskip("torch")
+    import mhc_cupy.torch as mt
+
+    x, phi, alpha, bias = (torch.from_numpy(a).requires_grad_() for a in _inputs(rng, (2, 3), 3, 7))
+    outs = mt.mhc_coeffs(x, phi, alpha, bias)
+    for got, ref in zip(outs, R.mhc_coeffs_fwd(*(t.detach().numpy() for t in (x, phi, alpha, bias)))):
+        np.testing.assert_allclose(got.detach().numpy(), ref, rtol=1e-5, atol=1e-5)
+    g_pre, g_res = torch.randn_like(outs[0]), torch.randn_like(outs[2])
+    loss = (outs[0] * g_pre).sum() + (outs[2] * g_res).sum()  # h_post_raw unused: a None gradient
+    grads = torch.autograd.grad(loss, (x, phi, alpha, bias))
+    ref = R.mhc_coeffs_bwd(g_pre.numpy(), None, g_res.numpy(), *(t.detach().numpy() for t in (x, phi, alpha, bias)))
+    for got, r in zip(grads, ref):
+        np.testing.assert_allclose(got.numpy(), r, rtol=1e-4, atol=1e-4)
+    compiled = torch.compile(lambda *a: mt.mhc_coeffs(*a)[2].sum(), backend="aot_eager", fullgraph=True)
+    grads_c = torch.autograd.grad(compiled(x, phi, alpha, bias), (x, phi))
+    grads_e = torch.autograd.grad(mt.mhc_coeffs(x, phi, alpha, bias)[2].sum(), (x, phi))
+    for a, b in zip(grads_c, grads_e):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.usefixtures("jax_on_cpu")
+def test_jax_jit_grad_vmap(rng):
+    jax = pytest.importorskip("jax")
+    import mhc_cupy.jax as mj
+
+    x, phi, alpha, bias = _inputs(rng, (5,), 4, 16)
+    for got, ref in zip(mj.mhc_coeffs(x, phi, alpha, bias), R.mhc_coeffs_fwd(x, phi, alpha, bias)):
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
+
+    def loss(x, phi, alpha, bias):
+        a, _, c = mj.mhc_coeffs(x, phi, alpha, bias)
+        return (a**2).sum() + (1.5 * c).sum()
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, phi, alpha, bias)
+    h_pre = R.mhc_coeffs_fwd(x, phi, alpha, bias)[0]
+    ref = R.mhc_coeffs_bwd(2 * h_pre, None, np.full((5, 4, 4), 1.5), x, phi, alpha, bias)
+    for got, r in zip(grads, ref):
+        np.testing.assert_allclose(np.asarray(got), r, rtol=1e-4, atol=1e-4)
+    xb = np.stack([x, -2 * x])
+    batched = jax.vmap(lambda xx: mj.mhc_coeffs(xx, phi, alpha, bias))(xb)
+    np.testing.assert_allclose(np.asarray(batched[2][1]), R.mhc_coeffs_fwd(-2 * x, phi, alpha, bias)[2],
+                               rtol=1e-5, atol=1e-5)
+    per_example = jax.vmap(jax.grad(loss, argnums=1), in_axes=(0, None, None, None))(xb, phi, alpha, bias)
+    np.testing.assert_allclose(np.asarray(per_example[1]), np.asarray(jax.grad(loss, argnums=1)(-2 * x, phi, alpha, bias)),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.usefixtures("jax_on_cpu")
+def test_jax_mhc_layer_matches_reference(rng):
+    """mhc_cupy.jax.mhc_layer = H_res x + H_post^T f(H_pre x) with coefficients from the coefficient path."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    import mhc_cupy.jax as mj
+
+    n, C = 4, 16
+    params = mj.mhc_init(jax.random.PRNGKey(0), C, n)
+    params["alpha"] = jnp.asarray([0.5, 0.4, 0.3], jnp.float32)  # away from init, so every path matters
+    x = rng.standard_normal((3, n, C)).astype(np.float32)
+    W = (rng.standard_normal((C, C)) * 0.3).astype(np.float32)
+
+    def f(h):
+        return jnp.tanh(h @ W)
+
+    out = mj.mhc_layer(params, x, f)
+    p = {k: np.asarray(v) for k, v in params.items()}
+    h = R.mhc_coeffs_fwd(x, p["phi"], p["alpha"], p["bias"])
+    layer_in, _, H_post, H_res = R.mhc_pre_op_fwd(x, *h)
+    ref = R.mhc_post_op_fwd(np.tanh(layer_in @ W), x, H_post, H_res)
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-4, atol=1e-4)
+    # differentiable end to end, under jit
+    g = jax.jit(jax.grad(lambda p_, x_: mj.mhc_layer(p_, x_, f).sum()))(params, x)
+    assert all(np.isfinite(np.asarray(v)).all() for v in g.values())
+    # at init the layer is close to a plain residual x + f(mean of streams) for equal streams
+    init = mj.mhc_init(jax.random.PRNGKey(1), C, n)
+    xe = np.repeat(rng.standard_normal((3, 1, C)).astype(np.float32), n, axis=1)
+    np.testing.assert_allclose(np.asarray(mj.mhc_layer(init, xe, f)), xe + np.tanh(xe @ W), atol=0.05)
+
+# ============================================================ GPU
+DTYPES = ["bfloat16", "float16", "float32"]
+NS = [1, 2, 3, 4, 8]
+# (tokens, C): C = 1 and 7 give D with no vector path for odd n (scalar loads); 64, 1000
+# the vectorised one; T = 1 and 3 split D over blocks (few token tiles), T = 127 / 1000
+# several token tiles (T = 1000 with C = 1000 also splits D, and splits the dphi sum over tokens).
+SIZES = [(1, 1), (3, 7), (127, 64), (1000, 1000)]
+ALPHA = np.array([0.7, -1.3, 0.4], np.float32)
+
+
+def _case(rng, T, n, C, dt, lead=None):
+    lead = (T,) if lead is None else lead
+    D, K = n * C, n * n + 2 * n
+    x = rounded(rng, lead + (n, C), dt)
+    phi = (rng.standard_normal((D, K)) / np.sqrt(D)).astype(np.float32)
+    bias = (0.1 * rng.standard_normal(K)).astype(np.float32)
+    g = (rng.standard_normal(lead + (n,)).astype(np.float32), rng.standard_normal(lead + (n,)).astype(np.float32),
+         rng.standard_normal(lead + (n, n)).astype(np.float32))
+    return x, phi, ALPHA.copy(), bias, g
+
+
+def _terms(g, x, phi, alpha, eps=1e-5):
+    """Sizes of the terms behind dx, dalpha, dbias (for the tolerance scales)."""
+    n, C = x.shape[-2], x.shape[-1]
+    K = n * n + 2 * n
+    xt = f64(x).reshape(-1, n * C)
+    gh = np.concatenate([f64(v).reshape(-1, w) if v is not None else np.zeros((xt.shape[0], w))
+                         for v, w in zip(g, (n, n, n * n))], -1)
+    a = np.concatenate([np.full(n, alpha[0]), np.full(n, alpha[1]), np.full(n * n, alpha[2])])
+    H = xt @ f64(phi)
+    rinv = 1 / np.sqrt(np.mean(xt**2, -1, keepdims=True) + eps)
+    dH = gh * a * rinv
+    s = (gh * a * H).sum(-1, keepdims=True)
+    dx_scale = max(float(np.sqrt(np.mean((dH @ f64(phi).T) ** 2))), float(np.sqrt(np.mean((s * rinv**3 * xt / (n * C)) ** 2))))
+    alpha_scale = float(np.sqrt(np.sum((gh * H * rinv) ** 2)))
+    bias_scale = float(np.sqrt(np.sum(gh**2) / K))
+    return dx_scale, alpha_scale, bias_scale
+
+
+def _check_bwd(got, ref, g, x, phi, alpha, dt, what=""):
+    dx_scale, alpha_scale, bias_scale = _terms(g, x, phi, alpha)
+    assert got[0].dtype == x.dtype
+    assert_close(got[0], ref[0], 2 * ACT_TOL[dt], what + "dx", scale=dx_scale)
+    assert_close(got[1], ref[1], COEF_TOL, what + "dphi")
+    assert_close(got[2], ref[2], COEF_TOL, what + "dalpha", scale=alpha_scale)
+    assert_close(got[3], ref[3], COEF_TOL, what + "dbias", scale=bias_scale)
+
+
+def _run(x, phi, alpha, bias, g):
+    gpu = [to_gpu(v) for v in (x, phi, alpha, bias)]
+    h = m.mhc_coeffs_fwd(*gpu)
+    grads = m.mhc_coeffs_bwd(*[None if v is None else to_gpu(v) for v in g], *gpu)
+    return h, grads
+
+
+def _check(rng, T, n, C, dt, lead=None):
+    x, phi, alpha, bias, g = _case(rng, T, n, C, dt, lead)
+    h, got = _run(x, phi, alpha, bias, g)
+    for a, b, name in zip(h, R.mhc_coeffs_fwd(x, phi, alpha, bias), ("h_pre_raw", "h_post_raw", "h_res_raw")):
+        assert a.dtype == np.float32
+        assert_close(a, b, COEF_TOL, name)
+    _check_bwd(got, R.mhc_coeffs_bwd(*g, x, phi, alpha, bias), g, x, phi, alpha, dt)
+
+
+@GPU
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("n", NS)
+@pytest.mark.parametrize("T,C", SIZES)
+def test_coeffs(rng, dt, n, T, C):
+    _check(rng, T, n, C, dt)
+
+
+@GPU
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("T", [1, 3, 1000])
+def test_coeffs_wide(rng, dt, T):
+    """n = 4, C = 4096 (D = 16384): many steps per block; T = 1000 splits D and the dphi sum."""
+    _check(rng, T, 4, 4096, dt)
+
+
+@GPU
+@pytest.mark.parametrize("dt", DTYPES)
+@pytest.mark.parametrize("T,C", [(3, 32768), (1000, 4096)])
+def test_coeffs_float32_accurate_over_long_rows(rng, dt, T, C):
+    """h to ~float32 accuracy at D = n*C up to 131072: a float32 sum of D terms in any sane order
+    is good to a few 1e-7 of max |h| here (H~ ~ 1).  The tensor cores' own accumulation truncates;
+    summing a D range's thousands of MMAs in it gave 1e-5 .. 4e-5 (H200), so each step's MMAs go
+    into a fresh accumulator added in float32.  2e-6 fails the truncating sum and passes the fix."""
+    n = 4
+    x, phi, alpha, bias, _ = _case(rng, T, n, C, dt)
+    got = m.mhc_coeffs_fwd(*(to_gpu(v) for v in (x, phi, alpha, bias)))
+    for a, r, what in zip(got, R.mhc_coeffs_fwd(x, phi, alpha, bias), ("h_pre_raw", "h_post_raw", "h_res_raw")):
+        assert_close(to_host(a), r, 2e-6, what, scale="max")
+
+
+@GPU
+@pytest.mark.parametrize("n,T,C", [(16, 127, 64), (16, 3, 1000), (5, 50, 33), (32, 2, 16)])
+def test_coeffs_large_n(rng, n, T, C):
+    """n > 4: column chunks in the forward, the separate dx / dphi kernels in the backward."""
+    _check(rng, T, n, C, "bfloat16")
+
+
+@GPU
+def test_leading_dims(rng):
+    _check(rng, None, 4, 64, "bfloat16", lead=(2, 3, 5))
+
+
+@GPU
+@pytest.mark.parametrize("present", [(True, False, False), (False, True, False), (False, False, True),
+                                     (False, False, False)])
+def test_missing_gradients(rng, present):
+    n, T, C = 4, 77, 96
+    x, phi, alpha, bias, g = _case(rng, T, n, C, "bfloat16")
+    g = tuple(v if p else None for v, p in zip(g, present))
+    _, got = _run(x, phi, alpha, bias, g)
+    ref = R.mhc_coeffs_bwd(*g, x, phi, alpha, bias)
+    if any(present):
+        _check_bwd(got, ref, g, x, phi, alpha, "bfloat16")
+    else:
+        for a in got:
+            assert (f64(to_host(a)) == 0).all()
+
+
+@GPU
+def test_zero_tokens_on_gpu(rng):
+    x, phi, alpha, bias, g = _case(rng, 0, 4, 64, "bfloat16")
+    h, got = _run(x, phi, alpha, bias, g)
+    assert [v.shape for v in h] == [(0, 4), (0, 4), (0, 4, 4)]
+    assert got[0].shape == x.shape
+    for a in got[1:]:  # written, not left poisoned
+        assert (to_host(a) == 0).all()
+
+
+@GPU
+@pytest.mark.parametrize("dt", ["bfloat16", "float32"])
+def test_offset_views(rng, dt):
+    """x one element off alignment (scalar path) and phi one float off: same as contiguous."""
+    import cupy as cp
+
+    n, T, C = 4, 37, 1000
+    x, phi, alpha, bias, g = _case(rng, T, n, C, dt)
+    xbuf = to_gpu(np.concatenate([rounded(rng, (1,), dt), x.reshape(-1)]))
+    x_off = xbuf[1:].reshape(x.shape)
+    pbuf = to_gpu(np.concatenate([np.zeros(1, np.float32), phi.reshape(-1)]))
+    phi_off = pbuf[1:].reshape(phi.shape)
+    h = m.mhc_coeffs_fwd(x_off, phi_off, to_gpu(alpha), to_gpu(bias))
+    for a, b in zip(h, R.mhc_coeffs_fwd(x, phi, alpha, bias)):
+        assert_close(a, b, COEF_TOL, "h offset")
+    got = m.mhc_coeffs_bwd(*[to_gpu(v) for v in g], x_off, phi_off, to_gpu(alpha), to_gpu(bias))
+    _check_bwd(got, R.mhc_coeffs_bwd(*g, x, phi, alpha, bias), g, x, phi, alpha, dt, "offset ")
+    # a non-contiguous x (copied by the dispatcher) gives the same bits as the contiguous one
+    x_t = cp.ascontiguousarray(to_gpu(x).transpose(0, 2, 1)).transpose(0, 2, 1)
+    assert not x_t.flags.c_contiguous
+    a = m.mhc_coeffs_fwd(x_t, to_gpu(phi), to_gpu(alpha), to_gpu(bias))
+    b = m.mhc_coeffs_fwd(to_gpu(x), to_gpu(phi), to_gpu(alpha), to_gpu(bias))
+    for u, v in zip(a, b):
+        assert np.array_equal(to_host(u), to_host(v))
+
+
+@GPU
+def test_all_zero_token_stays_finite(rng):
+    """eps keeps r > 0: a zero token gives h = bias and finite gradients."""
+    x, phi, alpha, bias, g = _case(rng, 5, 4, 64, "float32")
+    x[2] = 0
+    h, got = _run(x, phi, alpha, bias, g)
+    assert np.allclose(to_host(h[0])[2], bias[:4]) and np.allclose(to_host(h[2])[2].reshape(-1), bias[8:])
+    for a in got:
+        assert np.isfinite(f64(to_host(a))).all()
+
+
+@GPU
+def test_bitwise_deterministic(rng):
+    """Identical calls give identical bits (fixed-order sums, no atomics), on every path:
+    D ranges + finish kernel (T = 1000, C = 1000), token splits of dphi + column sums."""
+    n, T, C = 4, 1000, 1000
+    x, phi, alpha, bias, g = _case(rng, T, n, C, "bfloat16")
+    first = [to_host(a) for a in (*_run(x, phi, alpha, bias, g)[0], *_run(x, phi, alpha, bias, g)[1])]
+    second = [to_host(a) for a in (*_run(x, phi, alpha, bias, g)[0], *_run(x, phi, alpha, bias, g)[1])]
+    for a, b in zip(first, second):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    x8, phi8, alpha8, bias8, g8 = _case(rng, 300, 8, 100, "bfloat16")
+    a = [to_host(v) for v in _run(x8, phi8, alpha8, bias8, g8)[1]]
+    b = [to_host(v) for v in _run(x8, phi8, alpha8, bias8, g8)[1]]
+    for u, v in zip(a, b):
+        assert np.array_equal(u.view(np.uint8), v.view(np.uint8))
+
+
+@GPU
+def test_torch_tensors(rng):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    n, T, C = 4, 64, 256
+    x, phi, alpha, bias, g = _case(rng, T, n, C, "float32")
+    t = [torch.from_numpy(v).cuda() for v in (x, phi, alpha, bias)]
+    xb = t[0].to(torch.bfloat16)
+    h = m.mhc_coeffs_fwd(xb, *t[1:])
+    assert all(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in h)
+    xr = xb.float().cpu().numpy()
+    for a, b in zip(h, R.mhc_coeffs_fwd(xr, phi, alpha, bias)):
+        assert_close(a.cpu().numpy(), b, COEF_TOL, "torch h")
+    got = m.mhc_coeffs_bwd(*[torch.from_numpy(v).cuda() for v in g], xb, *t[1:])
+    assert got[0].dtype == torch.bfloat16
+    host = [got[0].float().cpu().numpy()] + [v.cpu().numpy() for v in got[1:]]
+    _check_bwd(host, R.mhc_coeffs_bwd(*g, xr, phi, alpha, bias), g, xr, phi, alpha, "bfloat16", "torch ")
+
+# ------------------------------------------------- through the adapters (GPU)
+@GPU
+def test_torch_cuda(rng):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    import mhc_cupy.torch as mt
+
+    x, phi, alpha, bias = _inputs(rng, (37,), 4, 1000)
+    xt = torch.from_numpy(x).cuda().requires_grad_()
+    pt, at, bt = (torch.from_numpy(a).cuda().requires_grad_() for a in (phi, alpha, bias))
+    outs = mt.mhc_coeffs(xt, pt, at, bt)
+    for got, ref in zip(outs, R.mhc_coeffs_fwd(x, phi, alpha, bias)):
+        assert_close(got.detach().cpu().numpy(), ref, 1e-4)
+    g = [torch.randn_like(o) for o in outs]
+    grads = torch.autograd.grad(sum((o * gi).sum() for o, gi in zip(outs, g)), (xt, pt, at, bt))
+    ref = R.mhc_coeffs_bwd(*(gi.cpu().numpy() for gi in g), x, phi, alpha, bias)
+    for got, r in zip(grads, ref):
+        assert_close(got.cpu().numpy(), r, 1e-4)
+
+
+@GPU
+def test_jax_gpu(rng):
+    jax = pytest.importorskip("jax")
+    if jax.devices()[0].platform != "gpu":
+        pytest.skip("jax has no GPU")
+    import mhc_cupy.jax as mj
+
+    x, phi, alpha, bias = _inputs(rng, (37,), 4, 1000)
+
+    def loss(x, phi, alpha, bias):
+        a, b, c = mj.mhc_coeffs(x, phi, alpha, bias)
+        return (a**2).sum() + b.sum() + (1.5 * c).sum()
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*(jax.device_put(a) for a in (x, phi, alpha, bias)))
+    h_pre = R.mhc_coeffs_fwd(x, phi, alpha, bias)[0]
+    ref = R.mhc_coeffs_bwd(2 * h_pre, np.ones_like(h_pre), np.full((x.shape[0], 4, 4), 1.5), x, phi, alpha, bias)
+    for got, r in zip(grads, ref):
+        assert_close(np.asarray(got), r, 1e-4)
