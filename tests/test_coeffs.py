@@ -2,9 +2,9 @@
 
 CPU (no GPU needed): CPU inputs run the float64 reference through the same planner the GPU
 path uses, so these pin the API (shapes, dtypes, None gradients, zero tokens, error
-messages) and the launch plans' index layout invariants; the reference itself is checked
-against torch autograd in tests/test_reference.py.  Also the op through mhc_cupy.torch and
-mhc_cupy.jax.
+messages) and the launch plans' index layout invariants.  Also the op through mhc_cupy.torch and
+mhc_cupy.jax, and the reference itself against float64 torch autograd of a plain-torch forward
+(tests/paper_oracle.py).
 
 GPU (``gpu_test``: skipped without a GPU; CuPy allocations NaN-poisoned, so an unwritten
 element fails): the kernels against the float64 reference.  Inputs are rounded to the
@@ -37,6 +37,7 @@ from mhc_cupy.ops import coeffs
 
 from gpu.helpers import ACT_TOL, COEF_TOL, f64, rounded, to_gpu, to_host
 from harness import assert_close, gpu_test
+from paper_oracle import assert_reference, t_coeffs, torch_vjp
 
 GPU = gpu_test()
 
@@ -54,6 +55,37 @@ def _inputs(rng, lead, n, C, dtype=np.float32):
 def _grads(rng, lead, n):
     return (rng.standard_normal(lead + (n,)).astype(np.float32), rng.standard_normal(lead + (n,)).astype(np.float32),
             rng.standard_normal(lead + (n, n)).astype(np.float32))
+
+
+# ------------------------------------------------ the reference against torch autograd
+COEFF_SHAPES = [((0,), 4, 7), ((1,), 1, 1), ((3,), 2, 1000), ((127,), 4, 64),
+                ((2, 3), 3, 7), ((3,), 16, 64)]
+
+
+@pytest.mark.parametrize("lead,n,C", COEFF_SHAPES)
+@pytest.mark.parametrize("present", [(1, 1, 1), (0, 1, 0)])
+def test_mhc_coeffs(rng, lead, n, C, present):
+    eps = 1e-5
+    m = n * n + 2 * n
+    x = rng.normal(size=lead + (n, C)) * 1.5
+    if x.size:
+        x.reshape(-1, n, C)[0] = 0.0            # an all-zero token stays finite
+    phi = rng.normal(size=(n * C, m)) / np.sqrt(n * C)
+    alpha = rng.normal(size=3)
+    bias = rng.normal(size=m)
+    out_shapes = [lead + (n,), lead + (n,), lead + (n, n)]
+    grads = [rng.normal(size=s) if p else None for s, p in zip(out_shapes, present)]
+
+    outs_ref, grads_ref = torch_vjp(
+        lambda *a: t_coeffs(*a, eps), [x, phi, alpha, bias], grads)
+    outs = R.mhc_coeffs_fwd(x, phi, alpha, bias, eps=eps)
+    for name, a, b in zip(("h_pre_raw", "h_post_raw", "h_res_raw"), outs, outs_ref):
+        assert_reference(a, b, 1e-12, name)
+    ours = R.mhc_coeffs_bwd(*grads, x, phi, alpha, bias, eps=eps)
+    assert len(ours) == 4
+    for name, a, b in zip(("dx", "dphi", "dalpha", "dbias"), ours, grads_ref):
+        assert_reference(a, b, 1e-10, name)
+        assert np.all(np.isfinite(a))
 
 
 # ------------------------------------------------------------ API on CPU

@@ -14,6 +14,18 @@ NP_DTYPE = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.flo
 #: Activation outputs (per dtype name) and float32 coefficient sums: rows of ``harness.TOL``.
 ACT_TOL = TOL["activation"]
 COEF_TOL = TOL["coefficient"].value
+SINKHORN_TOL = TOL["sinkhorn"].value  # float32 through 20 normalisation steps, relative to the scale
+
+#: The GPU cases' grid: activation dtypes, streams n, (tokens, C): C = 1 and 7 take the scalar
+#: path, 64 / 1000 / 4096 the vectorised one; 4096 needs several accesses per thread.
+DTYPES = ["bfloat16", "float16", "float32"]
+NS = [1, 2, 3, 4, 8, 16]
+SIZES = [(1, 1), (3, 7), (127, 64), (1000, 1000), (3, 4096)]
+
+
+def coef(rng, shape, scale=1.0):
+    """float32 coefficients (random normal times ``scale``)."""
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
 def torch_cuda_ok() -> bool:

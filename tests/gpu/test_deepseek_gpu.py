@@ -22,11 +22,10 @@ from mhc_cupy import reference as R
 
 from harness import TOL
 
-from .helpers import ACT_TOL, COEF_TOL, assert_close, f64, rounded, to_gpu, to_host
-# the paper convention's sizes and tolerances, and its autouse fixture that NaN-poisons every allocation
-from .test_ops_gpu import DTYPES, NS, SINKHORN_TOL, SIZES, _coef, _poison  # noqa: F401
+from .helpers import (ACT_TOL, COEF_TOL, DTYPES, NS, SINKHORN_TOL, SIZES, assert_close, coef, f64, rounded, to_gpu,
+                      to_host)
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("nan_poison")]  # the paper convention's sizes and tolerances
 
 DS = {"convention": "deepseek"}
 CHAIN_TOL = TOL["sinkhorn_chain_grad"].value
@@ -47,7 +46,7 @@ def oracle(fn, inputs, grads):
 @pytest.mark.parametrize("T", [1, 3, 127, 1000])
 @pytest.mark.parametrize("scale", [1.0, 3.0])
 def test_sinkhorn(rng, n, T, scale):
-    L, G = _coef(rng, (T, n, n), scale), _coef(rng, (T, n, n))
+    L, G = coef(rng, (T, n, n), scale), coef(rng, (T, n, n))
     (P_ref,), (dL_ref,) = oracle(O.sinkhorn, [L], [G])
     assert_close(m.sinkhorn_knopp_fwd(to_gpu(L), **DS), P_ref, SINKHORN_TOL, "P")
     dL = to_host(m.sinkhorn_knopp_bwd(to_gpu(G), to_gpu(L), **DS))
@@ -61,7 +60,7 @@ def test_sinkhorn(rng, n, T, scale):
 def test_sinkhorn_iters_eps_and_history(rng, n, num_iters, eps):
     """The softmax start alone (1 iteration), eps in and out of the first step, and num_iters = 200
     (the step history in global scratch instead of shared memory)."""
-    L, G = _coef(rng, (33, n, n)), _coef(rng, (33, n, n))
+    L, G = coef(rng, (33, n, n)), coef(rng, (33, n, n))
     (P_ref,), (dL_ref,) = oracle(lambda l: O.sinkhorn(l, num_iters, eps), [L], [G])
     assert_close(m.sinkhorn_knopp_fwd(to_gpu(L), num_iters, eps, **DS), P_ref, SINKHORN_TOL, "P")
     assert_close(m.sinkhorn_knopp_bwd(to_gpu(G), to_gpu(L), num_iters, eps, **DS), dL_ref, 5 * SINKHORN_TOL, "dL")
@@ -70,7 +69,7 @@ def test_sinkhorn_iters_eps_and_history(rng, n, num_iters, eps):
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8, 9, 16, 32])
 def test_sinkhorn_implicit(rng, n):
     """The implicit gradient (one thread per matrix for n <= 8, one warp above) at the deepseek P."""
-    L, G = _coef(rng, (200, n, n)), _coef(rng, (200, n, n))
+    L, G = coef(rng, (200, n, n)), coef(rng, (200, n, n))
     got = to_host(m.sinkhorn_knopp_bwd(to_gpu(G), to_gpu(L), grad_mode="implicit", **DS))
     assert_close(got, R.sinkhorn_knopp_bwd(G, L, grad_mode="implicit", **DS), 1e-3, "implicit dL")
     assert np.abs(f64(got).sum(-1)).max() <= 1e-5 * max(1.0, np.abs(got).max())
@@ -78,7 +77,7 @@ def test_sinkhorn_implicit(rng, n):
 
 def test_sinkhorn_num_iters_0_raises(rng):
     with pytest.raises(ValueError, match="num_iters"):
-        m.sinkhorn_knopp_fwd(to_gpu(_coef(rng, (3, 4, 4))), 0, **DS)
+        m.sinkhorn_knopp_fwd(to_gpu(coef(rng, (3, 4, 4))), 0, **DS)
 
 
 # ------------------------------------------------------------------ pre op
@@ -91,8 +90,8 @@ def _check_pre(rng, dt, n, T, C, grad_mode="unrolled", absent=(), **settings):
     """Pre op forward and backward on the GPU vs the oracle (implicit gradient: the deepseek reference);
     ``absent``: incoming gradients given as None; ``settings``: hc_eps / post_mult."""
     x = rounded(rng, (T, n, C), dt)
-    raw = [_coef(rng, (T, n), 2.0), _coef(rng, (T, n), 2.0), _coef(rng, (T, n, n), 2.0)]
-    grads = [rounded(rng, (T, C), dt), _coef(rng, (T, n)), _coef(rng, (T, n)), _coef(rng, (T, n, n))]
+    raw = [coef(rng, (T, n), 2.0), coef(rng, (T, n), 2.0), coef(rng, (T, n, n), 2.0)]
+    grads = [rounded(rng, (T, C), dt), coef(rng, (T, n)), coef(rng, (T, n)), coef(rng, (T, n, n))]
     grads = [None if i in absent else v for i, v in enumerate(grads)]
     ref, dref = oracle(lambda *a: O.pre_op(*a, **settings), [x, *raw], grads)
     kw = dict(settings, **DS)
@@ -124,7 +123,7 @@ def test_pre_op_activation_settings(rng):
 @pytest.mark.parametrize("T,C", SIZES)
 def test_post_op(rng, dt, n, T, C):
     y, x = rounded(rng, (T, C), dt), rounded(rng, (T, n, C), dt)
-    Hp, Hr = _coef(rng, (T, n)), _coef(rng, (T, n, n))
+    Hp, Hr = coef(rng, (T, n)), coef(rng, (T, n, n))
     g = rounded(rng, (T, n, C), dt)
     (ref,), dref = oracle(O.post_op, [y, x, Hp, Hr], [g])
     assert_close(m.mhc_post_op_fwd(to_gpu(y), to_gpu(x), to_gpu(Hp), to_gpu(Hr), **DS), ref, ACT_TOL[dt], "out")
@@ -142,9 +141,9 @@ def test_coeffs(rng, dt, n, T, C):
     """DeepSeek-layout parameters (hc_fn = phi^T) and the deepseek default rms_eps (1e-6)."""
     m_ = n * n + 2 * n
     x = rounded(rng, (T, n, C), dt)
-    hc_fn = _coef(rng, (m_, n * C), 1 / np.sqrt(n * C))
-    hc_scale, hc_base = np.array([0.7, 1.3, 2.0], np.float32), _coef(rng, (m_,), 0.5)
-    gs = [_coef(rng, (T, n)), _coef(rng, (T, n)), _coef(rng, (T, n, n))]
+    hc_fn = coef(rng, (m_, n * C), 1 / np.sqrt(n * C))
+    hc_scale, hc_base = np.array([0.7, 1.3, 2.0], np.float32), coef(rng, (m_,), 0.5)
+    gs = [coef(rng, (T, n)), coef(rng, (T, n)), coef(rng, (T, n, n))]
     ref, (dx, dfn, dscale, dbase) = oracle(O.coeffs, [x, hc_fn, hc_scale, hc_base], gs)
     phi = np.ascontiguousarray(hc_fn.T)
     got = m.mhc_coeffs_fwd(to_gpu(x), to_gpu(phi), to_gpu(hc_scale), to_gpu(hc_base), **DS)
@@ -161,8 +160,8 @@ def test_coeffs(rng, dt, n, T, C):
 def _layer_inputs(rng, dt, T, n, C):
     m_ = n * n + 2 * n
     x = rounded(rng, (T, n, C), dt)
-    hc_fn = _coef(rng, (m_, n * C), 1 / np.sqrt(n * C))
-    return x, hc_fn, np.array([0.7, 1.3, 2.0], np.float32), _coef(rng, (m_,), 0.5)
+    hc_fn = coef(rng, (m_, n * C), 1 / np.sqrt(n * C))
+    return x, hc_fn, np.array([0.7, 1.3, 2.0], np.float32), coef(rng, (m_,), 0.5)
 
 
 def _layer_pieces(x, phi, alpha, bias, g, iters=20, eps=O.EPS, grad_mode="unrolled"):
@@ -250,7 +249,7 @@ def test_bitwise_deterministic(rng):
     phi = np.ascontiguousarray(hc_fn.T)
     g = rounded(rng, (T, n, C), dt)
     dev = [to_gpu(v) for v in (x, phi, hc_scale, hc_base, g)]
-    L, G = to_gpu(_coef(rng, (T, n, n), 2.0)), to_gpu(_coef(rng, (T, n, n)))
+    L, G = to_gpu(coef(rng, (T, n, n), 2.0)), to_gpu(coef(rng, (T, n, n)))
 
     def once():
         outs = list(_layer_pieces(*dev))
@@ -269,7 +268,7 @@ def test_paper_convention_unchanged(rng):
     """The default convention gives the bits of convention="paper" (the same kernels, DS = false)."""
     import cupy as cp
 
-    L, G = to_gpu(_coef(rng, (127, 4, 4), 2.0)), to_gpu(_coef(rng, (127, 4, 4)))
+    L, G = to_gpu(coef(rng, (127, 4, 4), 2.0)), to_gpu(coef(rng, (127, 4, 4)))
     a = m.sinkhorn_knopp_bwd(G, L)
     b = m.sinkhorn_knopp_bwd(G, L, 20, 1e-8, convention="paper")
     assert cp.array_equal(a.view(cp.uint32), b.view(cp.uint32))
@@ -284,7 +283,7 @@ def test_torch_adapter_cuda(rng):
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA")
     T, n, C = 127, 4, 64
-    arrays = [_coef(rng, (T, n, C)), _coef(rng, (T, n), 2.0), _coef(rng, (T, n), 2.0), _coef(rng, (T, n, n), 2.0)]
+    arrays = [coef(rng, (T, n, C)), coef(rng, (T, n), 2.0), coef(rng, (T, n), 2.0), coef(rng, (T, n, n), 2.0)]
     ts = [torch.tensor(a, device="cuda", requires_grad=True) for a in arrays]
 
     def chain(x, hp, hq, hr, ops):
@@ -294,7 +293,7 @@ def test_torch_adapter_cuda(rng):
     kernels = (lambda *a: mt.mhc_pre_op(*a, convention="deepseek"),
                lambda *a: mt.mhc_post_op(*a, convention="deepseek"))
     out = chain(*ts, kernels)
-    g = _coef(rng, (T, n, C))
+    g = coef(rng, (T, n, C))
     (ref,), dref = oracle(lambda *a: chain(*a, (O.pre_op, O.post_op)), arrays, [g])
     assert_close(out, ref, 1e-5, "out")
     for i, (a, b) in enumerate(zip(torch.autograd.grad(out, ts, torch.tensor(g, device="cuda")), dref)):
@@ -307,7 +306,7 @@ def test_jax_adapter_cuda(rng):
     import mhc_cupy.jax as mj
 
     T, n, C = 127, 4, 64
-    arrays = [_coef(rng, (T, n, C)), _coef(rng, (T, n), 2.0), _coef(rng, (T, n), 2.0), _coef(rng, (T, n, n), 2.0)]
+    arrays = [coef(rng, (T, n, C)), coef(rng, (T, n), 2.0), coef(rng, (T, n), 2.0), coef(rng, (T, n, n), 2.0)]
 
     def chain(x, hp, hq, hr):
         layer_in, H_pre, H_post, H_res = mj.mhc_pre_op(x, hp, hq, hr, convention="deepseek")
@@ -315,7 +314,7 @@ def test_jax_adapter_cuda(rng):
 
     dev = [jax.device_put(a, jax.devices("gpu")[0]) for a in arrays]
     out, vjp = jax.vjp(jax.jit(chain), *dev)
-    g = _coef(rng, (T, n, C))
+    g = coef(rng, (T, n, C))
 
     def ochain(x, hp, hq, hr):
         layer_in, _, H_post, H_res = O.pre_op(x, hp, hq, hr)
