@@ -10,9 +10,45 @@ as ``deepseek_oracle`` by the CPU tests and tests/gpu (conftest puts tests/ on t
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 ITERS, EPS, RMS_EPS, HC_EPS, POST_MULT = 20, 1e-6, 1e-6, 1e-6, 2.0
+
+#: The CPU tests' grid: token leading shapes and streams n.
+LEADS = [(1,), (3,), (127,)]
+NS = [1, 2, 3, 4, 5, 8]
+
+
+def t64(a, grad=True):
+    return torch.tensor(np.asarray(a, dtype=np.float64), requires_grad=grad)
+
+
+def oracle_vjp(fn, inputs, grads):
+    """(outputs, input gradients) of ``fn`` in float64 torch; ``grads`` one per output (None: zero)."""
+    ts = [t64(a) for a in inputs]
+    outs = fn(*ts)
+    outs = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
+    loss = sum((o * t64(g, False)).sum() for o, g in zip(outs, grads) if g is not None)
+    gs = torch.autograd.grad(loss, ts, allow_unused=True)
+    return [o.detach().numpy() for o in outs], [np.zeros(t.shape) if g is None else g.numpy() for g, t in zip(gs, ts)]
+
+
+def oracle(fn, inputs, g):
+    """(output, input gradients) of a one-output ``fn`` in float64 torch for the incoming gradient ``g``."""
+    (out,), grads = oracle_vjp(fn, inputs, [g])
+    return out, grads
+
+
+def head_params(rng, n, C):
+    """hc_fn [n, nC], hc_scale [1], hc_base [n] at a realistic scale (logits of order 1)."""
+    return rng.normal(size=(n, n * C)) / np.sqrt(n * C), rng.uniform(0.5, 2.0, size=1), rng.normal(size=n) * 0.5
+
+
+def layer_params(rng, n, C):
+    """DeepSeek-layout layer parameters hc_fn [m, nC], hc_scale [3], hc_base [m], m = n^2 + 2n."""
+    m = n * n + 2 * n
+    return rng.normal(size=(m, n * C)) / np.sqrt(n * C), rng.uniform(0.5, 2.0, size=3), rng.normal(size=m) * 0.5
 
 
 def sinkhorn(logits, iters=ITERS, eps=EPS):

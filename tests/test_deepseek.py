@@ -17,38 +17,14 @@ import mhc_cupy
 from mhc_cupy import _convention
 from mhc_cupy import reference as R
 
+from deepseek_oracle import LEADS, NS, layer_params, oracle_vjp
 from harness import TOL, assert_close, assert_close_uniform, f64
-
-LEADS = [(1,), (3,), (127,)]
-NS = [1, 2, 3, 4, 5, 8]
-
-
-def t64(a, grad=True):
-    return torch.tensor(np.asarray(a, dtype=np.float64), requires_grad=grad)
-
-
-def oracle_vjp(fn, inputs, grads):
-    """(outputs, input gradients) of ``fn`` in float64 torch; ``grads`` one per output (None: zero)."""
-    ts = [t64(a) for a in inputs]
-    outs = fn(*ts)
-    outs = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
-    loss = sum((o * t64(g, False)).sum() for o, g in zip(outs, grads) if g is not None)
-    gs = torch.autograd.grad(loss, ts, allow_unused=True)
-    return [o.detach().numpy() for o in outs], [np.zeros(t.shape) if g is None else g.numpy() for g, t in zip(gs, ts)]
-
 
 def data(rng, lead, n, C, scale):
     """x [..., n, C], raw pre / post [..., n], raw res [..., n, n] (logits of ``scale``), y [..., C]."""
     return dict(x=rng.normal(size=lead + (n, C)), h_pre_raw=rng.normal(size=lead + (n,)) * scale,
                 h_post_raw=rng.normal(size=lead + (n,)) * scale, h_res_raw=rng.normal(size=lead + (n, n)) * scale,
                 y=rng.normal(size=lead + (C,)))
-
-
-def params(rng, n, C):
-    """DeepSeek-layout parameters hc_fn [m, nC], hc_scale [3], hc_base [m] and ours (phi = hc_fn^T)."""
-    m = n * n + 2 * n
-    hc_fn = rng.normal(size=(m, n * C)) / np.sqrt(n * C)
-    return hc_fn, rng.uniform(0.5, 2.0, size=3), rng.normal(size=m) * 0.5
 
 
 uniform = assert_close_uniform
@@ -161,7 +137,7 @@ def test_reference_post_op(rng, lead, n):
 @pytest.mark.parametrize("C", [7, 33])
 def test_reference_coeffs(rng, lead, n, C):
     x = rng.normal(size=lead + (n, C))
-    hc_fn, hc_scale, hc_base = params(rng, n, C)
+    hc_fn, hc_scale, hc_base = layer_params(rng, n, C)
     gs = [rng.normal(size=lead + (n,)), rng.normal(size=lead + (n,)), rng.normal(size=lead + (n, n))]
     want, (dx, dfn, dscale, dbase) = oracle_vjp(O.coeffs, [x, hc_fn, hc_scale, hc_base], gs)
     for got, w in zip(R.mhc_coeffs_fwd(x, hc_fn.T, hc_scale, hc_base, convention="deepseek"), want):
@@ -177,7 +153,7 @@ def test_reference_layer_pieces(rng, n, mode):
     """The fused layer's reference pieces under deepseek give the oracle layer's gradients."""
     lead, C = (3,), 7
     x = rng.normal(size=lead + (n, C))
-    hc_fn, hc_scale, hc_base = params(rng, n, C)
+    hc_fn, hc_scale, hc_base = layer_params(rng, n, C)
     g = rng.normal(size=x.shape)
     iters, eps = (20, 1e-6) if mode == "unrolled" else (300, 0.0)  # implicit: the exact converged projection
     (want,), (dx, dfn, dscale, dbase) = oracle_vjp(lambda *a: O.layer(*a, iters=iters, eps=eps),

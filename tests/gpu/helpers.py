@@ -6,6 +6,7 @@ import contextlib
 
 import ml_dtypes
 import numpy as np
+import pytest
 
 from harness import TOL, assert_close, f64, to_host  # noqa: F401 - re-exported for the GPU tests
 
@@ -37,6 +38,10 @@ def torch_cuda_ok() -> bool:
         return bool(cupy.cuda.is_available()) and torch.cuda.is_available()
     except Exception:  # noqa: BLE001 - any import or driver failure means: skip
         return False
+
+
+#: Skip unless CuPy and PyTorch both see a CUDA device.
+needs_torch = pytest.mark.skipif(not torch_cuda_ok(), reason="needs torch with CUDA")
 
 
 def rounded(rng, shape, dtype: str, scale=1.0):
