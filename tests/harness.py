@@ -51,11 +51,12 @@ TOL = {
     "sinkhorn": Tol(
         2e-4,
         "values through the 20-step Sinkhorn-Knopp iteration in float32 (P, H_res; 40 normalisations) at "
-        "logit scales 1 to 6, and its gradient at logit scale 1 (n 1..32, tokens 1..1000: tests/gpu/test_ops_gpu)"),
+        "logit scales 1 to 6, and its gradient at logit scale 1 (n 1..32, tokens 1..1000: the GPU cases of "
+        "tests/test_sinkhorn.py)"),
     "sinkhorn_chain_grad": Tol(
         1e-3,
         "gradients through the Sinkhorn iteration in the adapters' GPU checks: logits of scale 2 (JAX) and "
-        "chained through the pre op, where test_ops_gpu itself needs 5e-3 (pre op dh_res_raw, logit scale "
+        "chained through the pre op, where tests/test_pre_op.py itself needs 5e-3 (pre op dh_res_raw, logit scale "
         "2) and 20 x 'sinkhorn' (scale 6); kept at the bound those checks have passed with, not tightened "
         "to 'sinkhorn' without a GPU measurement"),
     "layer_gpu": Tol(
@@ -63,7 +64,7 @@ TOL = {
         "(output, gradients) of the whole MHC layer on the GPU vs MHCReference: bfloat16 (u = 2^-8, sublayers "
         "under autocast) measured out <= 2u, gradients <= 7u by CPU emulation, bound 8u / 16u; float32: kernel "
         "sums in another order, 20 float32 Sinkhorn steps and cuBLAS float32 GEMMs, 1e-3 for everything "
-        "(tests/gpu/test_layer_gpu.py)"),
+        "(tests/test_layer.py, its GPU cases)"),
     "rounding": Tol(
         {"float32": 2.0**-23, "bfloat16": 2.0**-8, "float16": 2.0**-10},
         "CPU path (NumPy reference in float64, rounded once to the output dtype) vs float64 torch "

@@ -183,8 +183,8 @@ def test_jax_head(rng, n):
 
 # ============================================================ GPU
 DTYPES = ["bfloat16", "float16", "float32"]
-# (tokens, C): C = 1 (with n = 32: 32-thread blocks), 7, 33 odd (scalar paths); 64 / 1000 / 4096 vectorised; T = 1000 with C = 1000 splits
-# D in the forward GEMM and the dhc_fn sum over tokens.
+# (tokens, C): C = 1 (with n = 32: 32-thread blocks), 7, 33 odd (scalar paths); 64 / 1000 / 4096
+# vectorised; T = 1000 with C = 1000 splits D in the forward GEMM and the dhc_fn sum over tokens.
 HEAD_SIZES = [(1, 1), (3, 7), (127, 33), (127, 64), (1000, 1000), (3, 4096)]
 HEAD_NS = [1, 2, 3, 4, 5, 8, 16, 32]
 

@@ -185,8 +185,9 @@ def _plan_pre_bwd(infos, num_iters, eps, rms_eps, grad_mode, convention, hc_eps,
         # dh_pre_raw = (sum_c g_c x_ic) s (1 - s), s = sigmoid(h_pre_raw); no dx here
         launch_aggregate_bwd(dt, tg, n, C, tokens, g=p["grad_layer_in"], x=p["x"], h=sc["h_pre"], h_stride=n, dx=None,
                              dh=sc["dh_pre"], stream=stream, act=1)
-        launch_prep(tokens, D, n, K, KP, rms_eps, part=stats, splits=1, grads=(sc["dh_pre"], sc["dh_post"], sc["dh_res"]),
-                    alpha=p["alpha"], dH=sc["dH"], qa=sc["qa"], dalpha=dalpha, dbias=dbias, stream=stream)
+        launch_prep(tokens, D, n, K, KP, rms_eps, part=stats, splits=1,
+                    grads=(sc["dh_pre"], sc["dh_post"], sc["dh_res"]), alpha=p["alpha"], dH=sc["dH"], qa=sc["qa"],
+                    dalpha=dalpha, dbias=dbias, stream=stream)
         launch_param_bwd(b, dt, x=p["x"], phi=p["phi"], dH=sc["dH"], KP=KP, dx=dx, dphi=dphi, sc=sc, stream=stream,
                          tg=tg, g=p["grad_out"], g_li=p["grad_layer_in"], H_pre=p["H_pre"], H_res=p["H_res"], res_t=ds)
 
