@@ -5,7 +5,7 @@ Written from the convention's statement (OPS.md "DeepSeek-V4 convention"), indep
 denominator, H_pre = sigmoid + hc_eps, H_post = post_mult sigmoid, the post op with H_res
 transposed, the coefficient path in DeepSeek's parameter layout (hc_fn = phi^T [m, nC],
 hc_scale = alpha, hc_base = bias).  Gradients are torch autograd of these forwards.  Imported
-as ``deepseek_oracle`` by the CPU tests and tests/gpu (conftest puts tests/ on the path).
+as ``deepseek_oracle`` by the tests (conftest puts tests/ on the path).
 """
 
 from __future__ import annotations

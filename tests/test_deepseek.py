@@ -1,25 +1,40 @@
-"""convention="deepseek" (OPS.md "DeepSeek-V4 convention") on the CPU.
+"""convention="deepseek" (OPS.md "DeepSeek-V4 convention") for every op: CPU and GPU cases.
 
 The oracle is ``deepseek_oracle``: the DeepSeek-V4 maths in plain float64 torch, written from
 the convention's statement independently of ``mhc_cupy.reference``; its gradients are torch
-autograd.  Checked against it: the NumPy reference (float64, values and every backward), the
-functional API on CPU inputs (bfloat16 / float16 / float32, one rounding), the torch adapter
-(autograd) and the JAX adapter (``jax.grad``).  Also: the defaults each convention resolves,
-bad conventions, and that "paper" stays what it was.
+autograd.  Checked against it on the CPU: the NumPy reference (float64, values and every
+backward), the functional API on CPU inputs (bfloat16 / float16 / float32, one rounding), the
+torch adapter (autograd) and the JAX adapter (``jax.grad``).  Also: the defaults each convention
+resolves, bad conventions, and that "paper" stays what it was.
+
+GPU (``gpu_test``: skipped without a GPU, every CuPy allocation NaN-poisoned so an unwritten
+element fails): the kernels against the oracle evaluated on exactly the rounded inputs the
+kernels get.  The implicit Sinkhorn gradient has no autograd oracle (it is the gradient of the
+converged projection): it is checked against the deepseek NumPy reference, which the CPU cases
+check against the oracle's gradient of a long converged run.  H_res / logits are not symmetric,
+so a missing or doubled transpose fails.  Tolerances are the rows of ``harness.TOL`` the paper
+convention's GPU cases use for the same quantities.
 """
+
+from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
+import mhc_cupy as m
+from mhc_cupy import _convention, reference as R
+
 import deepseek_oracle as O
-import mhc_cupy
-from mhc_cupy import _convention
-from mhc_cupy import reference as R
-
 from deepseek_oracle import LEADS, NS, layer_params, oracle_vjp
-from harness import TOL, assert_close, assert_close_uniform, f64
+from gpu.helpers import ACT_TOL, COEF_TOL, SINKHORN_TOL, coef, rounded, to_gpu, to_host
+from gpu.helpers import DTYPES as GPU_DTYPES, NS as GPU_NS, SIZES as GPU_SIZES
+from harness import TOL, assert_close, assert_close_uniform, f64, gpu_test
 
+GPU = gpu_test()
+
+
+# ============================================================ CPU
 def data(rng, lead, n, C, scale):
     """x [..., n, C], raw pre / post [..., n], raw res [..., n, n] (logits of ``scale``), y [..., C]."""
     return dict(x=rng.normal(size=lead + (n, C)), h_pre_raw=rng.normal(size=lead + (n,)) * scale,
@@ -47,19 +62,19 @@ def test_defaults_resolved_in_one_place():
 def test_defaults_by_convention(rng):
     """An omitted setting takes the convention's default; an explicit None stays a TypeError."""
     L = rng.normal(size=(3, 4, 4)).astype(np.float32)
-    np.testing.assert_array_equal(mhc_cupy.sinkhorn_knopp_fwd(L, convention="deepseek"),
-                                  mhc_cupy.sinkhorn_knopp_fwd(L, 20, 1e-6, convention="deepseek"))
-    np.testing.assert_array_equal(mhc_cupy.sinkhorn_knopp_fwd(L), mhc_cupy.sinkhorn_knopp_fwd(L, 20, 1e-8))
+    np.testing.assert_array_equal(m.sinkhorn_knopp_fwd(L, convention="deepseek"),
+                                  m.sinkhorn_knopp_fwd(L, 20, 1e-6, convention="deepseek"))
+    np.testing.assert_array_equal(m.sinkhorn_knopp_fwd(L), m.sinkhorn_knopp_fwd(L, 20, 1e-8))
     with pytest.raises(TypeError, match="eps must be a float"):
-        mhc_cupy.sinkhorn_knopp_fwd(L, eps=None, convention="deepseek")
+        m.sinkhorn_knopp_fwd(L, eps=None, convention="deepseek")
 
 
 @pytest.mark.parametrize("bad", ["DeepSeek", "", None, 1, "v4"])
 def test_bad_convention_names_the_argument(rng, bad):
     L = rng.normal(size=(2, 3, 3)).astype(np.float32)
     for call in (lambda: R.sinkhorn_knopp_fwd(L, convention=bad),
-                 lambda: mhc_cupy.sinkhorn_knopp_fwd(L, convention=bad),
-                 lambda: mhc_cupy.sinkhorn_knopp_bwd(L, L, convention=bad)):
+                 lambda: m.sinkhorn_knopp_fwd(L, convention=bad),
+                 lambda: m.sinkhorn_knopp_bwd(L, L, convention=bad)):
         with pytest.raises(ValueError, match="convention"):
             call()
 
@@ -67,8 +82,8 @@ def test_bad_convention_names_the_argument(rng, bad):
 def test_deepseek_needs_an_iteration(rng):
     L = rng.normal(size=(2, 3, 3)).astype(np.float32)
     with pytest.raises(ValueError, match="num_iters"):
-        mhc_cupy.sinkhorn_knopp_fwd(L, num_iters=0, convention="deepseek")
-    mhc_cupy.sinkhorn_knopp_fwd(L, num_iters=0)  # paper: the shifted exponential
+        m.sinkhorn_knopp_fwd(L, num_iters=0, convention="deepseek")
+    m.sinkhorn_knopp_fwd(L, num_iters=0)  # paper: the shifted exponential
 
 
 # ------------------------------------------------------------------ NumPy reference vs the oracle
@@ -241,10 +256,10 @@ def assert_all(got, want, what):
 
 
 FUNCTIONAL = {
-    "sinkhorn_knopp": (mhc_cupy.sinkhorn_knopp_fwd, mhc_cupy.sinkhorn_knopp_bwd),
-    "mhc_pre_op": (mhc_cupy.mhc_pre_op_fwd, mhc_cupy.mhc_pre_op_bwd),
-    "mhc_post_op": (mhc_cupy.mhc_post_op_fwd, mhc_cupy.mhc_post_op_bwd),
-    "mhc_coeffs": (mhc_cupy.mhc_coeffs_fwd, mhc_cupy.mhc_coeffs_bwd),
+    "sinkhorn_knopp": (m.sinkhorn_knopp_fwd, m.sinkhorn_knopp_bwd),
+    "mhc_pre_op": (m.mhc_pre_op_fwd, m.mhc_pre_op_bwd),
+    "mhc_post_op": (m.mhc_post_op_fwd, m.mhc_post_op_bwd),
+    "mhc_coeffs": (m.mhc_coeffs_fwd, m.mhc_coeffs_bwd),
 }
 
 
@@ -288,7 +303,7 @@ def test_torch_adapter(rng, op, dt, n):
     assert_all(torch.autograd.grad(outs, ts, tcts), dwant, f"{op} gradients")
 
 
-@pytest.mark.usefixtures("jax_on_cpu")  # the CPU path; tests/gpu has the CUDA one
+@pytest.mark.usefixtures("jax_on_cpu")  # the CPU path; the GPU cases run the CUDA one
 @pytest.mark.parametrize("op,dt", sorted({(op, dt) for op, dt, _ in OP_DTYPES if dt != "float16"}))
 def test_jax_adapter(rng, op, dt):
     """mhc_cupy.jax under convention="deepseek": values and jax.vjp gradients vs the oracle."""
@@ -328,15 +343,15 @@ def test_fused_layer_pieces_functional(rng, mode):
     x, phi, alpha, bias = make_inputs(rng, "mhc_coeffs", (3,), 4, 33, "float32")
     iters, eps = (20, _convention.DEFAULT) if mode == "unrolled" else (300, 0.0)
     kw = dict(convention="deepseek")
-    layer_in, H_pre, H_post, H_res, stats = mhc_cupy.mhc_layer_pre_fwd(x, phi, alpha, bias, iters, eps, **kw)
-    out = mhc_cupy.mhc_post_op_fwd(layer_in, x, H_post, H_res, **kw)
+    layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(x, phi, alpha, bias, iters, eps, **kw)
+    out = m.mhc_post_op_fwd(layer_in, x, H_post, H_res, **kw)
     g = rng.normal(size=x.shape).astype(np.float32)
     (want,), dwant = oracle_vjp(lambda *a: O.layer(a[0], a[1].T, a[2], a[3], iters=iters,
                                                    eps=O.EPS if mode == "unrolled" else eps),
                                 [f64(a) for a in (x, phi, alpha, bias)], [f64(g)])
     assert_close(out, want, tol("float32") * 10, "layer output")
-    dy, dH_post, dH_res = mhc_cupy.mhc_layer_post_bwd(g, layer_in, x, H_post, H_res, **kw)
-    got = mhc_cupy.mhc_layer_pre_bwd(dy, g, dH_post, dH_res, x, phi, alpha, bias, stats, H_pre, H_res, iters, eps,
+    dy, dH_post, dH_res = m.mhc_layer_post_bwd(g, layer_in, x, H_post, H_res, **kw)
+    got = m.mhc_layer_pre_bwd(dy, g, dH_post, dH_res, x, phi, alpha, bias, stats, H_pre, H_res, iters, eps,
                                      grad_mode=mode, **kw)
     for i, (a, w) in enumerate(zip(got, dwant)):
         assert_close(a, w, 1e-4 if mode == "unrolled" else 1e-3, f"layer gradient {i}")
@@ -363,7 +378,7 @@ def test_torch_layer_pieces(rng, mode):
         assert_close(a, w, 1e-4 if mode == "unrolled" else 1e-3, f"gradient {i}")
 
 
-@pytest.mark.usefixtures("jax_on_cpu")  # the CPU path; tests/gpu has the CUDA one
+@pytest.mark.usefixtures("jax_on_cpu")  # the CPU path; the GPU cases run the CUDA one
 def test_jax_fused_layer_settings(rng):
     """The JAX fused layer's custom_vjp carries the convention (mhc_cupy.jax._fused_layer under deepseek)."""
     jax = pytest.importorskip("jax")
@@ -380,3 +395,306 @@ def test_jax_fused_layer_settings(rng):
     assert_close(out, want, 1e-5, "output")
     for i, (a, w) in enumerate(zip(vjp(g), dwant)):
         assert_close(a, w, 1e-4, f"gradient {i}")
+
+# ============================================================ GPU
+DS = {"convention": "deepseek"}
+CHAIN_TOL = TOL["sinkhorn_chain_grad"].value
+
+
+# ------------------------------------------------------------------ Sinkhorn
+@GPU
+@pytest.mark.parametrize("n", GPU_NS + [17, 32])
+@pytest.mark.parametrize("T", [1, 3, 127, 1000])
+@pytest.mark.parametrize("scale", [1.0, 3.0])
+def test_sinkhorn(rng, n, T, scale):
+    L, G = coef(rng, (T, n, n), scale), coef(rng, (T, n, n))
+    (P_ref,), (dL_ref,) = oracle_vjp(O.sinkhorn, [L], [G])
+    assert_close(m.sinkhorn_knopp_fwd(to_gpu(L), **DS), P_ref, SINKHORN_TOL, "P")
+    dL = to_host(m.sinkhorn_knopp_bwd(to_gpu(G), to_gpu(L), **DS))
+    assert_close(dL, dL_ref, 20 * SINKHORN_TOL if scale > 1 else SINKHORN_TOL, "dL")
+    assert np.abs(f64(dL).sum(-1)).max() <= 1e-5 * max(1.0, np.abs(dL).max()), "rows of dL must sum to 0"
+
+
+@GPU
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8, 16, 32])
+@pytest.mark.parametrize("num_iters", [1, 2, 5, 20, 200])
+@pytest.mark.parametrize("eps", [1e-6, 1e-3, 0.0])
+def test_sinkhorn_iters_eps_and_history(rng, n, num_iters, eps):
+    """The softmax start alone (1 iteration), eps in and out of the first step, and num_iters = 200
+    (the step history in global scratch instead of shared memory)."""
+    L, G = coef(rng, (33, n, n)), coef(rng, (33, n, n))
+    (P_ref,), (dL_ref,) = oracle_vjp(lambda l: O.sinkhorn(l, num_iters, eps), [L], [G])
+    assert_close(m.sinkhorn_knopp_fwd(to_gpu(L), num_iters, eps, **DS), P_ref, SINKHORN_TOL, "P")
+    assert_close(m.sinkhorn_knopp_bwd(to_gpu(G), to_gpu(L), num_iters, eps, **DS), dL_ref, 5 * SINKHORN_TOL, "dL")
+
+
+@GPU
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8, 9, 16, 32])
+def test_sinkhorn_implicit(rng, n):
+    """The implicit gradient (one thread per matrix for n <= 8, one warp above) at the deepseek P."""
+    L, G = coef(rng, (200, n, n)), coef(rng, (200, n, n))
+    got = to_host(m.sinkhorn_knopp_bwd(to_gpu(G), to_gpu(L), grad_mode="implicit", **DS))
+    assert_close(got, R.sinkhorn_knopp_bwd(G, L, grad_mode="implicit", **DS), 1e-3, "implicit dL")
+    assert np.abs(f64(got).sum(-1)).max() <= 1e-5 * max(1.0, np.abs(got).max())
+
+
+@GPU
+def test_sinkhorn_num_iters_0_raises(rng):
+    with pytest.raises(ValueError, match="num_iters"):
+        m.sinkhorn_knopp_fwd(to_gpu(coef(rng, (3, 4, 4))), 0, **DS)
+
+
+# ------------------------------------------------------------------ pre op
+#: (dtype, n, tokens, C, grad_mode): the implicit mode at one dtype and small C (its Sinkhorn part is dtype-free).
+PRE_CASES = [(dt, n, T, C, "unrolled") for dt in GPU_DTYPES for n in GPU_NS + [32] for T, C in GPU_SIZES] + \
+    [("bfloat16", n, T, C, "implicit") for n in GPU_NS + [32] for T, C in GPU_SIZES if C <= 64]
+
+
+def _check_pre(rng, dt, n, T, C, grad_mode="unrolled", absent=(), **settings):
+    """Pre op forward and backward on the GPU vs the oracle (implicit gradient: the deepseek reference);
+    ``absent``: incoming gradients given as None; ``settings``: hc_eps / post_mult."""
+    x = rounded(rng, (T, n, C), dt)
+    raw = [coef(rng, (T, n), 2.0), coef(rng, (T, n), 2.0), coef(rng, (T, n, n), 2.0)]
+    grads = [rounded(rng, (T, C), dt), coef(rng, (T, n)), coef(rng, (T, n)), coef(rng, (T, n, n))]
+    grads = [None if i in absent else v for i, v in enumerate(grads)]
+    ref, dref = oracle_vjp(lambda *a: O.pre_op(*a, **settings), [x, *raw], grads)
+    kw = dict(settings, **DS)
+    if grad_mode == "implicit":
+        dref = R.mhc_pre_op_bwd(*grads, x, *raw, grad_mode="implicit", **kw)
+    got = m.mhc_pre_op_fwd(*(to_gpu(v) for v in (x, *raw)), **kw)
+    for name, a, b, tol in zip(("layer_in", "H_pre", "H_post", "H_res"), got, ref,
+                               (ACT_TOL[dt], 1e-6, 1e-6, SINKHORN_TOL)):
+        assert_close(a, b, tol, name)
+    got = m.mhc_pre_op_bwd(*(None if v is None else to_gpu(v) for v in (*grads, x, *raw)), grad_mode=grad_mode, **kw)
+    for name, a, b, tol in zip(("dx", "dh_pre_raw", "dh_post_raw", "dh_res_raw"), got, dref,
+                               (ACT_TOL[dt], COEF_TOL, 1e-5, 5e-3)):
+        assert_close(a, b, tol, name)
+
+
+@GPU
+@pytest.mark.parametrize("dt,n,T,C,grad_mode", PRE_CASES)
+def test_pre_op(rng, dt, n, T, C, grad_mode):
+    _check_pre(rng, dt, n, T, C, grad_mode)
+
+
+@GPU
+def test_pre_op_activation_settings(rng):
+    """hc_eps and post_mult given explicitly, and absent incoming gradients (grad_H_pre, grad_H_res)."""
+    _check_pre(rng, "bfloat16", 4, 127, 64, absent=(1, 3), hc_eps=0.01, post_mult=1.5)
+
+
+# ------------------------------------------------------------------ post op
+@GPU
+@pytest.mark.parametrize("dt", GPU_DTYPES)
+@pytest.mark.parametrize("n", GPU_NS + [17, 32])
+@pytest.mark.parametrize("T,C", GPU_SIZES)
+def test_post_op(rng, dt, n, T, C):
+    y, x = rounded(rng, (T, C), dt), rounded(rng, (T, n, C), dt)
+    Hp, Hr = coef(rng, (T, n)), coef(rng, (T, n, n))
+    g = rounded(rng, (T, n, C), dt)
+    (ref,), dref = oracle_vjp(O.post_op, [y, x, Hp, Hr], [g])
+    assert_close(m.mhc_post_op_fwd(to_gpu(y), to_gpu(x), to_gpu(Hp), to_gpu(Hr), **DS), ref, ACT_TOL[dt], "out")
+    got = m.mhc_post_op_bwd(to_gpu(g), to_gpu(y), to_gpu(x), to_gpu(Hp), to_gpu(Hr), **DS)
+    for name, a, b, tol in zip(("dy", "dx", "dH_post", "dH_res"), got, dref,
+                               (ACT_TOL[dt], ACT_TOL[dt], COEF_TOL, COEF_TOL)):
+        assert_close(a, b, tol, name)
+
+
+# ------------------------------------------------------------------ coefficients
+@GPU
+@pytest.mark.parametrize("dt", GPU_DTYPES)
+@pytest.mark.parametrize("n", [1, 2, 4, 5, 8])
+@pytest.mark.parametrize("T,C", [(1, 7), (3, 33), (127, 64), (1000, 256)])
+def test_coeffs(rng, dt, n, T, C):
+    """DeepSeek-layout parameters (hc_fn = phi^T) and the deepseek default rms_eps (1e-6)."""
+    m_ = n * n + 2 * n
+    x = rounded(rng, (T, n, C), dt)
+    hc_fn = coef(rng, (m_, n * C), 1 / np.sqrt(n * C))
+    hc_scale, hc_base = np.array([0.7, 1.3, 2.0], np.float32), coef(rng, (m_,), 0.5)
+    gs = [coef(rng, (T, n)), coef(rng, (T, n)), coef(rng, (T, n, n))]
+    ref, (dx, dfn, dscale, dbase) = oracle_vjp(O.coeffs, [x, hc_fn, hc_scale, hc_base], gs)
+    phi = np.ascontiguousarray(hc_fn.T)
+    got = m.mhc_coeffs_fwd(to_gpu(x), to_gpu(phi), to_gpu(hc_scale), to_gpu(hc_base), **DS)
+    for name, a, b in zip(("pre", "post", "res"), got, ref):
+        assert_close(a, b, COEF_TOL, name)
+    got = m.mhc_coeffs_bwd(*(to_gpu(v) for v in gs), to_gpu(x), to_gpu(phi), to_gpu(hc_scale), to_gpu(hc_base), **DS)
+    assert_close(got[0], dx, ACT_TOL[dt], "dx")
+    assert_close(got[1], dfn.T, COEF_TOL, "dphi")
+    assert_close(got[2], dscale, COEF_TOL, "dalpha", scale=float(np.abs(dscale).max()) + 1.0)
+    assert_close(got[3], dbase, COEF_TOL, "dbias", scale=float(np.abs(dbase).max()) + 1.0)
+
+
+# ------------------------------------------------------------------ the fused layer pieces
+def _layer_inputs(rng, dt, T, n, C):
+    m_ = n * n + 2 * n
+    x = rounded(rng, (T, n, C), dt)
+    hc_fn = coef(rng, (m_, n * C), 1 / np.sqrt(n * C))
+    return x, hc_fn, np.array([0.7, 1.3, 2.0], np.float32), coef(rng, (m_,), 0.5)
+
+
+def _layer_pieces(x, phi, alpha, bias, g, iters=20, eps=O.EPS, grad_mode="unrolled"):
+    """Forward and backward of one layer with the identity sublayer, through the fused pieces."""
+    layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(x, phi, alpha, bias, iters, eps, **DS)
+    out = m.mhc_post_op_fwd(layer_in, x, H_post, H_res, **DS)
+    dy, dH_post, dH_res = m.mhc_layer_post_bwd(g, layer_in, x, H_post, H_res, **DS)
+    grads = m.mhc_layer_pre_bwd(dy, g, dH_post, dH_res, x, phi, alpha, bias, stats, H_pre, H_res, iters, eps,
+                                grad_mode=grad_mode, **DS)
+    return (out, layer_in, stats, dy, *grads)
+
+
+#: n <= 4: the tensor-core dx / dphi kernel; 5 and 8: the CUDA-core one (both read H_res transposed here).
+LAYER_NS = [1, 2, 3, 4, 5, 8]
+
+
+@GPU
+@pytest.mark.parametrize("n", LAYER_NS)
+@pytest.mark.parametrize("T,C", [(1, 7), (3, 33), (127, 64), (1000, 256)])
+@pytest.mark.parametrize("grad_mode", ["unrolled", "implicit"])
+def test_layer_pieces_float32(rng, n, T, C, grad_mode):
+    """The whole layer (identity sublayer) through the fused pieces, float32, against the oracle layer
+    (implicit mode: its gradients against the deepseek reference of the same pieces)."""
+    x, hc_fn, hc_scale, hc_base = _layer_inputs(rng, "float32", T, n, C)
+    phi = np.ascontiguousarray(hc_fn.T)
+    g = rounded(rng, (T, n, C), "float32")
+    (ref,), (dx, dfn, dscale, dbase) = oracle_vjp(O.layer, [x, hc_fn, hc_scale, hc_base], [g])
+    if grad_mode == "implicit":
+        layer_in, H_pre, H_post, H_res, stats = R.mhc_layer_pre_fwd(x, phi, hc_scale, hc_base, **DS)
+        dy, _, dH_post, dH_res = R.mhc_post_op_bwd(g, layer_in, x, H_post, H_res, **DS)
+        dx, dphi, dscale, dbase = R.mhc_layer_pre_bwd(dy, g, dH_post, dH_res, x, phi, hc_scale, hc_base, stats, H_pre,
+                                                      H_res, grad_mode="implicit", **DS)
+        dfn = dphi.T
+    out, _, _, _, *got = _layer_pieces(*(to_gpu(v) for v in (x, phi, hc_scale, hc_base, g)), grad_mode=grad_mode)
+    assert_close(out, ref, 2 * ACT_TOL["float32"], "out")  # layer_in rounded to float32 before the post op
+    assert_close(got[0], dx, CHAIN_TOL, "dx")
+    assert_close(got[1], dfn.T, CHAIN_TOL, "dphi")
+    assert_close(got[2], dscale, CHAIN_TOL, "dalpha", scale=float(np.abs(dscale).max()) + 1.0)
+    assert_close(got[3], dbase, CHAIN_TOL, "dbias", scale=float(np.abs(dbase).max()) + 1.0)
+
+
+@GPU
+@pytest.mark.parametrize("dt", ["bfloat16", "float16"])
+@pytest.mark.parametrize("n", LAYER_NS)
+@pytest.mark.parametrize("grad_mode", ["unrolled", "implicit"])
+def test_layer_pieces_each(rng, dt, n, grad_mode):
+    """Each fused piece under deepseek against the deepseek reference (checked against the oracle on
+    the CPU, tests/test_deepseek.py) on the GPU's own intermediates, as the paper convention's
+    tests/test_layer_fused.py does: 16-bit rounding between the pieces does not enter."""
+    from mhc_cupy import reference as R
+
+    T, C = 300, 96
+    x, hc_fn, hc_scale, hc_base = _layer_inputs(rng, dt, T, n, C)
+    phi = np.ascontiguousarray(hc_fn.T)
+    g, y, g_li = rounded(rng, (T, n, C), dt), rounded(rng, (T, C), dt), rounded(rng, (T, C), dt)
+    dev = [to_gpu(v) for v in (x, phi, hc_scale, hc_base)]
+    kw = dict(grad_mode=grad_mode, **DS)
+    layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(*dev, **DS)
+    dy, dH_post, dH_res = m.mhc_layer_post_bwd(to_gpu(g), to_gpu(y), dev[0], H_post, H_res, **DS)
+    got = m.mhc_layer_pre_bwd(to_gpu(g_li), to_gpu(g), dH_post, dH_res, *dev, stats, H_pre, H_res, **kw)
+    ref_fwd = R.mhc_layer_pre_fwd(x, phi, hc_scale, hc_base, convention="deepseek")
+    for a, b, name in zip((layer_in, H_pre, H_post, H_res, stats), ref_fwd,
+                          ("layer_in", "H_pre", "H_post", "H_res", "stats")):
+        assert_close(a, b, ACT_TOL[dt] if name == "layer_in" else COEF_TOL, name)
+    ref_post = R.mhc_post_op_bwd(g, y, x, to_host(H_post), to_host(H_res), convention="deepseek")
+    scale = float(np.abs(f64(g)).sum(-1).mean())
+    assert_close(dy, ref_post[0], ACT_TOL[dt], "dy")
+    assert_close(dH_post, ref_post[2], COEF_TOL, "dH_post", scale=scale)
+    assert_close(dH_res, ref_post[3], COEF_TOL, "dH_res", scale=scale)
+    ref = R.mhc_layer_pre_bwd(g_li, g, to_host(dH_post), to_host(dH_res), x, phi, hc_scale, hc_base, None,
+                              to_host(H_pre), to_host(H_res), **kw)
+    assert_close(got[0], ref[0], 2 * ACT_TOL[dt], "dx", scale=float(np.sqrt(np.mean(ref[0] ** 2))) + 1e-30)
+    assert_close(got[1], ref[1], COEF_TOL if grad_mode == "unrolled" else CHAIN_TOL, "dphi")
+    assert_close(got[2], ref[2], COEF_TOL if grad_mode == "unrolled" else CHAIN_TOL, "dalpha",
+                 scale=float(np.abs(ref[2]).max()) + 1.0)
+    assert_close(got[3], ref[3], COEF_TOL if grad_mode == "unrolled" else CHAIN_TOL, "dbias",
+                 scale=float(np.abs(ref[3]).max()) + 1.0)
+
+
+# ------------------------------------------------------------------ determinism
+@GPU
+def test_bitwise_deterministic(rng):
+    """Two runs of every deepseek kernel give the same bits (no atomics)."""
+    import cupy as cp
+
+    dt, T, n, C = "bfloat16", 1000, 4, 256
+    x, hc_fn, hc_scale, hc_base = _layer_inputs(rng, dt, T, n, C)
+    phi = np.ascontiguousarray(hc_fn.T)
+    g = rounded(rng, (T, n, C), dt)
+    dev = [to_gpu(v) for v in (x, phi, hc_scale, hc_base, g)]
+    L, G = to_gpu(coef(rng, (T, n, n), 2.0)), to_gpu(coef(rng, (T, n, n)))
+
+    def once():
+        outs = list(_layer_pieces(*dev))
+        outs += list(_layer_pieces(*dev, 300, 0.0, "implicit"))
+        outs += [m.sinkhorn_knopp_fwd(L, **DS), m.sinkhorn_knopp_bwd(G, L, **DS),
+                 m.sinkhorn_knopp_bwd(G, L, grad_mode="implicit", **DS)]
+        outs += list(m.mhc_post_op_bwd(dev[4], dev[0][:, 0], dev[0], L[:, 0], L, **DS))
+        return outs
+
+    for u, v in zip(once(), once()):
+        assert cp.array_equal(u.view(cp.uint16) if u.dtype.itemsize == 2 else u.view(cp.uint32),
+                              v.view(cp.uint16) if v.dtype.itemsize == 2 else v.view(cp.uint32))
+
+
+@GPU
+def test_paper_convention_unchanged(rng):
+    """The default convention gives the bits of convention="paper" (the same kernels, DS = false)."""
+    import cupy as cp
+
+    L, G = to_gpu(coef(rng, (127, 4, 4), 2.0)), to_gpu(coef(rng, (127, 4, 4)))
+    a = m.sinkhorn_knopp_bwd(G, L)
+    b = m.sinkhorn_knopp_bwd(G, L, 20, 1e-8, convention="paper")
+    assert cp.array_equal(a.view(cp.uint32), b.view(cp.uint32))
+    assert not cp.allclose(m.sinkhorn_knopp_fwd(L, 2), m.sinkhorn_knopp_fwd(L, 2, **DS))
+
+
+# ------------------------------------------------------------------ the adapters on CUDA
+@GPU
+def test_torch_adapter_cuda(rng):
+    """mhc_cupy.torch pre op -> post op chain on CUDA under deepseek, autograd vs the oracle."""
+    import mhc_cupy.torch as mt
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    T, n, C = 127, 4, 64
+    arrays = [coef(rng, (T, n, C)), coef(rng, (T, n), 2.0), coef(rng, (T, n), 2.0), coef(rng, (T, n, n), 2.0)]
+    ts = [torch.tensor(a, device="cuda", requires_grad=True) for a in arrays]
+
+    def chain(x, hp, hq, hr, ops):
+        layer_in, H_pre, H_post, H_res = ops[0](x, hp, hq, hr)
+        return ops[1](torch.tanh(layer_in), x, H_post, H_res)
+
+    kernels = (lambda *a: mt.mhc_pre_op(*a, convention="deepseek"),
+               lambda *a: mt.mhc_post_op(*a, convention="deepseek"))
+    out = chain(*ts, kernels)
+    g = coef(rng, (T, n, C))
+    (ref,), dref = oracle_vjp(lambda *a: chain(*a, (O.pre_op, O.post_op)), arrays, [g])
+    assert_close(out, ref, 1e-5, "out")
+    for i, (a, b) in enumerate(zip(torch.autograd.grad(out, ts, torch.tensor(g, device="cuda")), dref)):
+        assert_close(a, b, CHAIN_TOL, f"gradient {i}")
+
+
+@GPU
+def test_jax_adapter_cuda(rng):
+    """mhc_cupy.jax pre op -> post op chain on the GPU under deepseek, jax.vjp vs the oracle."""
+    jax = pytest.importorskip("jax")
+    import mhc_cupy.jax as mj
+
+    T, n, C = 127, 4, 64
+    arrays = [coef(rng, (T, n, C)), coef(rng, (T, n), 2.0), coef(rng, (T, n), 2.0), coef(rng, (T, n, n), 2.0)]
+
+    def chain(x, hp, hq, hr):
+        layer_in, H_pre, H_post, H_res = mj.mhc_pre_op(x, hp, hq, hr, convention="deepseek")
+        return mj.mhc_post_op(jax.numpy.tanh(layer_in), x, H_post, H_res, convention="deepseek")
+
+    dev = [jax.device_put(a, jax.devices("gpu")[0]) for a in arrays]
+    out, vjp = jax.vjp(jax.jit(chain), *dev)
+    g = coef(rng, (T, n, C))
+
+    def ochain(x, hp, hq, hr):
+        layer_in, _, H_post, H_res = O.pre_op(x, hp, hq, hr)
+        return O.post_op(torch.tanh(layer_in), x, H_post, H_res)
+
+    (ref,), dref = oracle_vjp(ochain, arrays, [g])
+    assert_close(np.asarray(out), ref, 1e-5, "out")
+    for i, (a, b) in enumerate(zip(vjp(jax.numpy.asarray(g)), dref)):
+        assert_close(np.asarray(a), b, CHAIN_TOL, f"gradient {i}")

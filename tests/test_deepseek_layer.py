@@ -42,7 +42,7 @@ def test_mhc_round_trip_bitwise(rng):
         MHC(33, 4, num_iters=0, convention="deepseek")
 
 
-@pytest.mark.usefixtures("jax_on_cpu")  # the CPU path; tests/gpu has the CUDA one
+@pytest.mark.usefixtures("jax_on_cpu")  # the CPU path; the GPU cases run the CUDA one
 def test_jax_round_trip_bitwise(rng):
     pytest.importorskip("jax")
     import mhc_cupy.jax as mj
@@ -92,7 +92,7 @@ def test_torch_mhc_deepseek_matches_oracle(rng, lead, n):
         assert_close(a, w, tol, name)
 
 
-@pytest.mark.usefixtures("jax_on_cpu")  # the CPU path; tests/gpu has the CUDA one
+@pytest.mark.usefixtures("jax_on_cpu")  # the CPU path; the GPU cases run the CUDA one
 @pytest.mark.parametrize("n", [1, 3, 4, 5])
 def test_jax_mhc_layer_deepseek_matches_oracle(rng, n):
     jax = pytest.importorskip("jax")

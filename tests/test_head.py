@@ -159,7 +159,7 @@ def test_torch_head_conventions_and_round_trip(rng):
         head(torch.randn(2, 3, 33))
 
 
-@pytest.mark.usefixtures("jax_on_cpu")  # the CPU path; tests/gpu has the CUDA one
+@pytest.mark.usefixtures("jax_on_cpu")  # the CPU path; the GPU cases run the CUDA one
 @pytest.mark.parametrize("n", [1, 4, 5])
 def test_jax_head(rng, n):
     jax = pytest.importorskip("jax")
