@@ -51,9 +51,9 @@ def torch_vjp(fn, inputs, grads):
 
 # ---- straightforward torch forwards (independent of the reference) ---------------------------
 
-def t_rmsnorm(x, eps, w=None):
+def t_rmsnorm(x, eps=1e-5, weight=None):
     y = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
-    return y if w is None else y * w
+    return y if weight is None else y * weight
 
 
 def t_mix(x, M):
@@ -76,14 +76,14 @@ def t_post(y, x, H_post, H_res):
     return torch.einsum("...ij,...jc->...ic", H_res, x) + H_post[..., :, None] * y[..., None, :]
 
 
-def t_pre(x, hp, hq, hr, num_iters, eps):
+def t_pre(x, hp, hq, hr, num_iters=20, eps=1e-8):
     H_pre = torch.sigmoid(hp)
     H_post = 2 * torch.sigmoid(hq)
     H_res = sinkhorn_reference(hr, num_iters, eps)
     return torch.einsum("...i,...ic->...c", H_pre, x), H_pre, H_post, H_res
 
 
-def t_coeffs(x, phi, alpha, bias, eps):
+def t_coeffs(x, phi, alpha, bias, eps=1e-5):
     n, C = x.shape[-2], x.shape[-1]
     xt = x.reshape(*x.shape[:-2], n * C)
     r = torch.sqrt((xt ** 2).mean(-1, keepdim=True) + eps)

@@ -78,6 +78,15 @@ def post_jnp(y, x, H_post, H_res):
     return (H_res @ x.astype(jnp.float32) + H_post[..., :, None] * y.astype(jnp.float32)[..., None, :]).astype(x.dtype)
 
 
+def coeffs_jnp(x, phi, alpha, bias, eps=RMS_EPS):
+    n, C = x.shape[-2], x.shape[-1]
+    xt = x.astype(jnp.float32).reshape(x.shape[:-2] + (n * C,))
+    rinv = jax.lax.rsqrt(jnp.mean(xt * xt, -1, keepdims=True) + eps)
+    h = (xt @ phi) * rinv
+    return (alpha[0] * h[..., :n] + bias[:n], alpha[1] * h[..., n:2 * n] + bias[n:2 * n],
+            (alpha[2] * h[..., 2 * n:] + bias[2 * n:]).reshape(x.shape[:-2] + (n, n)))
+
+
 def pre_jnp(x, a, b, c):
     H_pre = jax.nn.sigmoid(a)
     return aggregate_jnp(x, H_pre), H_pre, 2 * jax.nn.sigmoid(b), sinkhorn_jnp(c)
@@ -91,14 +100,18 @@ class Op:
     args: tuple  # differentiable inputs, in call order
     make: Callable  # (rng, lead, n, C, dtype) -> dict name -> jnp array
     adapter: Callable  # (*args) -> tuple of outputs
-    ref: Callable  # (dict of numpy) -> tuple of float64
+    fwd: Callable  # (module, dict of arrays) -> tuple: the op's *_fwd from mhc_cupy.reference or mhc_cupy
     bwd: Callable  # (cts tuple, dict of jnp) -> tuple of grads (functional API)
     jnp_fn: Callable  # (*args) -> tuple of outputs, pure jnp float32
-    shared: str | None = None  # the input shared by all tokens ("h" [n] or "weight" [C]), if any
+    shared: tuple = ()  # inputs shared by all tokens: a shared h [n], the RMSNorm weight [C], phi / alpha / bias
+
+    def ref(self, a: dict) -> tuple:
+        """The float64 NumPy reference of the inputs ``a``."""
+        return self.fwd(R, a)
 
     @property
     def needs_tokens(self) -> bool:  # a shared h [n] needs token dims (else it is per token)
-        return self.shared == "h"
+        return "h" in self.shared
 
 
 def _act(rng, shape, dt):
@@ -119,7 +132,7 @@ def _ops():
         ("logits",),
         lambda r, lead, n, C, dt: {"logits": _coef(r, lead + (n, n), 2.0)},
         lambda L: (mj.sinkhorn_knopp(L, NI, SK_EPS),),
-        lambda a: (R.sinkhorn_knopp_fwd(a["logits"], NI, SK_EPS),),
+        lambda mod, a: (mod.sinkhorn_knopp_fwd(a["logits"], NI, SK_EPS),),
         lambda ct, a: (mhc_cupy.sinkhorn_knopp_bwd(ct[0], a["logits"], NI, SK_EPS),),
         lambda L: (sinkhorn_jnp(L),),
     )
@@ -127,7 +140,7 @@ def _ops():
         ("x",),
         lambda r, lead, n, C, dt: {"x": _act(r, lead + (C,), dt)},
         lambda x: (mj.rmsnorm(x, RMS_EPS),),
-        lambda a: (R.rmsnorm_fwd(a["x"], RMS_EPS),),
+        lambda mod, a: (mod.rmsnorm_fwd(a["x"], RMS_EPS),),
         lambda ct, a: (mhc_cupy.rmsnorm_bwd(ct[0], a["x"], RMS_EPS),),
         lambda x: (rmsnorm_jnp(x),),
     )
@@ -136,16 +149,16 @@ def _ops():
         lambda r, lead, n, C, dt: {"x": _act(r, lead + (C,), dt),
                                    "weight": jnp.asarray(1 + 0.3 * r.standard_normal(C), jnp.float32)},
         lambda x, w: (mj.rmsnorm(x, RMS_EPS, weight=w),),
-        lambda a: (R.rmsnorm_fwd(a["x"], RMS_EPS, a["weight"]),),
+        lambda mod, a: (mod.rmsnorm_fwd(a["x"], RMS_EPS, a["weight"]),),
         lambda ct, a: mhc_cupy.rmsnorm_bwd(ct[0], a["x"], RMS_EPS, a["weight"]),
         lambda x, w: (rmsnorm_jnp(x, RMS_EPS, w),),
-        "weight",
+        ("weight",),
     )
     ops["stream_mix"] = Op(
         ("x", "M"),
         lambda r, lead, n, C, dt: {"x": _act(r, lead + (n, C), dt), "M": _coef(r, lead + (n, n))},
         lambda x, M: (mj.stream_mix(x, M),),
-        lambda a: (R.stream_mix_fwd(a["x"], a["M"]),),
+        lambda mod, a: (mod.stream_mix_fwd(a["x"], a["M"]),),
         lambda ct, a: mhc_cupy.stream_mix_bwd(ct[0], a["x"], a["M"]),
         lambda x, M: (mix_jnp(x, M),),
     )
@@ -155,26 +168,26 @@ def _ops():
             ("x", "h"),
             lambda r, lead, n, C, dt, s=shared: {"x": _act(r, lead + (n, C), dt), "h": _h(r, lead, n, s)},
             lambda x, h: (mj.stream_aggregate(x, h),),
-            lambda a: (R.stream_aggregate_fwd(a["x"], a["h"]),),
+            lambda mod, a: (mod.stream_aggregate_fwd(a["x"], a["h"]),),
             lambda ct, a: mhc_cupy.stream_aggregate_bwd(ct[0], a["x"], a["h"]),
             lambda x, h: (aggregate_jnp(x, h),),
-            "h" if shared else None,
+            ("h",) if shared else (),
         )
         ops["stream_distribute" + sfx] = Op(
             ("y", "h"),
             lambda r, lead, n, C, dt, s=shared: {"y": _act(r, lead + (C,), dt), "h": _h(r, lead, n, s)},
             lambda y, h: (mj.stream_distribute(y, h),),
-            lambda a: (R.stream_distribute_fwd(a["y"], a["h"]),),
+            lambda mod, a: (mod.stream_distribute_fwd(a["y"], a["h"]),),
             lambda ct, a: mhc_cupy.stream_distribute_bwd(ct[0], a["y"], a["h"]),
             lambda y, h: (distribute_jnp(y, h),),
-            "h" if shared else None,
+            ("h",) if shared else (),
         )
     ops["mhc_post_op"] = Op(
         ("layer_out", "x", "H_post", "H_res"),
         lambda r, lead, n, C, dt: {"layer_out": _act(r, lead + (C,), dt), "x": _act(r, lead + (n, C), dt),
                                    "H_post": _coef(r, lead + (n,)), "H_res": _coef(r, lead + (n, n))},
         lambda y, x, hp, hr: (mj.mhc_post_op(y, x, hp, hr),),
-        lambda a: (R.mhc_post_op_fwd(a["layer_out"], a["x"], a["H_post"], a["H_res"]),),
+        lambda mod, a: (mod.mhc_post_op_fwd(a["layer_out"], a["x"], a["H_post"], a["H_res"]),),
         lambda ct, a: mhc_cupy.mhc_post_op_bwd(ct[0], a["layer_out"], a["x"], a["H_post"], a["H_res"]),
         lambda y, x, hp, hr: (post_jnp(y, x, hp, hr),),
     )
@@ -183,10 +196,21 @@ def _ops():
         lambda r, lead, n, C, dt: {"x": _act(r, lead + (n, C), dt), "h_pre_raw": _coef(r, lead + (n,)),
                                    "h_post_raw": _coef(r, lead + (n,)), "h_res_raw": _coef(r, lead + (n, n), 2.0)},
         lambda x, a, b, c: mj.mhc_pre_op(x, a, b, c, NI, SK_EPS),
-        lambda a: R.mhc_pre_op_fwd(a["x"], a["h_pre_raw"], a["h_post_raw"], a["h_res_raw"], NI, SK_EPS),
+        lambda mod, a: mod.mhc_pre_op_fwd(a["x"], a["h_pre_raw"], a["h_post_raw"], a["h_res_raw"], NI, SK_EPS),
         lambda ct, a: mhc_cupy.mhc_pre_op_bwd(*ct, a["x"], a["h_pre_raw"], a["h_post_raw"], a["h_res_raw"],
                                               NI, SK_EPS),
         pre_jnp,
+    )
+    ops["mhc_coeffs"] = Op(
+        ("x", "phi", "alpha", "bias"),
+        lambda r, lead, n, C, dt: {"x": _act(r, lead + (n, C), dt),
+                                   "phi": _coef(r, (n * C, n * n + 2 * n), (n * C) ** -0.5),
+                                   "alpha": _coef(r, (3,)), "bias": _coef(r, (n * n + 2 * n,), 0.1)},
+        lambda x, phi, alpha, bias: mj.mhc_coeffs(x, phi, alpha, bias, RMS_EPS),
+        lambda mod, a: mod.mhc_coeffs_fwd(a["x"], a["phi"], a["alpha"], a["bias"], RMS_EPS),
+        lambda ct, a: mhc_cupy.mhc_coeffs_bwd(*ct, a["x"], a["phi"], a["alpha"], a["bias"], RMS_EPS),
+        coeffs_jnp,
+        ("phi", "alpha", "bias"),
     )
     return ops
 
@@ -364,8 +388,8 @@ def _loop(fn, in_axes, args, size):
 def _batched_inputs(op, rng, B, lead, n, C, dt):
     """Inputs with a leading batch axis B (a shared input gets [B, *its shape])."""
     a = op.make(rng, (B,) + lead, n, C, dt)
-    if op.shared:
-        a[op.shared] = jnp.stack([op.make(rng, lead, n, C, dt)[op.shared] for _ in range(B)])
+    for k in op.shared:
+        a[k] = jnp.stack([op.make(rng, lead, n, C, dt)[k] for _ in range(B)])
     return a
 
 
@@ -394,7 +418,7 @@ def test_vmap_equals_loop(name, in_axes, rng):
     want = _loop(vjp_fn, v_axes, args + cts, B)
     for k, g, w, x in zip(op.args, got, want, args):
         assert g.dtype == x.dtype
-        if k == op.shared == "h":
+        if k == "h" and k in op.shared:  # a shared h: XLA sums its per-token gradient in float32
             assert_close(g, w, 1e-6, scale="max")
         else:
             assert_same(g, w)
@@ -410,10 +434,10 @@ def check_grad_of_nested_vmap(op, rng, lead, n, C, jit: bool):
     The GPU tests (tests/gpu/test_jax_gpu.py) run it on device arrays."""
     outer, inner, dt = 2, 3, "float32"
     a = op.make(rng, (outer, inner) + lead, n, C, dt)
-    if op.shared:
-        a[op.shared] = op.make(rng, lead, n, C, dt)[op.shared]
+    shared = op.make(rng, lead, n, C, dt)
+    a.update({k: shared[k] for k in op.shared})
     args = tuple(a[k] for k in op.args)
-    axes = tuple(None if k == op.shared else 0 for k in op.args)
+    axes = tuple(None if k in op.shared else 0 for k in op.args)
     f = jax.vmap(jax.vmap(op.adapter, axes), axes)
     got = (jax.jit(f) if jit else f)(*args)
     for g, w in zip(got, _nested(op, axes, inner, outer)(*args)):

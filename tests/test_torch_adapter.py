@@ -6,7 +6,7 @@ reference and rounds each output once to its dtype.  So:
 * forward vs ``mhc_cupy.reference``: one rounding to the output dtype;
 * backward via autograd vs the functional ``*_bwd``: bitwise equal (same call);
 * backward vs float64 torch autograd of an independent pure-torch forward
-  (written below; Sinkhorn exactly as OPS.md with the row-max shift): one
+  (tests/paper_oracle.py; Sinkhorn exactly as OPS.md with the row-max shift): one
   rounding of each gradient to its dtype;
 * float32 central finite differences: exact for the bilinear ops up to the
   float32 rounding of the two loss evaluations, whose bound is computed;
@@ -36,6 +36,7 @@ from mhc_cupy.ops.spec import GRAD_MODE, Arg, shape_of
 from mhc_cupy.torch.reference import sinkhorn_reference
 
 from harness import TOL, assert_close
+from paper_oracle import t_aggregate, t_coeffs, t_distribute, t_mix, t_post, t_pre, t_rmsnorm
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -89,33 +90,6 @@ def grads_of(outs, inputs, upstream):
     return torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
 
 
-# ----------------------------------------- pure-torch float64 forwards (oracles)
-def t_rmsnorm(x, eps=1e-5, weight=None):
-    y = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps)
-    return y if weight is None else y * weight
-
-
-def t_mix(x, M):
-    return M @ x
-
-
-def t_aggregate(x, h):
-    return (h[..., :, None] * x).sum(-2)
-
-
-def t_distribute(y, h):
-    return h[..., :, None] * y[..., None, :]
-
-
-def t_post(y, x, H_post, H_res):
-    return H_res @ x + H_post[..., :, None] * y[..., None, :]
-
-
-def t_pre(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=20, eps=1e-8):
-    H_pre = torch.sigmoid(h_pre_raw)
-    return t_aggregate(x, H_pre), H_pre, 2 * torch.sigmoid(h_post_raw), sinkhorn_reference(h_res_raw, num_iters, eps)
-
-
 # ------------------------------------------------------------ op table
 # A case is a dict: fn (adapter), fwd (functional forward; its name picks the
 # reference), bwd (functional backward: (upstream grads, inputs, params) -> grads),
@@ -155,6 +129,11 @@ def case(name, rng, lead, n, C, dtype=torch.float32, shared=False, num_iters=20,
                     args=[x, T(lead + (n,)), T(lead + (n,)), T(lead + (n, n), scale=3.0)],
                     params=dict(num_iters=num_iters, eps=1e-8),
                     bwd=lambda gs, a, p: m.mhc_pre_op_bwd(*gs, *a, **p))
+    if name == "mhc_coeffs":
+        D, K = n * C, n * n + 2 * n
+        return dict(fn=mt.mhc_coeffs, fwd=m.mhc_coeffs_fwd, oracle=t_coeffs,
+                    args=[x, T((D, K), scale=D ** -0.5), T((3,)), T((K,), scale=0.1)], params=dict(eps=1e-5),
+                    bwd=lambda gs, a, p: m.mhc_coeffs_bwd(*gs, *a, **p))
     raise KeyError(name)
 
 
@@ -171,7 +150,8 @@ def upstream_like(rng, outs):
     return [tensor(rng, o.shape, dtype=o.dtype, grad=False) for o in as_tuple(outs)]
 
 
-OPS = ["sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute", "mhc_post_op", "mhc_pre_op"]
+OPS = ["sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute", "mhc_post_op", "mhc_pre_op",
+       "mhc_coeffs"]
 
 
 # ------------------------------------------------------------------ forward / backward
@@ -651,7 +631,7 @@ def _double_backward(outs, args):
     sum(g.float().sum() for g in grads).backward()
 
 
-@pytest.mark.parametrize("op", OPS + ["rmsnorm_no_weight", "mhc_coeffs"])
+@pytest.mark.parametrize("op", OPS + ["rmsnorm_no_weight"])
 def test_double_backward_raises(rng, op):
     """The eager backward runs on raw pointers (no graph): a second-order
     gradient through it must raise, never silently treat it as a constant."""
@@ -713,9 +693,11 @@ def test_functional_api_no_warning_without_grad(rng, fresh_warnings, op):
         call(c, [a.detach() for a in c["args"]], fn=c["fwd"])
         outs = as_tuple(call(c))
         grads_of(outs, c["args"], upstream_like(rng, outs))
-        if op != "rmsnorm":  # the custom ops take the parameters positionally, grad_mode last
-            extra = (*c["params"].values(), "unrolled") if c["params"] else ()
-            outs = as_tuple(getattr(torch.ops.mhc_cupy, f"{op}_fwd")(*c["args"], *extra))
+        if op != "rmsnorm":  # the custom op, its non-tensor arguments by name from its schema
+            custom = getattr(torch.ops.mhc_cupy, f"{op}_fwd")
+            extra = [c["params"].get(a.name, "unrolled" if a.name == "grad_mode" else a.default_value)
+                     for a in custom.default._schema.arguments[len(c["args"]):]]
+            outs = as_tuple(custom(*c["args"], *extra))
             grads_of(outs, c["args"], upstream_like(rng, outs))
 
 

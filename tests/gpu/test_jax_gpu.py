@@ -94,18 +94,7 @@ def test_forward_bitwise_equal_to_functional_api(name, cfg, rng):
     with jax.transfer_guard("disallow"):
         jitted = jax.block_until_ready(f(*args))
         eager = jax.block_until_ready(op.adapter(*args))
-    functional = {
-        "sinkhorn_knopp": lambda: (mhc_cupy.sinkhorn_knopp_fwd(*args, C.NI, C.SK_EPS),),
-        "rmsnorm": lambda: (mhc_cupy.rmsnorm_fwd(args[0], C.RMS_EPS),),
-        "rmsnorm_weight": lambda: (mhc_cupy.rmsnorm_fwd(args[0], C.RMS_EPS, args[1]),),
-        "stream_mix": lambda: (mhc_cupy.stream_mix_fwd(*args),),
-        "stream_aggregate": lambda: (mhc_cupy.stream_aggregate_fwd(*args),),
-        "stream_aggregate_shared": lambda: (mhc_cupy.stream_aggregate_fwd(*args),),
-        "stream_distribute": lambda: (mhc_cupy.stream_distribute_fwd(*args),),
-        "stream_distribute_shared": lambda: (mhc_cupy.stream_distribute_fwd(*args),),
-        "mhc_post_op": lambda: (mhc_cupy.mhc_post_op_fwd(*args),),
-        "mhc_pre_op": lambda: mhc_cupy.mhc_pre_op_fwd(*args, C.NI, C.SK_EPS),
-    }[name]()
+    functional = op.fwd(mhc_cupy, dict(zip(op.args, args)))
     for j, e, fn in zip(jitted, eager, functional):
         assert _on_gpu(j)
         C.assert_same(j, fn)
@@ -175,7 +164,7 @@ def test_vmap_equals_loop(name, in_axes, rng):
         got = jax.jit(jax.vmap(vjp_fn, v_axes))(*args, *cts)
     want = C._loop(vjp_fn, v_axes, args + cts, B)
     for k, g, w in zip(op.args, got, want):
-        if k == op.shared == "h":
+        if k == "h" and k in op.shared:  # a shared h: XLA sums its per-token gradient in float32
             assert_close(g, w, 1e-6, scale="max")
         else:
             C.assert_same(g, w)
