@@ -90,7 +90,7 @@ SHAPES = [  # (lead dims, n, C): the paper's n = 4; odd C; n = 1 (trivial Sinkho
 # ------------------------------------------------------------------ helpers
 @pytest.fixture(autouse=True)
 def _float32_default():
-    """Modules and random tensors here are float32 (another test module sets float64 as the default)."""
+    """Modules and random tensors here are float32, whatever default dtype another test left set."""
     with default_dtype(torch.float32):
         yield
 
@@ -483,8 +483,6 @@ GPU_SHAPES = [  # (lead dims, n, C): the demo's n = 4; odd token count; n = 1; n
 
 
 # ------------------------------------------------------------------ helpers
-
-
 def make_gpu_layer(C, n, seed, device):
     """An MHC around a pre-norm MLP, with coefficients away from their init (logits of scale ~1)."""
     torch.manual_seed(seed)

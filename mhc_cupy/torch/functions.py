@@ -47,9 +47,14 @@ def _use_custom_op(*tensors) -> bool:
     return False  # non-tensors (a list, None for a tensor) go on to the functional API, which names them
 
 
+def _tensor_key(t: Tensor) -> tuple:
+    """What identifies a tensor's data here: address, shape and strides."""
+    return t.data_ptr(), tuple(t.shape), t.stride()
+
+
 def _same_tensor(a: Tensor, b) -> bool:
     """a is b's data (same address, shape and strides), b a tensor or None."""
-    return b is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+    return b is not None and _tensor_key(a) == _tensor_key(b)
 
 
 def _needs_autograd(*tensors) -> bool:
@@ -735,6 +740,8 @@ class _LayerPreFn(torch.autograd.Function):
                                                             num_iters, eps, rms_eps, convention, hc_eps, post_mult)
         ctx.save_for_backward(x, phi, alpha, bias, stats, H_pre, H_res)
         ctx.params, ctx.custom = (num_iters, eps, rms_eps, grad_mode, convention, hc_eps, post_mult), custom
+        # which H_res this backward folds in (H_res^T g): mhc_layer_post must get this one
+        ctx.h_res_key = None if custom else _tensor_key(H_res)
         ctx.set_materialize_grads(False)
         return layer_in, x.view_as(x), H_post, H_res
 
@@ -827,10 +834,17 @@ def mhc_layer_post(layer_out, x_link, H_post, H_res, *, convention="paper"):
 
     Raises:
         ValueError: a convention other than mhc_layer_pre's, x_link (requiring grad) is not
-            mhc_layer_pre's x_link, or that x_link already went to mhc_layer_post.
-        RuntimeError (in backward): x_link was also used for something else, so its gradient
-            is not only this op's output gradient (eager mode; under torch.compile not
-            checked: use x_link for nothing else).
+            mhc_layer_pre's x_link (also under a reentrant checkpoint of this call alone:
+            checkpoint the whole layer, or use use_reentrant=False), or H_res is not that
+            call's H_res.
+        RuntimeError (in backward): x_link was used for anything but one mhc_layer_post call,
+            so its gradient is not only this op's output gradient (eager mode; under
+            torch.compile not checked: use x_link for nothing else).
+
+    Notes:
+        x_link carries this op's output gradient back to mhc_layer_pre, so x_link's own
+        gradient (``x_link.grad``, hooks on x_link, ``torch.autograd.grad`` w.r.t. x_link) is
+        that output gradient, not dL/dx_link; dx is right.
     """
     if _needs_autograd(layer_out, x_link, H_post, H_res):
         convention = _convention.check(convention)
@@ -845,10 +859,9 @@ def mhc_layer_post(layer_out, x_link, H_post, H_res, *, convention="paper"):
             if pre_convention != convention:  # the pre half's backward folds this op's dx in its convention
                 raise ValueError(f"mhc_layer_post got convention={convention!r} but mhc_layer_pre ran with "
                                  f"convention={pre_convention!r}; give both halves the same convention")
-            if getattr(pre, "post_linked", False):
-                raise ValueError("this x_link was already given to mhc_layer_post: each mhc_layer_pre output "
-                                 "goes to exactly one mhc_layer_post call")
-            pre.post_linked = True
+            if pre.h_res_key is not None and _tensor_key(H_res) != pre.h_res_key:
+                raise ValueError("H_res must be the H_res output of the mhc_layer_pre call that made x_link (its "
+                                 "backward folds that H_res^T g into dx); for another H_res use mhc_post_op")
         return _LayerPostFn.apply(layer_out, x_link, H_post, H_res, convention, pre)
     return mhc_post_op(layer_out, x_link, H_post, H_res, convention=convention)
 
