@@ -205,3 +205,45 @@ def gpu_test(*marks, poison: bool = True):
         return fn
 
     return decorate
+
+
+# ------------------------------------------------------------------ inputs from the op specs
+NP_DTYPES = {"bfloat16": BF16, "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
+
+
+def spec_inputs(op: str, rng, lead, n: int, C: int, dtype: str, scale=None, shared: bool = False,
+                absent=()) -> dict:
+    """Random inputs of ``op`` (its ``<op>_fwd`` spec in ``mhc_cupy.ops.SPECS``): name -> NumPy array.
+
+    Shapes come from the spec's shape codes (token dims ``lead``, streams ``n``, hidden size
+    ``C``); values are standard normal times ``scale[name]`` (default 1, phi 1/sqrt(n*C)), or
+    ``shift + s * normal`` for an entry ``(s, shift)``; activations are rounded to ``dtype``, the
+    rest float32.  ``shared``: the spec's shared input without token dims (a shared h [n]);
+    ``absent``: optional inputs left out.  The signature of each op is declared once, in its spec.
+    """
+    from mhc_cupy.ops import SPECS, coeffs
+    from mhc_cupy.ops.spec import shape_of
+
+    spec = SPECS[f"{op}_fwd"]
+    sizes = {"n": n, "C": C, "K": coeffs.columns(n)}
+    scale = {"phi": (n * C) ** -0.5, **(scale or {})}
+    out = {}
+    for a in spec.inputs:
+        if a.name in absent:
+            continue
+        s, shift = scale.get(a.name, 1.0), 0.0
+        if isinstance(s, tuple):
+            s, shift = s
+        v = shift + s * rng.standard_normal(shape_of(a, () if shared and a.name == spec.shared else tuple(lead), sizes))
+        out[a.name] = v.astype(NP_DTYPES[dtype] if a.kind == "activation" else np.float32)
+    return out
+
+
+def spec_parameters(op: str, shared: bool = False, absent=()) -> tuple:
+    """The inputs of ``op`` shared by all tokens: its parameters (phi, alpha, bias, RMSNorm's
+    weight) and, with ``shared``, its shared coefficient (h [n])."""
+    from mhc_cupy.ops import SPECS
+
+    spec = SPECS[f"{op}_fwd"]
+    return tuple(a.name for a in spec.inputs if a.name not in absent
+                 and (a.kind == "parameter" or (shared and a.name == spec.shared)))

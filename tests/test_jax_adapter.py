@@ -31,9 +31,10 @@ import pytest
 import mhc_cupy
 import mhc_cupy.jax as mj
 from mhc_cupy import reference as R
+from mhc_cupy.ops import SPECS
 from mhc_cupy.bench.baselines import jnp_sinkhorn
 
-from harness import assert_close, assert_rounded, f64
+from harness import assert_close, assert_rounded, f64, spec_inputs, spec_parameters
 
 pytestmark = pytest.mark.usefixtures("jax_on_cpu")
 
@@ -95,9 +96,10 @@ def pre_jnp(x, a, b, c):
 # ------------------------------------------------------------ op table
 @dataclass
 class Op:
-    """One adapter op: how to make inputs and every oracle it is checked against."""
+    """One adapter op: its inputs (from the op's spec, ``harness.spec_inputs``) and every oracle
+    it is checked against."""
 
-    args: tuple  # differentiable inputs, in call order
+    args: tuple  # differentiable inputs, in call order (the spec's)
     make: Callable  # (rng, lead, n, C, dtype) -> dict name -> jnp array
     adapter: Callable  # (*args) -> tuple of outputs
     fwd: Callable  # (module, dict of arrays) -> tuple: the op's *_fwd from mhc_cupy.reference or mhc_cupy
@@ -122,96 +124,74 @@ def _coef(rng, shape, scale=1.0):
     return jnp.asarray(scale * rng.standard_normal(shape), jnp.float32)
 
 
-def _h(rng, lead, n, shared):
-    return _coef(rng, (n,) if shared else lead + (n,))
+def _op(name, adapter, fwd, bwd, jnp_fn, scale=None, shared=False, absent=()):
+    """The Op of spec ``name``: its inputs, their shapes and which are shared come from the spec."""
+    def make(r, lead, n, C, dt):
+        arrays = spec_inputs(name, r, lead, n, C, dt, scale, shared, absent)
+        return {k: jnp.asarray(v) for k, v in arrays.items()}
+    args = tuple(a.name for a in SPECS[f"{name}_fwd"].inputs if a.name not in absent)
+    return Op(args, make, adapter, fwd, bwd, jnp_fn, spec_parameters(name, shared, absent))
 
 
 def _ops():
     ops = {}
-    ops["sinkhorn_knopp"] = Op(
-        ("logits",),
-        lambda r, lead, n, C, dt: {"logits": _coef(r, lead + (n, n), 2.0)},
+    ops["sinkhorn_knopp"] = _op(
+        "sinkhorn_knopp",
         lambda L: (mj.sinkhorn_knopp(L, NI, SK_EPS),),
         lambda mod, a: (mod.sinkhorn_knopp_fwd(a["logits"], NI, SK_EPS),),
         lambda ct, a: (mhc_cupy.sinkhorn_knopp_bwd(ct[0], a["logits"], NI, SK_EPS),),
-        lambda L: (sinkhorn_jnp(L),),
-    )
-    ops["rmsnorm"] = Op(
-        ("x",),
-        lambda r, lead, n, C, dt: {"x": _act(r, lead + (C,), dt)},
+        lambda L: (sinkhorn_jnp(L),), scale={"logits": 2.0})
+    ops["rmsnorm"] = _op(
+        "rmsnorm",
         lambda x: (mj.rmsnorm(x, RMS_EPS),),
         lambda mod, a: (mod.rmsnorm_fwd(a["x"], RMS_EPS),),
         lambda ct, a: (mhc_cupy.rmsnorm_bwd(ct[0], a["x"], RMS_EPS),),
-        lambda x: (rmsnorm_jnp(x),),
-    )
-    ops["rmsnorm_weight"] = Op(
-        ("x", "weight"),
-        lambda r, lead, n, C, dt: {"x": _act(r, lead + (C,), dt),
-                                   "weight": jnp.asarray(1 + 0.3 * r.standard_normal(C), jnp.float32)},
+        lambda x: (rmsnorm_jnp(x),), absent=("weight",))
+    ops["rmsnorm_weight"] = _op(
+        "rmsnorm",
         lambda x, w: (mj.rmsnorm(x, RMS_EPS, weight=w),),
         lambda mod, a: (mod.rmsnorm_fwd(a["x"], RMS_EPS, a["weight"]),),
         lambda ct, a: mhc_cupy.rmsnorm_bwd(ct[0], a["x"], RMS_EPS, a["weight"]),
-        lambda x, w: (rmsnorm_jnp(x, RMS_EPS, w),),
-        ("weight",),
-    )
-    ops["stream_mix"] = Op(
-        ("x", "M"),
-        lambda r, lead, n, C, dt: {"x": _act(r, lead + (n, C), dt), "M": _coef(r, lead + (n, n))},
+        lambda x, w: (rmsnorm_jnp(x, RMS_EPS, w),), scale={"weight": (0.3, 1.0)})
+    ops["stream_mix"] = _op(
+        "stream_mix",
         lambda x, M: (mj.stream_mix(x, M),),
         lambda mod, a: (mod.stream_mix_fwd(a["x"], a["M"]),),
         lambda ct, a: mhc_cupy.stream_mix_bwd(ct[0], a["x"], a["M"]),
-        lambda x, M: (mix_jnp(x, M),),
-    )
+        lambda x, M: (mix_jnp(x, M),))
     for shared in (False, True):
         sfx = "_shared" if shared else ""
-        ops["stream_aggregate" + sfx] = Op(
-            ("x", "h"),
-            lambda r, lead, n, C, dt, s=shared: {"x": _act(r, lead + (n, C), dt), "h": _h(r, lead, n, s)},
+        ops["stream_aggregate" + sfx] = _op(
+            "stream_aggregate",
             lambda x, h: (mj.stream_aggregate(x, h),),
             lambda mod, a: (mod.stream_aggregate_fwd(a["x"], a["h"]),),
             lambda ct, a: mhc_cupy.stream_aggregate_bwd(ct[0], a["x"], a["h"]),
-            lambda x, h: (aggregate_jnp(x, h),),
-            ("h",) if shared else (),
-        )
-        ops["stream_distribute" + sfx] = Op(
-            ("y", "h"),
-            lambda r, lead, n, C, dt, s=shared: {"y": _act(r, lead + (C,), dt), "h": _h(r, lead, n, s)},
+            lambda x, h: (aggregate_jnp(x, h),), shared=shared)
+        ops["stream_distribute" + sfx] = _op(
+            "stream_distribute",
             lambda y, h: (mj.stream_distribute(y, h),),
             lambda mod, a: (mod.stream_distribute_fwd(a["y"], a["h"]),),
             lambda ct, a: mhc_cupy.stream_distribute_bwd(ct[0], a["y"], a["h"]),
-            lambda y, h: (distribute_jnp(y, h),),
-            ("h",) if shared else (),
-        )
-    ops["mhc_post_op"] = Op(
-        ("layer_out", "x", "H_post", "H_res"),
-        lambda r, lead, n, C, dt: {"layer_out": _act(r, lead + (C,), dt), "x": _act(r, lead + (n, C), dt),
-                                   "H_post": _coef(r, lead + (n,)), "H_res": _coef(r, lead + (n, n))},
+            lambda y, h: (distribute_jnp(y, h),), shared=shared)
+    ops["mhc_post_op"] = _op(
+        "mhc_post_op",
         lambda y, x, hp, hr: (mj.mhc_post_op(y, x, hp, hr),),
         lambda mod, a: (mod.mhc_post_op_fwd(a["layer_out"], a["x"], a["H_post"], a["H_res"]),),
         lambda ct, a: mhc_cupy.mhc_post_op_bwd(ct[0], a["layer_out"], a["x"], a["H_post"], a["H_res"]),
-        lambda y, x, hp, hr: (post_jnp(y, x, hp, hr),),
-    )
-    ops["mhc_pre_op"] = Op(
-        ("x", "h_pre_raw", "h_post_raw", "h_res_raw"),
-        lambda r, lead, n, C, dt: {"x": _act(r, lead + (n, C), dt), "h_pre_raw": _coef(r, lead + (n,)),
-                                   "h_post_raw": _coef(r, lead + (n,)), "h_res_raw": _coef(r, lead + (n, n), 2.0)},
+        lambda y, x, hp, hr: (post_jnp(y, x, hp, hr),))
+    ops["mhc_pre_op"] = _op(
+        "mhc_pre_op",
         lambda x, a, b, c: mj.mhc_pre_op(x, a, b, c, NI, SK_EPS),
         lambda mod, a: mod.mhc_pre_op_fwd(a["x"], a["h_pre_raw"], a["h_post_raw"], a["h_res_raw"], NI, SK_EPS),
         lambda ct, a: mhc_cupy.mhc_pre_op_bwd(*ct, a["x"], a["h_pre_raw"], a["h_post_raw"], a["h_res_raw"],
                                               NI, SK_EPS),
-        pre_jnp,
-    )
-    ops["mhc_coeffs"] = Op(
-        ("x", "phi", "alpha", "bias"),
-        lambda r, lead, n, C, dt: {"x": _act(r, lead + (n, C), dt),
-                                   "phi": _coef(r, (n * C, n * n + 2 * n), (n * C) ** -0.5),
-                                   "alpha": _coef(r, (3,)), "bias": _coef(r, (n * n + 2 * n,), 0.1)},
+        pre_jnp, scale={"h_res_raw": 2.0})
+    ops["mhc_coeffs"] = _op(
+        "mhc_coeffs",
         lambda x, phi, alpha, bias: mj.mhc_coeffs(x, phi, alpha, bias, RMS_EPS),
         lambda mod, a: mod.mhc_coeffs_fwd(a["x"], a["phi"], a["alpha"], a["bias"], RMS_EPS),
         lambda ct, a: mhc_cupy.mhc_coeffs_bwd(*ct, a["x"], a["phi"], a["alpha"], a["bias"], RMS_EPS),
-        coeffs_jnp,
-        ("phi", "alpha", "bias"),
-    )
+        coeffs_jnp, scale={"bias": 0.1})
     return ops
 
 

@@ -35,7 +35,7 @@ from mhc_cupy.ops import SPECS
 from mhc_cupy.ops.spec import GRAD_MODE, Arg, shape_of
 from mhc_cupy.torch.reference import sinkhorn_reference
 
-from harness import TOL, assert_close
+from harness import NP_DTYPES, TOL, assert_close, spec_inputs
 from paper_oracle import t_aggregate, t_coeffs, t_distribute, t_mix, t_post, t_pre, t_rmsnorm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,48 +93,41 @@ def grads_of(outs, inputs, upstream):
 # ------------------------------------------------------------ op table
 # A case is a dict: fn (adapter), fwd (functional forward; its name picks the
 # reference), bwd (functional backward: (upstream grads, inputs, params) -> grads),
-# oracle (pure-torch forward), args (input tensors, all differentiable), params.
+# oracle (pure-torch forward), args (input tensors, all differentiable, the op spec's inputs:
+# harness.spec_inputs), params.
+_SCALES = {"sinkhorn_knopp": {"logits": 3.0}, "mhc_pre_op": {"h_res_raw": 3.0}, "mhc_coeffs": {"bias": 0.1}}
+_DT_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _case_fns(name, num_iters):
+    """(adapter, functional forward, oracle, params, functional backward) of op ``name``."""
+    sk = dict(num_iters=num_iters, eps=1e-8)
+    return {
+        "sinkhorn_knopp": (mt.sinkhorn_knopp, m.sinkhorn_knopp_fwd, sinkhorn_reference, sk,
+                           lambda gs, a, p: m.sinkhorn_knopp_bwd(gs[0], a[0], **p)),
+        "rmsnorm": (mt.rmsnorm, m.rmsnorm_fwd, t_rmsnorm, dict(eps=1e-5),
+                    lambda gs, a, p: m.rmsnorm_bwd(gs[0], a[0], p["eps"], a[1] if len(a) > 1 else None)),
+        "stream_mix": (mt.stream_mix, m.stream_mix_fwd, t_mix, {}, lambda gs, a, p: m.stream_mix_bwd(gs[0], *a)),
+        "stream_aggregate": (mt.stream_aggregate, m.stream_aggregate_fwd, t_aggregate, {},
+                             lambda gs, a, p: m.stream_aggregate_bwd(gs[0], *a)),
+        "stream_distribute": (mt.stream_distribute, m.stream_distribute_fwd, t_distribute, {},
+                              lambda gs, a, p: m.stream_distribute_bwd(gs[0], *a)),
+        "mhc_post_op": (mt.mhc_post_op, m.mhc_post_op_fwd, t_post, {},
+                        lambda gs, a, p: m.mhc_post_op_bwd(gs[0], *a)),
+        "mhc_pre_op": (mt.mhc_pre_op, m.mhc_pre_op_fwd, t_pre, sk, lambda gs, a, p: m.mhc_pre_op_bwd(*gs, *a, **p)),
+        "mhc_coeffs": (mt.mhc_coeffs, m.mhc_coeffs_fwd, t_coeffs, dict(eps=1e-5),
+                       lambda gs, a, p: m.mhc_coeffs_bwd(*gs, *a, **p)),
+    }[name]
+
+
 def case(name, rng, lead, n, C, dtype=torch.float32, shared=False, num_iters=20, weight=True):
-    T = lambda shape, **k: tensor(rng, shape, **k)  # noqa: E731
-    lead = tuple(lead)
-    x = T(lead + (n, C), dtype=dtype)
-    y = T(lead + (C,), dtype=dtype)
-    hshape = (n,) if shared else lead + (n,)
-    if name == "sinkhorn_knopp":
-        L = T(lead + (n, n), scale=3.0)
-        return dict(fn=mt.sinkhorn_knopp, fwd=m.sinkhorn_knopp_fwd, oracle=sinkhorn_reference, args=[L],
-                    params=dict(num_iters=num_iters, eps=1e-8),
-                    bwd=lambda gs, a, p: m.sinkhorn_knopp_bwd(gs[0], a[0], **p))
-    if name == "rmsnorm":
-        w = T((n * C,)) if weight else None
-        xf = x.detach().reshape(lead + (n * C,)).requires_grad_()  # vec(x), as the mHC paper normalises it
-        return dict(fn=mt.rmsnorm, fwd=m.rmsnorm_fwd, oracle=t_rmsnorm, args=[xf] + ([w] if weight else []),
-                    params=dict(eps=1e-5), weight_kw=True,
-                    bwd=lambda gs, a, p: m.rmsnorm_bwd(gs[0], a[0], p["eps"], a[1] if len(a) > 1 else None))
-    if name == "stream_mix":
-        return dict(fn=mt.stream_mix, fwd=m.stream_mix_fwd, oracle=t_mix, args=[x, T(lead + (n, n))], params={},
-                    bwd=lambda gs, a, p: m.stream_mix_bwd(gs[0], *a))
-    if name == "stream_aggregate":
-        return dict(fn=mt.stream_aggregate, fwd=m.stream_aggregate_fwd, oracle=t_aggregate, args=[x, T(hshape)],
-                    params={}, bwd=lambda gs, a, p: m.stream_aggregate_bwd(gs[0], *a))
-    if name == "stream_distribute":
-        return dict(fn=mt.stream_distribute, fwd=m.stream_distribute_fwd, oracle=t_distribute, args=[y, T(hshape)],
-                    params={}, bwd=lambda gs, a, p: m.stream_distribute_bwd(gs[0], *a))
-    if name == "mhc_post_op":
-        return dict(fn=mt.mhc_post_op, fwd=m.mhc_post_op_fwd, oracle=t_post,
-                    args=[y, x, T(lead + (n,)), T(lead + (n, n))], params={},
-                    bwd=lambda gs, a, p: m.mhc_post_op_bwd(gs[0], *a))
-    if name == "mhc_pre_op":
-        return dict(fn=mt.mhc_pre_op, fwd=m.mhc_pre_op_fwd, oracle=t_pre,
-                    args=[x, T(lead + (n,)), T(lead + (n,)), T(lead + (n, n), scale=3.0)],
-                    params=dict(num_iters=num_iters, eps=1e-8),
-                    bwd=lambda gs, a, p: m.mhc_pre_op_bwd(*gs, *a, **p))
-    if name == "mhc_coeffs":
-        D, K = n * C, n * n + 2 * n
-        return dict(fn=mt.mhc_coeffs, fwd=m.mhc_coeffs_fwd, oracle=t_coeffs,
-                    args=[x, T((D, K), scale=D ** -0.5), T((3,)), T((K,), scale=0.1)], params=dict(eps=1e-5),
-                    bwd=lambda gs, a, p: m.mhc_coeffs_bwd(*gs, *a, **p))
-    raise KeyError(name)
+    fn, fwd, oracle, params, bwd = _case_fns(name, num_iters)
+    cols = n * C if name == "rmsnorm" else C  # RMSNorm of vec(x), as the mHC paper normalises it
+    arrays = spec_inputs(name, rng, tuple(lead), n, cols, _DT_NAME[dtype], _SCALES.get(name), shared,
+                         () if weight else ("weight",))
+    args = [torch.from_numpy(a.astype(np.float32)).to(dtype if a.dtype == NP_DTYPES[_DT_NAME[dtype]] else torch.float32)
+            .requires_grad_() for a in arrays.values()]
+    return dict(fn=fn, fwd=fwd, oracle=oracle, args=args, params=params, bwd=bwd, weight_kw=name == "rmsnorm")
 
 
 def call(c, args=None, fn=None):
