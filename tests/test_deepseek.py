@@ -29,7 +29,7 @@ import deepseek_oracle as O
 from deepseek_oracle import LEADS, NS, layer_params, oracle_vjp
 from gpu.helpers import ACT_TOL, COEF_TOL, SINKHORN_TOL, coef, rounded, to_gpu, to_host
 from gpu.helpers import DTYPES as GPU_DTYPES, NS as GPU_NS, SIZES as GPU_SIZES
-from harness import TOL, assert_close, assert_close_uniform, f64, gpu_test
+from harness import NP_DTYPES, TOL, assert_close, assert_close_uniform, f64, gpu_test, spec_inputs
 
 GPU = gpu_test()
 
@@ -196,35 +196,20 @@ def test_paper_reference_unchanged(rng):
 # ------------------------------------------------------------------ the ops through every route
 #: name -> (inputs (name, trailing shape, kind, scale), the oracle).  kind: "act" (x's dtype),
 #: "coef" (float32).  Logits of scale 2; DeepSeek-layout parameters for the coefficient path.
+#: op -> (input scales, float64 oracle); the inputs themselves (names, shapes, dtypes) come from the
+#: op's spec (harness.spec_inputs); H_post and H_res are taken non-negative, as the pre op makes them.
 OPS = {
-    "sinkhorn_knopp": ((("logits", "nn", "coef", 2.0),), O.sinkhorn),
-    "mhc_pre_op": ((("x", "nC", "act", 1.0), ("h_pre_raw", "n", "coef", 2.0), ("h_post_raw", "n", "coef", 2.0),
-                    ("h_res_raw", "nn", "coef", 2.0)), O.pre_op),
-    "mhc_post_op": ((("layer_out", "C", "act", 1.0), ("x", "nC", "act", 1.0), ("H_post", "n", "coef", 1.0),
-                     ("H_res", "nn", "coef", 0.5)), O.post_op),
-    "mhc_coeffs": ((("x", "nC", "act", 1.0), ("phi", "p", "coef", 1.0), ("alpha", "3", "coef", 1.0),
-                    ("bias", "m", "coef", 0.5)), lambda x, phi, a, b: O.coeffs(x, phi.T, a, b)),
+    "sinkhorn_knopp": ({"logits": 2.0}, O.sinkhorn),
+    "mhc_pre_op": ({"h_pre_raw": 2.0, "h_post_raw": 2.0, "h_res_raw": 2.0}, O.pre_op),
+    "mhc_post_op": ({"H_res": 0.5}, O.post_op),
+    "mhc_coeffs": ({"bias": 0.5}, lambda x, phi, a, b: O.coeffs(x, phi.T, a, b)),
 }
-def _np_dtype(name):
-    import ml_dtypes
-
-    return {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[name]
 
 
 def make_inputs(rng, op, lead, n, C, dt):
     """The op's inputs as NumPy arrays of their dtypes (activations ``dt``, coefficients float32)."""
-    shapes = {"nn": (n, n), "n": (n,), "nC": (n, C), "C": (C,), "3": (3,), "m": (n * n + 2 * n,),
-              "p": (n * C, n * n + 2 * n)}
-    out = []
-    for name, shape, kind, scale in OPS[op][0]:
-        per_token = shape in ("nn", "n", "nC", "C")
-        a = rng.normal(size=(lead if per_token else ()) + shapes[shape]) * scale
-        if name == "phi":
-            a /= np.sqrt(n * C)
-        if name in ("H_post", "H_res"):
-            a = np.abs(a)
-        out.append(a.astype(_np_dtype(dt) if kind == "act" else np.float32))
-    return out
+    arrays = spec_inputs(op, rng, lead, n, C, dt, OPS[op][0])
+    return [np.abs(a) if k in ("H_post", "H_res") else a for k, a in arrays.items()]
 
 
 def oracle(op, inputs, cots):
@@ -238,7 +223,7 @@ def cotangents(rng, outs, dt, op):
     for o in outs:
         a = rng.normal(size=np.shape(o))
         act = op in ("mhc_post_op",) or (op == "mhc_pre_op" and len(cts) == 0)
-        cts.append(a.astype(_np_dtype(dt) if act else np.float32))
+        cts.append(a.astype(NP_DTYPES[dt] if act else np.float32))
     return cts
 
 
