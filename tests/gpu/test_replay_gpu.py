@@ -18,7 +18,7 @@ from .helpers import ACT_TOL, assert_close, poisoned_allocations, rounded, to_gp
 pytestmark = pytest.mark.gpu
 
 T, n, C = 37, 4, 520
-SINKHORN_TOL = TOL["sinkhorn"].value  # as test_ops_gpu; >= COEF_TOL
+SINKHORN_TOL = TOL["sinkhorn"].value  # as the Sinkhorn GPU cases (tests/test_sinkhorn.py); >= COEF_TOL
 DT = "bfloat16"
 
 
