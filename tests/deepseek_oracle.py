@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from paper_oracle import torch_vjp
+
 ITERS, EPS, RMS_EPS, HC_EPS, POST_MULT = 20, 1e-6, 1e-6, 1e-6, 2.0
 
 #: The CPU tests' grid: token leading shapes and streams n.
@@ -24,19 +26,9 @@ def t64(a, grad=True):
     return torch.tensor(np.asarray(a, dtype=np.float64), requires_grad=grad)
 
 
-def oracle_vjp(fn, inputs, grads):
-    """(outputs, input gradients) of ``fn`` in float64 torch; ``grads`` one per output (None: zero)."""
-    ts = [t64(a) for a in inputs]
-    outs = fn(*ts)
-    outs = (outs,) if isinstance(outs, torch.Tensor) else tuple(outs)
-    loss = sum((o * t64(g, False)).sum() for o, g in zip(outs, grads) if g is not None)
-    gs = torch.autograd.grad(loss, ts, allow_unused=True)
-    return [o.detach().numpy() for o in outs], [np.zeros(t.shape) if g is None else g.numpy() for g, t in zip(gs, ts)]
-
-
 def oracle(fn, inputs, g):
     """(output, input gradients) of a one-output ``fn`` in float64 torch for the incoming gradient ``g``."""
-    (out,), grads = oracle_vjp(fn, inputs, [g])
+    (out,), grads = torch_vjp(fn, inputs, [g])
     return out, grads
 
 

@@ -26,10 +26,11 @@ import mhc_cupy as m
 from mhc_cupy import _convention, reference as R
 
 import deepseek_oracle as O
-from deepseek_oracle import LEADS, NS, layer_params, oracle_vjp
+from deepseek_oracle import LEADS, NS, layer_params
 from gpu.helpers import ACT_TOL, COEF_TOL, SINKHORN_TOL, coef, rounded, to_gpu, to_host
 from gpu.helpers import DTYPES as GPU_DTYPES, NS as GPU_NS, SIZES as GPU_SIZES
 from harness import NP_DTYPES, TOL, assert_close, assert_close_uniform, f64, gpu_test, spec_inputs
+from paper_oracle import torch_vjp
 
 GPU = gpu_test()
 
@@ -93,11 +94,11 @@ def test_deepseek_needs_an_iteration(rng):
 def test_reference_sinkhorn(rng, lead, n, scale):
     L = rng.normal(size=lead + (n, n)) * scale
     G = rng.normal(size=L.shape)
-    (want,), (dwant,) = oracle_vjp(O.sinkhorn, [L], [G])
+    (want,), (dwant,) = torch_vjp(O.sinkhorn, [L], [G])
     uniform(R.sinkhorn_knopp_fwd(L, convention="deepseek"), want, 1e-12)
     uniform(R.sinkhorn_knopp_bwd(G, L, convention="deepseek"), dwant, 1e-9)
     for iters in (1, 2):
-        (want,), (dwant,) = oracle_vjp(lambda l: O.sinkhorn(l, iters, 1e-3), [L], [G])
+        (want,), (dwant,) = torch_vjp(lambda l: O.sinkhorn(l, iters, 1e-3), [L], [G])
         uniform(R.sinkhorn_knopp_fwd(L, iters, 1e-3, convention="deepseek"), want, 1e-12)
         uniform(R.sinkhorn_knopp_bwd(G, L, iters, 1e-3, convention="deepseek"), dwant, 1e-9)
 
@@ -107,7 +108,7 @@ def test_reference_sinkhorn_implicit_converged(rng, n):
     """"implicit" is the gradient of the converged projection: the unrolled one of a long deepseek run."""
     L = rng.normal(size=(3, n, n))
     G = rng.normal(size=L.shape)
-    _, (dwant,) = oracle_vjp(lambda l: O.sinkhorn(l, 300, 0.0), [L], [G])
+    _, (dwant,) = torch_vjp(lambda l: O.sinkhorn(l, 300, 0.0), [L], [G])
     got = R.sinkhorn_knopp_bwd(G, L, 300, 0.0, grad_mode="implicit", convention="deepseek")
     uniform(got, dwant, 1e-7)
 
@@ -120,13 +121,13 @@ def test_reference_pre_op(rng, lead, n, C):
     ins = [d["x"], d["h_pre_raw"], d["h_post_raw"], d["h_res_raw"]]
     gs = [rng.normal(size=lead + (C,)), rng.normal(size=lead + (n,)), rng.normal(size=lead + (n,)),
           rng.normal(size=lead + (n, n))]
-    want, dwant = oracle_vjp(O.pre_op, ins, gs)
+    want, dwant = torch_vjp(O.pre_op, ins, gs)
     for got, w in zip(R.mhc_pre_op_fwd(*ins, convention="deepseek"), want):
         uniform(got, w, 1e-12)
     for got, w in zip(R.mhc_pre_op_bwd(*gs, *ins, convention="deepseek"), dwant):
         uniform(got, w, 1e-9)
     # other activation settings (hc_eps, post_mult) and absent gradients
-    want, dwant = oracle_vjp(lambda *a: O.pre_op(*a, 3, 1e-4, 0.01, 1.5), ins, [gs[0], None, gs[2], None])
+    want, dwant = torch_vjp(lambda *a: O.pre_op(*a, 3, 1e-4, 0.01, 1.5), ins, [gs[0], None, gs[2], None])
     for got, w in zip(R.mhc_pre_op_fwd(*ins, 3, 1e-4, "deepseek", 0.01, 1.5), want):
         uniform(got, w, 1e-12)
     got = R.mhc_pre_op_bwd(gs[0], None, gs[2], None, *ins, 3, 1e-4, "unrolled", "deepseek", 0.01, 1.5)
@@ -141,7 +142,7 @@ def test_reference_post_op(rng, lead, n):
     H_post, H_res = rng.uniform(0, 2, size=lead + (n,)), rng.uniform(0, 1, size=lead + (n, n))
     ins = [d["y"], d["x"], H_post, H_res]
     g = rng.normal(size=d["x"].shape)
-    (want,), dwant = oracle_vjp(O.post_op, ins, [g])
+    (want,), dwant = torch_vjp(O.post_op, ins, [g])
     uniform(R.mhc_post_op_fwd(*ins, convention="deepseek"), want, 1e-12)
     for got, w in zip(R.mhc_post_op_bwd(g, *ins, convention="deepseek"), dwant):
         uniform(got, w, 1e-12)
@@ -154,7 +155,7 @@ def test_reference_coeffs(rng, lead, n, C):
     x = rng.normal(size=lead + (n, C))
     hc_fn, hc_scale, hc_base = layer_params(rng, n, C)
     gs = [rng.normal(size=lead + (n,)), rng.normal(size=lead + (n,)), rng.normal(size=lead + (n, n))]
-    want, (dx, dfn, dscale, dbase) = oracle_vjp(O.coeffs, [x, hc_fn, hc_scale, hc_base], gs)
+    want, (dx, dfn, dscale, dbase) = torch_vjp(O.coeffs, [x, hc_fn, hc_scale, hc_base], gs)
     for got, w in zip(R.mhc_coeffs_fwd(x, hc_fn.T, hc_scale, hc_base, convention="deepseek"), want):
         uniform(got, w, 1e-12)
     got = R.mhc_coeffs_bwd(*gs, x, hc_fn.T, hc_scale, hc_base, convention="deepseek")
@@ -171,7 +172,7 @@ def test_reference_layer_pieces(rng, n, mode):
     hc_fn, hc_scale, hc_base = layer_params(rng, n, C)
     g = rng.normal(size=x.shape)
     iters, eps = (20, 1e-6) if mode == "unrolled" else (300, 0.0)  # implicit: the exact converged projection
-    (want,), (dx, dfn, dscale, dbase) = oracle_vjp(lambda *a: O.layer(*a, iters=iters, eps=eps),
+    (want,), (dx, dfn, dscale, dbase) = torch_vjp(lambda *a: O.layer(*a, iters=iters, eps=eps),
                                                    [x, hc_fn, hc_scale, hc_base], [g])
     kw = dict(num_iters=iters, eps=eps, convention="deepseek")
     layer_in, H_pre, H_post, H_res, stats = R.mhc_layer_pre_fwd(x, hc_fn.T, hc_scale, hc_base, **kw)
@@ -214,7 +215,7 @@ def make_inputs(rng, op, lead, n, C, dt):
 
 def oracle(op, inputs, cots):
     """(outputs, input gradients) of the float64 oracle at the given (rounded) inputs."""
-    return oracle_vjp(OPS[op][1], [f64(a) for a in inputs], [None if g is None else f64(g) for g in cots])
+    return torch_vjp(OPS[op][1], [f64(a) for a in inputs], [None if g is None else f64(g) for g in cots])
 
 
 def cotangents(rng, outs, dt, op):
@@ -331,7 +332,7 @@ def test_fused_layer_pieces_functional(rng, mode):
     layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(x, phi, alpha, bias, iters, eps, **kw)
     out = m.mhc_post_op_fwd(layer_in, x, H_post, H_res, **kw)
     g = rng.normal(size=x.shape).astype(np.float32)
-    (want,), dwant = oracle_vjp(lambda *a: O.layer(a[0], a[1].T, a[2], a[3], iters=iters,
+    (want,), dwant = torch_vjp(lambda *a: O.layer(a[0], a[1].T, a[2], a[3], iters=iters,
                                                    eps=O.EPS if mode == "unrolled" else eps),
                                 [f64(a) for a in (x, phi, alpha, bias)], [f64(g)])
     assert_close(out, want, tol("float32") * 10, "layer output")
@@ -354,7 +355,7 @@ def test_torch_layer_pieces(rng, mode):
     layer_in, x_link, H_post, H_res = mt.mhc_layer_pre(*ts, iters, eps, grad_mode=mode, convention="deepseek")
     out = mt.mhc_layer_post(torch.tanh(layer_in), x_link, H_post, H_res, convention="deepseek")
     g = rng.normal(size=arrays[0].shape)
-    (want,), dwant = oracle_vjp(lambda x, p, a, b: O.layer(x, p.T, a, b, torch.tanh, iters=iters,
+    (want,), dwant = torch_vjp(lambda x, p, a, b: O.layer(x, p.T, a, b, torch.tanh, iters=iters,
                                                            eps=O.EPS if mode == "unrolled" else eps),
                                 [f64(a) for a in arrays], [g])
     assert_close(out, want, 1e-5, "output")
@@ -375,7 +376,7 @@ def test_jax_fused_layer_settings(rng):
     assert settings == (20, 1e-6, 1e-6, "unrolled", "deepseek", 1e-6, 2.0)
     out, vjp = jax.vjp(lambda *a: mj._fused_layer(jax.numpy.tanh, settings, *a), phi, alpha, bias, x)
     g = rng.normal(size=x.shape).astype(np.float32)
-    (want,), dwant = oracle_vjp(lambda p, a, b, xx: O.layer(xx, p.T, a, b, torch.tanh),
+    (want,), dwant = torch_vjp(lambda p, a, b, xx: O.layer(xx, p.T, a, b, torch.tanh),
                                 [f64(a) for a in (phi, alpha, bias, x)], [f64(g)])
     assert_close(out, want, 1e-5, "output")
     for i, (a, w) in enumerate(zip(vjp(g), dwant)):
@@ -393,7 +394,7 @@ CHAIN_TOL = TOL["sinkhorn_chain_grad"].value
 @pytest.mark.parametrize("scale", [1.0, 3.0])
 def test_sinkhorn(rng, n, T, scale):
     L, G = coef(rng, (T, n, n), scale), coef(rng, (T, n, n))
-    (P_ref,), (dL_ref,) = oracle_vjp(O.sinkhorn, [L], [G])
+    (P_ref,), (dL_ref,) = torch_vjp(O.sinkhorn, [L], [G])
     assert_close(m.sinkhorn_knopp_fwd(to_gpu(L), **DS), P_ref, SINKHORN_TOL, "P")
     dL = to_host(m.sinkhorn_knopp_bwd(to_gpu(G), to_gpu(L), **DS))
     assert_close(dL, dL_ref, 20 * SINKHORN_TOL if scale > 1 else SINKHORN_TOL, "dL")
@@ -408,7 +409,7 @@ def test_sinkhorn_iters_eps_and_history(rng, n, num_iters, eps):
     """The softmax start alone (1 iteration), eps in and out of the first step, and num_iters = 200
     (the step history in global scratch instead of shared memory)."""
     L, G = coef(rng, (33, n, n)), coef(rng, (33, n, n))
-    (P_ref,), (dL_ref,) = oracle_vjp(lambda l: O.sinkhorn(l, num_iters, eps), [L], [G])
+    (P_ref,), (dL_ref,) = torch_vjp(lambda l: O.sinkhorn(l, num_iters, eps), [L], [G])
     assert_close(m.sinkhorn_knopp_fwd(to_gpu(L), num_iters, eps, **DS), P_ref, SINKHORN_TOL, "P")
     assert_close(m.sinkhorn_knopp_bwd(to_gpu(G), to_gpu(L), num_iters, eps, **DS), dL_ref, 5 * SINKHORN_TOL, "dL")
 
@@ -442,7 +443,7 @@ def _check_pre(rng, dt, n, T, C, grad_mode="unrolled", absent=(), **settings):
     raw = [coef(rng, (T, n), 2.0), coef(rng, (T, n), 2.0), coef(rng, (T, n, n), 2.0)]
     grads = [rounded(rng, (T, C), dt), coef(rng, (T, n)), coef(rng, (T, n)), coef(rng, (T, n, n))]
     grads = [None if i in absent else v for i, v in enumerate(grads)]
-    ref, dref = oracle_vjp(lambda *a: O.pre_op(*a, **settings), [x, *raw], grads)
+    ref, dref = torch_vjp(lambda *a: O.pre_op(*a, **settings), [x, *raw], grads)
     kw = dict(settings, **DS)
     if grad_mode == "implicit":
         dref = R.mhc_pre_op_bwd(*grads, x, *raw, grad_mode="implicit", **kw)
@@ -477,7 +478,7 @@ def test_post_op(rng, dt, n, T, C):
     y, x = rounded(rng, (T, C), dt), rounded(rng, (T, n, C), dt)
     Hp, Hr = coef(rng, (T, n)), coef(rng, (T, n, n))
     g = rounded(rng, (T, n, C), dt)
-    (ref,), dref = oracle_vjp(O.post_op, [y, x, Hp, Hr], [g])
+    (ref,), dref = torch_vjp(O.post_op, [y, x, Hp, Hr], [g])
     assert_close(m.mhc_post_op_fwd(to_gpu(y), to_gpu(x), to_gpu(Hp), to_gpu(Hr), **DS), ref, ACT_TOL[dt], "out")
     got = m.mhc_post_op_bwd(to_gpu(g), to_gpu(y), to_gpu(x), to_gpu(Hp), to_gpu(Hr), **DS)
     for name, a, b, tol in zip(("dy", "dx", "dH_post", "dH_res"), got, dref,
@@ -497,7 +498,7 @@ def test_coeffs(rng, dt, n, T, C):
     hc_fn = coef(rng, (m_, n * C), 1 / np.sqrt(n * C))
     hc_scale, hc_base = np.array([0.7, 1.3, 2.0], np.float32), coef(rng, (m_,), 0.5)
     gs = [coef(rng, (T, n)), coef(rng, (T, n)), coef(rng, (T, n, n))]
-    ref, (dx, dfn, dscale, dbase) = oracle_vjp(O.coeffs, [x, hc_fn, hc_scale, hc_base], gs)
+    ref, (dx, dfn, dscale, dbase) = torch_vjp(O.coeffs, [x, hc_fn, hc_scale, hc_base], gs)
     phi = np.ascontiguousarray(hc_fn.T)
     got = m.mhc_coeffs_fwd(to_gpu(x), to_gpu(phi), to_gpu(hc_scale), to_gpu(hc_base), **DS)
     for name, a, b in zip(("pre", "post", "res"), got, ref):
@@ -541,7 +542,7 @@ def test_layer_pieces_float32(rng, n, T, C, grad_mode):
     x, hc_fn, hc_scale, hc_base = _layer_inputs(rng, "float32", T, n, C)
     phi = np.ascontiguousarray(hc_fn.T)
     g = rounded(rng, (T, n, C), "float32")
-    (ref,), (dx, dfn, dscale, dbase) = oracle_vjp(O.layer, [x, hc_fn, hc_scale, hc_base], [g])
+    (ref,), (dx, dfn, dscale, dbase) = torch_vjp(O.layer, [x, hc_fn, hc_scale, hc_base], [g])
     if grad_mode == "implicit":
         layer_in, H_pre, H_post, H_res, stats = R.mhc_layer_pre_fwd(x, phi, hc_scale, hc_base, **DS)
         dy, _, dH_post, dH_res = R.mhc_post_op_bwd(g, layer_in, x, H_post, H_res, **DS)
@@ -652,7 +653,7 @@ def test_torch_adapter_cuda(rng):
                lambda *a: mt.mhc_post_op(*a, convention="deepseek"))
     out = chain(*ts, kernels)
     g = coef(rng, (T, n, C))
-    (ref,), dref = oracle_vjp(lambda *a: chain(*a, (O.pre_op, O.post_op)), arrays, [g])
+    (ref,), dref = torch_vjp(lambda *a: chain(*a, (O.pre_op, O.post_op)), arrays, [g])
     assert_close(out, ref, 1e-5, "out")
     for i, (a, b) in enumerate(zip(torch.autograd.grad(out, ts, torch.tensor(g, device="cuda")), dref)):
         assert_close(a, b, CHAIN_TOL, f"gradient {i}")
@@ -679,7 +680,7 @@ def test_jax_adapter_cuda(rng):
         layer_in, _, H_post, H_res = O.pre_op(x, hp, hq, hr)
         return O.post_op(torch.tanh(layer_in), x, H_post, H_res)
 
-    (ref,), dref = oracle_vjp(ochain, arrays, [g])
+    (ref,), dref = torch_vjp(ochain, arrays, [g])
     assert_close(np.asarray(out), ref, 1e-5, "out")
     for i, (a, b) in enumerate(zip(vjp(jax.numpy.asarray(g)), dref)):
         assert_close(np.asarray(a), b, CHAIN_TOL, f"gradient {i}")

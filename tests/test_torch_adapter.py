@@ -53,10 +53,6 @@ SHAPES = [  # (lead dims, n, C): n = 1 (trivial Sinkhorn), odd C, one token, 2-D
 
 
 # ------------------------------------------------------------------ helpers
-def _np_dtype(dtype):
-    return {torch.float32: np.float32, torch.float16: np.float16}.get(dtype)
-
-
 def tensor(rng, shape, dtype=torch.float32, scale=1.0, grad=True):
     """Random normal data rounded to ``dtype`` (explicit dtype: other test files change the default)."""
     t = torch.from_numpy(rng.standard_normal(shape) * scale).to(dtype)

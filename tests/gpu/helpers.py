@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import contextlib
 
-import ml_dtypes
 import numpy as np
 import pytest
 
-from harness import TOL, assert_close, f64, to_host  # noqa: F401 - re-exported for the GPU tests
+from harness import NP_DTYPES, TOL, assert_close, f64, to_host  # noqa: F401 - re-exported for the GPU tests
 
-NP_DTYPE = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
 
 #: Activation outputs (per dtype name) and float32 coefficient sums: rows of ``harness.TOL``.
 ACT_TOL = TOL["activation"]
@@ -46,14 +44,14 @@ needs_torch = pytest.mark.skipif(not torch_cuda_ok(), reason="needs torch with C
 
 def rounded(rng, shape, dtype: str, scale=1.0):
     """Random normal data already rounded to ``dtype`` (float64 copy for the reference, typed copy)."""
-    a = (rng.standard_normal(shape) * scale).astype(NP_DTYPE[dtype])
+    a = (rng.standard_normal(shape) * scale).astype(NP_DTYPES[dtype])
     return a
 
 
 def to_gpu(a):
     import cupy as cp
 
-    if a.dtype == NP_DTYPE["bfloat16"]:
+    if a.dtype == NP_DTYPES["bfloat16"]:
         return cp.asarray(a.view(np.uint16)).view(a.dtype)
     return cp.asarray(a)
 

@@ -25,7 +25,7 @@ import pytest
 import mhc_cupy as m
 from mhc_cupy import reference as R
 
-from .helpers import ACT_TOL, NP_DTYPE, assert_close, f64, poisoned_allocations, rounded, to_gpu, to_host, torch_cuda_ok
+from .helpers import ACT_TOL, NP_DTYPES, assert_close, f64, poisoned_allocations, rounded, to_gpu, to_host, torch_cuda_ok
 
 pytestmark = pytest.mark.gpu
 
@@ -207,10 +207,10 @@ def test_rmsnorm_fwd_row_of_2_31_minus_1():
     if free < 10 * 2**30:
         pytest.skip(f"needs ~10 GiB of free GPU memory, {free / 2**30:.1f} GiB free")
     vals = np.array([1.0, 2.0, -1.0, 1.0, -2.0, 2.0, 1.0, -1.0])
-    bits = vals.astype(NP_DTYPE["bfloat16"]).view(np.uint16)
+    bits = vals.astype(NP_DTYPES["bfloat16"]).view(np.uint16)
     with poisoned_allocations():
         xb = cp.tile(cp.asarray(bits), 2**28)[:C]
-        x = xb.view(NP_DTYPE["bfloat16"]).reshape(1, C)
+        x = xb.view(NP_DTYPES["bfloat16"]).reshape(1, C)
         y = m.rmsnorm_fwd(x, 1e-5)
         cp.cuda.Device().synchronize()
     counts = np.full(8, C // 8) + (np.arange(8) < C % 8)
@@ -221,7 +221,7 @@ def test_rmsnorm_fwd_row_of_2_31_minus_1():
         col = yb[k::8]
         first = int(col[0])
         assert bool((col == first).all()), f"residue {k}: outputs differ along the row (unwritten or wrong)"
-        got = float(np.array([first], np.uint16).view(NP_DTYPE["bfloat16"])[0])
+        got = float(np.array([first], np.uint16).view(NP_DTYPES["bfloat16"])[0])
         assert abs(got - vals[k] * r) <= ACT_TOL["bfloat16"] * (abs(vals[k] * r) + 1), (k, got, vals[k] * r)
     del x, xb, y, yb
 
