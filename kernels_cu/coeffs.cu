@@ -8,9 +8,9 @@
 //   dalpha_j = sum_t sum_{k in group j} g_k H~_k / r,  dbias = sum_t g.
 //
 // The GEMMs run on tensor cores (the "tensor-core path" at the end of this
-// file: the forward GEMM and the sum of squares for every n; dx and dphi for
-// K <= 32, i.e. n <= 4); the small per-token kernels and the CUDA-core
-// backward for n > 4 are here:
+// file: the forward GEMM and the sum of squares for every n; dx and dphi in one
+// kernel for K <= 32, i.e. n <= 4, in two above); the small per-token kernels
+// and the CUDA-core fallbacks are here:
 //
 // * mhc_coeffs_fwd_finish_kernel: h from the raw per-D-range sums part
 //   [splits, T, K+1] (column K: the sum of squares), summed in range order.
@@ -19,13 +19,15 @@
 //   4) and the per-token dalpha terms [T, 3] (summed over tokens by
 //   mhc_column_sum_kernel; dbias is the column sum of the incoming gradients).
 // * the head (OPS.md section 11): mhc_head_fwd_kernel, mhc_head_bwd_prep_kernel,
-//   mhc_head_bwd_dx_kernel (K = n columns of hc_fn = phi^T; section "head" below).
-// * n > 4 (K > 32): mhc_coeffs_bwd_dx_kernel<T, TG, E, KC, LAYER> (a thread owns E
+//   mhc_head_bwd_dx_kernel (K = n columns of hc_fn = phi^T; section "head" below),
+//   and its dhc_fn through mhc_coeffs_bwd_dphi_kernel.
+// * dx on CUDA cores where the tensor-core dx kernel's phi rows do not fit in shared
+//   memory (n >= 16): mhc_coeffs_bwd_dx_kernel<T, TG, E, KC, LAYER> (a thread owns E
 //   positions x TS tokens of dx, loops over K in chunks of KC columns of the
 //   transposed phi (mhc_coeffs_transpose_kernel, coalesced) and of dH staged
-//   in shared memory) and mhc_coeffs_bwd_dphi_kernel<T, E, KC> (a thread owns
+//   in shared memory); mhc_coeffs_bwd_dphi_kernel<T, E, KC> (a thread owns
 //   E positions x KC columns of dphi and walks a token range; the column chunk
-//   is the fastest block index), on CUDA cores: correct, not tuned.
+//   is the fastest block index).
 //
 // Determinism: every sum has a fixed order (per-lane sequential, fixed
 // butterflies, the tensor cores' fixed accumulation, partials summed in index
@@ -1224,4 +1226,291 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
                     if (k < K) out[d * K + k] = accp[m][q][2 * h + e];
                 }
         }
+}
+
+// ------------------------------------------------------- backward on tensor cores, K > 32
+// With more than 32 columns (n > 4) one warp cannot hold dphi's accumulators for all of
+// them and dx's reduction at once, so dphi and dx are two kernels (same bf16 planes).
+//
+// mhc_coeffs_mma_dphi_kernel<T, VEC, NQ, STAGES>: dphi[d, k] += sum_t x[t, d] dH[t, k].
+// Grid (pblocks * ncc, splits), 4 warps: the block owns positions [pb * 256, pb * 256 + 256)
+// of D (warp w: the 64 from pb * 256 + 64 w) and columns [cc * 8 NQ, cc * 8 NQ + 8 NQ), and
+// walks tokens [split * t_split, min(tokens, (split + 1) * t_split)) (t_split a multiple of
+// 16) 16 a step, x [16][256] T and dH_c [3][8 NQ][16] per stage.  A operand x^T and
+// fragments as the dphi part of mhc_coeffs_mma_bwd_kernel.
+//   dH_c: [3, Kc, tokens_p] (split_cols of dH, Kc = ncc * 8 NQ columns, zero past K).
+//   dphi: partials [splits, D, K] (the output with one split).
+// VEC: D % 8 == 0 and x 16-byte aligned.  Dynamic shared memory: STAGES * (16 * (256 *
+// sizeof(T) + 16) + 3 * 8 NQ * 32) bytes.
+template <typename T, bool VEC, int NQ, int STAGES>
+__global__ void __launch_bounds__(128)
+mhc_coeffs_mma_dphi_kernel(const T* __restrict__ x, const __nv_bfloat16* __restrict__ dH_c, float* __restrict__ dphi,
+                           i64 tokens, i64 tokens_p, int D, int K, int Kc, int ncc, i64 t_split) {
+    using namespace mhc_coeffs;
+    constexpr int P = XParts<T>::value;
+    constexpr int XR = 256 * (int)sizeof(T) + 16;  // token row bytes (padded: no bank conflicts between tokens)
+    constexpr int XB = 16 * XR, SB = XB + 3 * NQ * 8 * 32;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g8 = lane >> 2, tq = lane & 3;
+    const int pb = (int)(blockIdx.x / (unsigned)ncc), cc = (int)(blockIdx.x - (unsigned)pb * ncc);
+    const int d0 = pb * 256, k0 = cc * NQ * 8;
+    const i64 t_begin = (i64)blockIdx.y * t_split;
+    const i64 t_end = min(tokens, t_begin + t_split);
+    const int steps = (int)((max(t_end - t_begin, (i64)0) + 15) / 16);
+    const i64 plane_c = (i64)Kc * tokens_p;
+
+    auto fill = [&](int step, int stage) {
+        unsigned char* st = smem + stage * SB;
+        const i64 t0 = t_begin + step * 16;
+        constexpr int XC = 256 * (int)sizeof(T) / 16;  // 16-byte chunks per token row
+        for (int c = threadIdx.x; c < 16 * XC; c += 128) {
+            const int u = c / XC, q = c - u * XC;
+            const i64 t = t0 + u;
+            const bool ok = t < t_end;
+            fill16<T, VEC>(st + u * XR + q * 16, x + (ok ? t : 0) * (i64)D, ok, d0 + q * (16 / (int)sizeof(T)), D);
+        }
+        for (int c = threadIdx.x; c < 3 * NQ * 8 * 2; c += 128) {  // rows p * 8 NQ + k, two 16-byte halves
+            const int r = c >> 1, q = c & 1, p = r / (NQ * 8), k = r - p * (NQ * 8);
+            cp_async16(st + XB + c * 16, dH_c + p * plane_c + (i64)(k0 + k) * tokens_p + t0 + q * 8, true);
+        }
+    };
+
+    float acc[4][NQ][4];  // [m tile of 16 positions][column tile][fragment]
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+        for (int q = 0; q < NQ; ++q)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[m][q][r] = 0.f;
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < steps) fill(s, s);
+        cp_async_commit();
+    }
+    for (int step = 0; step < steps; ++step) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        if (step + STAGES - 1 < steps) fill(step + STAGES - 1, (step + STAGES - 1) % STAGES);
+        cp_async_commit();
+        const unsigned char* st = smem + (step % STAGES) * SB;
+        auto xrow = [&](int u) { return reinterpret_cast<const T*>(st + u * XR) + warp * 64; };
+        const __nv_bfloat16* dhc = reinterpret_cast<const __nv_bfloat16*>(st + XB);
+        // A row g of m tile m: position 8 g8 + 2m (row g8 + 8: + 1); the reduction index is
+        // the token: 2tq, 2tq+1 | 2tq+8, 2tq+9.
+        unsigned afr[4][P][4];  // [m][part][fragment word]
+        if constexpr (P == 1) {
+            unsigned xw[4][4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) mhc::load_words<4>(xrow(2 * tq + (u & 1) + 8 * (u >> 1)) + 8 * g8, xw[u]);
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                afr[m][0][0] = __byte_perm(xw[0][m], xw[1][m], 0x5410);
+                afr[m][0][1] = __byte_perm(xw[0][m], xw[1][m], 0x7632);
+                afr[m][0][2] = __byte_perm(xw[2][m], xw[3][m], 0x5410);
+                afr[m][0][3] = __byte_perm(xw[2][m], xw[3][m], 0x7632);
+            }
+        } else {
+            float xv[4][8];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) mhc::load_vec<T, 8>(xrow(2 * tq + (u & 1) + 8 * (u >> 1)) + 8 * g8, xv[u]);
+#pragma unroll
+            for (int m = 0; m < 4; ++m) {
+                unsigned bits[4][2][P];  // [token u][h][part]
+#pragma unroll
+                for (int u = 0; u < 4; ++u)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) split_bits<P>(xv[u][2 * m + h], bits[u][h]);
+#pragma unroll
+                for (int pa = 0; pa < P; ++pa) {
+                    afr[m][pa][0] = pack2(bits[0][0][pa], bits[1][0][pa]);
+                    afr[m][pa][1] = pack2(bits[0][1][pa], bits[1][1][pa]);
+                    afr[m][pa][2] = pack2(bits[2][0][pa], bits[3][0][pa]);
+                    afr[m][pa][3] = pack2(bits[2][1][pa], bits[3][1][pa]);
+                }
+            }
+        }
+        unsigned bp[NQ][3][2];
+#pragma unroll
+        for (int q = 0; q < NQ; ++q)
+#pragma unroll
+            for (int p = 0; p < 3; ++p) {
+                const __nv_bfloat16* col = dhc + (p * NQ * 8 + 8 * q + g8) * 16 + 2 * tq;
+                bp[q][p][0] = *reinterpret_cast<const unsigned*>(col);
+                bp[q][p][1] = *reinterpret_cast<const unsigned*>(col + 8);
+            }
+#pragma unroll
+        for (int pa = 0; pa < P; ++pa)
+#pragma unroll
+            for (int pb = 0; pb + pa < 3; ++pb)
+#pragma unroll
+                for (int q = 0; q < NQ; ++q)
+#pragma unroll
+                    for (int m = 0; m < 4; ++m) mma16816(acc[m][q], afr[m][pa], bp[q][pb][0], bp[q][pb][1]);
+    }
+    cp_async_wait<0>();
+    float* out = dphi + (i64)blockIdx.y * D * (i64)K;
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int d = d0 + warp * 64 + 8 * g8 + 2 * m + h;
+            if (d >= D) continue;
+#pragma unroll
+            for (int q = 0; q < NQ; ++q)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int k = k0 + 8 * q + 2 * tq + e;
+                    if (k < K) out[(i64)d * K + k] = acc[m][q][2 * h + e];
+                }
+        }
+}
+
+// mhc_coeffs_mma_dx_kernel<T, TG, VEC, LAYER, KS, W, STAGES>: dx = dH phi^T - c x (+ with
+// LAYER the rest of the layer's dx, as mhc_coeffs_mma_bwd_kernel), rounded once.  Grid
+// (cblocks * groups, splits), groups = n / W, W warps: warp w owns positions
+// i * C + [cb * 64, cb * 64 + 64) of stream i = group * W + w; the block keeps those
+// positions' phi rows (PO planes, bf16) in shared memory and walks tokens
+// [split * t_split, ...) 16 a step, dH_r [PO][16][K16] per stage.  A operand dH, B operand
+// phi, fragments as the dx part of mhc_coeffs_mma_bwd_kernel (PO = 2 planes of each for
+// 16-bit T: the dropped products are 2^-16 of the result, below its ulp; 3 for float32).
+// VEC: C % 8 == 0 and x, dx (and g, g_li) 16-byte aligned.  Dynamic shared memory:
+// (W * 64 * K16 + STAGES * 16 * K16) * PO * 2 bytes.
+template <typename T, typename TG, bool VEC, bool LAYER, int KS, int W, int STAGES>
+__global__ void __launch_bounds__(32 * W)
+mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restrict__ phi_r,
+                         const __nv_bfloat16* __restrict__ dH_r, const float* __restrict__ dH,
+                         const TG* __restrict__ g, const TG* __restrict__ g_li, const float* __restrict__ H_pre,
+                         const float* __restrict__ H_res, T* __restrict__ dx, i64 tokens, i64 tokens_p, int n, int C,
+                         int K, int KP, int groups, i64 t_split, int res_t) {
+    using namespace mhc_coeffs;
+    constexpr int PO = sizeof(T) == 4 ? 3 : 2;
+    constexpr int K16 = KS * 16, NW = 64 * W;
+    constexpr int SB = PO * 16 * K16 * 2;  // stage bytes
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g8 = lane >> 2, tq = lane & 3;
+    const int cb = (int)(blockIdx.x / (unsigned)groups), grp = (int)(blockIdx.x - (unsigned)cb * groups);
+    const int cb0 = cb * 64, i = grp * W + warp;
+    const int D = n * C;
+    const i64 t_begin = (i64)blockIdx.y * t_split;
+    const i64 t_end = min(tokens, t_begin + t_split);
+    const int steps = (int)((max(t_end - t_begin, (i64)0) + 15) / 16);
+    const i64 plane_r = tokens_p * K16, plane_phi = (i64)D * K16;
+    __nv_bfloat16* s_phi = reinterpret_cast<__nv_bfloat16*>(smem);  // [PO][NW][K16]
+    unsigned char* stages = smem + PO * NW * K16 * 2;
+
+    // phi rows of the block's positions (zero where the column is past C)
+    for (int c = threadIdx.x; c < PO * NW * (K16 / 8); c += 32 * W) {
+        const int r = c / (K16 / 8), q = c - r * (K16 / 8);  // r = p * NW + w * 64 + cl
+        const int p = r / NW, pos = r - p * NW, w = pos >> 6, cl = pos & 63;
+        const bool ok = cb0 + cl < C;
+        cp_async16(s_phi + (i64)r * K16 + q * 8,
+                   phi_r + p * plane_phi + (i64)((grp * W + w) * C + (ok ? cb0 + cl : 0)) * K16 + q * 8, ok);
+    }
+    auto fill = [&](int step, int stage) {
+        unsigned char* st = stages + stage * SB;
+        const i64 t0 = t_begin + step * 16;
+        for (int c = threadIdx.x; c < PO * 16 * K16 / 8; c += 32 * W) {
+            const int p = c / (16 * K16 / 8), o = c - p * (16 * K16 / 8);
+            cp_async16(st + c * 16, dH_r + p * plane_r + t0 * K16 + o * 8, true);
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < steps) fill(s, s);
+        cp_async_commit();  // the first group also holds the phi rows
+    }
+    const __nv_bfloat16* ph = s_phi + (warp * 64) * K16;  // this warp's rows, plane 0
+    const T* xi = x + (i64)i * C;
+    for (int step = 0; step < steps; ++step) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        if (step + STAGES - 1 < steps) fill(step + STAGES - 1, (step + STAGES - 1) % STAGES);
+        cp_async_commit();
+        const __nv_bfloat16* dhr = reinterpret_cast<const __nv_bfloat16*>(stages + (step % STAGES) * SB);
+        const i64 t0 = t_begin + step * 16;
+        // this thread's rows (tokens g8, g8 + 8) x 16 columns of x and c, loaded before the MMAs
+        float xv[2][2][8], cs[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const i64 t = t0 + g8 + 8 * h;
+            const bool ok = t < t_end;
+            cs[h] = ok ? dH[t * KP + K] : 0.f;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) load8<T, VEC>(xi + (ok ? t : 0) * (i64)D, cb0 + 16 * tq + 8 * half,
+                                                              ok ? C : 0, xv[h][half]);
+        }
+        // A rows: tokens g8, g8 + 8; B column g8 of n tile j: position 16 (g8 >> 1) + 2j + (g8 & 1);
+        // accumulator (tq, e) of tile j: column 16 tq + 2j + e.
+        float acc[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[j][r] = 0.f;
+#pragma unroll
+        for (int s = 0; s < KS; ++s) {
+            unsigned a[PO][4];
+#pragma unroll
+            for (int p = 0; p < PO; ++p) {
+                unsigned w0[2], w1[2];
+                mhc::load_words<2>(dhr + (p * 16 + g8) * K16 + tq * 4 * KS + 4 * s, w0);
+                mhc::load_words<2>(dhr + (p * 16 + g8 + 8) * K16 + tq * 4 * KS + 4 * s, w1);
+                a[p][0] = w0[0];
+                a[p][1] = w1[0];
+                a[p][2] = w0[1];
+                a[p][3] = w1[1];
+            }
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int pos = 16 * (g8 >> 1) + 2 * j + (g8 & 1);
+                unsigned b[PO][2];
+#pragma unroll
+                for (int p = 0; p < PO; ++p) mhc::load_words<2>(ph + (p * NW + pos) * K16 + tq * 4 * KS + 4 * s, b[p]);
+#pragma unroll
+                for (int pa = 0; pa < PO; ++pa)
+#pragma unroll
+                    for (int pb = 0; pb + pa < PO; ++pb) mma16816(acc[j], a[pa], b[pb][0], b[pb][1]);
+            }
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const i64 t = t0 + g8 + 8 * h;
+            if (t >= t_end) continue;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int col = cb0 + 16 * tq + 8 * half;
+                float o[8];
+#pragma unroll
+                for (int e8 = 0; e8 < 8; ++e8)
+                    o[e8] = fmaf(-cs[h], xv[h][half][e8], acc[4 * half + (e8 >> 1)][2 * h + (e8 & 1)]);
+                if constexpr (LAYER) {
+                    float gv[8];
+                    if (g_li != nullptr) {
+                        const float w = H_pre[t * n + i];
+                        load8<TG, VEC>(g_li + t * (i64)C, col, C, gv);
+#pragma unroll
+                        for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(w, gv[e8], o[e8]);
+                    }
+                    if (g != nullptr) {
+                        for (int j = 0; j < n; ++j) {
+                            const float w = H_res[t * n * n + (res_t ? i * n + j : j * n + i)];
+                            load8<TG, VEC>(g + t * (i64)D + j * C, col, C, gv);
+#pragma unroll
+                            for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(w, gv[e8], o[e8]);
+                        }
+                    }
+                }
+                T* out = dx + t * (i64)D + (i64)i * C;
+                if (VEC) {
+                    if (col < C) mhc::store_vec<T, 8>(out + col, o);
+                } else {
+#pragma unroll
+                    for (int e8 = 0; e8 < 8; ++e8)
+                        if (col + e8 < C) out[col + e8] = mhc::from_float<T>(o[e8]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
 }

@@ -155,6 +155,8 @@ template <int N, int G>
 __device__ __forceinline__ void lane_iteration(float (&p)[Layout<N, G>::R][N], int lane, float eps, unsigned mask,
                                                float* hist, i64 hs, bool softmax = false) {
     constexpr int R = Layout<N, G>::R;
+    // one FMA per element either way (fmaf(p, inv, 0) is p * inv: p, inv >= 0), no select
+    const float d_eps = softmax ? 0.f : eps, add = softmax ? eps : 0.f;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         float d = 1.f;
@@ -162,10 +164,10 @@ __device__ __forceinline__ void lane_iteration(float (&p)[Layout<N, G>::R][N], i
             float s = 0.f;
 #pragma unroll
             for (int j = 0; j < N; ++j) s += p[r][j];
-            d = softmax ? s : s + eps;
+            d = s + d_eps;
             const float inv = fast_rcp(d);
 #pragma unroll
-            for (int j = 0; j < N; ++j) p[r][j] = softmax ? fmaf(p[r][j], inv, eps) : p[r][j] * inv;
+            for (int j = 0; j < N; ++j) p[r][j] = fmaf(p[r][j], inv, add);
         }
         if (hist) hist[r * hs] = d;
     }
@@ -266,13 +268,18 @@ __global__ void mhc_sinkhorn_knopp_bwd_kernel(const float* __restrict__ grad_P,
     lane_exp<N, G>(logits + t * (N * N), lane, p, amax);
     float* hist = use_smem ? hist_smem + threadIdx.x : hist_global + gid;
     const i64 hs = use_smem ? (i64)blockDim.x : (i64)gridDim.x * blockDim.x;
-    // DS: the softmax start is iteration 0's row step: a run-time choice inside the one copy
-    // of the iteration here, and peeled off the reverse loop.  (H200, 16384 tokens, against the
-    // paper convention: a second, inlined copy of the iteration for it = 0 cost +3% / +15% at
-    // n = 4 / 8, branching on it inside both loops +20% / +49%; this: +4% / +4%.)
+    // DS: the softmax start is iteration 0's row step, peeled off the reverse loop; in the
+    // recompute a second, inlined copy of the iteration for n <= 4, else a run-time choice inside
+    // the one copy.  (H200, 16384 tokens, against the paper convention: the copy was -2% at n = 4
+    // but +15% at n = 8, branching on it inside both loops +20% / +49%.)
     const int it0 = DS ? 1 : 0;
-    for (int it = 0; it < iters; ++it)
-        lane_iteration<N, G>(p, lane, eps, mask, hist + (i64)it * SLOTS * hs, hs, DS && it == 0);
+    int it = 0;
+    if (DS && N <= 4) {
+        lane_iteration<N, G>(p, lane, eps, mask, hist, hs, true);
+        it = 1;
+    }
+    for (; it < iters; ++it)
+        lane_iteration<N, G>(p, lane, eps, mask, hist + (i64)it * SLOTS * hs, hs, DS && N > 4 && it == 0);
     // Reverse sweep on u = g * y (g: gradient of a step's output y).  For
     // y = p / d (d = row or column sum + eps):  dp = (g - s) / d with
     // s = sum(g * y) = sum(u), and p = y * d, so the input's u is
@@ -325,15 +332,18 @@ __global__ void mhc_sinkhorn_knopp_bwd_kernel(const float* __restrict__ grad_P,
     }
     if (DS) {
         column_step(hist);
-        // the softmax start: p is y = q + eps, u = g * y (see the file comment); g = u / y
-        // only enters as eps * g, so the approximate division (2 ulp) is far below float32 rounding
+        // the softmax start: p is y = q + eps, u = g * y (see the file comment); w = u - eps g
+        // = u (1 - eps / y).  eps / y enters scaled by eps, so the fast reciprocal (2 ulp) is far
+        // below float32 rounding.  y >= eps (max(p, eps): the rebuilt p may round just below); a
+        // subnormal eps and y are scaled by 2^64 first (the reciprocal of a subnormal overflows),
+        // and eps = 0 leaves w = u (the floor keeps 0 * (1 / 0) out).
+        const float S = eps < 1e-30f ? 0x1p64f : 1.f, eps_s = eps * S, floor_s = fmaxf(eps, 1.17549435e-38f) * S;
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             float s = 0.f;
 #pragma unroll
             for (int j = 0; j < N; ++j) {
-                const float g = p[r][j] > 0.f ? __fdividef(u[r][j], p[r][j]) : 0.f;
-                u[r][j] = fmaf(-eps, g, u[r][j]);
+                u[r][j] *= 1.f - eps_s * fast_rcp(fmaxf(p[r][j] * S, floor_s));
                 s += u[r][j];
             }
 #pragma unroll

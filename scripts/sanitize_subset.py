@@ -4,8 +4,8 @@ Shapes cover: odd C (scalar path, misaligned rows), C split into 3 / 5 / 7
 block-sized chunks, the vectorised path, n = 1, 3, 4, 8, 17, 32, shared
 coefficients, RMSNorm with a weight and on vec(x), Sinkhorn history in shared and in global
 memory (n = 17: lanes that own fewer columns than rows), both gradient modes (n = 32: the
-warp-per-matrix implicit backward), the fused layer pieces (tensor-core forward for every n, the
-fused backward for n <= 4).  Exits non-zero if any result is not finite.
+warp-per-matrix implicit backward), the fused layer pieces (tensor-core forward for every n; the
+fused backward for n <= 4, the dphi / dx kernels above, tensor-core dx for n = 8 and CUDA-core dx for n = 17, 32).  Exits non-zero if any result is not finite.
 """
 
 import cupy as cp
@@ -29,7 +29,7 @@ def check(name, *arrays):
 
 bf16 = m._interop.numpy_dtype("bfloat16")
 for T, n, C, dt in [(3, 3, 13, bf16), (5, 4, 1536, bf16), (2, 4, 2560, bf16), (2, 8, 7168, cp.float32),
-                    (4, 1, 4095, cp.float16), (2, 17, 64, bf16), (3, 32, 40, cp.float32)]:
+                    (17, 8, 100, bf16), (4, 1, 4095, cp.float16), (2, 17, 64, bf16), (3, 32, 40, cp.float32)]:
     x, y, g, gy = act(T, n, C, dt=dt), act(T, C, dt=dt), act(T, n, C, dt=dt), act(T, C, dt=dt)
     M, h, hs = act(T, n, n), act(T, n), act(n)
     check("mix", m.stream_mix_fwd(x, M), *m.stream_mix_bwd(g, x, M))
@@ -50,11 +50,11 @@ for T, n, C, dt in [(3, 3, 13, bf16), (5, 4, 1536, bf16), (2, 4, 2560, bf16), (2
     layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(x, phi, alpha, bias)
     dy, dH_post, dH_res = m.mhc_layer_post_bwd(g, y, x, H_post, H_res)
     check("layer", layer_in, stats, dy, dH_post, dH_res)
-    if K <= 32:  # the fused backward (tensor cores, n <= 4)
-        check("layer bwd", *m.mhc_layer_pre_bwd(gy.astype(g.dtype), g, dH_post, dH_res, x, phi, alpha, bias, stats,
-                                                H_pre, H_res))
+    check("layer bwd", *m.mhc_layer_pre_bwd(gy.astype(g.dtype), g, dH_post, dH_res, x, phi, alpha, bias, stats,
+                                            H_pre, H_res))
     for iters in (20, 200):
         check("sinkhorn", m.sinkhorn_knopp_fwd(M, iters), m.sinkhorn_knopp_bwd(M, M, iters))
+        check("sinkhorn deepseek", m.sinkhorn_knopp_bwd(M, M, iters, convention="deepseek"))
 cp.cuda.Device().synchronize()
 print("sanitize subset:", "FAILED " + ", ".join(bad) if bad else "all outputs finite")
 raise SystemExit(1 if bad else 0)

@@ -292,8 +292,10 @@ def test_launch_plans(n, C, T):
     assert names[:3] == ["mhc_coeffs_split_phi_fwd_kernel", "mhc_coeffs_mma_fwd_kernel", "mhc_coeffs_bwd_prep_kernel"]
     if K <= 32:
         assert "mhc_coeffs_mma_bwd_kernel" in names and "mhc_coeffs_bwd_dx_kernel" not in names
-    else:
-        assert {"mhc_coeffs_transpose_kernel", "mhc_coeffs_bwd_dx_kernel", "mhc_coeffs_bwd_dphi_kernel"} <= set(names)
+    else:  # dphi on tensor cores; dx too unless its phi rows overflow shared memory (n = 16: K16 = 288)
+        assert "mhc_coeffs_mma_dphi_kernel" in names and "mhc_coeffs_bwd_dphi_kernel" not in names
+        tc_dx = {"mhc_coeffs_mma_dx_kernel"} <= set(names)
+        assert tc_dx == (n == 8) and tc_dx != ({"mhc_coeffs_transpose_kernel", "mhc_coeffs_bwd_dx_kernel"} <= set(names))
     scratch_bytes = sum(4 * int(np.prod(s)) for s, _ in plan.scratch.values())
     assert scratch_bytes <= 4 * (64 * T * (K + 1) + T * (K + 8) + 16 * 2**20 + D * K) + 12 * (D + 32) * (K + 16) \
         + 12 * (T + 16) * (K + 16)
@@ -504,10 +506,13 @@ def test_coeffs_float32_accurate_over_long_rows(rng, dt, T, C):
 
 
 @GPU
-@pytest.mark.parametrize("n,T,C", [(16, 127, 64), (16, 3, 1000), (5, 50, 33), (32, 2, 16)])
-def test_coeffs_large_n(rng, n, T, C):
-    """n > 4: column chunks in the forward, the separate dx / dphi kernels in the backward."""
-    _check(rng, T, n, C, "bfloat16")
+@pytest.mark.parametrize("n,T,C,dt", [(16, 127, 64, "bfloat16"), (16, 3, 1000, "bfloat16"), (5, 50, 33, "bfloat16"),
+                                      (32, 2, 16, "bfloat16"), (6, 127, 40, "float16"), (7, 33, 24, "float32"),
+                                      (17, 20, 8, "float32")])
+def test_coeffs_large_n(rng, n, T, C, dt):
+    """n > 4: column chunks in the forward, the separate dx / dphi kernels in the backward (dx on
+    tensor cores with 4, 2 or 1 streams per block, or on CUDA cores for n = 16, 17, 32)."""
+    _check(rng, T, n, C, dt)
 
 
 @GPU

@@ -415,6 +415,19 @@ def test_sinkhorn_iters_eps_and_history(rng, n, num_iters, eps):
 
 
 @GPU
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("eps", [0.0, 1e-40])
+def test_sinkhorn_subnormal_start(rng, n, eps):
+    """eps 0 or subnormal with a subnormal softmax entry (exp(-95)): the softmax start's backward
+    divides by y = q + eps, whose reciprocal overflows for a subnormal y; dL stays finite and right."""
+    L, G = coef(rng, (33, n, n)), coef(rng, (33, n, n))
+    L[:, 0, 0] = L[:, 0, 1:].max(-1) - 95.0
+    (P_ref,), (dL_ref,) = torch_vjp(lambda l: O.sinkhorn(l, 20, eps), [L], [G])
+    assert_close(m.sinkhorn_knopp_fwd(to_gpu(L), 20, eps, **DS), P_ref, SINKHORN_TOL, "P")
+    assert_close(m.sinkhorn_knopp_bwd(to_gpu(G), to_gpu(L), 20, eps, **DS), dL_ref, 5 * SINKHORN_TOL, "dL")
+
+
+@GPU
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8, 9, 16, 32])
 def test_sinkhorn_implicit(rng, n):
     """The implicit gradient (one thread per matrix for n <= 8, one warp above) at the deepseek P."""

@@ -340,74 +340,149 @@ def launch_mma_bwd(b: MmaBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc: dic
         column_sum(out, dphi, b.splits, D * b.K, stream)
 
 
-class CoreBwd(NamedTuple):
-    """Layout and scratch of the CUDA-core backward (dx and dphi for K > 32, i.e. n > 4)."""
+_MMA_DPHI_NQ = 5  # 8-column tiles per block of mhc_coeffs_mma_dphi_kernel: 16 * NQ accumulators per thread
+
+
+def _dx_warps(n: int, K16: int, dt: str) -> int | None:
+    """Warps (streams) per block of mhc_coeffs_mma_dx_kernel: the most of 4, 2, 1 that divides n and
+    whose phi rows plus two pipeline stages fit the portable shared memory; None: CUDA-core dx."""
+    po = 3 if ITEMSIZE[dt] == 4 else 2
+    for w in (4, 2, 1):
+        if n % w == 0 and (w * 64 + 2 * 16) * K16 * po * 2 <= _SMEM_PORTABLE:
+            return w
+    return None
+
+
+class SplitBwd(NamedTuple):
+    """Layout and scratch of the backward for K > 32 (n > 4): dphi on tensor cores
+    (mhc_coeffs_mma_dphi_kernel, columns in chunks of 8 * nq), dx on tensor cores
+    (mhc_coeffs_mma_dx_kernel) when its phi rows fit in shared memory, else on CUDA cores
+    (mhc_coeffs_bwd_dx_kernel)."""
 
     n: int
     C: int
     K: int
     tokens: int
+    dt: str
 
     @property
-    def col_chunks(self) -> int:
-        return _cdiv(self.K, column_chunk(self.K))
+    def K16(self):
+        return _cdiv(self.K, 16) * 16
 
     @property
-    def splits(self) -> tuple[int, int]:
-        return token_splits(self.tokens, self.n * self.C, self.K, self.col_chunks)
+    def tokens_p(self):
+        return _cdiv(max(self.tokens, 1), 16) * 16
+
+    @property
+    def ncc(self) -> int:  # column chunks of dphi
+        return _cdiv(_cdiv(self.K, 8), _MMA_DPHI_NQ)
+
+    @property
+    def nq(self) -> int:  # 8-column tiles per chunk
+        return _cdiv(_cdiv(self.K, 8), self.ncc)
+
+    @property
+    def pblocks(self) -> int:
+        return _cdiv(self.n * self.C, 256)
+
+    @property
+    def dphi_splits(self) -> tuple[int, int]:
+        """(splits, tokens per split, a multiple of 16) of the dphi reduction."""
+        D = self.n * self.C
+        splits = min(_cdiv(_MMA_TARGET_BLOCKS, self.pblocks * self.ncc), _cdiv(self.tokens, _MIN_TOKENS_PER_SPLIT),
+                     _MAX_SPLITS, _MAX_PARTIAL_FLOATS // (D * self.K))
+        per = _cdiv(_cdiv(max(self.tokens, 1), max(1, splits)), 16) * 16
+        return _cdiv(max(self.tokens, 1), per), per
+
+    @property
+    def warps(self) -> int | None:
+        return _dx_warps(self.n, self.K16, self.dt)
+
+    @property
+    def dx_splits(self) -> tuple[int, int]:
+        """(token ranges, tokens per range, a multiple of 16) of the tensor-core dx (no reduction)."""
+        blocks = _cdiv(self.C, 64) * (self.n // self.warps)
+        splits = min(_cdiv(_MMA_TARGET_BLOCKS, blocks), _cdiv(self.tokens, _MIN_TOKENS_PER_SPLIT), 65535)
+        per = _cdiv(_cdiv(max(self.tokens, 1), max(1, splits)), 16) * 16
+        return _cdiv(max(self.tokens, 1), per), per
 
     def scratch(self) -> dict:
-        """name -> (shape, dtype): what the launch needs besides dH."""
+        """name -> (shape, dtype): what the launches need besides dH (bf16 planes of dH and phi)."""
         D = self.n * self.C
-        out = {"phi_t": ((self.K, D), "float32")}
-        if self.splits[0] > 1:
-            out["dphi_part"] = ((self.splits[0], D, self.K), "float32")
+        out = {"dH_c": ((3, self.ncc * self.nq * 8, self.tokens_p), "bfloat16")}
+        if self.warps is not None:
+            out.update(phi_r=((3, D, self.K16), "bfloat16"), dH_r=((3, self.tokens_p, self.K16), "bfloat16"))
+        else:
+            out["phi_t"] = ((self.K, D), "float32")
+        if self.dphi_splits[0] > 1:
+            out["dphi_part"] = ((self.dphi_splits[0], D, self.K), "float32")
         return out
 
 
-def launch_core_bwd(b: CoreBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc: dict, stream, tg: str | None = None,
-                    g=None, g_li=None, H_pre=None, H_res=None, res_t=False):
+def launch_split_bwd(b: SplitBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc: dict, stream, tg: str | None = None,
+                     g=None, g_li=None, H_pre=None, H_res=None, res_t=False):
     """dx = dH phi^T - c x (+ H_pre_i g_li + sum_j H_res[j, i] g_j when g or g_li is given; with
-    ``res_t``, convention="deepseek", sum_j H_res[i, j] g_j) and dphi, on CUDA cores (any K); sc
-    holds the buffers named by b.scratch() (dphi partials summed here)."""
+    ``res_t``, convention="deepseek", sum_j H_res[i, j] g_j) and dphi for K > 32; sc holds the
+    buffers named by b.scratch() (dphi partials summed here)."""
     D, K = b.n * b.C, b.K
     layer = g is not None or g_li is not None
     tg = tg or dt
-    kc_phi = column_chunk(K)
-    t_splits, t_split = b.splits
-    dphi_out = sc.get("dphi_part", dphi)
+    Kc = b.ncc * b.nq * 8
+    launch(_FILE, "mhc_coeffs_split_cols_kernel", _grid_stride(b.tokens_p * Kc), (_NT, 1, 1),
+           (dH, sc["dH_c"], i64(b.tokens), i32(K), i32(KP), i64(b.tokens_p), i32(Kc)), stream)
+    splits, t_split = b.dphi_splits
+    out = sc["dphi_part"] if splits > 1 else dphi
+    stage = 16 * (256 * ITEMSIZE[dt] + 16) + 3 * b.nq * 8 * 32
+    stages = pipeline_stages(0, stage, _MMA_BWD_STAGES)
+    launch(_FILE, f"mhc_coeffs_mma_dphi_kernel<{CTYPE[dt]},{'true' if _vec8(dt, D, x) else 'false'},{b.nq},{stages}>",
+           (b.pblocks * b.ncc, splits, 1), (128, 1, 1),
+           (x, sc["dH_c"], out, i64(b.tokens), i64(b.tokens_p), i32(D), i32(K), i32(Kc), i32(b.ncc), i64(t_split)),
+           stream, stages * stage)
+    if splits > 1:
+        column_sum(out, dphi, splits, D * K, stream)
+    w = b.warps
+    if w is not None:
+        launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(D * b.K16), (_NT, 1, 1),
+               (phi, sc["phi_r"], i64(D), i32(K), i32(K), i64(D), i32(b.K16)), stream)
+        launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(b.tokens_p * b.K16), (_NT, 1, 1),
+               (dH, sc["dH_r"], i64(b.tokens), i32(K), i32(KP), i64(b.tokens_p), i32(b.K16)), stream)
+        po = 3 if ITEMSIZE[dt] == 4 else 2
+        fixed, stage = w * 64 * b.K16 * po * 2, 16 * b.K16 * po * 2
+        stages = pipeline_stages(fixed, stage, _MMA_BWD_STAGES)
+        vec = "true" if _vec8(dt, b.C, x, dx, g, g_li) else "false"
+        dsplits, dt_split = b.dx_splits
+        launch(_FILE, f"mhc_coeffs_mma_dx_kernel<{CTYPE[dt]},{CTYPE[tg]},{vec},{'true' if layer else 'false'},"
+                      f"{b.K16 // 16},{w},{stages}>",
+               (_cdiv(b.C, 64) * (b.n // w), dsplits, 1), (32 * w, 1, 1),
+               (x, sc["phi_r"], sc["dH_r"], dH, g, g_li, H_pre, H_res, dx, i64(b.tokens), i64(b.tokens_p), i32(b.n),
+                i32(b.C), i32(K), i32(KP), i32(b.n // w), i64(dt_split), i32(res_t)), stream, fixed + stages * stage)
+        return
     # the layer's terms read g by stream: a thread's E positions must not straddle two streams
     E = vec_width(1, b.C if layer else D, [(x, dt), (dx, dt), (g, tg), (g_li, tg)], budget=_BWD_E)
     dblocks = _cdiv(D, _NT * E)
-    phi_t = sc["phi_t"]
     launch(_FILE, "mhc_coeffs_transpose_kernel", (_cdiv(D, 32), _cdiv(K, 32), 1), (32, 8, 1),
-           (phi, phi_t, i32(D), i32(K)), stream)
+           (phi, sc["phi_t"], i32(D), i32(K)), stream)
     launch(_FILE, f"mhc_coeffs_bwd_dx_kernel<{CTYPE[dt]},{CTYPE[tg]},{E},{_DX_KC},{'true' if layer else 'false'}>",
            (dblocks * _cdiv(b.tokens, _TS), 1, 1), (_NT, 1, 1),
-           (x, phi_t, dH, g, g_li, H_pre, H_res, dx, i64(b.tokens), i32(D), i32(K), i32(KP), i32(dblocks),
+           (x, sc["phi_t"], dH, g, g_li, H_pre, H_res, dx, i64(b.tokens), i32(D), i32(K), i32(KP), i32(dblocks),
             i32(b.n), i32(b.C), i32(res_t)), stream)
-    launch(_FILE, f"mhc_coeffs_bwd_dphi_kernel<{CTYPE[dt]},{E},{kc_phi}>", (b.col_chunks * dblocks * t_splits, 1, 1),
-           (_NT, 1, 1), (x, dH, dphi_out, i64(b.tokens), i32(D), i32(K), i32(KP), i32(b.col_chunks),
-                         i32(dblocks), i64(t_split)), stream)
-    if t_splits > 1:
-        column_sum(dphi_out, dphi, t_splits, D * K, stream)
 
 
-def backward_layout(tokens: int, n: int, C: int, K: int):
-    """The backward's dx / dphi layout: MmaBwd (tensor cores, K <= 32) or CoreBwd (CUDA cores)."""
-    return mma_bwd(tokens, n, C, K) if K <= _MMA_BWD_MAX_K else CoreBwd(n, C, K, tokens)
+def backward_layout(tokens: int, n: int, C: int, K: int, dt: str):
+    """The backward's dx / dphi layout: MmaBwd (one fused tensor-core kernel, K <= 32) or SplitBwd."""
+    return mma_bwd(tokens, n, C, K) if K <= _MMA_BWD_MAX_K else SplitBwd(n, C, K, tokens, dt)
 
 
 def launch_param_bwd(b, dt: str, **kwargs):
-    """launch_mma_bwd or launch_core_bwd (keyword arguments), as backward_layout chose."""
-    (launch_mma_bwd if isinstance(b, MmaBwd) else launch_core_bwd)(b, dt, **kwargs)
+    """launch_mma_bwd or launch_split_bwd (keyword arguments), as backward_layout chose."""
+    (launch_mma_bwd if isinstance(b, MmaBwd) else launch_split_bwd)(b, dt, **kwargs)
 
 
 def _plan_bwd(infos, eps):
     dt, lead, n, C, D, K, tokens, eps = _check(infos, eps, True)
     mma = mma_layout(tokens, D, K)
     KP = padded_row(K)
-    b = backward_layout(tokens, n, C, K)
+    b = backward_layout(tokens, n, C, K, dt)
     scratch = {"part": ((mma.splits, tokens, K + 1), "float32"),  # raw H~ and sum of squares per D range
                "dH": ((tokens, KP), "float32"),  # dH | c
                "qa": ((tokens, 3), "float32"),  # per-token dalpha terms

@@ -163,7 +163,7 @@ def _plan_pre_bwd(infos, num_iters, eps, rms_eps, grad_mode, convention, hc_eps,
             _checks.coefficient(name, infos[name])
             _checks.expect_shape(name, infos[name].shape, shape, "the shape mhc_layer_pre_fwd / the post op gave")
     KP = padded_row(K)
-    b = backward_layout(tokens, n, C, K)  # tensor cores for n <= 4, CUDA cores above
+    b = backward_layout(tokens, n, C, K, dt)
     hist = bwd_history(n, tokens, iters, mode)[2] if infos["grad_H_res"] is not None else 0
     scratch = {"h_pre": ((tokens, n), "float32"), "h_post": ((tokens, n), "float32"),
                "h_res": ((tokens, n, n), "float32"), "dh_pre": ((tokens, n), "float32"),
