@@ -202,8 +202,9 @@ def _case(rng, lead, n, C, dt):
 def _scales(g, x, hc_fn, hc_scale, hc_base, rms_eps=1e-6, hc_eps=1e-6):
     """Sizes of the terms behind out, dx, dhc_scale, dhc_base (for the tolerance scales).
 
-    out's scale is elementwise sum_i w_i |x_i|: out = sum_i w_i x_i cancels (a single token
-    at C = 1 gave |out| ~ 6e-4 from terms ~ 0.5), and each float32 w_i carries its rounding."""
+    out's scale is elementwise sum_i w_i |x_i|, at least rms(out): out = sum_i w_i x_i cancels (a
+    single token at C = 1 gave |out| ~ 6e-4 from terms ~ 0.5), and each float32 w_i carries its
+    rounding; rms(out) covers float16 outputs in the subnormal range (n = 1: out = w x alone)."""
     n, C = x.shape[-2], x.shape[-1]
     xt = f64(x).reshape(-1, n * C)
     g = f64(g).reshape(-1, C)
@@ -213,7 +214,9 @@ def _scales(g, x, hc_fn, hc_scale, hc_base, rms_eps=1e-6, hc_eps=1e-6):
     gz = np.einsum("tc,tkc->tk", g, xt.reshape(-1, n, C)) * s * (1 - s)
     dH = gz * hc_scale[0] * rinv
     dx_scale = max(float(np.sqrt(np.mean(g**2))), float(np.sqrt(np.mean((dH @ f64(hc_fn)) ** 2))))
-    out_scale = np.einsum("tk,tkc->tc", s + hc_eps, np.abs(xt.reshape(-1, n, C))).reshape(x.shape[:-2] + (C,))
+    w, xs = s + hc_eps, xt.reshape(-1, n, C)
+    out_rms = np.sqrt(np.mean(np.einsum("tk,tkc->tc", w, xs) ** 2))  # the usual scale (16-bit subnormals)
+    out_scale = np.maximum(np.einsum("tk,tkc->tc", w, np.abs(xs)), out_rms).reshape(x.shape[:-2] + (C,))
     return out_scale, dx_scale, float(np.sqrt(np.sum((gz * H * rinv) ** 2))), float(np.sqrt(np.sum(gz**2) / n))
 
 
