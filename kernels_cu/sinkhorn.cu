@@ -268,18 +268,14 @@ __global__ void mhc_sinkhorn_knopp_bwd_kernel(const float* __restrict__ grad_P,
     lane_exp<N, G>(logits + t * (N * N), lane, p, amax);
     float* hist = use_smem ? hist_smem + threadIdx.x : hist_global + gid;
     const i64 hs = use_smem ? (i64)blockDim.x : (i64)gridDim.x * blockDim.x;
-    // DS: the softmax start is iteration 0's row step, peeled off the reverse loop; in the
-    // recompute a second, inlined copy of the iteration for n <= 4, else a run-time choice inside
-    // the one copy.  (H200, 16384 tokens, against the paper convention: the copy was -2% at n = 4
-    // but +15% at n = 8, branching on it inside both loops +20% / +49%.)
+    // DS: the softmax start is iteration 0's row step: a run-time choice inside the one copy
+    // of the iteration here, and peeled off the reverse loop.  (H200, 16384 tokens, against the
+    // paper convention: a second, inlined copy of the iteration for it = 0 measured -2% / +15% at
+    // n = 4 / 8 in an interleaved micro-benchmark, and with it `python -m mhc_cupy.bench` gave
+    // +10% at n = 4; branching on it inside both loops +20% / +49%.)
     const int it0 = DS ? 1 : 0;
-    int it = 0;
-    if (DS && N <= 4) {
-        lane_iteration<N, G>(p, lane, eps, mask, hist, hs, true);
-        it = 1;
-    }
-    for (; it < iters; ++it)
-        lane_iteration<N, G>(p, lane, eps, mask, hist + (i64)it * SLOTS * hs, hs, DS && N > 4 && it == 0);
+    for (int it = 0; it < iters; ++it)
+        lane_iteration<N, G>(p, lane, eps, mask, hist + (i64)it * SLOTS * hs, hs, DS && it == 0);
     // Reverse sweep on u = g * y (g: gradient of a step's output y).  For
     // y = p / d (d = row or column sum + eps):  dp = (g - s) / d with
     // s = sum(g * y) = sum(u), and p = y * d, so the input's u is
