@@ -705,6 +705,94 @@ __device__ __forceinline__ int frag_slot(int k, int KS) {
     return ((j & 7) >> 1) * 4 * KS + s * 4 + 2 * (j >> 3) + (j & 1);
 }
 
+
+// ---- the dphi MMAs (x^T dH over 16 tokens), shared by mhc_coeffs_mma_bwd_kernel and
+// mhc_coeffs_mma_dphi_kernel.  A operand: 4 m tiles of 16 positions; row g of m tile m is
+// position 8 g8 + 2m (row g8 + 8: + 1) of the warp's 64; the reduction index is the token
+// (2tq, 2tq+1 | 2tq+8, 2tq+9).  xrow(u): the warp's 64 positions of token u, staged.
+template <typename T, typename XRow>
+__device__ __forceinline__ void xT_fragments(XRow xrow, int g8, int tq, unsigned (&afr)[4][XParts<T>::value][4]) {
+    constexpr int P = XParts<T>::value;
+    if constexpr (P == 1) {
+        // bf16: word m of a row holds columns 2m (low half) and 2m + 1; pair the halves of two tokens
+        unsigned xw[4][4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) mhc::load_words<4>(xrow(2 * tq + (u & 1) + 8 * (u >> 1)) + 8 * g8, xw[u]);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            afr[m][0][0] = __byte_perm(xw[0][m], xw[1][m], 0x5410);
+            afr[m][0][1] = __byte_perm(xw[0][m], xw[1][m], 0x7632);
+            afr[m][0][2] = __byte_perm(xw[2][m], xw[3][m], 0x5410);
+            afr[m][0][3] = __byte_perm(xw[2][m], xw[3][m], 0x7632);
+        }
+    } else {
+        float xv[4][8];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) mhc::load_vec<T, 8>(xrow(2 * tq + (u & 1) + 8 * (u >> 1)) + 8 * g8, xv[u]);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            unsigned bits[4][2][P];  // [token u][h][part]
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) split_bits<P>(xv[u][2 * m + h], bits[u][h]);
+#pragma unroll
+            for (int pa = 0; pa < P; ++pa) {
+                afr[m][pa][0] = pack2(bits[0][0][pa], bits[1][0][pa]);
+                afr[m][pa][1] = pack2(bits[0][1][pa], bits[1][1][pa]);
+                afr[m][pa][2] = pack2(bits[2][0][pa], bits[3][0][pa]);
+                afr[m][pa][3] = pack2(bits[2][1][pa], bits[3][1][pa]);
+            }
+        }
+    }
+}
+
+// acc[m][q] += x^T dH for NQ column tiles; dhc: the staged dH_c [3][rows][16] (rows per plane).
+template <typename T, int NQ>
+__device__ __forceinline__ void dphi_mma(float (&acc)[4][NQ][4], const unsigned (&afr)[4][XParts<T>::value][4],
+                                         const __nv_bfloat16* dhc, int rows, int g8, int tq) {
+    constexpr int P = XParts<T>::value;
+    unsigned bp[NQ][3][2];
+#pragma unroll
+    for (int q = 0; q < NQ; ++q)
+#pragma unroll
+        for (int p = 0; p < 3; ++p) {
+            const __nv_bfloat16* col = dhc + (p * rows + 8 * q + g8) * 16 + 2 * tq;
+            bp[q][p][0] = *reinterpret_cast<const unsigned*>(col);
+            bp[q][p][1] = *reinterpret_cast<const unsigned*>(col + 8);
+        }
+#pragma unroll
+    for (int pa = 0; pa < P; ++pa)
+#pragma unroll
+        for (int pb = 0; pb + pa < 3; ++pb)
+#pragma unroll
+            for (int q = 0; q < NQ; ++q)
+#pragma unroll
+                for (int m = 0; m < 4; ++m) mma16816(acc[m][q], afr[m][pa], bp[q][pb][0], bp[q][pb][1]);
+}
+
+// out[(base + pos) * K + k] = acc for the warp's rows pos = pos0 + 8 g8 + 2m + h below lim and
+// columns k = k0 + 8q + 2tq + e below K.
+template <int NQ>
+__device__ __forceinline__ void store_dphi(float* __restrict__ out, const float (&acc)[4][NQ][4], i64 base, int pos0,
+                                           int lim, int K, int k0, int g8, int tq) {
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int pos = pos0 + 8 * g8 + 2 * m + h;
+            if (pos >= lim) continue;
+            const i64 d = base + pos;
+#pragma unroll
+            for (int q = 0; q < NQ; ++q)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int k = k0 + 8 * q + 2 * tq + e;
+                    if (k < K) out[d * K + k] = acc[m][q][2 * h + e];
+                }
+        }
+}
+
 }  // namespace mhc_coeffs
 
 // phi [D, K] float32 -> planes [3, Kp, Dp] bf16 (transposed, zero padded):
@@ -1038,61 +1126,11 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
                 hr[h][j] = (LAYER && ok && j < n) ? H_res[t * n * n + j * res_j + warp * res_i] : 0.f;
         }
 
-        // ---- dphi += x^T dH.  A row g of m tile m: column 8 g8 + 2m (row g8 + 8: + 1);
-        // the reduction index is the token: 2tq, 2tq+1 | 2tq+8, 2tq+9.
+        // ---- dphi += x^T dH (mhc_coeffs::xT_fragments)
         {
-            unsigned afr[4][P][4];  // [m][part][fragment word]
-            if constexpr (P == 1) {
-                // bf16: word m of a row holds columns 2m (low half) and 2m + 1; pair the halves of two tokens
-                unsigned xw[4][4];
-#pragma unroll
-                for (int u = 0; u < 4; ++u)
-                    mhc::load_words<4>(xrow(2 * tq + (u & 1) + 8 * (u >> 1), warp) + 8 * g8, xw[u]);
-#pragma unroll
-                for (int m = 0; m < 4; ++m) {
-                    afr[m][0][0] = __byte_perm(xw[0][m], xw[1][m], 0x5410);
-                    afr[m][0][1] = __byte_perm(xw[0][m], xw[1][m], 0x7632);
-                    afr[m][0][2] = __byte_perm(xw[2][m], xw[3][m], 0x5410);
-                    afr[m][0][3] = __byte_perm(xw[2][m], xw[3][m], 0x7632);
-                }
-            } else {
-                float xv[4][8];
-#pragma unroll
-                for (int u = 0; u < 4; ++u)
-                    mhc::load_vec<T, 8>(xrow(2 * tq + (u & 1) + 8 * (u >> 1), warp) + 8 * g8, xv[u]);
-#pragma unroll
-                for (int m = 0; m < 4; ++m) {
-                    unsigned bits[4][2][P];  // [token u][h][part]
-#pragma unroll
-                    for (int u = 0; u < 4; ++u)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h) split_bits<P>(xv[u][2 * m + h], bits[u][h]);
-#pragma unroll
-                    for (int pa = 0; pa < P; ++pa) {
-                        afr[m][pa][0] = pack2(bits[0][0][pa], bits[1][0][pa]);
-                        afr[m][pa][1] = pack2(bits[0][1][pa], bits[1][1][pa]);
-                        afr[m][pa][2] = pack2(bits[2][0][pa], bits[3][0][pa]);
-                        afr[m][pa][3] = pack2(bits[2][1][pa], bits[3][1][pa]);
-                    }
-                }
-            }
-            unsigned bp[NQ][3][2];
-#pragma unroll
-            for (int q = 0; q < NQ; ++q)
-#pragma unroll
-                for (int p = 0; p < 3; ++p) {
-                    const __nv_bfloat16* col = dhc + (p * Kp8 + 8 * q + g8) * 16 + 2 * tq;
-                    bp[q][p][0] = *reinterpret_cast<const unsigned*>(col);
-                    bp[q][p][1] = *reinterpret_cast<const unsigned*>(col + 8);
-                }
-#pragma unroll
-            for (int pa = 0; pa < P; ++pa)
-#pragma unroll
-                for (int pb = 0; pb + pa < 3; ++pb)
-#pragma unroll
-                    for (int q = 0; q < NQ; ++q)
-#pragma unroll
-                        for (int m = 0; m < 4; ++m) mma16816(accp[m][q], afr[m][pa], bp[q][pb][0], bp[q][pb][1]);
+            unsigned afr[4][P][4];
+            xT_fragments<T>([&](int u) { return xrow(u, warp); }, g8, tq, afr);
+            dphi_mma<T, NQ>(accp, afr, dhc, Kp8, g8, tq);
         }
         // ---- dx = dH phi^T - c x (+ layer terms).  A rows: tokens g8, g8 + 8; B column g8 of
         // n tile j: column 16 (g8 >> 1) + 2j + (g8 & 1); accumulator (tq, e) of tile j: column 16 tq + 2j + e.
@@ -1210,22 +1248,7 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
         }
     }
     cp_async_wait<0>();
-    float* out = dphi + (i64)blockIdx.y * D * (i64)K;
-#pragma unroll
-    for (int m = 0; m < 4; ++m)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int col = cb0 + 8 * g8 + 2 * m + h;
-            if (col >= C) continue;
-            const i64 d = (i64)warp * C + col;
-#pragma unroll
-            for (int q = 0; q < NQ; ++q)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int k = 8 * q + 2 * tq + e;
-                    if (k < K) out[d * K + k] = accp[m][q][2 * h + e];
-                }
-        }
+    store_dphi<NQ>(dphi + (i64)blockIdx.y * D * (i64)K, accp, (i64)warp * C, cb0, C, K, 0, g8, tq);
 }
 
 // ------------------------------------------------------- backward on tensor cores, K > 32
@@ -1294,76 +1317,12 @@ mhc_coeffs_mma_dphi_kernel(const T* __restrict__ x, const __nv_bfloat16* __restr
         if (step + STAGES - 1 < steps) fill(step + STAGES - 1, (step + STAGES - 1) % STAGES);
         cp_async_commit();
         const unsigned char* st = smem + (step % STAGES) * SB;
-        auto xrow = [&](int u) { return reinterpret_cast<const T*>(st + u * XR) + warp * 64; };
-        const __nv_bfloat16* dhc = reinterpret_cast<const __nv_bfloat16*>(st + XB);
-        // A row g of m tile m: position 8 g8 + 2m (row g8 + 8: + 1); the reduction index is
-        // the token: 2tq, 2tq+1 | 2tq+8, 2tq+9.
-        unsigned afr[4][P][4];  // [m][part][fragment word]
-        if constexpr (P == 1) {
-            unsigned xw[4][4];
-#pragma unroll
-            for (int u = 0; u < 4; ++u) mhc::load_words<4>(xrow(2 * tq + (u & 1) + 8 * (u >> 1)) + 8 * g8, xw[u]);
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                afr[m][0][0] = __byte_perm(xw[0][m], xw[1][m], 0x5410);
-                afr[m][0][1] = __byte_perm(xw[0][m], xw[1][m], 0x7632);
-                afr[m][0][2] = __byte_perm(xw[2][m], xw[3][m], 0x5410);
-                afr[m][0][3] = __byte_perm(xw[2][m], xw[3][m], 0x7632);
-            }
-        } else {
-            float xv[4][8];
-#pragma unroll
-            for (int u = 0; u < 4; ++u) mhc::load_vec<T, 8>(xrow(2 * tq + (u & 1) + 8 * (u >> 1)) + 8 * g8, xv[u]);
-#pragma unroll
-            for (int m = 0; m < 4; ++m) {
-                unsigned bits[4][2][P];  // [token u][h][part]
-#pragma unroll
-                for (int u = 0; u < 4; ++u)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) split_bits<P>(xv[u][2 * m + h], bits[u][h]);
-#pragma unroll
-                for (int pa = 0; pa < P; ++pa) {
-                    afr[m][pa][0] = pack2(bits[0][0][pa], bits[1][0][pa]);
-                    afr[m][pa][1] = pack2(bits[0][1][pa], bits[1][1][pa]);
-                    afr[m][pa][2] = pack2(bits[2][0][pa], bits[3][0][pa]);
-                    afr[m][pa][3] = pack2(bits[2][1][pa], bits[3][1][pa]);
-                }
-            }
-        }
-        unsigned bp[NQ][3][2];
-#pragma unroll
-        for (int q = 0; q < NQ; ++q)
-#pragma unroll
-            for (int p = 0; p < 3; ++p) {
-                const __nv_bfloat16* col = dhc + (p * NQ * 8 + 8 * q + g8) * 16 + 2 * tq;
-                bp[q][p][0] = *reinterpret_cast<const unsigned*>(col);
-                bp[q][p][1] = *reinterpret_cast<const unsigned*>(col + 8);
-            }
-#pragma unroll
-        for (int pa = 0; pa < P; ++pa)
-#pragma unroll
-            for (int pb = 0; pb + pa < 3; ++pb)
-#pragma unroll
-                for (int q = 0; q < NQ; ++q)
-#pragma unroll
-                    for (int m = 0; m < 4; ++m) mma16816(acc[m][q], afr[m][pa], bp[q][pb][0], bp[q][pb][1]);
+        unsigned afr[4][P][4];
+        xT_fragments<T>([&](int u) { return reinterpret_cast<const T*>(st + u * XR) + warp * 64; }, g8, tq, afr);
+        dphi_mma<T, NQ>(acc, afr, reinterpret_cast<const __nv_bfloat16*>(st + XB), NQ * 8, g8, tq);
     }
     cp_async_wait<0>();
-    float* out = dphi + (i64)blockIdx.y * D * (i64)K;
-#pragma unroll
-    for (int m = 0; m < 4; ++m)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int d = d0 + warp * 64 + 8 * g8 + 2 * m + h;
-            if (d >= D) continue;
-#pragma unroll
-            for (int q = 0; q < NQ; ++q)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int k = k0 + 8 * q + 2 * tq + e;
-                    if (k < K) out[(i64)d * K + k] = acc[m][q][2 * h + e];
-                }
-        }
+    store_dphi<NQ>(dphi + (i64)blockIdx.y * D * (i64)K, acc, 0, d0 + warp * 64, D, K, k0, g8, tq);
 }
 
 // mhc_coeffs_mma_dx_kernel<T, TG, VEC, LAYER, KS, W, STAGES>: dx = dH phi^T - c x (+ with

@@ -248,12 +248,18 @@ def test_mma_layout_covers_everything_once(tokens, n, C):
 
 
 @pytest.mark.parametrize("tokens", [0, 1, 63, 65, 5000, 10**6])
-@pytest.mark.parametrize("n,C", [(1, 1), (2, 7), (4, 4096), (4, 7168)])
+@pytest.mark.parametrize("n,C", [(1, 1), (2, 7), (4, 4096), (4, 7168), (8, 4096), (16, 1024), (32, 4096)])
 def test_mma_token_splits(tokens, n, C):
+    """The token ranges of the tensor-core backward: dphi partials bounded, every token in one range."""
     K = coeffs.columns(n)
-    splits, per = coeffs.mma_token_splits(tokens, n, C, K)
-    assert splits >= 1 and per >= 16 and per % 16 == 0
-    assert splits * per >= tokens > (splits - 1) * per or tokens == 0
+    b = coeffs.backward_layout(tokens, n, C, K, "bfloat16")
+    ranges = [b.dphi_splits] if K > 32 else [(b.splits, b.t_split)]
+    if K > 32 and b.warps is not None:
+        ranges.append(b.dx_splits)
+    for splits, per in ranges:
+        assert splits >= 1 and per >= 16 and per % 16 == 0
+        assert splits * per >= tokens > (splits - 1) * per or tokens == 0
+    splits = ranges[0][0]
     assert splits == 1 or splits * n * C * K <= 16 * 2**20  # partials bounded (64 MiB)
 
 

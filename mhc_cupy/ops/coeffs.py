@@ -259,11 +259,10 @@ def token_splits(tokens: int, D: int, K: int, col_chunks: int) -> tuple[int, int
 _MMA_BWD_MAX_K = 32  # tensor-core dx / dphi for K <= 32 (n <= 4): dphi accumulators 16 * ceil(K / 8) per thread
 
 
-def mma_token_splits(tokens: int, n: int, C: int, K: int) -> tuple[int, int]:
-    """(splits, tokens per split, a multiple of 16) of the tensor-core backward's dphi reduction."""
-    cblocks = _cdiv(C, 64)
-    splits = min(_cdiv(_MMA_TARGET_BLOCKS, cblocks), _cdiv(tokens, _MIN_TOKENS_PER_SPLIT), _MAX_SPLITS,
-                 _MAX_PARTIAL_FLOATS // (n * C * K))
+def mma_token_splits(tokens: int, blocks: int, most: int) -> tuple[int, int]:
+    """(splits, tokens per split, a multiple of 16) of a tensor-core backward kernel's token
+    ranges: enough for _MMA_TARGET_BLOCKS blocks with ``blocks`` per range, at most ``most``."""
+    splits = min(_cdiv(_MMA_TARGET_BLOCKS, blocks), _cdiv(tokens, _MIN_TOKENS_PER_SPLIT), most)
     per = _cdiv(_cdiv(max(tokens, 1), max(1, splits)), 16) * 16
     return _cdiv(max(tokens, 1), per), per
 
@@ -310,7 +309,9 @@ class MmaBwd(NamedTuple):
 
 
 def mma_bwd(tokens: int, n: int, C: int, K: int) -> MmaBwd:
-    return MmaBwd(n, C, K, tokens, *mma_token_splits(tokens, n, C, K))
+    # dphi partials [splits, n*C, K]: at most _MAX_SPLITS of at most _MAX_PARTIAL_FLOATS floats in all
+    return MmaBwd(n, C, K, tokens, *mma_token_splits(tokens, _cdiv(C, 64),
+                                                     min(_MAX_SPLITS, _MAX_PARTIAL_FLOATS // (n * C * K))))
 
 
 def launch_mma_bwd(b: MmaBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc: dict, stream, tg: str | None = None,
@@ -387,12 +388,9 @@ class SplitBwd(NamedTuple):
 
     @property
     def dphi_splits(self) -> tuple[int, int]:
-        """(splits, tokens per split, a multiple of 16) of the dphi reduction."""
-        D = self.n * self.C
-        splits = min(_cdiv(_MMA_TARGET_BLOCKS, self.pblocks * self.ncc), _cdiv(self.tokens, _MIN_TOKENS_PER_SPLIT),
-                     _MAX_SPLITS, _MAX_PARTIAL_FLOATS // (D * self.K))
-        per = _cdiv(_cdiv(max(self.tokens, 1), max(1, splits)), 16) * 16
-        return _cdiv(max(self.tokens, 1), per), per
+        """(splits, tokens per split) of the dphi reduction (partials as MmaBwd's)."""
+        most = min(_MAX_SPLITS, _MAX_PARTIAL_FLOATS // (self.n * self.C * self.K))
+        return mma_token_splits(self.tokens, self.pblocks * self.ncc, most)
 
     @property
     def warps(self) -> int | None:
@@ -400,11 +398,8 @@ class SplitBwd(NamedTuple):
 
     @property
     def dx_splits(self) -> tuple[int, int]:
-        """(token ranges, tokens per range, a multiple of 16) of the tensor-core dx (no reduction)."""
-        blocks = _cdiv(self.C, 64) * (self.n // self.warps)
-        splits = min(_cdiv(_MMA_TARGET_BLOCKS, blocks), _cdiv(self.tokens, _MIN_TOKENS_PER_SPLIT), 65535)
-        per = _cdiv(_cdiv(max(self.tokens, 1), max(1, splits)), 16) * 16
-        return _cdiv(max(self.tokens, 1), per), per
+        """(token ranges, tokens per range) of the tensor-core dx (no reduction; grid y <= 65535)."""
+        return mma_token_splits(self.tokens, _cdiv(self.C, 64) * (self.n // self.warps), 65535)
 
     def scratch(self) -> dict:
         """name -> (shape, dtype): what the launches need besides dH (bf16 planes of dH and phi)."""
