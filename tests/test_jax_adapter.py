@@ -159,20 +159,15 @@ def _ops():
         lambda mod, a: (mod.stream_mix_fwd(a["x"], a["M"]),),
         lambda ct, a: mhc_cupy.stream_mix_bwd(ct[0], a["x"], a["M"]),
         lambda x, M: (mix_jnp(x, M),))
-    for shared in (False, True):
-        sfx = "_shared" if shared else ""
-        ops["stream_aggregate" + sfx] = _op(
-            "stream_aggregate",
-            lambda x, h: (mj.stream_aggregate(x, h),),
-            lambda mod, a: (mod.stream_aggregate_fwd(a["x"], a["h"]),),
-            lambda ct, a: mhc_cupy.stream_aggregate_bwd(ct[0], a["x"], a["h"]),
-            lambda x, h: (aggregate_jnp(x, h),), shared=shared)
-        ops["stream_distribute" + sfx] = _op(
-            "stream_distribute",
-            lambda y, h: (mj.stream_distribute(y, h),),
-            lambda mod, a: (mod.stream_distribute_fwd(a["y"], a["h"]),),
-            lambda ct, a: mhc_cupy.stream_distribute_bwd(ct[0], a["y"], a["h"]),
-            lambda y, h: (distribute_jnp(y, h),), shared=shared)
+    # the aggregate (of x) and the distribute (of y), each with per-token and shared coefficients
+    for op, arg, plain in (("stream_aggregate", "x", aggregate_jnp), ("stream_distribute", "y", distribute_jnp)):
+        for shared in (False, True):
+            ops[op + ("_shared" if shared else "")] = _op(
+                op,
+                lambda v, h, op=op: (getattr(mj, op)(v, h),),
+                lambda mod, a, op=op, arg=arg: (getattr(mod, op + "_fwd")(a[arg], a["h"]),),
+                lambda ct, a, op=op, arg=arg: getattr(mhc_cupy, op + "_bwd")(ct[0], a[arg], a["h"]),
+                lambda v, h, plain=plain: (plain(v, h),), shared=shared)
     ops["mhc_post_op"] = _op(
         "mhc_post_op",
         lambda y, x, hp, hr: (mj.mhc_post_op(y, x, hp, hr),),

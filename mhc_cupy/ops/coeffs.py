@@ -9,6 +9,7 @@ on every device, so results are bitwise reproducible for given shapes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 
@@ -267,27 +268,35 @@ def mma_token_splits(tokens: int, blocks: int, most: int) -> tuple[int, int]:
     return _cdiv(max(tokens, 1), per), per
 
 
-class MmaBwd(NamedTuple):
-    """Layout and scratch of mhc_coeffs_mma_bwd_kernel (dx and dphi on tensor cores, K <= 32)."""
+@dataclass(frozen=True)
+class _TensorCoreBwd:
+    """Shape of the tensor-core backward: dH and phi split into bf16 planes of K16 columns
+    (rows padded to tokens_p tokens, a multiple of 16)."""
 
     n: int
     C: int
     K: int
     tokens: int
-    splits: int  # token ranges (dphi partials)
-    t_split: int
 
     @property
     def K16(self):
         return _cdiv(self.K, 16) * 16
 
     @property
-    def Kp8(self):
-        return _cdiv(self.K, 8) * 8
-
-    @property
     def tokens_p(self):
         return _cdiv(max(self.tokens, 1), 16) * 16
+
+
+@dataclass(frozen=True)
+class MmaBwd(_TensorCoreBwd):
+    """Layout and scratch of mhc_coeffs_mma_bwd_kernel (dx and dphi on tensor cores, K <= 32)."""
+
+    splits: int  # token ranges (dphi partials)
+    t_split: int
+
+    @property
+    def Kp8(self):
+        return _cdiv(self.K, 8) * 8
 
     def scratch(self) -> dict:
         """name -> (shape, dtype): what the launch needs besides dH (phi and dH split into bf16 planes)."""
@@ -354,25 +363,14 @@ def _dx_warps(n: int, K16: int, dt: str) -> int | None:
     return None
 
 
-class SplitBwd(NamedTuple):
+@dataclass(frozen=True)
+class SplitBwd(_TensorCoreBwd):
     """Layout and scratch of the backward for K > 32 (n > 4): dphi on tensor cores
     (mhc_coeffs_mma_dphi_kernel, columns in chunks of 8 * nq), dx on tensor cores
     (mhc_coeffs_mma_dx_kernel) when its phi rows fit in shared memory, else on CUDA cores
     (mhc_coeffs_bwd_dx_kernel)."""
 
-    n: int
-    C: int
-    K: int
-    tokens: int
     dt: str
-
-    @property
-    def K16(self):
-        return _cdiv(self.K, 16) * 16
-
-    @property
-    def tokens_p(self):
-        return _cdiv(max(self.tokens, 1), 16) * 16
 
     @property
     def ncc(self) -> int:  # column chunks of dphi
