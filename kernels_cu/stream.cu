@@ -23,6 +23,20 @@ template <int N>
 __device__ __forceinline__ int res_index(int k, int res_t) { return res_t ? (k % N) * N + k / N : k; }
 }  // namespace
 
+// Token t's H_res (as the kernels read it, see res_index) and H_post into shared memory,
+// between two barriers (the previous token's are no longer read; this token's are visible).
+template <int N, bool HAS_X, bool HAS_Y>
+__device__ __forceinline__ void stage_coefficients(float* s_res, float* s_post, const float* __restrict__ h_res,
+                                                   const float* __restrict__ h_post, i64 h_post_stride, i64 t,
+                                                   int res_t) {
+    __syncthreads();
+    if (HAS_X)
+        for (int k = threadIdx.x; k < N * N; k += blockDim.x) s_res[k] = h_res[t * (N * N) + res_index<N>(k, res_t)];
+    if (HAS_Y)
+        for (int k = threadIdx.x; k < N; k += blockDim.x) s_post[k] = h_post[t * h_post_stride + k];
+    __syncthreads();
+}
+
 // ---------------------------------------------------------------- post op fwd
 template <typename T, int N, int E, bool HAS_X, bool HAS_Y>
 __global__ void mhc_stream_mix_distribute_fwd_kernel(const T* __restrict__ x, const T* __restrict__ y,
@@ -32,13 +46,7 @@ __global__ void mhc_stream_mix_distribute_fwd_kernel(const T* __restrict__ x, co
     __shared__ float s_res[HAS_X ? N * N : 1];
     __shared__ float s_post[HAS_Y ? N : 1];
     for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
-        __syncthreads();
-        if (HAS_X)
-            for (int k = threadIdx.x; k < N * N; k += blockDim.x)
-                s_res[k] = h_res[t * (N * N) + res_index<N>(k, res_t)];
-        if (HAS_Y)
-            for (int k = threadIdx.x; k < N; k += blockDim.x) s_post[k] = h_post[t * h_post_stride + k];
-        __syncthreads();
+        stage_coefficients<N, HAS_X, HAS_Y>(s_res, s_post, h_res, h_post, h_post_stride, t, res_t);
         const T* xt = x + t * N * (i64)C;
         const T* yt = y + t * (i64)C;
         T* ot = out + t * N * (i64)C;
@@ -88,13 +96,7 @@ __global__ void mhc_stream_mix_distribute_bwd_kernel(const TG* __restrict__ g, c
     __shared__ float s_post[HAS_Y ? N : 1];
     __shared__ float red[K * 32];  // K values x up to 32 warps
     for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
-        __syncthreads();
-        if (HAS_X)
-            for (int k = threadIdx.x; k < N * N; k += blockDim.x)
-                s_res[k] = h_res[t * (N * N) + res_index<N>(k, res_t)];
-        if (HAS_Y)
-            for (int k = threadIdx.x; k < N; k += blockDim.x) s_post[k] = h_post[t * h_post_stride + k];
-        __syncthreads();
+        stage_coefficients<N, HAS_X, HAS_Y>(s_res, s_post, h_res, h_post, h_post_stride, t, res_t);
         const TG* gt = g + t * N * (i64)C;
         const T* xt = x + t * N * (i64)C;
         const T* yt = y + t * (i64)C;
