@@ -19,11 +19,13 @@ def _import_status(module: str) -> str | None:
     return _import(module, module)[1]
 
 
-def gpu_problem() -> str | None:
-    """Why the GPU benchmarks cannot run here, or None."""
-    cupy, why = _import("cupy", "CuPy")
-    if why:
-        return why
+def _status(module: str, label: str, gpu_problem_of) -> str | None:
+    """None when ``module`` imports and ``gpu_problem_of(module)`` is None, else why not."""
+    mod, why = _import(module, label)
+    return why or gpu_problem_of(mod)
+
+
+def _cupy_gpu(cupy) -> str | None:
     try:
         if not cupy.cuda.is_available():
             return "no CUDA GPU is visible (cupy.cuda.is_available() is False)"
@@ -33,26 +35,28 @@ def gpu_problem() -> str | None:
     return None
 
 
-def _torch_status() -> str | None:
-    """None when PyTorch with a CUDA device is usable, else why not."""
-    torch, why = _import("torch", "PyTorch")
-    if why:
-        return why
-    if not torch.cuda.is_available():
-        return f"PyTorch {torch.__version__} sees no CUDA device"
-    return None
-
-
-def _jax_status() -> str | None:
-    """None when JAX with a GPU backend is usable, else why not."""
-    jax, why = _import("jax", "JAX")
-    if why:
-        return why
+def _jax_gpu(jax) -> str | None:
     try:
         jax.devices("gpu")
     except Exception as e:  # noqa: BLE001
         return f"JAX {jax.__version__} has no GPU backend ({type(e).__name__}: {str(e)[:160]})"
     return None
+
+
+def gpu_problem() -> str | None:
+    """Why the GPU benchmarks cannot run here, or None."""
+    return _status("cupy", "CuPy", _cupy_gpu)
+
+
+def _torch_status() -> str | None:
+    """None when PyTorch with a CUDA device is usable, else why not."""
+    return _status("torch", "PyTorch",
+                   lambda torch: None if torch.cuda.is_available() else f"PyTorch {torch.__version__} sees no CUDA device")
+
+
+def _jax_status() -> str | None:
+    """None when JAX with a GPU backend is usable, else why not."""
+    return _status("jax", "JAX", _jax_gpu)
 
 
 def _device_meta() -> dict:
