@@ -321,9 +321,10 @@ class MHC(nn.Module):
 
     def fused(self, x: Tensor) -> bool:
         """Whether forward runs the fused layer pieces (OPS.md section 9): on the CPU (the NumPy
-        reference) and on the GPU for n <= 4, where its backward runs on tensor cores; for n > 4
-        the separate ops (coefficients -> pre op -> sublayer -> post op) are faster on the H200
-        (fused backward on CUDA cores: 12.1 vs 9.8 ms fwd+bwd at 16384 x 2048 x 8, bf16)."""
+        reference) and on the GPU for n <= 4; for n > 4 the separate ops (coefficients -> pre op
+        -> sublayer -> post op), which were faster on the H200 while the fused backward ran on
+        CUDA cores there (12.1 vs 9.8 ms fwd+bwd at 16384 x 2048 x 8, bf16; not measured again
+        since it moved to tensor cores: OPS.md section 9)."""
         return x.device.type == "cpu" or self.n_streams <= 4
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
