@@ -96,26 +96,12 @@ class Case:
             self.ref = lambda a: (R.rmsnorm_fwd(a[0], 1e-5, a[1]),)
             self.ref_bwd = lambda g, a: R.rmsnorm_bwd(g[0], a[0], 1e-5, a[1])
             self.tol_out, self.tol_in = [act], [2 * act, COEF_TOL]
-        elif op == "stream_mix":
-            self.args = [x, A(lead + (n, n))]
-            self.call = lambda a: mt.stream_mix(*a)
-            self.bwd = lambda g, a: m.stream_mix_bwd(g[0], *a)
-            self.ref = lambda a: (R.stream_mix_fwd(*a),)
-            self.ref_bwd = lambda g, a: R.stream_mix_bwd(g[0], *a)
-            self.tol_out, self.tol_in = [act], [act, COEF_TOL]
-        elif op == "stream_aggregate":
-            self.args = [x, A(hshape)]
-            self.call = lambda a: mt.stream_aggregate(*a)
-            self.bwd = lambda g, a: m.stream_aggregate_bwd(g[0], *a)
-            self.ref = lambda a: (R.stream_aggregate_fwd(*a),)
-            self.ref_bwd = lambda g, a: R.stream_aggregate_bwd(g[0], *a)
-            self.tol_out, self.tol_in = [act], [act, COEF_TOL]
-        elif op == "stream_distribute":
-            self.args = [y, A(hshape)]
-            self.call = lambda a: mt.stream_distribute(*a)
-            self.bwd = lambda g, a: m.stream_distribute_bwd(g[0], *a)
-            self.ref = lambda a: (R.stream_distribute_fwd(*a),)
-            self.ref_bwd = lambda g, a: R.stream_distribute_bwd(g[0], *a)
+        elif op in ("stream_mix", "stream_aggregate", "stream_distribute"):  # (activation, coefficients)
+            self.args = [y if op == "stream_distribute" else x, A(lead + (n, n)) if op == "stream_mix" else A(hshape)]
+            self.call = lambda a: getattr(mt, op)(*a)
+            self.bwd = lambda g, a: getattr(m, op + "_bwd")(g[0], *a)
+            self.ref = lambda a: (getattr(R, op + "_fwd")(*a),)
+            self.ref_bwd = lambda g, a: getattr(R, op + "_bwd")(g[0], *a)
             self.tol_out, self.tol_in = [act], [act, COEF_TOL]
         elif op == "mhc_post_op":
             self.args = [y, x, A(lead + (n,)), A(lead + (n, n))]
