@@ -22,8 +22,8 @@
 //   mhc_head_bwd_dx_kernel (K = n columns of hc_fn = phi^T; section "head" below),
 //   and its dhc_fn through mhc_coeffs_bwd_dphi_kernel.
 // * dx on CUDA cores where the tensor-core dx kernel's phi rows do not fit in shared
-//   memory (n >= 16): mhc_coeffs_bwd_dx_kernel<T, TG, E, KC, LAYER> (a thread owns E
-//   positions x TS tokens of dx, loops over K in chunks of KC columns of the
+//   memory (n >= 16 at 16 bits, n >= 13 in float32): mhc_coeffs_bwd_dx_kernel<T, TG, E, KC,
+//   LAYER> (a thread owns E positions x TS tokens of dx, loops over K in chunks of KC columns of the
 //   transposed phi (mhc_coeffs_transpose_kernel, coalesced) and of dH staged
 //   in shared memory); mhc_coeffs_bwd_dphi_kernel<T, E, KC> (a thread owns
 //   E positions x KC columns of dphi and walks a token range; the column chunk

@@ -309,6 +309,44 @@ def test_launch_plans(n, C, T):
         assert 1 <= grid[0] <= 2**31 - 1 and grid[1] <= 65535 and block[0] * block[1] <= 1024
 
 
+@pytest.mark.parametrize("dt", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("n", [5, 6, 8, 12, 13, 15, 16])
+def test_split_bwd_launches(dt, n):
+    """n > 4: the dphi / dx kernels' dynamic shared memory is the kernels' own formula and within the
+    portable limit; dx runs on tensor cores exactly while its phi rows fit (README: n <= 15 at 16 bits,
+    n <= 12 in float32), W streams per block with W | n."""
+    T, C = 1000, 72
+    D, K = n * C, coeffs.columns(n)
+    cx = {"x": _info((T, n, C), dt), "phi": _info((D, K)), "alpha": _info((3,)), "bias": _info((K,)),
+          "grad_h_pre_raw": _info((T, n)), "grad_h_post_raw": _info((T, n)), "grad_h_res_raw": _info((T, n, n))}
+    from mhc_cupy import _jit
+
+    with _jit.dry_run() as launches:
+        plan = coeffs._plan_bwd(cx, eps=1e-5)
+        plan.launch({k: v.ptr for k, v in cx.items()}, [1 << 20] * len(plan.outputs), [1 << 21] * len(plan.scratch), 0)
+    size = {"bfloat16": 2, "float16": 2, "float32": 4}[dt]
+    seen = set()
+    for _, expr, grid, block, args, smem in launches:
+        name, _, params = expr.partition("<")
+        params = params.rstrip(">").split(",")
+        if name == "mhc_coeffs_mma_dphi_kernel":
+            nq, stages = int(params[2]), int(params[3])
+            assert smem == stages * (16 * (256 * size + 16) + 3 * 8 * nq * 32)
+            assert grid[0] == -(-D // 256) * -(-K // (8 * nq)) and block[0] == 128
+        elif name == "mhc_coeffs_mma_dx_kernel":
+            ks, w, stages = int(params[4]), int(params[5]), int(params[6])
+            po = 3 if size == 4 else 2
+            assert ks == -(-K // 16) and n % w == 0 and block[0] == 32 * w
+            assert smem == (w * 64 + stages * 16) * 16 * ks * po * 2 and stages >= 2
+            assert grid[0] == -(-C // 64) * (n // w)
+        else:
+            continue
+        seen.add(name)
+        assert smem <= coeffs._SMEM_PORTABLE, (expr, smem)
+    assert ("mhc_coeffs_mma_dx_kernel" in seen) == (n <= (12 if size == 4 else 15))
+    assert "mhc_coeffs_mma_dphi_kernel" in seen
+
+
 def test_zero_token_backward_plan_only_zero_fills():
     cx = {"x": _info((0, 4, 8), "bfloat16"), "phi": _info((32, 24)), "alpha": _info((3,)), "bias": _info((24,))}
     g = {"grad_h_pre_raw": None, "grad_h_post_raw": None, "grad_h_res_raw": None}

@@ -137,7 +137,7 @@ def test_mismatched_gradient_dtypes_raise(rng):
 
 # --------------------------------------------------------------------- GPU
 GPU_CASES = [((1,), 1, 7), ((3,), 2, 33), ((127,), 4, 64), ((2, 5), 3, 16), ((300,), 4, 1000), ((70,), 4, 4096),
-             ((9,), 5, 12), ((127,), 8, 33), ((3, 50), 8, 256), ((40,), 16, 64)]  # n > 4: the CUDA-core backward
+             ((9,), 5, 12), ((127,), 8, 33), ((3, 50), 8, 256), ((40,), 16, 64)]  # n > 4: split backward (CUDA-core dx: 16)
 
 
 def _gpu_layer(dt, lead, n, C, rng):
@@ -200,7 +200,8 @@ def test_gpu_pieces_bitwise_repeatable(rng, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,C", [(4, 64), (8, 40)])  # the tensor-core and the CUDA-core backward
+# the fused tensor-core backward (n <= 4), the split one with dx on tensor cores (n = 8) and on CUDA cores (n = 16)
+@pytest.mark.parametrize("n,C", [(4, 64), (8, 40), (16, 40)])
 @pytest.mark.parametrize("missing", ["grad_layer_in", "grad_out", "both"])
 def test_gpu_pre_bwd_missing_layer_gradients(rng, n, C, missing):
     """A None layer gradient counts as zero in dx (each alone adds its term)."""
