@@ -49,6 +49,8 @@ template <> __device__ __forceinline__ float from_bits<__nv_bfloat16>(unsigned i
 
 // Elements of T that fit one 16-byte access.
 template <typename T> struct Max16 { static constexpr int value = 16 / sizeof(T); };
+// load_vec / store_vec move E elements of T in chunks of this many elements (at most 16 bytes).
+template <typename T, int E> __host__ __device__ constexpr int chunk_elems() { return (E < Max16<T>::value) ? E : Max16<T>::value; }
 
 // W consecutive 32-bit words in one load / store instruction (W = 1, 2, 4).
 template <int W> __device__ __forceinline__ void load_words(const void* p, unsigned int (&w)[W]) {
@@ -80,8 +82,7 @@ template <int W> __device__ __forceinline__ void store_words(void* p, const unsi
 // min(E * sizeof(T), 16) bytes.
 template <typename T, int E>
 __device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&out)[E]) {
-    constexpr int K = (E < Max16<T>::value) ? E : Max16<T>::value;
-    constexpr int B = K * (int)sizeof(T);
+    constexpr int K = chunk_elems<T, E>(), B = K * (int)sizeof(T);
 #pragma unroll
     for (int k0 = 0; k0 < E; k0 += K) {
         if constexpr (B >= 4) {
@@ -98,8 +99,7 @@ __device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&out)[E
 
 template <typename T, int E>
 __device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&in)[E]) {
-    constexpr int K = (E < Max16<T>::value) ? E : Max16<T>::value;
-    constexpr int B = K * (int)sizeof(T);
+    constexpr int K = chunk_elems<T, E>(), B = K * (int)sizeof(T);
 #pragma unroll
     for (int k0 = 0; k0 < E; k0 += K) {
         if constexpr (B >= 4) {

@@ -332,8 +332,9 @@ __global__ void mhc_sinkhorn_knopp_bwd_kernel(const float* __restrict__ grad_P,
         // = u (1 - eps / y).  eps / y enters scaled by eps, so the fast reciprocal (2 ulp) is far
         // below float32 rounding.  y >= eps (max(p, eps): the rebuilt p may round just below); a
         // subnormal eps and y are scaled by 2^64 first (the reciprocal of a subnormal overflows),
-        // and eps = 0 leaves w = u (the floor keeps 0 * (1 / 0) out).
-        const float S = eps < 1e-30f ? 0x1p64f : 1.f, eps_s = eps * S, floor_s = fmaxf(eps, 1.17549435e-38f) * S;
+        // and eps = 0 leaves w = u (the floor FLT_MIN keeps 0 * (1 / 0) out).
+        const float S = eps < 1e-30f ? 0x1p64f : 1.f, eps_s = eps * S;
+        const float floor_s = (eps > 0.f ? eps : 1.17549435e-38f) * S;
 #pragma unroll
         for (int r = 0; r < R; ++r) {
             float s = 0.f;
