@@ -353,12 +353,16 @@ def launch_mma_bwd(b: MmaBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc: dic
 _MMA_DPHI_NQ = 5  # 8-column tiles per block of mhc_coeffs_mma_dphi_kernel: 16 * NQ accumulators per thread
 
 
+def _planes(dt: str) -> int:
+    """bf16 planes of phi and dH that mhc_coeffs_mma_dx_kernel multiplies for activations of dtype dt."""
+    return 3 if ITEMSIZE[dt] == 4 else 2
+
+
 def _dx_warps(n: int, K16: int, dt: str) -> int | None:
     """Warps (streams) per block of mhc_coeffs_mma_dx_kernel: the most of 4, 2, 1 that divides n and
     whose phi rows plus two pipeline stages fit the portable shared memory; None: CUDA-core dx."""
-    po = 3 if ITEMSIZE[dt] == 4 else 2
     for w in (4, 2, 1):
-        if n % w == 0 and (w * 64 + 2 * 16) * K16 * po * 2 <= _SMEM_PORTABLE:
+        if n % w == 0 and (w * 64 + 2 * 16) * K16 * _planes(dt) * 2 <= _SMEM_PORTABLE:
             return w
     return None
 
@@ -399,6 +403,20 @@ class SplitBwd(_TensorCoreBwd):
         """(token ranges, tokens per range) of the tensor-core dx (no reduction; grid y <= 65535)."""
         return mma_token_splits(self.tokens, _cdiv(self.C, 64) * (self.n // self.warps), 65535)
 
+    def dphi_pipeline(self) -> tuple[int, int]:
+        """(stages, dynamic shared bytes) of mhc_coeffs_mma_dphi_kernel: per stage x [16][256]
+        (token rows padded by 16 bytes) and dH_c [3][8 nq][16] (kernels_cu/coeffs.cu)."""
+        stage = 16 * (256 * ITEMSIZE[self.dt] + 16) + 3 * self.nq * 8 * 32
+        stages = pipeline_stages(0, stage, _MMA_BWD_STAGES)
+        return stages, stages * stage
+
+    def dx_pipeline(self) -> tuple[int, int]:
+        """(stages, dynamic shared bytes) of mhc_coeffs_mma_dx_kernel: the phi rows of its streams,
+        then per stage dH_r [planes][16][K16] (kernels_cu/coeffs.cu)."""
+        fixed, stage = (self.warps * 64 * self.K16 * 2 * _planes(self.dt), 16 * self.K16 * 2 * _planes(self.dt))
+        stages = pipeline_stages(fixed, stage, _MMA_BWD_STAGES)
+        return stages, fixed + stages * stage
+
     def scratch(self) -> dict:
         """name -> (shape, dtype): what the launches need besides dH (bf16 planes of dH and phi)."""
         D = self.n * self.C
@@ -425,12 +443,11 @@ def launch_split_bwd(b: SplitBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc:
            (dH, sc["dH_c"], i64(b.tokens), i32(K), i32(KP), i64(b.tokens_p), i32(Kc)), stream)
     splits, t_split = b.dphi_splits
     out = sc["dphi_part"] if splits > 1 else dphi
-    stage = 16 * (256 * ITEMSIZE[dt] + 16) + 3 * b.nq * 8 * 32
-    stages = pipeline_stages(0, stage, _MMA_BWD_STAGES)
+    stages, smem = b.dphi_pipeline()
     launch(_FILE, f"mhc_coeffs_mma_dphi_kernel<{CTYPE[dt]},{'true' if _vec8(dt, D, x) else 'false'},{b.nq},{stages}>",
            (b.pblocks * b.ncc, splits, 1), (128, 1, 1),
            (x, sc["dH_c"], out, i64(b.tokens), i64(b.tokens_p), i32(D), i32(K), i32(Kc), i32(b.ncc), i64(t_split)),
-           stream, stages * stage)
+           stream, smem)
     if splits > 1:
         column_sum(out, dphi, splits, D * K, stream)
     w = b.warps
@@ -439,16 +456,14 @@ def launch_split_bwd(b: SplitBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc:
                (phi, sc["phi_r"], i64(D), i32(K), i32(K), i64(D), i32(b.K16)), stream)
         launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(b.tokens_p * b.K16), (_NT, 1, 1),
                (dH, sc["dH_r"], i64(b.tokens), i32(K), i32(KP), i64(b.tokens_p), i32(b.K16)), stream)
-        po = 3 if ITEMSIZE[dt] == 4 else 2
-        fixed, stage = w * 64 * b.K16 * po * 2, 16 * b.K16 * po * 2
-        stages = pipeline_stages(fixed, stage, _MMA_BWD_STAGES)
+        stages, smem = b.dx_pipeline()
         vec = "true" if _vec8(dt, b.C, x, dx, g, g_li) else "false"
         dsplits, dt_split = b.dx_splits
         launch(_FILE, f"mhc_coeffs_mma_dx_kernel<{CTYPE[dt]},{CTYPE[tg]},{vec},{'true' if layer else 'false'},"
                       f"{b.K16 // 16},{w},{stages}>",
                (_cdiv(b.C, 64) * (b.n // w), dsplits, 1), (32 * w, 1, 1),
                (x, sc["phi_r"], sc["dH_r"], dH, g, g_li, H_pre, H_res, dx, i64(b.tokens), i64(b.tokens_p), i32(b.n),
-                i32(b.C), i32(K), i32(KP), i32(b.n // w), i64(dt_split), i32(res_t)), stream, fixed + stages * stage)
+                i32(b.C), i32(K), i32(KP), i32(b.n // w), i64(dt_split), i32(res_t)), stream, smem)
         return
     # the layer's terms read g by stream: a thread's E positions must not straddle two streams
     E = vec_width(1, b.C if layer else D, [(x, dt), (dx, dt), (g, tg), (g_li, tg)], budget=_BWD_E)
