@@ -60,29 +60,32 @@ def build_blocks(C: int, heads: int, ffn: int, n: int, device, dtype, mhc_kwargs
         raise ValueError(f"C = {C} is not a multiple of heads = {heads}")
     kw = {"device": device, "dtype": dtype}
 
-    class Attention(nn.Module):
-        def __init__(self):
+    class PreNorm(nn.Module):
+        """RMSNorm, then bias-free projections C -> width_in (``inp``) and width_out -> C (``out``)."""
+
+        def __init__(self, width_in, width_out):
             super().__init__()
             self.norm = nn.RMSNorm(C, eps=1e-5, **kw)
-            self.qkv = nn.Linear(C, 3 * C, bias=False, **kw)
-            self.proj = nn.Linear(C, C, bias=False, **kw)
+            self.inp = nn.Linear(C, width_in, bias=False, **kw)
+            self.out = nn.Linear(width_out, C, bias=False, **kw)
+
+    class Attention(PreNorm):  # causal multi-head self-attention
+        def __init__(self):
+            super().__init__(3 * C, C)
 
         def forward(self, h):
             B, S, _ = h.shape
-            q, k, v = self.qkv(self.norm(h)).view(B, S, 3, heads, C // heads).permute(2, 0, 3, 1, 4)
+            q, k, v = self.inp(self.norm(h)).view(B, S, 3, heads, C // heads).permute(2, 0, 3, 1, 4)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            return self.proj(o.transpose(1, 2).reshape(B, S, C))
+            return self.out(o.transpose(1, 2).reshape(B, S, C))
 
-    class SwiGLU(nn.Module):
+    class SwiGLU(PreNorm):
         def __init__(self):
-            super().__init__()
-            self.norm = nn.RMSNorm(C, eps=1e-5, **kw)
-            self.w13 = nn.Linear(C, 2 * ffn, bias=False, **kw)
-            self.w2 = nn.Linear(ffn, C, bias=False, **kw)
+            super().__init__(2 * ffn, ffn)
 
         def forward(self, h):
-            a, b = self.w13(self.norm(h)).chunk(2, dim=-1)
-            return self.w2(F.silu(a) * b)
+            a, b = self.inp(self.norm(h)).chunk(2, dim=-1)
+            return self.out(F.silu(a) * b)
 
     class PlainBlock(nn.Module):
         def __init__(self):
