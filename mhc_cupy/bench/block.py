@@ -50,7 +50,6 @@ def build_blocks(C: int, heads: int, ffn: int, n: int, device, dtype, mhc_kwargs
     """
     import copy
 
-    import torch
     import torch.nn.functional as F
     from torch import nn
 
