@@ -40,9 +40,9 @@ __device__ __forceinline__ void stage_coefficients(float* s_res, float* s_post, 
 // ---------------------------------------------------------------- post op fwd
 template <typename T, int N, int E, bool HAS_X, bool HAS_Y>
 __global__ void mhc_stream_mix_distribute_fwd_kernel(const T* __restrict__ x, const T* __restrict__ y,
-                                       const float* __restrict__ h_post, i64 h_post_stride,
-                                       const float* __restrict__ h_res, T* __restrict__ out,
-                                       i64 tokens, int C, int res_t) {
+                                                     const float* __restrict__ h_post, i64 h_post_stride,
+                                                     const float* __restrict__ h_res, T* __restrict__ out,
+                                                     i64 tokens, int C, int res_t) {
     __shared__ float s_res[HAS_X ? N * N : 1];
     __shared__ float s_post[HAS_Y ? N : 1];
     for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
@@ -84,11 +84,11 @@ __global__ void mhc_stream_mix_distribute_fwd_kernel(const T* __restrict__ x, co
 // (the host sums it over tokens for a shared H_post).
 template <typename T, typename TG, int N, int E, int RB, bool HAS_X, bool HAS_Y>
 __global__ void mhc_stream_mix_distribute_bwd_kernel(const TG* __restrict__ g, const T* __restrict__ x,
-                                       const T* __restrict__ y, const float* __restrict__ h_post,
-                                       i64 h_post_stride, const float* __restrict__ h_res,
-                                       T* __restrict__ dx, T* __restrict__ dy,
-                                       float* __restrict__ d_post, float* __restrict__ d_res,
-                                       i64 tokens, int C, int res_t) {
+                                                     const T* __restrict__ y, const float* __restrict__ h_post,
+                                                     i64 h_post_stride, const float* __restrict__ h_res,
+                                                     T* __restrict__ dx, T* __restrict__ dy,
+                                                     float* __restrict__ d_post, float* __restrict__ d_res,
+                                                     i64 tokens, int C, int res_t) {
     constexpr int KR = HAS_X ? RB * N : 0;
     constexpr int KP = HAS_Y ? N : 0;
     constexpr int K = KR + KP;
