@@ -139,6 +139,28 @@ template <typename T, int E> struct Packed {
     }
 };
 
+// d += a b on tensor cores (m16n8k16, row.col): 16-bit T (bf16 or float16) in, float32
+// accumulate.  Fragments (g8 = lane / 4, tq = lane % 4): a[0] row g8, k 2tq..2tq+1; a[1] row
+// g8 + 8, same k; a[2], a[3] the same rows at k + 8; b0 k 2tq..2tq+1 of column g8, b1 k + 8;
+// d[0..1] row g8, columns 2tq..2tq+1, d[2..3] row g8 + 8.  Products of 16-bit values are exact.
+template <typename T>
+__device__ __forceinline__ void mma_m16n8k16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1);
+template <>
+__device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                                             unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma_m16n8k16<__half>(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // Row statistics (RMSNorm, the coefficient path's r) sum x^2 in float32, which
 // overflows for |x| above ~1.8e19 / sqrt(length).  A row whose sum comes out
 // inf is summed again with x scaled by STAT_SCALE = 2^-100 (then every finite

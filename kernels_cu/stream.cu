@@ -187,6 +187,119 @@ __global__ void mhc_stream_mix_distribute_bwd_kernel(const TG* __restrict__ g, c
     }
 }
 
+// The same backward with x and y, without dx (the host adds dx_j = sum_i M_ij g_i as the mix
+// forward of g by M transposed; the fused layer needs none, OPS.md section 9), on tensor cores,
+// for 16-bit g, x and y: per token, [dH_res | dH_post] = G [X; y]^T (G, X the token's [N, C]
+// rows, bf16 / float16 products exact, float32 accumulation) with mma m16n8k16, and
+// dy = sum_i H_post_i g_i.  The RB passes of the kernel above re-read g and x N / RB times
+// and sum RB N + N values across the block per pass; here each value is read once.
+// One token per block at a time (grid-stride), WARPS warps; warp w takes columns
+// [32 (w + WARPS s), +32), each thread 8 consecutive columns (one 16-byte access with VEC:
+// C % 8 == 0 and 16-byte aligned rows) of g rows g8 + 8 r and of x / y rows 8 q + g8 (row N
+// is y).  The 16 columns of a k-step are a permutation of the reduction index, the same for
+// both operands.  dy: per thread sum over its g rows, then a reduce-scatter over the 8 lanes
+// of a column group (lane g8 ends with column 8 tq + g8).  dH: per-warp accumulators summed
+// over warps 0, 1, ... in shared memory.  Fixed order throughout (deterministic).
+template <typename T, bool VEC>
+__device__ __forceinline__ void load8_words(const T* __restrict__ row, int col, int C, unsigned (&w)[4]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k] = 0u;
+    if (row == nullptr) return;
+    if (VEC) {
+        if (col < C) mhc::load_words<4>(row + col, w);
+    } else {
+        const unsigned short* r = reinterpret_cast<const unsigned short*>(row);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            if (col + e < C) w[e >> 1] |= (unsigned)r[col + e] << (16 * (e & 1));
+    }
+}
+
+template <typename T, int N, bool VEC, int WARPS>
+__global__ void __launch_bounds__(32 * WARPS)
+mhc_stream_post_bwd_mma_kernel(const T* __restrict__ g, const T* __restrict__ x, const T* __restrict__ y,
+                               const float* __restrict__ h_post, i64 h_post_stride, T* __restrict__ dy,
+                               float* __restrict__ d_post, float* __restrict__ d_res, i64 tokens, int C,
+                               int res_t) {
+    constexpr int MT = (N + 15) / 16;      // m tiles: rows i of g
+    constexpr int QT = (N + 1 + 7) / 8;    // n tiles: rows j of x, then y (j = N)
+    constexpr int R = MT * QT * 4;         // accumulators per thread
+    __shared__ float red[WARPS * R * 32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g8 = lane >> 2, tq = lane & 3;
+    for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
+        float hp[2 * MT];
+#pragma unroll
+        for (int r = 0; r < 2 * MT; ++r) hp[r] = g8 + 8 * r < N ? h_post[t * h_post_stride + g8 + 8 * r] : 0.f;
+        float acc[MT][QT][4];
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int q = 0; q < QT; ++q)
+#pragma unroll
+                for (int k = 0; k < 4; ++k) acc[m][q][k] = 0.f;
+        const T* gt = g + t * N * (i64)C;
+        const T* xt = x + t * N * (i64)C;
+#pragma unroll 2
+        for (int c0 = 32 * warp; c0 < C; c0 += 32 * WARPS) {
+            const int col = c0 + 8 * tq;
+            unsigned ga[2 * MT][4], xb[QT][4];
+#pragma unroll
+            for (int r = 0; r < 2 * MT; ++r) {
+                const int i = g8 + 8 * r;
+                load8_words<T, VEC>(i < N ? gt + (i64)i * C : nullptr, col, C, ga[r]);
+            }
+#pragma unroll
+            for (int q = 0; q < QT; ++q) {
+                const int j = 8 * q + g8;
+                load8_words<T, VEC>(j < N ? xt + (i64)j * C : (j == N ? y + t * (i64)C : nullptr), col, C, xb[q]);
+            }
+#pragma unroll
+            for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    const unsigned a[4] = {ga[2 * m][2 * ks], ga[2 * m + 1][2 * ks], ga[2 * m][2 * ks + 1],
+                                           ga[2 * m + 1][2 * ks + 1]};
+#pragma unroll
+                    for (int q = 0; q < QT; ++q) mhc::mma_m16n8k16<T>(acc[m][q], a, xb[q][2 * ks], xb[q][2 * ks + 1]);
+                }
+            if (dy != nullptr) {
+                float v[8];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    float s = 0.f;
+#pragma unroll
+                    for (int r = 0; r < 2 * MT; ++r)
+                        s = fmaf(hp[r], mhc::from_bits<T>((ga[r][e >> 1] >> (16 * (e & 1))) & 0xffffu), s);
+                    v[e] = s;
+                }
+                mhc::reduce_scatter_step<8, 16>(v, lane);
+                if (col + g8 < C) dy[t * (i64)C + col + g8] = mhc::from_float<T>(v[0]);
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int q = 0; q < QT; ++q)
+#pragma unroll
+                for (int k = 0; k < 4; ++k) red[((warp * MT + m) * QT + q) * 128 + k * 32 + lane] = acc[m][q][k];
+        __syncthreads();
+        for (int o = threadIdx.x; o < N * (N + 1); o += 32 * WARPS) {
+            const int i = o / (N + 1), j = o - i * (N + 1);
+            // accumulator of (i, j): tile (i / 16, j / 8), register 2 ((i % 16) / 8) + j % 2, lane 4 (i % 8) + (j % 8) / 2
+            const int m = i >> 4, q = j >> 3, k = 2 * ((i >> 3) & 1) + (j & 1), l = 4 * (i & 7) + ((j & 7) >> 1);
+            float s = 0.f;
+            for (int w = 0; w < WARPS; ++w) s += red[((w * MT + m) * QT + q) * 128 + k * 32 + l];
+            if (j < N) {
+                if (d_res != nullptr) d_res[t * (N * N) + res_index<N>(i * N + j, res_t)] = s;
+            } else if (d_post != nullptr) {
+                d_post[t * N + i] = s;
+            }
+        }
+        __syncthreads();
+    }
+}
+
 // ------------------------------------------------------- stream aggregate fwd
 // out = sum_i h_i x_i; h is per token (h_stride = N) or shared (h_stride = 0).
 template <typename T, int N, int E>

@@ -907,7 +907,7 @@ def mhc_layer(params: dict, x, f, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAUL
         raise TypeError(f"params must be the dict of mhc_init (phi, alpha, bias), got {type(params).__name__}")
     settings = _layer_settings(num_iters, eps, rms_eps, grad_mode, _convention.check(convention), hc_eps, post_mult)
     num_iters, eps, rms_eps, grad_mode, convention, hc_eps, post_mult = settings
-    if getattr(x, "ndim", 0) >= 2 and _ops.coeffs.columns(x.shape[-2]) <= _ops.coeffs._MMA_BWD_MAX_K:
+    if getattr(x, "ndim", 0) >= 2 and _ops.layer.fused_default(x.shape[-2]):
         # the fused pieces (OPS.md section 9), one custom_vjp around the whole layer with f's VJP inside
         # (f's closed-over traced values become explicit arguments, so they get their gradients)
         example = _jax.ShapeDtypeStruct(tuple(x.shape[:-2]) + (x.shape[-1],), x.dtype)

@@ -34,6 +34,16 @@ from .spec import (ACTIVATION_PARAMS, ALPHA, BIAS, CONVENTION, GRAD_MODE, GRAD_X
                    LAYER_OUT, PHI, SINKHORN_PARAMS, X, Arg, Kernel)
 
 
+# MHC and mhc_cupy.jax.mhc_layer run the fused pieces on the GPU for n <= FUSED_MAX_N and the
+# separate ops above it, whichever measured faster (benchmarks/h200_layer.md; OPS.md section 9).
+FUSED_MAX_N = 4
+
+
+def fused_default(n: int) -> bool:
+    """Whether the layer adapters run the fused pieces for n streams on the GPU (FUSED_MAX_N)."""
+    return n <= FUSED_MAX_N
+
+
 def _check_common(infos, num_iters, eps, rms_eps, convention, hc_eps, post_mult):
     """(dt, lead, n, C, D, K, tokens, settings): settings = (iters, eps, rms_eps, ds, hc_eps, post_mult),
     DEFAULT resolved per convention."""

@@ -57,6 +57,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _checks, _convention, _layer_init
+from ..ops.layer import fused_default
 from .._convention import DEFAULT
 from .functions import mhc_coeffs, mhc_head, mhc_layer_post, mhc_layer_pre, mhc_post_op, mhc_pre_op
 
@@ -325,7 +326,7 @@ class MHC(nn.Module):
         -> sublayer -> post op), which were faster on the H200 while the fused backward ran on
         CUDA cores there (12.1 vs 9.8 ms fwd+bwd at 16384 x 2048 x 8, bf16; not measured again
         since it moved to tensor cores: OPS.md section 9)."""
-        return x.device.type == "cpu" or self.n_streams <= 4
+        return x.device.type == "cpu" or fused_default(self.n_streams)
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         pre_kw = {"convention": self.convention, "hc_eps": self.hc_eps, "post_mult": self.post_mult}
