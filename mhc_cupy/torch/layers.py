@@ -322,10 +322,9 @@ class MHC(nn.Module):
 
     def fused(self, x: Tensor) -> bool:
         """Whether forward runs the fused layer pieces (OPS.md section 9): on the CPU (the NumPy
-        reference) and on the GPU for n <= 4; for n > 4 the separate ops (coefficients -> pre op
-        -> sublayer -> post op), which were faster on the H200 while the fused backward ran on
-        CUDA cores there (12.1 vs 9.8 ms fwd+bwd at 16384 x 2048 x 8, bf16; not measured again
-        since it moved to tensor cores: OPS.md section 9)."""
+        reference) and on the GPU for n <= 4 (``mhc_cupy.ops.layer.FUSED_MAX_N``); for n > 4 the
+        separate ops (coefficients -> pre op -> sublayer -> post op), as fast at n = 8 and faster
+        at n = 16 on the H200 (OPS.md section 9)."""
         return x.device.type == "cpu" or fused_default(self.n_streams)
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
