@@ -241,8 +241,8 @@ mhc_stream_post_bwd_mma_kernel(const T* __restrict__ g, const T* __restrict__ x,
         const T* gt = g + t * N * (i64)C;
         const T* xt = x + t * N * (i64)C;
 #pragma unroll 2
-        for (int c0 = 32 * warp; c0 < C; c0 += 32 * WARPS) {
-            const int col = c0 + 8 * tq;
+        for (unsigned c0 = 32 * warp; c0 < (unsigned)C; c0 += 32 * WARPS) {  // unsigned: C up to 2^31 - 1
+            const int col = (int)c0 + 8 * tq;
             unsigned ga[2 * MT][4], xb[QT][4];
 #pragma unroll
             for (int r = 0; r < 2 * MT; ++r) {
