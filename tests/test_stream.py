@@ -137,6 +137,32 @@ def test_mix_and_post_large_n(rng, n, T, C):
         assert_close(a, b, tol, "post " + name)
 
 
+@GPU
+@pytest.mark.parametrize("convention", ["paper", "deepseek"])
+@pytest.mark.parametrize("dt", ["bfloat16", "float16"])
+@pytest.mark.parametrize("n,T,C", [(5, 3, 7), (7, 127, 64), (7, 5, 1001), (5, 4, 264), (12, 2, 16384)])
+def test_post_op_bwd_tensor_cores(rng, convention, dt, n, T, C):
+    """The post backward's tensor-core path (n >= 5, 16-bit g, x, y): scalar and vector loads, 4 and
+    8 warps, one and two 8-row tiles of [x; y], long rows; g also 2 bytes off 16-byte alignment
+    (the scalar path at C % 8 == 0) and g = x (dH_res's diagonal a sum of squares: no cancellation
+    hides an error of the accumulation)."""
+    import cupy as cp
+
+    y, x = rounded(rng, (T, C), dt), rounded(rng, (T, n, C), dt)
+    Hp, Hr = coef(rng, (T, n)), coef(rng, (T, n, n))
+    for g, offset in ((rounded(rng, (T, n, C), dt), False), (rounded(rng, (T, n, C), dt), True), (x, False)):
+        gd = to_gpu(g)
+        if offset:
+            view = cp.empty(gd.size + 1, gd.dtype)[1:].reshape(gd.shape)
+            view[...] = gd
+            gd = view
+        got = m.mhc_post_op_bwd(gd, to_gpu(y), to_gpu(x), to_gpu(Hp), to_gpu(Hr), convention=convention)
+        ref = R.mhc_post_op_bwd(g, y, x, Hp, Hr, convention)
+        for name, a, b, tol in zip(("dy", "dx", "dH_post", "dH_res"), got, ref,
+                                   (ACT_TOL[dt], ACT_TOL[dt], COEF_TOL, COEF_TOL)):
+            assert_close(a, b, tol, f"{name} (offset g: {offset})")
+
+
 # ------------------------------------------------------- aggregate / distribute
 @GPU
 @pytest.mark.parametrize("dt", DTYPES)
@@ -159,3 +185,42 @@ def test_aggregate_distribute(rng, dt, n, T, C, shared):
     rdy, rdh = R.stream_distribute_bwd(gx, y, h)
     assert_close(dy, rdy, ACT_TOL[dt], "dist dy")
     assert_close(dh, rdh, COEF_TOL, "dist dh")
+
+
+# ----------------------------------------------------- post backward dispatch (CPU, dry run)
+@pytest.mark.parametrize("convention", ["paper", "deepseek"])
+@pytest.mark.parametrize("n,C,dt,tg,mma", [(4, 64, "bfloat16", "bfloat16", False), (5, 12, "bfloat16", "bfloat16", True),
+                                           (8, 4096, "float16", "float16", True), (8, 64, "bfloat16", "float32", False),
+                                           (32, 64, "float32", "float32", False)])
+def test_post_bwd_dispatch(convention, n, C, dt, tg, mma):
+    """mhc_post_op_bwd / mhc_layer_post_bwd take the tensor-core post backward for n >= 5 with 16-bit
+    g, x, y (4 warps below C 256, 8 from it; the scalar path for C % 8 != 0), the post op adding dx
+    as the mix forward of g by H_res transposed (res_t inverted); else the CUDA-core kernel."""
+    from mhc_cupy import _jit
+    from mhc_cupy._interop import ArrayInfo
+    from mhc_cupy.ops import layer, post
+    from mhc_cupy.ops._launch import CTYPE
+
+    def info(shape, dtype="float32"):
+        return ArrayInfo(tuple(shape), dtype, ("cuda", 0), 1 << 20, None)
+
+    T = 3
+    infos = {"grad": info((T, n, C), tg), "layer_out": info((T, C), dt), "x": info((T, n, C), dt),
+             "H_post": info((T, n)), "H_res": info((T, n, n))}
+    res_t = int(convention == "deepseek")
+    for planner, with_dx in ((post._plan_bwd, True), (layer._plan_post_bwd, False)):
+        with _jit.dry_run() as launches:
+            plan = planner(infos, convention=convention)
+            plan.launch({k: v.ptr for k, v in infos.items()}, [1 << 21] * len(plan.outputs), [], 0)
+        exprs = [expr for _, expr, *_ in launches]
+        if not mma:
+            assert [e.split("<")[0] for e in exprs] == ["mhc_stream_mix_distribute_bwd_kernel"]
+            continue
+        vec, warps = ("true" if C % 8 == 0 else "false"), (8 if C >= 256 else 4)
+        assert exprs[0].replace(" ", "") == f"mhc_stream_post_bwd_mma_kernel<{CTYPE[dt]},{n},{vec},{warps}>"
+        assert launches[0][3] == (32 * warps, 1, 1) and launches[0][4][-1] == res_t
+        if with_dx:  # dx_j = sum_i M_ij g_i: the mix forward of g, H_res transposed where the op's is not
+            assert len(exprs) == 2 and exprs[1].startswith("mhc_stream_mix_distribute_fwd_kernel")
+            assert exprs[1].replace(" ", "").endswith(",true,false>") and launches[1][4][-1] == 1 - res_t
+        else:
+            assert len(exprs) == 1
