@@ -106,6 +106,28 @@ def test_torch_fused_layer_x_used_elsewhere_and_partial_output():
         _close(a, b, name)
 
 
+@pytest.mark.parametrize("n,C", [(3, 10), (5, 7)])
+def test_torch_layer_with_separate_post_op(n, C):
+    """MHC's other path (n > 4 on the GPU): mhc_layer_pre -> F -> mhc_post_op with x, x_link unused
+    (the pre piece's backward gets no grad_out) and the post op's dx added by autograd."""
+    layer = _layer_torch(n, C)
+    layer.fused = lambda x: False
+    x = torch.randn(4, 3, n, C, requires_grad=True)
+    xr = x.detach().double().requires_grad_()
+
+    def loss(out, x):
+        return (out[..., 1:, :] ** 2).sum() + (x**3).sum() + out[..., 0, :].sin().sum()
+
+    out = layer(x)
+    loss(out, x).backward()
+    out_ref, p64 = _ref(layer, xr)
+    _close(out, out_ref.detach(), "out")
+    grads_ref = torch.autograd.grad(loss(out_ref, xr), (xr, *p64))
+    got = (x.grad, layer.phi.grad, layer.alpha.grad, layer.bias.grad)
+    for a, b, name in zip(got, grads_ref, ("dx", "dphi", "dalpha", "dbias")):
+        _close(a, b, name)
+
+
 def test_torch_fused_layer_two_layers_in_sequence():
     n, C = 2, 6
     l1, l2 = _layer_torch(n, C, 1), _layer_torch(n, C, 2)
