@@ -349,7 +349,7 @@ def test_gpu_layer_cuda_graph(n):
 
 @pytest.mark.parametrize("n", [1, 3, 4, 5])
 def test_jax_layer_matches_plain_jnp(rng, n):
-    """mhc_cupy.jax.mhc_layer (fused custom_vjp for n <= 4, separate ops above) against the plain
+    """mhc_cupy.jax.mhc_layer (one custom_vjp; the post op's dx folded for n <= 4, added for n = 5) against the plain
     jax.numpy layer: values and gradients in x, phi, alpha, bias and the sublayer's own weight
     (closed over by f), under jit(grad) and vmap."""
     jax = pytest.importorskip("jax")
