@@ -61,6 +61,12 @@ def _vec_width(n: int, C: int, tensors: tuple, budget: int) -> int:
     return 1
 
 
+def vec8(C: int, *ptrs) -> bool:
+    """Rows of C 16-bit elements read 8 at a time (16-byte accesses): C % 8 == 0 and every given
+    pointer 16-byte aligned (None: absent)."""
+    return C % 8 == 0 and all(p % 16 == 0 for p in ptrs if p is not None)
+
+
 @functools.lru_cache(maxsize=4096)
 def threads_for(C: int, E: int) -> int:
     """Block size (multiple of 32, <= 256) that splits a row of C/E accesses evenly."""

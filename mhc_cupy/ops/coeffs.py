@@ -16,7 +16,7 @@ from typing import NamedTuple
 from .. import _checks, _convention, reference
 from .._convention import DEFAULT
 from .._dispatch import Plan, run
-from ._launch import ITEMSIZE, CTYPE, MAX_GRID, column_sum, f32, i32, i64, launch, tokens_of, vec_width
+from ._launch import ITEMSIZE, CTYPE, MAX_GRID, column_sum, f32, i32, i64, launch, tokens_of, vec8, vec_width
 from .stream import check_x
 from .spec import ALPHA, BIAS, H_POST_RAW, H_PRE_RAW, H_RES_RAW, PHI, X, Kernel, optional_grads
 
@@ -206,11 +206,6 @@ def mma_layout(tokens: int, D: int, K: int) -> MmaLayout:
     return MmaLayout(ntile, ncc, ncc * ntile * 8, units * _MMA_STEP, tiles, splits, per * _MMA_STEP)
 
 
-def _vec8(dt: str, D: int, *ptrs) -> bool:
-    """8-element (16-byte aligned) accesses of rows of D elements: D % 8 == 0 and aligned pointers."""
-    return D % 8 == 0 and all(p % 16 == 0 for p in ptrs if p is not None)
-
-
 def _grid_stride(count: int) -> tuple:
     return (max(1, min(_cdiv(count, _NT), 4096)), 1, 1)
 
@@ -220,7 +215,7 @@ def launch_mma_gemm(dt, D, K, tokens, *, x, phi, part, planes, mma: MmaLayout, s
     (phi split into three bf16 planes first: kernels_cu/coeffs.cu, tensor-core path)."""
     launch(_FILE, "mhc_coeffs_split_phi_fwd_kernel", _grid_stride(mma.Kp * mma.Dp), (_NT, 1, 1),
            (phi, planes, i32(D), i32(K), i32(mma.Dp), i32(mma.Kp)), stream)
-    vec = "true" if _vec8(dt, D, x) else "false"
+    vec = "true" if vec8(D, x) else "false"
     stages, smem = mma_fwd_smem(dt, mma.ntile)
     launch(_FILE, f"mhc_coeffs_mma_fwd_kernel<{CTYPE[dt]},{vec},{_MMA_MT},{mma.ntile},{stages}>",
            (mma.ncc * mma.tiles * mma.splits, 1, 1), (128, 1, 1),
@@ -337,7 +332,7 @@ def launch_mma_bwd(b: MmaBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc: dic
            (dH, sc["dH_r"], i64(b.tokens), i32(b.K), i32(KP), i64(b.tokens_p), i32(b.K16)), stream)
     launch(_FILE, "mhc_coeffs_split_cols_kernel", _grid_stride(b.tokens_p * b.Kp8), (_NT, 1, 1),
            (dH, sc["dH_c"], i64(b.tokens), i32(b.K), i32(KP), i64(b.tokens_p), i32(b.Kp8)), stream)
-    vec = "true" if _vec8(dt, b.C, x, dx, g, g_li) else "false"
+    vec = "true" if vec8(b.C, x, dx, g, g_li) else "false"
     out = sc["dphi_part"] if b.splits > 1 else dphi
     stages, smem = b.pipeline(dt)
     launch(_FILE, f"mhc_coeffs_mma_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{vec},{'true' if layer else 'false'},"
@@ -461,7 +456,7 @@ def launch_split_bwd(b: SplitBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc:
     splits, t_split = b.dphi_splits
     out = sc["dphi_part"] if splits > 1 else dphi
     stages, smem = b.dphi_pipeline()
-    launch(_FILE, f"mhc_coeffs_mma_dphi_kernel<{CTYPE[dt]},{'true' if _vec8(dt, D, x) else 'false'},{b.nq},{stages}>",
+    launch(_FILE, f"mhc_coeffs_mma_dphi_kernel<{CTYPE[dt]},{'true' if vec8(D, x) else 'false'},{b.nq},{stages}>",
            (b.pblocks * b.ncc, splits, 1), (128, 1, 1),
            (x, sc["dH_c"], out, i64(b.tokens), i64(b.tokens_p), i32(D), i32(K), i32(Kc), i32(b.ncc), i64(t_split)),
            stream, smem)
@@ -472,7 +467,7 @@ def launch_split_bwd(b: SplitBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc:
                (phi, sc["phi_r"], i64(D), i32(K), i32(K), i64(D), i32(b.K16)), stream)
         launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(b.tokens_p * b.K16), (_NT, 1, 1),
                (dH, sc["dH_r"], i64(b.tokens), i32(K), i32(KP), i64(b.tokens_p), i32(b.K16)), stream)
-        vec = _vec8(dt, b.C, x, dx, g, g_li)
+        vec = vec8(b.C, x, dx, g, g_li)
         # the fused layer's g and g_li through shared memory (GS) where the tile fits
         gs = vec and g is not None and g_li is not None and ITEMSIZE[tg] == 2 and b.gs_warps is not None
         w = b.gs_warps if gs else b.warps

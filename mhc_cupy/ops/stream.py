@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .. import _checks, reference
 from .._dispatch import Plan, run
-from ._launch import CTYPE, column_sum, f32, grid_for, i32, i64, launch, threads_for, tokens_of, vec_width
+from ._launch import CTYPE, column_sum, f32, grid_for, i32, i64, launch, threads_for, tokens_of, vec8, vec_width
 from .spec import GRAD_X, X, Arg, Kernel
 
 _FILE = "stream.cu"
@@ -102,7 +102,7 @@ def launch_mix_distribute_bwd(dt, tg, n, C, tokens, *, g, stream, x=None, M=None
     output is not written (dx, dy: activation dtype; dh, dM: float32 per token)."""
     has_x, has_y = x is not None, y is not None
     if has_x and has_y and dt == tg and dt != "float32" and n >= POST_BWD_MMA_MIN_N:
-        vec = C % 8 == 0 and all(p % 16 == 0 for p in (g, x, y))
+        vec = vec8(C, g, x, y)
         warps = 8 if C >= 256 else 4
         launch(_FILE, f"mhc_stream_post_bwd_mma_kernel<{CTYPE[dt]},{n},{_b(vec)},{warps}>", grid_for(tokens),
                (32 * warps, 1, 1), (g, x, y, h, i64(h_stride), dy, dh, dM, i64(tokens), i32(C), i32(res_t)), stream)
