@@ -275,42 +275,6 @@ def test_token_splits(tokens, n, C):
     assert splits == 1 or splits * D * K <= 16 * 2**20  # partials bounded (64 MiB)
 
 
-@pytest.mark.parametrize("n,C", [(5, 64), (6, 200), (8, 256), (8, 72), (10, 64), (12, 72)])
-@pytest.mark.parametrize("case", ["aligned", "g offset", "g_li offset", "float32 grads", "no g", "no g_li"])
-def test_layer_dx_shared_tile_choice(n, C, case):
-    """The fused layer's n > 4 tensor-core dx takes the GS tile (g, g_li through shared memory) for
-    16-bit, 16-byte-aligned g and g_li both given, where the tile fits beside the phi rows of two
-    or more warps; its shared memory and grid follow the warps it gets."""
-    from mhc_cupy import _jit
-    from mhc_cupy.ops import layer
-
-    T, dt, K, D = 300, "bfloat16", coeffs.columns(n), n * C
-    tg = "float32" if case == "float32 grads" else dt
-    cx = {"grad_layer_in": _info((T, C), tg), "grad_out": _info((T, n, C), tg), "grad_H_post": _info((T, n)),
-          "grad_H_res": _info((T, n, n)), "x": _info((T, n, C), dt), "phi": _info((D, K)), "alpha": _info((3,)),
-          "bias": _info((K,)), "stats": _info((T, K + 1)), "H_pre": _info((T, n)), "H_res": _info((T, n, n))}
-    if case in ("no g", "no g_li"):
-        cx["grad_out" if case == "no g" else "grad_layer_in"] = None
-    with _jit.dry_run() as launches:
-        plan = layer._plan_pre_bwd(cx, 20, 1e-8, 1e-5, "unrolled", "paper", 0.0, 2.0)
-        ptrs = {k: (None if v is None else v.ptr) for k, v in cx.items()}
-        for name, off in (("grad_out", case == "g offset"), ("grad_layer_in", case == "g_li offset")):
-            if off:
-                ptrs[name] += 2
-        plan.launch(ptrs, [1 << 21] * len(plan.outputs), [1 << 22] * len(plan.scratch), 0)
-    (expr, grid, block, smem), = [(e, g, b, sm) for _, e, g, b, _, sm in launches if "mma_dx" in e]
-    params = [p.strip() for p in expr.partition("<")[2].rstrip(">").split(",")]
-    b = coeffs.SplitBwd(n, C, K, T, dt)
-    gs = case == "aligned" and b.gs_warps is not None
-    assert params[4] == ("true" if gs else "false"), expr
-    w, stages = int(params[6]), int(params[7])
-    assert w == (b.gs_warps if gs else b.warps) and block[0] == 32 * w and grid[0] == -(-C // 64) * (n // w)
-    assert (stages, smem) == b.dx_pipeline(gs)
-    assert smem == (w * 64 + stages * 16) * b.K16 * 2 * 2 + (coeffs._g_tile_bytes(n) if gs else 0)
-    assert smem <= coeffs._SMEM_PORTABLE
-    assert gs or n != 8 or case != "aligned"  # the shape it is for takes it
-
-
 def _record(planner, infos, **params):
     from mhc_cupy import _jit
 
@@ -372,8 +336,7 @@ def test_split_bwd_launches(dt, n):
             assert smem == stages * (16 * (256 * size + 16) + 3 * 8 * nq * 32)
             assert grid[0] == -(-D // 256) * -(-K // (8 * nq)) and block[0] == 128
         elif name == "mhc_coeffs_mma_dx_kernel":
-            assert params[4].strip() == "false"  # no layer gradients: no GS tile
-            ks, w, stages = int(params[5]), int(params[6]), int(params[7])
+            ks, w, stages = int(params[4]), int(params[5]), int(params[6])
             po = 3 if size == 4 else 2
             assert ks == -(-K // 16) and n % w == 0 and block[0] == 32 * w
             assert smem == (w * 64 + stages * 16) * 16 * ks * po * 2 and stages >= 2

@@ -403,10 +403,8 @@ class SplitBwd(_TensorCoreBwd):
     @property
     def gs_warps(self) -> int | None:
         """Warps of the tensor-core dx with the GS tile (the fused layer's g and g_li through shared
-        memory); None where it does not fit beside the phi rows of two or more warps (one warp
-        would share the tile with nobody)."""
-        w = _dx_warps(self.n, self.K16, self.dt, _g_tile_bytes(self.n)) if self.warps is not None else None
-        return w if w is not None and w >= 2 else None
+        memory), None where it does not fit beside the phi rows."""
+        return _dx_warps(self.n, self.K16, self.dt, _g_tile_bytes(self.n)) if self.warps is not None else None
 
     def dx_splits(self, gs: bool = False) -> tuple[int, int]:
         """(token ranges, tokens per range) of the tensor-core dx (no reduction; grid y <= 65535)."""
