@@ -1325,7 +1325,7 @@ mhc_coeffs_mma_dphi_kernel(const T* __restrict__ x, const __nv_bfloat16* __restr
     store_dphi<NQ>(dphi + (i64)blockIdx.y * D * (i64)K, acc, 0, d0 + warp * 64, D, K, k0, g8, tq);
 }
 
-// mhc_coeffs_mma_dx_kernel<T, TG, VEC, LAYER, GS, KS, W, STAGES>: dx = dH phi^T - c x (+ with
+// mhc_coeffs_mma_dx_kernel<T, TG, VEC, LAYER, KS, W, STAGES>: dx = dH phi^T - c x (+ with
 // LAYER the rest of the layer's dx, as mhc_coeffs_mma_bwd_kernel), rounded once.  Grid
 // (cblocks * groups, splits), groups = n / W, W warps: warp w owns positions
 // i * C + [cb * 64, cb * 64 + 64) of stream i = group * W + w; the block keeps those
@@ -1334,13 +1334,8 @@ mhc_coeffs_mma_dphi_kernel(const T* __restrict__ x, const __nv_bfloat16* __restr
 // phi, fragments as the dx part of mhc_coeffs_mma_bwd_kernel (PO = 2 planes of each for
 // 16-bit T: the dropped products are 2^-16 of the result, below its ulp; 3 for float32).
 // VEC: C % 8 == 0 and x, dx (and g, g_li) 16-byte aligned.  Dynamic shared memory:
-// (W * 64 * K16 + STAGES * 16 * K16) * PO * 2 bytes, and with GS 16 (n + 1) 64 + 128 TG more.
-// GS (LAYER, VEC, 16-bit TG, g and g_li both given): each step's g [16 tokens][n][64 columns]
-// and g_li [16][64] go through shared memory (cp.async, issued before the MMAs, waited for
-// after them), so the block's W warps share one read of them: without it every warp reads all
-// n rows of g for its own stream (n reads of g from L2 per element instead of n / W).  The
-// same values in the same order: bitwise the same dx.
-template <typename T, typename TG, bool VEC, bool LAYER, bool GS, int KS, int W, int STAGES>
+// (W * 64 * K16 + STAGES * 16 * K16) * PO * 2 bytes.
+template <typename T, typename TG, bool VEC, bool LAYER, int KS, int W, int STAGES>
 __global__ void __launch_bounds__(32 * W)
 mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restrict__ phi_r,
                          const __nv_bfloat16* __restrict__ dH_r, const float* __restrict__ dH,
@@ -1348,7 +1343,6 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
                          const float* __restrict__ H_res, T* __restrict__ dx, i64 tokens, i64 tokens_p, int n, int C,
                          int K, int KP, int groups, i64 t_split, int res_t) {
     using namespace mhc_coeffs;
-    static_assert(!GS || (LAYER && VEC && sizeof(TG) == 2), "GS needs LAYER, VEC and 16-bit gradients");
     constexpr int PO = sizeof(T) == 4 ? 3 : 2;
     constexpr int K16 = KS * 16, NW = 64 * W;
     constexpr int SB = PO * 16 * K16 * 2;  // stage bytes
@@ -1364,10 +1358,6 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
     const i64 plane_r = tokens_p * K16, plane_phi = (i64)D * K16;
     __nv_bfloat16* s_phi = reinterpret_cast<__nv_bfloat16*>(smem);  // [PO][NW][K16]
     unsigned char* stages = smem + PO * NW * K16 * 2;
-    // GS: token u's rows g_0 .. g_{n-1}, g_li (64 columns each) at u * GR; the 16-byte pad per
-    // token spreads the 8 tokens a load instruction reads over the banks
-    TG* s_g = reinterpret_cast<TG*>(stages + STAGES * SB);
-    const int GR = (n + 1) * 64 + 8;
 
     // phi rows of the block's positions (zero where the column is past C)
     for (int c = threadIdx.x; c < PO * NW * (K16 / 8); c += 32 * W) {
@@ -1395,21 +1385,10 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
     for (int step = 0; step < steps; ++step) {
         cp_async_wait<STAGES - 2>();
         __syncthreads();
-        const i64 t0 = t_begin + step * 16;
-        if constexpr (GS) {  // this step's g and g_li tile: its own group, committed before the prefetch
-            for (int c = threadIdx.x; c < 16 * (n + 1) * 8; c += 32 * W) {
-                const int r = c >> 3, q = c & 7, u = r / (n + 1), s = r - u * (n + 1);
-                const i64 t = t0 + u;
-                const int col = cb0 + 8 * q;
-                const bool ok = t < t_end && col < C;
-                const TG* src = s < n ? g + t * (i64)D + (i64)s * C + col : g_li + t * (i64)C + col;
-                cp_async16(s_g + u * GR + s * 64 + 8 * q, ok ? (const void*)src : (const void*)g, ok);
-            }
-            cp_async_commit();
-        }
         if (step + STAGES - 1 < steps) fill(step + STAGES - 1, (step + STAGES - 1) % STAGES);
         cp_async_commit();
         const __nv_bfloat16* dhr = reinterpret_cast<const __nv_bfloat16*>(stages + (step % STAGES) * SB);
+        const i64 t0 = t_begin + step * 16;
         // this thread's rows (tokens g8, g8 + 8) x 16 columns of x and c, loaded before the MMAs
         float xv[2][2][8], cs[2];
 #pragma unroll
@@ -1453,10 +1432,6 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
                     for (int pb = 0; pb + pa < PO; ++pb) mma16816(acc[j], a[pa], b[pb][0], b[pb][1]);
             }
         }
-        if constexpr (GS) {  // the g tile (all but the newest group, the prefetch), visible to every warp
-            cp_async_wait<1>();
-            __syncthreads();
-        }
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const i64 t = t0 + g8 + 8 * h;
@@ -1468,20 +1443,7 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
 #pragma unroll
                 for (int e8 = 0; e8 < 8; ++e8)
                     o[e8] = fmaf(-cs[h], xv[h][half][e8], acc[4 * half + (e8 >> 1)][2 * h + (e8 & 1)]);
-                if constexpr (GS) {  // as below, from shared memory
-                    const TG* gu = s_g + (g8 + 8 * h) * GR + 16 * tq + 8 * half;
-                    float gv[8];
-                    const float w = H_pre[t * n + i];
-                    mhc::load_vec<TG, 8>(gu + n * 64, gv);
-#pragma unroll
-                    for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(w, gv[e8], o[e8]);
-                    for (int j = 0; j < n; ++j) {
-                        const float w = H_res[t * n * n + (res_t ? i * n + j : j * n + i)];
-                        mhc::load_vec<TG, 8>(gu + j * 64, gv);
-#pragma unroll
-                        for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(w, gv[e8], o[e8]);
-                    }
-                } else if constexpr (LAYER) {
+                if constexpr (LAYER) {
                     float gv[8];
                     if (g_li != nullptr) {
                         const float w = H_pre[t * n + i];

@@ -255,9 +255,7 @@ def test_mma_token_splits(tokens, n, C):
     b = coeffs.backward_layout(tokens, n, C, K, "bfloat16")
     ranges = [b.dphi_splits] if K > 32 else [(b.splits, b.t_split)]
     if K > 32 and b.warps is not None:
-        ranges.append(b.dx_splits())
-        if b.gs_warps is not None:
-            ranges.append(b.dx_splits(gs=True))
+        ranges.append(b.dx_splits)
     for splits, per in ranges:
         assert splits >= 1 and per >= 16 and per % 16 == 0
         assert splits * per >= tokens > (splits - 1) * per or tokens == 0

@@ -223,33 +223,6 @@ def test_gpu_pieces_bitwise_repeatable(rng, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dt", ["bfloat16", "float16"])
-@pytest.mark.parametrize("n,C", [(5, 64), (6, 200), (8, 256), (12, 72)])
-def test_gpu_dx_shared_tile_bitwise(rng, dt, n, C):
-    """The n > 4 tensor-core dx reads the layer's g and g_li through shared memory when every row is
-    16-byte aligned (the GS path) and from global memory otherwise: the same sums in the same
-    order, so a 2-byte-offset copy of grad_out (read by the dx kernel only) gives bitwise the same
-    dx (and a wrong tile index in either path shows as a mismatch)."""
-    import cupy as cp
-
-    _, dev, (g_d, y_d, gli_d), _ = _gpu_layer(dt, (77,), n, C, rng)
-
-    def offset(a):  # the same values at a 2-byte offset: not 16-byte aligned
-        buf = cp.empty(a.size + 1, a.dtype)
-        view = buf[1:].reshape(a.shape)
-        view[...] = a
-        return view
-
-    layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(*dev)
-    dy, dH_post, dH_res = m.mhc_layer_post_bwd(g_d, y_d, dev[0], H_post, H_res)
-    args = (dH_post, dH_res, *dev, stats, H_pre, H_res)
-    dx = m.mhc_layer_pre_bwd(gli_d, g_d, *args)[0]
-    dx_off = m.mhc_layer_pre_bwd(gli_d, offset(g_d), *args)[0]
-    assert dx.dtype == dx_off.dtype and bool(cp.isfinite(dx.astype(cp.float32)).all())
-    assert cp.array_equal(dx.view(cp.uint16), dx_off.view(cp.uint16))
-
-
-@pytest.mark.gpu
 # the fused tensor-core backward (n <= 4), the split one with dx on tensor cores (n = 8) and on CUDA cores (n = 16)
 @pytest.mark.parametrize("n,C", [(4, 64), (8, 40), (16, 40)])
 @pytest.mark.parametrize("missing", ["grad_layer_in", "grad_out", "both"])

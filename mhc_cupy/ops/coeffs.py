@@ -353,18 +353,11 @@ def _planes(dt: str) -> int:
     return 3 if ITEMSIZE[dt] == 4 else 2
 
 
-def _g_tile_bytes(n: int) -> int:
-    """Shared memory of mhc_coeffs_mma_dx_kernel's GS tile: g and g_li, 16 tokens x 64 columns,
-    16-bit, each token's n + 1 rows padded by 16 bytes."""
-    return 16 * ((n + 1) * 64 + 8) * 2
-
-
-def _dx_warps(n: int, K16: int, dt: str, extra: int = 0) -> int | None:
+def _dx_warps(n: int, K16: int, dt: str) -> int | None:
     """Warps (streams) per block of mhc_coeffs_mma_dx_kernel: the most of 4, 2, 1 that divides n and
-    whose phi rows plus two pipeline stages (plus ``extra`` bytes) fit the portable shared memory;
-    None: CUDA-core dx (or, with extra, no GS tile)."""
+    whose phi rows plus two pipeline stages fit the portable shared memory; None: CUDA-core dx."""
     for w in (4, 2, 1):
-        if n % w == 0 and (w * 64 + 2 * 16) * K16 * _planes(dt) * 2 + extra <= _SMEM_PORTABLE:
+        if n % w == 0 and (w * 64 + 2 * 16) * K16 * _planes(dt) * 2 <= _SMEM_PORTABLE:
             return w
     return None
 
@@ -401,15 +394,9 @@ class SplitBwd(_TensorCoreBwd):
         return _dx_warps(self.n, self.K16, self.dt)
 
     @property
-    def gs_warps(self) -> int | None:
-        """Warps of the tensor-core dx with the GS tile (the fused layer's g and g_li through shared
-        memory), None where it does not fit beside the phi rows."""
-        return _dx_warps(self.n, self.K16, self.dt, _g_tile_bytes(self.n)) if self.warps is not None else None
-
-    def dx_splits(self, gs: bool = False) -> tuple[int, int]:
+    def dx_splits(self) -> tuple[int, int]:
         """(token ranges, tokens per range) of the tensor-core dx (no reduction; grid y <= 65535)."""
-        w = self.gs_warps if gs else self.warps
-        return mma_token_splits(self.tokens, _cdiv(self.C, 64) * (self.n // w), 65535)
+        return mma_token_splits(self.tokens, _cdiv(self.C, 64) * (self.n // self.warps), 65535)
 
     def dphi_pipeline(self) -> tuple[int, int]:
         """(stages, dynamic shared bytes) of mhc_coeffs_mma_dphi_kernel: per stage x [16][256]
@@ -418,12 +405,10 @@ class SplitBwd(_TensorCoreBwd):
         stages = pipeline_stages(0, stage, _MMA_BWD_STAGES)
         return stages, stages * stage
 
-    def dx_pipeline(self, gs: bool = False) -> tuple[int, int]:
+    def dx_pipeline(self) -> tuple[int, int]:
         """(stages, dynamic shared bytes) of mhc_coeffs_mma_dx_kernel: the phi rows of its streams,
-        (with gs the GS tile,) then per stage dH_r [planes][16][K16] (kernels_cu/coeffs.cu)."""
-        w, extra = (self.gs_warps, _g_tile_bytes(self.n)) if gs else (self.warps, 0)
-        fixed = w * 64 * self.K16 * 2 * _planes(self.dt) + extra
-        stage = 16 * self.K16 * 2 * _planes(self.dt)
+        then per stage dH_r [planes][16][K16] (kernels_cu/coeffs.cu)."""
+        fixed, stage = (self.warps * 64 * self.K16 * 2 * _planes(self.dt), 16 * self.K16 * 2 * _planes(self.dt))
         stages = pipeline_stages(fixed, stage, _MMA_BWD_STAGES)
         return stages, fixed + stages * stage
 
@@ -460,19 +445,17 @@ def launch_split_bwd(b: SplitBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc:
            stream, smem)
     if splits > 1:
         column_sum(out, dphi, splits, D * K, stream)
-    if b.warps is not None:
+    w = b.warps
+    if w is not None:
         launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(D * b.K16), (_NT, 1, 1),
                (phi, sc["phi_r"], i64(D), i32(K), i32(K), i64(D), i32(b.K16)), stream)
         launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(b.tokens_p * b.K16), (_NT, 1, 1),
                (dH, sc["dH_r"], i64(b.tokens), i32(K), i32(KP), i64(b.tokens_p), i32(b.K16)), stream)
-        vec = vec8(b.C, x, dx, g, g_li)
-        # the fused layer's g and g_li through shared memory (GS) where the tile fits
-        gs = vec and g is not None and g_li is not None and ITEMSIZE[tg] == 2 and b.gs_warps is not None
-        w = b.gs_warps if gs else b.warps
-        stages, smem = b.dx_pipeline(gs)
-        dsplits, dt_split = b.dx_splits(gs)
-        launch(_FILE, f"mhc_coeffs_mma_dx_kernel<{CTYPE[dt]},{CTYPE[tg]},{'true' if vec else 'false'},"
-                      f"{'true' if layer else 'false'},{'true' if gs else 'false'},{b.K16 // 16},{w},{stages}>",
+        stages, smem = b.dx_pipeline()
+        vec = "true" if vec8(b.C, x, dx, g, g_li) else "false"
+        dsplits, dt_split = b.dx_splits
+        launch(_FILE, f"mhc_coeffs_mma_dx_kernel<{CTYPE[dt]},{CTYPE[tg]},{vec},{'true' if layer else 'false'},"
+                      f"{b.K16 // 16},{w},{stages}>",
                (_cdiv(b.C, 64) * (b.n // w), dsplits, 1), (32 * w, 1, 1),
                (x, sc["phi_r"], sc["dH_r"], dH, g, g_li, H_pre, H_res, dx, i64(b.tokens), i64(b.tokens_p), i32(b.n),
                 i32(b.C), i32(K), i32(KP), i32(b.n // w), i64(dt_split), i32(res_t)), stream, smem)
