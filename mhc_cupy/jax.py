@@ -859,8 +859,9 @@ def _fused_layer_fwd(f, settings, fold, phi, alpha, bias, x, *consts):
 
 
 def _fused_layer_bwd(f, settings, fold, res, g):
-    """fold: the post op's dx (H_res^T g) inside mhc_layer_pre_bwd's one rounding of dx; else the
-    post op's own backward gives it and it is added here (for n > 4 the folded dx reads g n times)."""
+    """The post op's part of dx goes into mhc_layer_pre_bwd's one rounding of dx as g (fold: the
+    pre backward computes H_res^T g) or as the post op's dx from its own backward (grad_x;
+    mhc_cupy.ops.layer.fold_post_dx)."""
     phi, alpha, bias, x, stats, H_pre, H_post, H_res, y, f_vjp = res
     if fold:
         dy, dH_post, dH_res = _k("mhc_layer_post_bwd", _conv(settings[4]), g, y, x, H_post, H_res)
@@ -870,9 +871,9 @@ def _fused_layer_bwd(f, settings, fold, res, g):
     if g_li.dtype != g.dtype:
         g_li = g_li.astype(g.dtype)
     params = _layer_params(settings) + (("grad_mode", settings[3]),)
-    dx, dphi, dalpha, dbias = _k("mhc_layer_pre_bwd", params, g_li, g if fold else None, dH_post, dH_res, x, phi,
-                                 alpha, bias, stats, H_pre, H_res)
-    return (dphi, dalpha, dbias, dx if fold else dx + dx_post, *d_consts)
+    dx, dphi, dalpha, dbias = _k("mhc_layer_pre_bwd", params, g_li, g if fold else None, dH_post, dH_res,
+                                 None if fold else dx_post, x, phi, alpha, bias, stats, H_pre, H_res)
+    return (dphi, dalpha, dbias, dx, *d_consts)
 
 
 _fused_layer.defvjp(_fused_layer_fwd, _fused_layer_bwd)
@@ -885,9 +886,8 @@ def mhc_layer(params: dict, x, f, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAUL
     The per-token coefficients come from the coefficient path (:func:`mhc_coeffs`,
     OPS.md section 8), then :func:`mhc_pre_op` and :func:`mhc_post_op`, as one ``custom_vjp``
     over the fused pieces (OPS.md section 9: the coefficients and the pre op in one forward)
-    with f's VJP inside.  For n <= 4 (``mhc_cupy.ops.layer.FUSED_MAX_N``) the backward writes dx
-    once; for larger n the post op's dx is computed by its own backward and added (the folded
-    dx reads every stream's gradient n times).
+    with f's VJP inside; the backward writes dx once (for n > 4 with the post op's dx from its own
+    backward added before the rounding: ``mhc_cupy.ops.layer.fold_post_dx``).
 
     Args:
         params: {"phi", "alpha", "bias"} from :func:`mhc_init` (or :func:`mhc_from_deepseek`).
@@ -917,7 +917,7 @@ def mhc_layer(params: dict, x, f, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAUL
         # (f's closed-over traced values become explicit arguments, so they get their gradients)
         example = _jax.ShapeDtypeStruct(tuple(x.shape[:-2]) + (x.shape[-1],), x.dtype)
         f_conv, consts = _jax.closure_convert(f, example)
-        return _fused_layer(f_conv, settings, _ops.layer.fused_default(x.shape[-2]), params["phi"], params["alpha"],
+        return _fused_layer(f_conv, settings, _ops.layer.fold_post_dx(x.shape[-2]), params["phi"], params["alpha"],
                             params["bias"], x, *consts)
     h_pre, h_post, h_res = mhc_coeffs(x, params["phi"], params["alpha"], params["bias"], rms_eps)
     layer_in, _, H_post, H_res = mhc_pre_op(x, h_pre, h_post, h_res, num_iters, eps, grad_mode,

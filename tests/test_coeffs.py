@@ -254,7 +254,7 @@ def test_mma_token_splits(tokens, n, C):
     K = coeffs.columns(n)
     b = coeffs.backward_layout(tokens, n, C, K, "bfloat16")
     ranges = [b.dphi_splits] if K > 32 else [(b.splits, b.t_split)]
-    if K > 32 and b.warps is not None:
+    if K > 32 and b.dx_tiles is not None:
         ranges.append(b.dx_splits)
     for splits, per in ranges:
         assert splits >= 1 and per >= 16 and per % 16 == 0
@@ -298,10 +298,10 @@ def test_launch_plans(n, C, T):
     assert names[:3] == ["mhc_coeffs_split_phi_fwd_kernel", "mhc_coeffs_mma_fwd_kernel", "mhc_coeffs_bwd_prep_kernel"]
     if K <= 32:
         assert "mhc_coeffs_mma_bwd_kernel" in names and "mhc_coeffs_bwd_dx_kernel" not in names
-    else:  # dphi on tensor cores; dx too unless its phi rows overflow shared memory (n = 16: K16 = 288)
+    else:  # dphi on tensor cores; dx too while its phi rows fit in shared memory (n <= 18 at 16 bits)
         assert "mhc_coeffs_mma_dphi_kernel" in names and "mhc_coeffs_bwd_dphi_kernel" not in names
         tc_dx = {"mhc_coeffs_mma_dx_kernel"} <= set(names)
-        assert tc_dx == (n == 8) and tc_dx != ({"mhc_coeffs_transpose_kernel", "mhc_coeffs_bwd_dx_kernel"} <= set(names))
+        assert tc_dx == (n in (8, 16)) and tc_dx != ({"mhc_coeffs_transpose_kernel", "mhc_coeffs_bwd_dx_kernel"} <= set(names))
     scratch_bytes = sum(4 * int(np.prod(s)) for s, _ in plan.scratch.values())
     assert scratch_bytes <= 4 * (64 * T * (K + 1) + T * (K + 8) + 16 * 2**20 + D * K) + 12 * (D + 32) * (K + 16) \
         + 12 * (T + 16) * (K + 16)
@@ -310,11 +310,12 @@ def test_launch_plans(n, C, T):
 
 
 @pytest.mark.parametrize("dt", ["bfloat16", "float16", "float32"])
-@pytest.mark.parametrize("n", [5, 6, 8, 12, 13, 15, 16])
+@pytest.mark.parametrize("n", [5, 6, 8, 12, 13, 15, 16, 18, 19])
 def test_split_bwd_launches(dt, n):
     """n > 4: the dphi / dx kernels' dynamic shared memory is the kernels' own formula and within the
-    portable limit; dx runs on tensor cores exactly while its phi rows fit (README: n <= 15 at 16 bits,
-    n <= 12 in float32), W streams per block with W | n."""
+    portable limit; dx runs on tensor cores exactly while its phi rows fit (OPS.md section 9: n <= 18 at
+    16 bits, n <= 15 in float32), 64 columns per warp where they fit (n <= 15 / 12), else 32, W streams
+    per block with W | n."""
     T, C = 1000, 72
     D, K = n * C, coeffs.columns(n)
     cx = {"x": _info((T, n, C), dt), "phi": _info((D, K)), "alpha": _info((3,)), "bias": _info((K,)),
@@ -334,16 +335,17 @@ def test_split_bwd_launches(dt, n):
             assert smem == stages * (16 * (256 * size + 16) + 3 * 8 * nq * 32)
             assert grid[0] == -(-D // 256) * -(-K // (8 * nq)) and block[0] == 128
         elif name == "mhc_coeffs_mma_dx_kernel":
-            ks, w, stages = int(params[4]), int(params[5]), int(params[6])
+            ks, w, nt, stages = (int(v) for v in params[4:8])
             po = 3 if size == 4 else 2
             assert ks == -(-K // 16) and n % w == 0 and block[0] == 32 * w
-            assert smem == (w * 64 + stages * 16) * 16 * ks * po * 2 and stages >= 2
-            assert grid[0] == -(-C // 64) * (n // w)
+            assert nt == (8 if n <= (12 if size == 4 else 15) else 4)
+            assert smem == (w * 8 * nt + stages * 16) * 16 * ks * po * 2 and stages >= 2
+            assert grid[0] == -(-C // (8 * nt)) * (n // w)
         else:
             continue
         seen.add(name)
         assert smem <= coeffs._SMEM_PORTABLE, (expr, smem)
-    assert ("mhc_coeffs_mma_dx_kernel" in seen) == (n <= (12 if size == 4 else 15))
+    assert ("mhc_coeffs_mma_dx_kernel" in seen) == (n <= (15 if size == 4 else 18))
     assert "mhc_coeffs_mma_dphi_kernel" in seen
 
 

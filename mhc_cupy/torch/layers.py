@@ -20,9 +20,8 @@ Contents:
 
 * :class:`MHC`: ``nn.Module`` wrapping any sublayer ``[..., C] -> [..., C]``;
   the fused layer pieces ``mhc_layer_pre`` -> F -> ``mhc_layer_post`` (OPS.md
-  section 9), or for n > 4 on the GPU ``mhc_layer_pre`` -> F -> ``mhc_post_op``
-  (all in :mod:`mhc_cupy.torch.functions`; :meth:`MHC.coefficients` gives the raw
-  coefficients alone).
+  section 9), or coefficients (``mhc_coeffs``) -> ``mhc_pre_op`` -> F ->
+  ``mhc_post_op`` (all in :mod:`mhc_cupy.torch.functions`).
 * :func:`expand_streams` / :func:`collapse_streams` (and the modules
   :class:`ExpandStreams` / :class:`CollapseStreams`): into and out of the
   n-stream residual.
@@ -58,9 +57,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import _checks, _convention, _layer_init
-from ..ops.layer import fused_default
 from .._convention import DEFAULT
-from .functions import mhc_coeffs, mhc_head, mhc_layer_post, mhc_layer_pre, mhc_post_op
+from .functions import mhc_coeffs, mhc_head, mhc_layer_post, mhc_layer_pre, mhc_post_op, mhc_pre_op
 
 
 __all__ = [
@@ -184,9 +182,9 @@ class MHC(nn.Module):
     """mHC around one sublayer: x_{l+1} = H_res x_l + H_post^T F(H_pre x_l) (paper Eq. 3).
 
     The coefficients are computed per token from x_l (paper Eqs. 14-18,
-    OPS.md section 8), activated and applied (section 7) in one piece,
-    ``mhc_cupy.torch.mhc_layer_pre``; the residual update (section 6) is
-    ``mhc_layer_post`` or ``mhc_post_op`` (see :meth:`fused`).  CUDA tensors run the
+    OPS.md section 8; :func:`mhc_cupy.torch.mhc_coeffs`), activated and applied by
+    ``mhc_cupy.torch.mhc_pre_op`` (OPS.md section 7), and the residual update
+    is ``mhc_cupy.torch.mhc_post_op`` (section 6).  CUDA tensors run the
     toolkit's kernels; CPU tensors the NumPy reference.
 
     Args:
@@ -322,25 +320,28 @@ class MHC(nn.Module):
         return mhc_coeffs(x, _as_f32(self.phi), _as_f32(self.alpha), _as_f32(self.bias), self.rms_eps)
 
     def fused(self, x: Tensor) -> bool:
-        """Whether the post op's dx is folded into the pre piece's backward (OPS.md section 9,
-        ``mhc_layer_pre`` -> F -> ``mhc_layer_post``: dx written once): on the CPU (the NumPy
-        reference) and on the GPU for n <= 4 (``mhc_cupy.ops.layer.FUSED_MAX_N``).  Otherwise
-        ``mhc_layer_pre`` -> F -> ``mhc_post_op`` with x: the post op computes its own dx and
-        autograd adds it (for n > 4 the folded dx reads every stream's gradient n times)."""
-        return x.device.type == "cpu" or fused_default(self.n_streams)
+        """Whether forward runs the fused layer pieces (OPS.md section 9; True, the default, for
+        every x) or the separate ops (coefficients -> pre op -> sublayer -> post op), which the
+        benchmark times beside them (``python -m mhc_cupy.bench --layer --fused both``)."""
+        return True
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
-        self._check(x)
-        layer_in, x_link, H_post, H_res = mhc_layer_pre(x, _as_f32(self.phi), _as_f32(self.alpha), _as_f32(self.bias),
-                                                        self.num_iters, self.eps, self.rms_eps, self.grad_mode,
-                                                        convention=self.convention, hc_eps=self.hc_eps,
-                                                        post_mult=self.post_mult)
+        pre_kw = {"convention": self.convention, "hc_eps": self.hc_eps, "post_mult": self.post_mult}
+        if self.fused(x):
+            self._check(x)
+            layer_in, x_in, H_post, H_res = mhc_layer_pre(x, _as_f32(self.phi), _as_f32(self.alpha),
+                                                             _as_f32(self.bias), self.num_iters, self.eps,
+                                                             self.rms_eps, self.grad_mode, **pre_kw)
+            post = mhc_layer_post
+        else:
+            h_pre_raw, h_post_raw, h_res_raw = self.coefficients(x)
+            layer_in, _, H_post, H_res = mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=self.num_iters,
+                                                    eps=self.eps, grad_mode=self.grad_mode, **pre_kw)
+            x_in, post = x, mhc_post_op
         y = self.sublayer(layer_in, *args, **kwargs)
         if y.shape != layer_in.shape:
             raise ValueError(f"sublayer returned shape {tuple(y.shape)}; MHC needs [..., C] = {tuple(layer_in.shape)}")
-        if self.fused(x):
-            return mhc_layer_post(y.to(x.dtype), x_link, H_post, H_res, convention=self.convention)
-        return mhc_post_op(y.to(x.dtype), x, H_post, H_res, convention=self.convention)
+        return post(y.to(x.dtype), x_in, H_post, H_res, convention=self.convention)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, n_streams={self.n_streams}, num_iters={self.num_iters}, eps={self.eps}, "
