@@ -21,8 +21,8 @@
 // * the head (OPS.md section 11): mhc_head_fwd_kernel, mhc_head_bwd_prep_kernel,
 //   mhc_head_bwd_dx_kernel (K = n columns of hc_fn = phi^T; section "head" below),
 //   and its dhc_fn through mhc_coeffs_bwd_dphi_kernel.
-// * dx on CUDA cores where the tensor-core dx kernel's phi rows do not fit in shared
-//   memory (n >= 19 at 16 bits, n >= 16 in float32): mhc_coeffs_bwd_dx_kernel<T, TG, E, KC,
+// * dx on CUDA cores where the tensor-core dx kernel's phi rows take too much shared
+//   memory (ops/coeffs.py _dx_tiles: n = 13 and n >= 15 at 16 bits): mhc_coeffs_bwd_dx_kernel<T, TG, E, KC,
 //   LAYER> (a thread owns E positions x TS tokens of dx, loops over K in chunks of KC columns of the
 //   transposed phi (mhc_coeffs_transpose_kernel, coalesced) and of dH staged
 //   in shared memory); mhc_coeffs_bwd_dphi_kernel<T, E, KC> (a thread owns

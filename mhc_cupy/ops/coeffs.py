@@ -353,20 +353,35 @@ def _planes(dt: str) -> int:
     return 3 if ITEMSIZE[dt] == 4 else 2
 
 
-#: 8-column MMA tiles per warp of mhc_coeffs_mma_dx_kernel, in the order tried: 8 (64 columns)
-#: where its phi rows fit, else 4 (32 columns: K up to about twice as large, e.g. n = 16 at 16
-#: bits).  Either gives the same dx, bit for bit.
-_DX_NT = (8, 4)
+#: 8-column MMA tiles per warp of mhc_coeffs_mma_dx_kernel (32 columns).  The kernel also takes 8
+#: (64 columns, the same dx bit for bit): measured on the H200 (bf16, mhc_layer_pre_bwd) that was
+#: slower, 3.48 / 4.33 ms against 2.42 / 2.94 ms at 16384 x 2560 x 6 / 16384 x 2048 x 8, because
+#: its larger phi tile fits fewer blocks per SM.
+_DX_NT = 4
+#: Least warps per 2 x 99 KiB of shared memory (about an SM's) for dx on tensor cores; below it dx
+#: runs on CUDA cores.  Measured on the H200 at 8192 x 1024 x 16 (bf16): the tensor-core dx with
+#: one warp per 92 KiB block (2 warps per SM) took 6.6 ms, the CUDA-core one 4.45 ms.
+_DX_MIN_WARPS = 4
+
+
+def dx_smem(w: int, nt: int, K16: int, dt: str) -> tuple[int, int]:
+    """(stages, dynamic shared bytes) of mhc_coeffs_mma_dx_kernel with W = w, NT = nt: the phi rows
+    of its streams, then per stage dH_r [planes][16][K16] (kernels_cu/coeffs.cu)."""
+    fixed, stage = w * 8 * nt * K16 * 2 * _planes(dt), 16 * K16 * 2 * _planes(dt)
+    stages = pipeline_stages(fixed, stage, _MMA_BWD_STAGES)
+    return stages, fixed + stages * stage
 
 
 def _dx_tiles(n: int, K16: int, dt: str) -> tuple[int, int] | None:
-    """(W warps (streams) per block, NT column tiles per warp) of mhc_coeffs_mma_dx_kernel: the first
-    NT of _DX_NT, and the most W of 4, 2, 1 dividing n, whose phi rows plus two pipeline stages fit
-    the portable shared memory; None: CUDA-core dx."""
-    for nt in _DX_NT:
-        for w in (4, 2, 1):
-            if n % w == 0 and (w * 8 * nt + 2 * 16) * K16 * _planes(dt) * 2 <= _SMEM_PORTABLE:
-                return w, nt
+    """(W warps (streams) per block, NT column tiles per warp) of mhc_coeffs_mma_dx_kernel: NT =
+    _DX_NT and the most W of 4, 2, 1 dividing n whose shared memory fits the portable limit with
+    at least _DX_MIN_WARPS warps per twice that; None: dx on CUDA cores."""
+    for w in (4, 2, 1):
+        if n % w:
+            continue
+        smem = dx_smem(w, _DX_NT, K16, dt)[1]
+        if smem <= _SMEM_PORTABLE and w * (2 * _SMEM_PORTABLE // smem) >= _DX_MIN_WARPS:
+            return w, _DX_NT
     return None
 
 
@@ -416,12 +431,8 @@ class SplitBwd(_TensorCoreBwd):
         return stages, stages * stage
 
     def dx_pipeline(self) -> tuple[int, int]:
-        """(stages, dynamic shared bytes) of mhc_coeffs_mma_dx_kernel: the phi rows of its streams,
-        then per stage dH_r [planes][16][K16] (kernels_cu/coeffs.cu)."""
-        w, nt = self.dx_tiles
-        fixed, stage = (w * 8 * nt * self.K16 * 2 * _planes(self.dt), 16 * self.K16 * 2 * _planes(self.dt))
-        stages = pipeline_stages(fixed, stage, _MMA_BWD_STAGES)
-        return stages, fixed + stages * stage
+        """(stages, dynamic shared bytes) of the tensor-core dx (dx_smem)."""
+        return dx_smem(*self.dx_tiles, self.K16, self.dt)
 
     def scratch(self) -> dict:
         """name -> (shape, dtype): what the launches need besides dH (bf16 planes of dH and phi)."""
