@@ -563,6 +563,27 @@ def test_coeffs_large_n(rng, n, T, C, dt):
 
 
 @GPU
+@pytest.mark.parametrize("n,T,C,dt", [(8, 300, 72, "bfloat16"), (6, 77, 40, "float16"), (8, 50, 36, "float32")])
+def test_dx_column_tiles_bitwise(rng, monkeypatch, n, T, C, dt):
+    """mhc_coeffs_mma_dx_kernel with 64 columns per warp (NT = 8) gives the dx of the 32-column one
+    the library runs (NT = 4), bit for bit (the same sums in the same order); C not a multiple of
+    either, 300 tokens wrap the stage ring."""
+    from mhc_cupy import _dispatch
+
+    x, phi, alpha, bias, g = _case(rng, T, n, C, dt)
+    args = [to_gpu(v) for v in (*g, x, phi, alpha, bias)]
+    got = {}
+    for nt in (4, 8):
+        monkeypatch.setattr(coeffs, "_DX_NT", nt)
+        monkeypatch.setattr(_dispatch, "_plans", {})
+        monkeypatch.setattr(_dispatch, "_fast", {})
+        got[nt] = [to_host(a) for a in m.mhc_coeffs_bwd(*args)]
+    for a, b, what in zip(got[4], got[8], ("dx", "dphi", "dalpha", "dbias")):
+        assert a.tobytes() == b.tobytes(), what
+    _check_bwd(got[4], R.mhc_coeffs_bwd(*g, x, phi, alpha, bias), g, x, phi, alpha, dt)
+
+
+@GPU
 def test_leading_dims(rng):
     _check(rng, None, 4, 64, "bfloat16", lead=(2, 3, 5))
 
