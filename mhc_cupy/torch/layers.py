@@ -181,11 +181,12 @@ class CollapseStreams(nn.Module):
 class MHC(nn.Module):
     """mHC around one sublayer: x_{l+1} = H_res x_l + H_post^T F(H_pre x_l) (paper Eq. 3).
 
-    The coefficients are computed per token from x_l (paper Eqs. 14-18,
-    OPS.md section 8; :func:`mhc_cupy.torch.mhc_coeffs`), activated and applied by
-    ``mhc_cupy.torch.mhc_pre_op`` (OPS.md section 7), and the residual update
-    is ``mhc_cupy.torch.mhc_post_op`` (section 6).  CUDA tensors run the
-    toolkit's kernels; CPU tensors the NumPy reference.
+    The coefficients are computed per token from x_l (paper Eqs. 14-18, OPS.md
+    section 8), activated and applied (section 7) in one piece,
+    :func:`mhc_cupy.torch.mhc_layer_pre`; the residual update (section 6) is
+    :func:`mhc_cupy.torch.mhc_layer_post`, whose backward hands the post op's part of
+    dx to the first piece's, so dx is written once (OPS.md section 9).  CUDA tensors
+    run the toolkit's kernels; CPU tensors the NumPy reference.
 
     Args:
         dim: C, the hidden size of the sublayer.
