@@ -1348,8 +1348,8 @@ mhc_coeffs_mma_dphi_kernel(const T* __restrict__ x, const __nv_bfloat16* __restr
 // memory and walks tokens [split * t_split, ...) 16 a step, dH_r [PO][16][K16] per stage.
 // A operand dH, B operand phi, fragments as the dx part of mhc_coeffs_mma_bwd_kernel (PO = 2
 // planes of each for 16-bit T: the dropped products are 2^-16 of the result, below its ulp; 3
-// for float32).  Each dx value is the same sum in the same order for either NT (NT = 4 halves
-// the phi rows, for K too large for NT = 8).  VEC: C % 8 == 0 and x, dx (and g, g_li) 16-byte
+// for float32).  Each dx value is the same sum in the same order for either NT; the library runs
+// NT = 4 (ops/coeffs.py _DX_NT: half the phi rows, more blocks per SM, measured faster).  VEC: C % 8 == 0 and x, dx (and g, g_li) 16-byte
 // aligned.  Dynamic shared memory: (W * CW * K16 + STAGES * 16 * K16) * PO * 2 bytes.
 template <typename T, typename TG, bool VEC, bool LAYER, int KS, int W, int NT, int STAGES>
 __global__ void __launch_bounds__(32 * W)
