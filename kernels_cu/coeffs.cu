@@ -21,8 +21,8 @@
 // * the head (OPS.md section 11): mhc_head_fwd_kernel, mhc_head_bwd_prep_kernel,
 //   mhc_head_bwd_dx_kernel (K = n columns of hc_fn = phi^T; section "head" below),
 //   and its dhc_fn through mhc_coeffs_bwd_dphi_kernel.
-// * dx on CUDA cores where the tensor-core dx kernel's phi rows do not fit in shared
-//   memory (n >= 16 at 16 bits, n >= 13 in float32): mhc_coeffs_bwd_dx_kernel<T, TG, E, KC,
+// * dx on CUDA cores where the tensor-core dx kernel's phi rows take too much shared
+//   memory (ops/coeffs.py _dx_tiles: n = 13 and n >= 15 at 16 bits): mhc_coeffs_bwd_dx_kernel<T, TG, E, KC,
 //   LAYER> (a thread owns E positions x TS tokens of dx, loops over K in chunks of KC columns of the
 //   transposed phi (mhc_coeffs_transpose_kernel, coalesced) and of dH staged
 //   in shared memory); mhc_coeffs_bwd_dphi_kernel<T, E, KC> (a thread owns
@@ -242,13 +242,14 @@ __global__ void mhc_coeffs_transpose_kernel(const float* __restrict__ in, float*
 // LAYER (the fused layer's backward, E divides C): dx_i also gets H_pre_i g_li +
 // sum_j H_res[j, i] g_j (g [tokens, n, C], g_li [tokens, C] of dtype TG, either may
 // be null = zero), in that order and before the one rounding, as the tensor-core kernel;
-// res_t (convention="deepseek", H_res transposed in the post op): sum_j H_res[i, j] g_j.
+// res_t (convention="deepseek", H_res transposed in the post op): sum_j H_res[i, j] g_j; then
+// gx_i (gx [tokens, n, C] of dtype TG, may be null: another gradient of x, e.g. the post op's dx).
 template <typename T, typename TG, int E, int KC, bool LAYER>
 __global__ void __launch_bounds__(256)
 mhc_coeffs_bwd_dx_kernel(const T* __restrict__ x, const float* __restrict__ phi_t, const float* __restrict__ dH,
                          const TG* __restrict__ g, const TG* __restrict__ g_li, const float* __restrict__ H_pre,
-                         const float* __restrict__ H_res, T* __restrict__ dx, i64 tokens, int D, int K, int KP,
-                         int dblocks, int n, int C, int res_t) {
+                         const float* __restrict__ H_res, const TG* __restrict__ gx, T* __restrict__ dx, i64 tokens,
+                         int D, int K, int KP, int dblocks, int n, int C, int res_t) {
     using namespace mhc_coeffs;
     constexpr int KCP = (KC + 3) / 4 * 4;
     __shared__ __align__(16) float s_dH[TS][KCP];
@@ -325,6 +326,11 @@ mhc_coeffs_bwd_dx_kernel(const T* __restrict__ x, const float* __restrict__ phi_
 #pragma unroll
                         for (int e = 0; e < E; ++e) o[e] = fmaf(w, gv[e], o[e]);
                     }
+                }
+                if (gx != nullptr) {
+                    mhc::load_vec<TG, E>(gx + t * (i64)D + d, gv);
+#pragma unroll
+                    for (int e = 0; e < E; ++e) o[e] += gv[e];
                 }
             }
             mhc::store_vec<T, E>(dx + t * (i64)D + d, o);
@@ -1019,7 +1025,8 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
 //   LAYER: g [tokens, n, C] and g_li [tokens, C] (dtype TG), H_pre [tokens, n],
 //   H_res [tokens, n, n] add the pre and post ops' parts of the layer's dx: the post op's
 //   sum_j H_res[j, i] g_j, or with res_t (convention="deepseek", H_res transposed in the
-//   post op) sum_j H_res[i, j] g_j.
+//   post op) sum_j H_res[i, j] g_j; then gx [tokens, n, C] (dtype TG, may be null: another
+//   gradient of x, e.g. the post op's dx).
 //   dphi: partials [splits, D, K] (the output with one split).
 // VEC: C % 8 == 0 and x, dx (and g, g_li) 16-byte aligned.  KS = K16 / 16, NQ = Kp8 / 8.
 // Dynamic shared memory: mma_bwd_smem(n, TG, LAYER, KS, NQ, STAGES) bytes (host: same formula).
@@ -1028,9 +1035,9 @@ __global__ void __launch_bounds__(128)
 mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restrict__ phi_r,
                           const __nv_bfloat16* __restrict__ dH_r, const __nv_bfloat16* __restrict__ dH_c,
                           const float* __restrict__ dH, const TG* __restrict__ g, const TG* __restrict__ g_li,
-                          const float* __restrict__ H_pre, const float* __restrict__ H_res, T* __restrict__ dx,
-                          float* __restrict__ dphi, i64 tokens, i64 tokens_p, int n, int C, int K, int KP,
-                          i64 t_split, int res_t) {
+                          const float* __restrict__ H_pre, const float* __restrict__ H_res,
+                          const TG* __restrict__ gx, T* __restrict__ dx, float* __restrict__ dphi, i64 tokens,
+                          i64 tokens_p, int n, int C, int K, int KP, i64 t_split, int res_t) {
     using namespace mhc_coeffs;
     constexpr int P = XParts<T>::value;
     constexpr int PO = sizeof(T) == 4 ? 3 : 2;
@@ -1235,6 +1242,14 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
                             }
                         }
                     }
+                    if constexpr (LAYER) {
+                        if (gx != nullptr) {
+                            float gv[8];
+                            load8<TG, VEC>(gx + t * (i64)D + warp * C, col, C, gv);
+#pragma unroll
+                            for (int e8 = 0; e8 < 8; ++e8) o[e8] += gv[e8];
+                        }
+                    }
                     T* out = dx + t * (i64)D + warp * C;
                     if (VEC) {
                         if (col < C) mhc::store_vec<T, 8>(out + col, o);
@@ -1325,32 +1340,34 @@ mhc_coeffs_mma_dphi_kernel(const T* __restrict__ x, const __nv_bfloat16* __restr
     store_dphi<NQ>(dphi + (i64)blockIdx.y * D * (i64)K, acc, 0, d0 + warp * 64, D, K, k0, g8, tq);
 }
 
-// mhc_coeffs_mma_dx_kernel<T, TG, VEC, LAYER, KS, W, STAGES>: dx = dH phi^T - c x (+ with
+// mhc_coeffs_mma_dx_kernel<T, TG, VEC, LAYER, KS, W, NT, STAGES>: dx = dH phi^T - c x (+ with
 // LAYER the rest of the layer's dx, as mhc_coeffs_mma_bwd_kernel), rounded once.  Grid
-// (cblocks * groups, splits), groups = n / W, W warps: warp w owns positions
-// i * C + [cb * 64, cb * 64 + 64) of stream i = group * W + w; the block keeps those
-// positions' phi rows (PO planes, bf16) in shared memory and walks tokens
-// [split * t_split, ...) 16 a step, dH_r [PO][16][K16] per stage.  A operand dH, B operand
-// phi, fragments as the dx part of mhc_coeffs_mma_bwd_kernel (PO = 2 planes of each for
-// 16-bit T: the dropped products are 2^-16 of the result, below its ulp; 3 for float32).
-// VEC: C % 8 == 0 and x, dx (and g, g_li) 16-byte aligned.  Dynamic shared memory:
-// (W * 64 * K16 + STAGES * 16 * K16) * PO * 2 bytes.
-template <typename T, typename TG, bool VEC, bool LAYER, int KS, int W, int STAGES>
+// (cblocks * groups, splits), groups = n / W, W warps of NT 8-column MMA tiles (NT = 8 or 4,
+// CW = 8 NT columns): warp w owns positions i * C + [cb * CW, cb * CW + CW) of stream
+// i = group * W + w; the block keeps those positions' phi rows (PO planes, bf16) in shared
+// memory and walks tokens [split * t_split, ...) 16 a step, dH_r [PO][16][K16] per stage.
+// A operand dH, B operand phi, fragments as the dx part of mhc_coeffs_mma_bwd_kernel (PO = 2
+// planes of each for 16-bit T: the dropped products are 2^-16 of the result, below its ulp; 3
+// for float32).  Each dx value is the same sum in the same order for either NT; the library runs
+// NT = 4 (ops/coeffs.py _DX_NT: half the phi rows, more blocks per SM, measured faster).  VEC: C % 8 == 0 and x, dx (and g, g_li) 16-byte
+// aligned.  Dynamic shared memory: (W * CW * K16 + STAGES * 16 * K16) * PO * 2 bytes.
+template <typename T, typename TG, bool VEC, bool LAYER, int KS, int W, int NT, int STAGES>
 __global__ void __launch_bounds__(32 * W)
 mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restrict__ phi_r,
                          const __nv_bfloat16* __restrict__ dH_r, const float* __restrict__ dH,
                          const TG* __restrict__ g, const TG* __restrict__ g_li, const float* __restrict__ H_pre,
-                         const float* __restrict__ H_res, T* __restrict__ dx, i64 tokens, i64 tokens_p, int n, int C,
-                         int K, int KP, int groups, i64 t_split, int res_t) {
+                         const float* __restrict__ H_res, const TG* __restrict__ gx, T* __restrict__ dx, i64 tokens,
+                         i64 tokens_p, int n, int C, int K, int KP, int groups, i64 t_split, int res_t) {
     using namespace mhc_coeffs;
     constexpr int PO = sizeof(T) == 4 ? 3 : 2;
-    constexpr int K16 = KS * 16, NW = 64 * W;
+    static_assert(NT == 8 || NT == 4, "8 or 4 column tiles per warp");
+    constexpr int K16 = KS * 16, CW = 8 * NT, NW = CW * W;
     constexpr int SB = PO * 16 * K16 * 2;  // stage bytes
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g8 = lane >> 2, tq = lane & 3;
     const int cb = (int)(blockIdx.x / (unsigned)groups), grp = (int)(blockIdx.x - (unsigned)cb * groups);
-    const int cb0 = cb * 64, i = grp * W + warp;
+    const int cb0 = cb * CW, i = grp * W + warp;
     const int D = n * C;
     const i64 t_begin = (i64)blockIdx.y * t_split;
     const i64 t_end = min(tokens, t_begin + t_split);
@@ -1361,8 +1378,8 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
 
     // phi rows of the block's positions (zero where the column is past C)
     for (int c = threadIdx.x; c < PO * NW * (K16 / 8); c += 32 * W) {
-        const int r = c / (K16 / 8), q = c - r * (K16 / 8);  // r = p * NW + w * 64 + cl
-        const int p = r / NW, pos = r - p * NW, w = pos >> 6, cl = pos & 63;
+        const int r = c / (K16 / 8), q = c - r * (K16 / 8);  // r = p * NW + w * CW + cl
+        const int p = r / NW, pos = r - p * NW, w = pos / CW, cl = pos - w * CW;
         const bool ok = cb0 + cl < C;
         cp_async16(s_phi + (i64)r * K16 + q * 8,
                    phi_r + p * plane_phi + (i64)((grp * W + w) * C + (ok ? cb0 + cl : 0)) * K16 + q * 8, ok);
@@ -1380,7 +1397,7 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
         if (s < steps) fill(s, s);
         cp_async_commit();  // the first group also holds the phi rows
     }
-    const __nv_bfloat16* ph = s_phi + (warp * 64) * K16;  // this warp's rows, plane 0
+    const __nv_bfloat16* ph = s_phi + (warp * CW) * K16;  // this warp's rows, plane 0
     const T* xi = x + (i64)i * C;
     for (int step = 0; step < steps; ++step) {
         cp_async_wait<STAGES - 2>();
@@ -1389,22 +1406,22 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
         cp_async_commit();
         const __nv_bfloat16* dhr = reinterpret_cast<const __nv_bfloat16*>(stages + (step % STAGES) * SB);
         const i64 t0 = t_begin + step * 16;
-        // this thread's rows (tokens g8, g8 + 8) x 16 columns of x and c, loaded before the MMAs
-        float xv[2][2][8], cs[2];
+        // this thread's rows (tokens g8, g8 + 8) x 2 NT columns of x and c, loaded before the MMAs
+        float xv[2][NT / 4][8], cs[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const i64 t = t0 + g8 + 8 * h;
             const bool ok = t < t_end;
             cs[h] = ok ? dH[t * KP + K] : 0.f;
 #pragma unroll
-            for (int half = 0; half < 2; ++half) load8<T, VEC>(xi + (ok ? t : 0) * (i64)D, cb0 + 16 * tq + 8 * half,
-                                                              ok ? C : 0, xv[h][half]);
+            for (int half = 0; half < NT / 4; ++half)
+                load8<T, VEC>(xi + (ok ? t : 0) * (i64)D, cb0 + 2 * NT * tq + 8 * half, ok ? C : 0, xv[h][half]);
         }
-        // A rows: tokens g8, g8 + 8; B column g8 of n tile j: position 16 (g8 >> 1) + 2j + (g8 & 1);
-        // accumulator (tq, e) of tile j: column 16 tq + 2j + e.
-        float acc[8][4];
+        // A rows: tokens g8, g8 + 8; B column g8 of n tile j: position 2 NT (g8 >> 1) + 2j + (g8 & 1);
+        // accumulator (tq, e) of tile j: column 2 NT tq + 2j + e.
+        float acc[NT][4];
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
             for (int r = 0; r < 4; ++r) acc[j][r] = 0.f;
 #pragma unroll
@@ -1421,8 +1438,8 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
                 a[p][3] = w1[1];
             }
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const int pos = 16 * (g8 >> 1) + 2 * j + (g8 & 1);
+            for (int j = 0; j < NT; ++j) {
+                const int pos = 2 * NT * (g8 >> 1) + 2 * j + (g8 & 1);
                 unsigned b[PO][2];
 #pragma unroll
                 for (int p = 0; p < PO; ++p) mhc::load_words<2>(ph + (p * NW + pos) * K16 + tq * 4 * KS + 4 * s, b[p]);
@@ -1437,8 +1454,8 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
             const i64 t = t0 + g8 + 8 * h;
             if (t >= t_end) continue;
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int col = cb0 + 16 * tq + 8 * half;
+            for (int half = 0; half < NT / 4; ++half) {
+                const int col = cb0 + 2 * NT * tq + 8 * half;
                 float o[8];
 #pragma unroll
                 for (int e8 = 0; e8 < 8; ++e8)
@@ -1458,6 +1475,11 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
 #pragma unroll
                             for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(w, gv[e8], o[e8]);
                         }
+                    }
+                    if (gx != nullptr) {
+                        load8<TG, VEC>(gx + t * (i64)D + (i64)i * C, col, C, gv);
+#pragma unroll
+                        for (int e8 = 0; e8 < 8; ++e8) o[e8] += gv[e8];
                     }
                 }
                 T* out = dx + t * (i64)D + (i64)i * C;

@@ -241,8 +241,8 @@ mhc_stream_post_bwd_mma_kernel(const T* __restrict__ g, const T* __restrict__ x,
         const T* gt = g + t * N * (i64)C;
         const T* xt = x + t * N * (i64)C;
 #pragma unroll 2
-        for (int c0 = 32 * warp; c0 < C; c0 += 32 * WARPS) {
-            const int col = c0 + 8 * tq;
+        for (unsigned c0 = 32 * warp; c0 < (unsigned)C; c0 += 32 * WARPS) {  // unsigned: C up to 2^31 - 1
+            const int col = (int)c0 + 8 * tq;
             unsigned ga[2 * MT][4], xb[QT][4];
 #pragma unroll
             for (int r = 0; r < 2 * MT; ++r) {
@@ -254,6 +254,16 @@ mhc_stream_post_bwd_mma_kernel(const T* __restrict__ g, const T* __restrict__ x,
                 const int j = 8 * q + g8;
                 load8_words<T, VEC>(j < N ? xt + (i64)j * C : (j == N ? y + t * (i64)C : nullptr), col, C, xb[q]);
             }
+            // the chunk's products into a fresh accumulator, added to acc in float32 (round to
+            // nearest): the tensor cores' own accumulation truncates (as the coefficient GEMM, OPS.md
+            // section 8), which over a long row would bias dH by up to ~1e-4 of it at C ~ 1e5
+            float stp[MT][QT][4];
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int q = 0; q < QT; ++q)
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) stp[m][q][k] = 0.f;
 #pragma unroll
             for (int ks = 0; ks < 2; ++ks)
 #pragma unroll
@@ -261,8 +271,14 @@ mhc_stream_post_bwd_mma_kernel(const T* __restrict__ g, const T* __restrict__ x,
                     const unsigned a[4] = {ga[2 * m][2 * ks], ga[2 * m + 1][2 * ks], ga[2 * m][2 * ks + 1],
                                            ga[2 * m + 1][2 * ks + 1]};
 #pragma unroll
-                    for (int q = 0; q < QT; ++q) mhc::mma_m16n8k16<T>(acc[m][q], a, xb[q][2 * ks], xb[q][2 * ks + 1]);
+                    for (int q = 0; q < QT; ++q) mhc::mma_m16n8k16<T>(stp[m][q], a, xb[q][2 * ks], xb[q][2 * ks + 1]);
                 }
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int q = 0; q < QT; ++q)
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) acc[m][q][k] += stp[m][q][k];
             if (dy != nullptr) {
                 float v[8];
 #pragma unroll

@@ -45,7 +45,7 @@ def coefficient(name: str, info) -> None:
 
 #: Array arguments that may be None (an absent weight; a None gradient counts as zero).
 OPTIONAL_ARRAYS = frozenset(("weight", "grad_layer_in", "grad_out", "grad_H_pre", "grad_H_post", "grad_H_res",
-                             "grad_h_pre_raw", "grad_h_post_raw", "grad_h_res_raw"))
+                             "grad_h_pre_raw", "grad_h_post_raw", "grad_h_res_raw", "grad_x"))
 
 
 def absent(name: str) -> None:

@@ -846,27 +846,33 @@ def _layer_params(settings):
             ("hc_eps", hc_eps), ("post_mult", post_mult))
 
 
-@functools.partial(_jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fused_layer(f, settings, phi, alpha, bias, x, *consts):
-    return _fused_layer_fwd(f, settings, phi, alpha, bias, x, *consts)[0]
+@functools.partial(_jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fused_layer(f, settings, fold, phi, alpha, bias, x, *consts):
+    return _fused_layer_fwd(f, settings, fold, phi, alpha, bias, x, *consts)[0]
 
 
-def _fused_layer_fwd(f, settings, phi, alpha, bias, x, *consts):
+def _fused_layer_fwd(f, settings, fold, phi, alpha, bias, x, *consts):
     layer_in, H_pre, H_post, H_res, stats = _k("mhc_layer_pre_fwd", _layer_params(settings), x, phi, alpha, bias)
     y, f_vjp = _jax.vjp(lambda li, *c: f(li, *c).astype(x.dtype), layer_in, *consts)
     (out,) = _k("mhc_post_op_fwd", _conv(settings[4]), y, x, H_post, H_res)
     return out, (phi, alpha, bias, x, stats, H_pre, H_post, H_res, y, f_vjp)
 
 
-def _fused_layer_bwd(f, settings, res, g):
+def _fused_layer_bwd(f, settings, fold, res, g):
+    """The post op's part of dx goes into mhc_layer_pre_bwd's one rounding of dx as g (fold: the
+    pre backward computes H_res^T g) or as the post op's dx from its own backward (grad_x;
+    mhc_cupy.ops.layer.fold_post_dx)."""
     phi, alpha, bias, x, stats, H_pre, H_post, H_res, y, f_vjp = res
-    dy, dH_post, dH_res = _k("mhc_layer_post_bwd", _conv(settings[4]), g, y, x, H_post, H_res)
+    if fold:
+        dy, dH_post, dH_res = _k("mhc_layer_post_bwd", _conv(settings[4]), g, y, x, H_post, H_res)
+    else:
+        dy, dx_post, dH_post, dH_res = _k("mhc_post_op_bwd", _conv(settings[4]), g, y, x, H_post, H_res)
     g_li, *d_consts = f_vjp(dy)
     if g_li.dtype != g.dtype:
         g_li = g_li.astype(g.dtype)
     params = _layer_params(settings) + (("grad_mode", settings[3]),)
-    dx, dphi, dalpha, dbias = _k("mhc_layer_pre_bwd", params, g_li, g, dH_post, dH_res, x, phi, alpha, bias, stats,
-                                 H_pre, H_res)
+    dx, dphi, dalpha, dbias = _k("mhc_layer_pre_bwd", params, g_li, g if fold else None, dH_post, dH_res,
+                                 None if fold else dx_post, x, phi, alpha, bias, stats, H_pre, H_res)
     return (dphi, dalpha, dbias, dx, *d_consts)
 
 
@@ -878,11 +884,10 @@ def mhc_layer(params: dict, x, f, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAUL
     """One mHC layer, functional (paper Eq. 3): x_{l+1} = H_res x_l + H_post^T f(H_pre x_l).
 
     The per-token coefficients come from the coefficient path (:func:`mhc_coeffs`,
-    OPS.md section 8), then :func:`mhc_pre_op` and :func:`mhc_post_op`.  For n <= 4
-    the layer is one ``custom_vjp`` over the fused pieces (OPS.md section 9: the
-    coefficients and the pre op in one forward, dx written once in the backward)
-    with f's VJP inside; larger n composes the separate ops (as fast at n = 8 and faster at
-    n = 16 on the H200: OPS.md section 9, ``mhc_cupy.ops.layer.FUSED_MAX_N``).
+    OPS.md section 8), then :func:`mhc_pre_op` and :func:`mhc_post_op`, as one ``custom_vjp``
+    over the fused pieces (OPS.md section 9: the coefficients and the pre op in one forward)
+    with f's VJP inside; the backward writes dx once (for n > 4 with the post op's dx from its own
+    backward added before the rounding: ``mhc_cupy.ops.layer.fold_post_dx``).
 
     Args:
         params: {"phi", "alpha", "bias"} from :func:`mhc_init` (or :func:`mhc_from_deepseek`).
@@ -907,12 +912,13 @@ def mhc_layer(params: dict, x, f, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAUL
         raise TypeError(f"params must be the dict of mhc_init (phi, alpha, bias), got {type(params).__name__}")
     settings = _layer_settings(num_iters, eps, rms_eps, grad_mode, _convention.check(convention), hc_eps, post_mult)
     num_iters, eps, rms_eps, grad_mode, convention, hc_eps, post_mult = settings
-    if getattr(x, "ndim", 0) >= 2 and _ops.layer.fused_default(x.shape[-2]):
+    if getattr(x, "ndim", 0) >= 2:
         # the fused pieces (OPS.md section 9), one custom_vjp around the whole layer with f's VJP inside
         # (f's closed-over traced values become explicit arguments, so they get their gradients)
         example = _jax.ShapeDtypeStruct(tuple(x.shape[:-2]) + (x.shape[-1],), x.dtype)
         f_conv, consts = _jax.closure_convert(f, example)
-        return _fused_layer(f_conv, settings, params["phi"], params["alpha"], params["bias"], x, *consts)
+        return _fused_layer(f_conv, settings, _ops.layer.fold_post_dx(x.shape[-2]), params["phi"], params["alpha"],
+                            params["bias"], x, *consts)
     h_pre, h_post, h_res = mhc_coeffs(x, params["phi"], params["alpha"], params["bias"], rms_eps)
     layer_in, _, H_post, H_res = mhc_pre_op(x, h_pre, h_post, h_res, num_iters, eps, grad_mode,
                                             convention=convention, hc_eps=hc_eps, post_mult=post_mult)

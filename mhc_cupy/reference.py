@@ -727,11 +727,11 @@ def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_e
 
 def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats, H_pre,
                       H_res, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, grad_mode="unrolled", convention="paper",
-                      hc_eps=DEFAULT, post_mult=DEFAULT):
+                      hc_eps=DEFAULT, post_mult=DEFAULT, grad_x=None):
     """Backward of ``mhc_layer_pre_fwd`` with the post op's dx folded in (OPS.md §9).
 
     dx = (pre op's dx) + (coefficient path's dx) + H_res^T grad_out (the post op's dx,
-    with the H_res given; H_res grad_out under ``convention="deepseek"``); the coefficient
+    with the H_res given; H_res grad_out under ``convention="deepseek"``) + grad_x; the coefficient
     gradients are recomputed from x (``stats`` and ``H_pre`` are not needed here).  None
     gradients count as zero.
 
@@ -745,6 +745,8 @@ def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, 
     dx = dx + dx_c
     if grad_out is not None:
         dx = dx + np.swapaxes(_res_matrix(H_res, convention), -1, -2) @ _f64(grad_out)
+    if grad_x is not None:
+        dx = dx + _f64(grad_x)
     return dx, dphi, dalpha, dbias
 
 

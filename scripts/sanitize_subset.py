@@ -5,7 +5,8 @@ block-sized chunks, the vectorised path, n = 1, 3, 4, 8, 17, 32, shared
 coefficients, RMSNorm with a weight and on vec(x), Sinkhorn history in shared and in global
 memory (n = 17: lanes that own fewer columns than rows), both gradient modes (n = 32: the
 warp-per-matrix implicit backward), the fused layer pieces (tensor-core forward for every n; the
-fused backward for n <= 4, the dphi / dx kernels above, tensor-core dx for n = 8 and CUDA-core dx for n = 17, 32).  Exits non-zero if any result is not finite.
+fused backward for n <= 4, the dphi / dx kernels above, tensor-core dx for n = 8 and CUDA-core dx for n = 17, 32;
+the post op's dx given as g or as grad_x).  Exits non-zero if any result is not finite.
 """
 
 import cupy as cp
@@ -52,6 +53,9 @@ for T, n, C, dt in [(3, 3, 13, bf16), (5, 4, 1536, bf16), (2, 4, 2560, bf16), (2
     check("layer", layer_in, stats, dy, dH_post, dH_res)
     check("layer bwd", *m.mhc_layer_pre_bwd(gy.astype(g.dtype), g, dH_post, dH_res, x, phi, alpha, bias, stats,
                                             H_pre, H_res))
+    _, dx_post, _, _ = m.mhc_post_op_bwd(g, y, x, H_post, H_res)  # the adapters' form for n > 4: grad_x
+    check("layer bwd grad_x", *m.mhc_layer_pre_bwd(gy.astype(g.dtype), None, dH_post, dH_res, x, phi, alpha, bias,
+                                                   stats, H_pre, H_res, grad_x=dx_post.astype(g.dtype)))
     for iters in (20, 200):
         check("sinkhorn", m.sinkhorn_knopp_fwd(M, iters), m.sinkhorn_knopp_bwd(M, M, iters))
         check("sinkhorn deepseek", m.sinkhorn_knopp_bwd(M, M, iters, convention="deepseek"))

@@ -254,7 +254,7 @@ def test_mma_token_splits(tokens, n, C):
     K = coeffs.columns(n)
     b = coeffs.backward_layout(tokens, n, C, K, "bfloat16")
     ranges = [b.dphi_splits] if K > 32 else [(b.splits, b.t_split)]
-    if K > 32 and b.warps is not None:
+    if K > 32 and b.dx_tiles is not None:
         ranges.append(b.dx_splits)
     for splits, per in ranges:
         assert splits >= 1 and per >= 16 and per % 16 == 0
@@ -298,7 +298,7 @@ def test_launch_plans(n, C, T):
     assert names[:3] == ["mhc_coeffs_split_phi_fwd_kernel", "mhc_coeffs_mma_fwd_kernel", "mhc_coeffs_bwd_prep_kernel"]
     if K <= 32:
         assert "mhc_coeffs_mma_bwd_kernel" in names and "mhc_coeffs_bwd_dx_kernel" not in names
-    else:  # dphi on tensor cores; dx too unless its phi rows overflow shared memory (n = 16: K16 = 288)
+    else:  # dphi on tensor cores; dx too where its blocks fit (coeffs._dx_tiles: n = 8, not 16)
         assert "mhc_coeffs_mma_dphi_kernel" in names and "mhc_coeffs_bwd_dphi_kernel" not in names
         tc_dx = {"mhc_coeffs_mma_dx_kernel"} <= set(names)
         assert tc_dx == (n == 8) and tc_dx != ({"mhc_coeffs_transpose_kernel", "mhc_coeffs_bwd_dx_kernel"} <= set(names))
@@ -310,11 +310,12 @@ def test_launch_plans(n, C, T):
 
 
 @pytest.mark.parametrize("dt", ["bfloat16", "float16", "float32"])
-@pytest.mark.parametrize("n", [5, 6, 8, 12, 13, 15, 16])
+@pytest.mark.parametrize("n", [5, 6, 7, 8, 9, 12, 13, 14, 15, 16, 19])
 def test_split_bwd_launches(dt, n):
     """n > 4: the dphi / dx kernels' dynamic shared memory is the kernels' own formula and within the
-    portable limit; dx runs on tensor cores exactly while its phi rows fit (README: n <= 15 at 16 bits,
-    n <= 12 in float32), W streams per block with W | n."""
+    portable limit; dx runs on tensor cores (32 columns per warp, W streams per block with W | n) where
+    its shared memory leaves at least 4 warps per 2 x 99 KiB (OPS.md section 9: n 5-12 and 14 at 16
+    bits; 5-8, 10 and 12 in float32), else on CUDA cores."""
     T, C = 1000, 72
     D, K = n * C, coeffs.columns(n)
     cx = {"x": _info((T, n, C), dt), "phi": _info((D, K)), "alpha": _info((3,)), "bias": _info((K,)),
@@ -334,16 +335,18 @@ def test_split_bwd_launches(dt, n):
             assert smem == stages * (16 * (256 * size + 16) + 3 * 8 * nq * 32)
             assert grid[0] == -(-D // 256) * -(-K // (8 * nq)) and block[0] == 128
         elif name == "mhc_coeffs_mma_dx_kernel":
-            ks, w, stages = int(params[4]), int(params[5]), int(params[6])
+            ks, w, nt, stages = (int(v) for v in params[4:8])
             po = 3 if size == 4 else 2
             assert ks == -(-K // 16) and n % w == 0 and block[0] == 32 * w
-            assert smem == (w * 64 + stages * 16) * 16 * ks * po * 2 and stages >= 2
-            assert grid[0] == -(-C // 64) * (n // w)
+            assert nt == 4 and w * (2 * coeffs._SMEM_PORTABLE // smem) >= 4
+            assert smem == (w * 8 * nt + stages * 16) * 16 * ks * po * 2 and stages >= 2
+            assert grid[0] == -(-C // (8 * nt)) * (n // w)
         else:
             continue
         seen.add(name)
         assert smem <= coeffs._SMEM_PORTABLE, (expr, smem)
-    assert ("mhc_coeffs_mma_dx_kernel" in seen) == (n <= (12 if size == 4 else 15))
+    assert ("mhc_coeffs_mma_dx_kernel" in seen) == (n in ({5, 6, 7, 8, 10, 12} if size == 4 else
+                                                          {5, 6, 7, 8, 9, 10, 11, 12, 14}))
     assert "mhc_coeffs_mma_dphi_kernel" in seen
 
 
@@ -557,6 +560,27 @@ def test_coeffs_large_n(rng, n, T, C, dt):
     """n > 4: column chunks in the forward, the separate dx / dphi kernels in the backward (dx on
     tensor cores with 4, 2 or 1 streams per block, or on CUDA cores for n = 16, 17, 32)."""
     _check(rng, T, n, C, dt)
+
+
+@GPU
+@pytest.mark.parametrize("n,T,C,dt", [(8, 300, 72, "bfloat16"), (6, 77, 40, "float16"), (8, 50, 36, "float32")])
+def test_dx_column_tiles_bitwise(rng, monkeypatch, n, T, C, dt):
+    """mhc_coeffs_mma_dx_kernel with 64 columns per warp (NT = 8) gives the dx of the 32-column one
+    the library runs (NT = 4), bit for bit (the same sums in the same order); C not a multiple of
+    either, 300 tokens wrap the stage ring."""
+    from mhc_cupy import _dispatch
+
+    x, phi, alpha, bias, g = _case(rng, T, n, C, dt)
+    args = [to_gpu(v) for v in (*g, x, phi, alpha, bias)]
+    got = {}
+    for nt in (4, 8):
+        monkeypatch.setattr(coeffs, "_DX_NT", nt)
+        monkeypatch.setattr(_dispatch, "_plans", {})
+        monkeypatch.setattr(_dispatch, "_fast", {})
+        got[nt] = [to_host(a) for a in m.mhc_coeffs_bwd(*args)]
+    for a, b, what in zip(got[4], got[8], ("dx", "dphi", "dalpha", "dbias")):
+        assert a.tobytes() == b.tobytes(), what
+    _check_bwd(got[4], R.mhc_coeffs_bwd(*g, x, phi, alpha, bias), g, x, phi, alpha, dt)
 
 
 @GPU

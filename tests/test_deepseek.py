@@ -365,8 +365,10 @@ def test_torch_layer_pieces(rng, mode):
 
 
 @pytest.mark.usefixtures("jax_on_cpu")  # the CPU path; the GPU cases run the CUDA one
-def test_jax_fused_layer_settings(rng):
-    """The JAX fused layer's custom_vjp carries the convention (mhc_cupy.jax._fused_layer under deepseek)."""
+@pytest.mark.parametrize("fold", [True, False])
+def test_jax_fused_layer_settings(rng, fold):
+    """The JAX fused layer's custom_vjp carries the convention (mhc_cupy.jax._fused_layer under deepseek),
+    with the post op's dx folded into the pre piece's backward or added after its own (fold False)."""
     jax = pytest.importorskip("jax")
     import mhc_cupy.jax as mj
 
@@ -374,7 +376,7 @@ def test_jax_fused_layer_settings(rng):
     D = _convention.DEFAULT
     settings = mj._layer_settings(D, D, D, "unrolled", "deepseek")
     assert settings == (20, 1e-6, 1e-6, "unrolled", "deepseek", 1e-6, 2.0)
-    out, vjp = jax.vjp(lambda *a: mj._fused_layer(jax.numpy.tanh, settings, *a), phi, alpha, bias, x)
+    out, vjp = jax.vjp(lambda *a: mj._fused_layer(jax.numpy.tanh, settings, fold, *a), phi, alpha, bias, x)
     g = rng.normal(size=x.shape).astype(np.float32)
     (want,), dwant = torch_vjp(lambda p, a, b, xx: O.layer(xx, p.T, a, b, torch.tanh),
                                 [f64(a) for a in (phi, alpha, bias, x)], [f64(g)])

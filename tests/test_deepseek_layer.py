@@ -162,8 +162,8 @@ def test_layer_halves_must_share_the_convention():
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 @pytest.mark.parametrize("dt", ["float32", "bfloat16"])
 def test_torch_mhc_deepseek_cuda(rng, n, dt):
-    """MHC(convention="deepseek") from DeepSeek-layout parameters on CUDA (fused pieces for n <= 4,
-    separate ops above) against the plain-torch float64 oracle layer: values and gradients."""
+    """MHC(convention="deepseek") from DeepSeek-layout parameters on CUDA (fused pieces; the post op's dx
+    as g for n <= 4, as grad_x for n = 8) against the plain-torch float64 oracle layer: values and gradients."""
     import torch
 
     import deepseek_oracle as O

@@ -3,11 +3,12 @@
 
 * CPU: the functional pieces (NumPy reference) against float64 torch autograd of the plain
   torch layer ``mhc_reference`` with a tanh sublayer, on random data of realistic scale
-  (logits of scale ~1), odd token counts and C, n = 1..5; the torch wrappers give the same
-  gradients when x is also used outside the layer and when only part of the output is used;
-  double backward raises.
+  (logits of scale ~1), odd token counts and C, n = 1..5, the post op's dx given to
+  ``mhc_layer_pre_bwd`` as g (grad_out) or as ``mhc_post_op_bwd``'s dx (grad_x); the torch
+  wrappers give the same gradients when x is also used outside the layer and when only part
+  of the output is used; double backward raises.
 * GPU (marked ``gpu``): the kernels (tensor-core GEMM and backward, pre / post kernels)
-  against the float64 reference, every activation dtype, n = 1..4, NaN-poisoned outputs,
+  against the float64 reference, every activation dtype, n = 1..32, NaN-poisoned outputs,
   bitwise-repeatable results; tolerances from tests/harness.py (TOL["activation"]: one rounding
   of an activation output; TOL["coefficient"]: float32 sums) on the scale of the terms summed.
 """
@@ -42,22 +43,30 @@ def _torch_reference(x, phi, alpha, bias, g, num_iters=20, eps=1e-8, rms_eps=1e-
     return out.detach().numpy(), [t.grad.numpy() for t in ts]
 
 
-def _functional_layer(x, phi, alpha, bias, g):
+def _functional_layer(x, phi, alpha, bias, g, post_dx="grad_out"):
+    """The tanh layer from the pieces; post_dx: how the post op's dx reaches mhc_layer_pre_bwd
+    (grad_out: g, folded there; grad_x: mhc_post_op_bwd's dx, added there)."""
     layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(x, phi, alpha, bias)
     y = np.tanh(np.asarray(layer_in, np.float64)).astype(x.dtype)
     out = m.mhc_post_op_fwd(y, x, H_post, H_res)
-    dy, dH_post, dH_res = m.mhc_layer_post_bwd(g, y, x, H_post, H_res)
+    if post_dx == "grad_out":
+        dy, dH_post, dH_res = m.mhc_layer_post_bwd(g, y, x, H_post, H_res)
+        kw = {}
+    else:
+        dy, dx_post, dH_post, dH_res = m.mhc_post_op_bwd(g, y, x, H_post, H_res)
+        g, kw = None, {"grad_x": dx_post}
     g_li = (np.asarray(dy, np.float64) * (1 - np.asarray(y, np.float64) ** 2)).astype(x.dtype)
-    grads = m.mhc_layer_pre_bwd(g_li, g, dH_post, dH_res, x, phi, alpha, bias, stats, H_pre, H_res)
+    grads = m.mhc_layer_pre_bwd(g_li, g, dH_post, dH_res, x, phi, alpha, bias, stats, H_pre, H_res, **kw)
     return out, grads, stats
 
 
+@pytest.mark.parametrize("post_dx", ["grad_out", "grad_x"])
 @pytest.mark.parametrize("lead,n,C", CASES)
-def test_functional_pieces_match_autograd(rng, lead, n, C):
+def test_functional_pieces_match_autograd(rng, lead, n, C, post_dx):
     x = rng.standard_normal(lead + (n, C)).astype(np.float32)
     phi, alpha, bias = _params(rng, n, C)
     g = rng.standard_normal(lead + (n, C)).astype(np.float32)
-    out, grads, stats = _functional_layer(x, phi, alpha, bias, g)
+    out, grads, stats = _functional_layer(x, phi, alpha, bias, g, post_dx)
     out_ref, grads_ref = _torch_reference(x, phi, alpha, bias, g)
     np.testing.assert_allclose(out, out_ref, rtol=1e-5, atol=1e-5)
     for got, ref, name in zip(grads, grads_ref, ("dx", "dphi", "dalpha", "dbias")):
@@ -87,9 +96,10 @@ def _close(a, b, name):
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max() + 1), msg=name)
 
 
-def test_torch_fused_layer_x_used_elsewhere_and_partial_output():
-    """The g handed along x_link must not disturb x's other gradients."""
-    n, C = 3, 10
+@pytest.mark.parametrize("n", [3, 5])  # x_link carries g (n <= 4) or the post op's dx (n > 4)
+def test_torch_fused_layer_x_used_elsewhere_and_partial_output(n):
+    """What the post piece hands along x_link must not disturb x's other gradients."""
+    C = 10
     layer = _layer_torch(n, C)
     assert layer.fused(torch.zeros(1, n, C))
     x = torch.randn(4, 5, n, C, requires_grad=True)
@@ -100,6 +110,28 @@ def test_torch_fused_layer_x_used_elsewhere_and_partial_output():
 
     loss(layer(x), x).backward()
     out_ref, p64 = _ref(layer, xr)
+    grads_ref = torch.autograd.grad(loss(out_ref, xr), (xr, *p64))
+    got = (x.grad, layer.phi.grad, layer.alpha.grad, layer.bias.grad)
+    for a, b, name in zip(got, grads_ref, ("dx", "dphi", "dalpha", "dbias")):
+        _close(a, b, name)
+
+
+@pytest.mark.parametrize("n,C", [(3, 10), (5, 7)])
+def test_torch_layer_separate_ops(n, C):
+    """MHC with fused pinned False (what the benchmark times beside the pieces): coefficients ->
+    pre op -> F -> post op, the same values and gradients."""
+    layer = _layer_torch(n, C)
+    layer.fused = lambda x: False
+    x = torch.randn(4, 3, n, C, requires_grad=True)
+    xr = x.detach().double().requires_grad_()
+
+    def loss(out, x):
+        return (out[..., 1:, :] ** 2).sum() + (x**3).sum() + out[..., 0, :].sin().sum()
+
+    out = layer(x)
+    loss(out, x).backward()
+    out_ref, p64 = _ref(layer, xr)
+    _close(out, out_ref.detach(), "out")
     grads_ref = torch.autograd.grad(loss(out_ref, xr), (xr, *p64))
     got = (x.grad, layer.phi.grad, layer.alpha.grad, layer.bias.grad)
     for a, b, name in zip(got, grads_ref, ("dx", "dphi", "dalpha", "dbias")):
@@ -131,6 +163,11 @@ def test_mismatched_gradient_dtypes_raise(rng):
     layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(x, phi, alpha, bias)
     with pytest.raises(TypeError, match="grad_layer_in"):
         m.mhc_layer_pre_bwd(layer_in.astype(np.float16), x, None, None, x, phi, alpha, bias, stats, H_pre, H_res)
+    with pytest.raises(TypeError, match="grad_x has dtype float16"):
+        m.mhc_layer_pre_bwd(layer_in, None, None, None, x, phi, alpha, bias, stats, H_pre, H_res,
+                            grad_x=x.astype(np.float16))
+    with pytest.raises(ValueError, match="grad_x"):
+        m.mhc_layer_pre_bwd(layer_in, None, None, None, x, phi, alpha, bias, stats, H_pre, H_res, grad_x=x[:, :1])
     with pytest.raises(ValueError, match="stats"):
         m.mhc_layer_pre_bwd(None, None, None, None, x, phi, alpha, bias, stats[:, :-1], H_pre, H_res)
 
@@ -155,16 +192,23 @@ def _gpu_layer(dt, lead, n, C, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("post_dx", ["grad_out", "grad_x"])
 @pytest.mark.parametrize("dt", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("lead,n,C", GPU_CASES)
-def test_gpu_pieces_match_reference(rng, dt, lead, n, C):
+def test_gpu_pieces_match_reference(rng, dt, lead, n, C, post_dx):
+    """post_dx: the post op's dx reaches mhc_layer_pre_bwd as g (grad_out, summed there) or as
+    mhc_post_op_bwd's dx (grad_x, added there; the reference gets that same rounded dx)."""
     from gpu.helpers import ACT_TOL, COEF_TOL, assert_close, f64, poisoned_allocations, to_host
 
     (x, phi, alpha, bias), dev, (g_d, y_d, gli_d), (g, y, g_li) = _gpu_layer(dt, lead, n, C, rng)
     with poisoned_allocations():
         layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(*dev)
-        dy, dH_post, dH_res = m.mhc_layer_post_bwd(g_d, y_d, dev[0], H_post, H_res)
-        got = m.mhc_layer_pre_bwd(gli_d, g_d, dH_post, dH_res, *dev, stats, H_pre, H_res)
+        if post_dx == "grad_out":
+            dy, dH_post, dH_res = m.mhc_layer_post_bwd(g_d, y_d, dev[0], H_post, H_res)
+            got = m.mhc_layer_pre_bwd(gli_d, g_d, dH_post, dH_res, *dev, stats, H_pre, H_res)
+        else:
+            dy, dx_post, dH_post, dH_res = m.mhc_post_op_bwd(g_d, y_d, dev[0], H_post, H_res)
+            got = m.mhc_layer_pre_bwd(gli_d, None, dH_post, dH_res, *dev, stats, H_pre, H_res, grad_x=dx_post)
     ref_fwd = R.mhc_layer_pre_fwd(x, phi, alpha, bias)
     for a, b, name in zip((layer_in, H_pre, H_post, H_res, stats), ref_fwd,
                           ("layer_in", "H_pre", "H_post", "H_res", "stats")):
@@ -173,8 +217,9 @@ def test_gpu_pieces_match_reference(rng, dt, lead, n, C):
     assert_close(dy, ref_post[0], ACT_TOL[dt], "dy")
     assert_close(dH_post, ref_post[2], COEF_TOL, "dH_post", scale=float(np.abs(f64(g)).sum(-1).mean()))
     assert_close(dH_res, ref_post[3], COEF_TOL, "dH_res", scale=float(np.abs(f64(g)).sum(-1).mean()))
-    ref = R.mhc_layer_pre_bwd(g_li, g, to_host(dH_post), to_host(dH_res), x, phi, alpha, bias, None,
-                              to_host(H_pre), to_host(H_res))
+    gx = {} if post_dx == "grad_out" else {"grad_x": to_host(dx_post)}
+    ref = R.mhc_layer_pre_bwd(g_li, g if post_dx == "grad_out" else None, to_host(dH_post), to_host(dH_res), x, phi,
+                              alpha, bias, None, to_host(H_pre), to_host(H_res), **gx)
     # dx: three terms of similar size summed in float32, rounded once
     assert_close(got[0], ref[0], 2 * ACT_TOL[dt], "dx", scale=float(np.sqrt(np.mean(ref[0] ** 2))) + 1e-30)
     assert_close(got[1], ref[1], COEF_TOL, "dphi")
@@ -202,10 +247,11 @@ def test_gpu_pieces_bitwise_repeatable(rng, n):
 
 @pytest.mark.gpu
 # the fused tensor-core backward (n <= 4), the split one with dx on tensor cores (n = 8) and on CUDA cores (n = 16)
-@pytest.mark.parametrize("n,C", [(4, 64), (8, 40), (16, 40)])
+@pytest.mark.parametrize("n,C", [(4, 64), (8, 40), (16, 40), (32, 24)])
 @pytest.mark.parametrize("missing", ["grad_layer_in", "grad_out", "both"])
-def test_gpu_pre_bwd_missing_layer_gradients(rng, n, C, missing):
-    """A None layer gradient counts as zero in dx (each alone adds its term)."""
+@pytest.mark.parametrize("with_gx", [False, True])
+def test_gpu_pre_bwd_missing_layer_gradients(rng, n, C, missing, with_gx):
+    """A None layer gradient counts as zero in dx (each alone adds its term); grad_x alone too."""
     from gpu.helpers import ACT_TOL, COEF_TOL, assert_close, poisoned_allocations, to_host
 
     (x, phi, alpha, bias), dev, (g_d, y_d, gli_d), (g, y, g_li) = _gpu_layer("float32", (37,), n, C, rng)
@@ -213,10 +259,12 @@ def test_gpu_pre_bwd_missing_layer_gradients(rng, n, C, missing):
     dH_post, dH_res = (to_gpu_like(rng, H_post), to_gpu_like(rng, H_res))
     use_li = gli_d if missing not in ("grad_layer_in", "both") else None
     use_g = g_d if missing not in ("grad_out", "both") else None
+    gx = to_gpu_like(rng, dev[0]) if with_gx else None
     with poisoned_allocations():
-        got = m.mhc_layer_pre_bwd(use_li, use_g, dH_post, dH_res, *dev, stats, H_pre, H_res)
+        got = m.mhc_layer_pre_bwd(use_li, use_g, dH_post, dH_res, *dev, stats, H_pre, H_res, grad_x=gx)
     ref = R.mhc_layer_pre_bwd(None if use_li is None else g_li, None if use_g is None else g, to_host(dH_post),
-                              to_host(dH_res), x, phi, alpha, bias, None, to_host(H_pre), to_host(H_res))
+                              to_host(dH_res), x, phi, alpha, bias, None, to_host(H_pre), to_host(H_res),
+                              grad_x=None if gx is None else to_host(gx))
     assert_close(got[0], ref[0], 2 * ACT_TOL["float32"], "dx", scale=float(np.sqrt(np.mean(ref[0] ** 2))) + 1e-30)
     assert_close(got[1], ref[1], COEF_TOL, "dphi")
 
@@ -229,10 +277,11 @@ def to_gpu_like(rng, a):
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_torch_fused_layer_compiles_fullgraph(backend):
+@pytest.mark.parametrize("n", [4, 5])  # the post op's dx folded (n <= 4) or sent as grad_x
+def test_torch_fused_layer_compiles_fullgraph(backend, n):
     """MHC (fused pieces) under torch.compile(fullgraph=True): one graph, eager results and gradients."""
     torch._dynamo.reset()
-    n, C = 4, 8
+    C = 8
     layer = _layer_torch(n, C)
     compiled = torch.compile(layer, fullgraph=True, backend=backend)
     for T in (3, 5):
@@ -256,11 +305,12 @@ def _cuda_layer(n=4):
 
 
 @pytest.mark.gpu
-def test_gpu_fused_layer_compiles():
+@pytest.mark.parametrize("n", [4, 8])
+def test_gpu_fused_layer_compiles(n):
     """On CUDA, inductor fullgraph: eager results (bf16 tolerance: inductor computes the bf16
     sublayer in float32 and rounds once)."""
     torch._dynamo.reset()
-    layer, x, g = _cuda_layer()
+    layer, x, g = _cuda_layer(n)
     params = (x, layer.phi, layer.alpha, layer.bias)
     want = layer(x)
     grads = torch.autograd.grad(want, params, g)
@@ -300,7 +350,7 @@ def test_gpu_layer_cuda_graph(n):
 
 @pytest.mark.parametrize("n", [1, 3, 4, 5])
 def test_jax_layer_matches_plain_jnp(rng, n):
-    """mhc_cupy.jax.mhc_layer (fused custom_vjp for n <= 4, separate ops above) against the plain
+    """mhc_cupy.jax.mhc_layer (one custom_vjp; the post op's dx folded for n <= 4, added for n = 5) against the plain
     jax.numpy layer: values and gradients in x, phi, alpha, bias and the sublayer's own weight
     (closed over by f), under jit(grad) and vmap."""
     jax = pytest.importorskip("jax")

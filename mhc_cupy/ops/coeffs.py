@@ -319,12 +319,12 @@ def mma_bwd(tokens: int, n: int, C: int, K: int) -> MmaBwd:
 
 
 def launch_mma_bwd(b: MmaBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc: dict, stream, tg: str | None = None,
-                   g=None, g_li=None, H_pre=None, H_res=None, res_t=False):
-    """dx = dH phi^T - c x (+ H_pre_i g_li + sum_j H_res[j, i] g_j when g is given; with ``res_t``,
-    convention="deepseek", sum_j H_res[i, j] g_j) and dphi, on tensor cores; sc holds the buffers
-    named by b.scratch() (dphi partials summed here)."""
+                   g=None, g_li=None, H_pre=None, H_res=None, gx=None, res_t=False):
+    """dx = dH phi^T - c x (+ H_pre_i g_li + sum_j H_res[j, i] g_j + gx_i for those given; with
+    ``res_t``, convention="deepseek", sum_j H_res[i, j] g_j) and dphi, on tensor cores; sc holds the
+    buffers named by b.scratch() (dphi partials summed here)."""
     D = b.n * b.C
-    layer = g is not None or g_li is not None  # either layer gradient alone adds its dx term
+    layer = g is not None or g_li is not None or gx is not None  # any layer gradient alone adds its dx term
     tg = tg or dt
     launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(D * b.K16), (_NT, 1, 1),
            (phi, sc["phi_r"], i64(D), i32(b.K), i32(b.K), i64(D), i32(b.K16)), stream)
@@ -332,13 +332,13 @@ def launch_mma_bwd(b: MmaBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc: dic
            (dH, sc["dH_r"], i64(b.tokens), i32(b.K), i32(KP), i64(b.tokens_p), i32(b.K16)), stream)
     launch(_FILE, "mhc_coeffs_split_cols_kernel", _grid_stride(b.tokens_p * b.Kp8), (_NT, 1, 1),
            (dH, sc["dH_c"], i64(b.tokens), i32(b.K), i32(KP), i64(b.tokens_p), i32(b.Kp8)), stream)
-    vec = "true" if vec8(b.C, x, dx, g, g_li) else "false"
+    vec = "true" if vec8(b.C, x, dx, g, g_li, gx) else "false"
     out = sc["dphi_part"] if b.splits > 1 else dphi
     stages, smem = b.pipeline(dt)
     launch(_FILE, f"mhc_coeffs_mma_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{vec},{'true' if layer else 'false'},"
                   f"{b.K16 // 16},{b.Kp8 // 8},{stages}>",
            (_cdiv(b.C, 64), b.splits, 1), (32 * b.n, 1, 1),
-           (x, sc["phi_r"], sc["dH_r"], sc["dH_c"], dH, g, g_li, H_pre, H_res, dx, out, i64(b.tokens),
+           (x, sc["phi_r"], sc["dH_r"], sc["dH_c"], dH, g, g_li, H_pre, H_res, gx, dx, out, i64(b.tokens),
             i64(b.tokens_p), i32(b.n), i32(b.C), i32(b.K), i32(KP), i64(b.t_split), i32(res_t)),
            stream, smem)
     if b.splits > 1:
@@ -353,12 +353,35 @@ def _planes(dt: str) -> int:
     return 3 if ITEMSIZE[dt] == 4 else 2
 
 
-def _dx_warps(n: int, K16: int, dt: str) -> int | None:
-    """Warps (streams) per block of mhc_coeffs_mma_dx_kernel: the most of 4, 2, 1 that divides n and
-    whose phi rows plus two pipeline stages fit the portable shared memory; None: CUDA-core dx."""
+#: 8-column MMA tiles per warp of mhc_coeffs_mma_dx_kernel (32 columns).  The kernel also takes 8
+#: (64 columns, the same dx bit for bit): measured on the H200 (bf16, mhc_layer_pre_bwd) that was
+#: slower, 3.48 / 4.33 ms against 2.42 / 2.94 ms at 16384 x 2560 x 6 / 16384 x 2048 x 8, because
+#: its larger phi tile fits fewer blocks per SM.
+_DX_NT = 4
+#: Least warps per 2 x 99 KiB of shared memory (about an SM's) for dx on tensor cores; below it dx
+#: runs on CUDA cores.  Measured on the H200 at 8192 x 1024 x 16 (bf16): the tensor-core dx with
+#: one warp per 92 KiB block (2 warps per SM) took 6.6 ms, the CUDA-core one 4.45 ms.
+_DX_MIN_WARPS = 4
+
+
+def dx_smem(w: int, nt: int, K16: int, dt: str) -> tuple[int, int]:
+    """(stages, dynamic shared bytes) of mhc_coeffs_mma_dx_kernel with W = w, NT = nt: the phi rows
+    of its streams, then per stage dH_r [planes][16][K16] (kernels_cu/coeffs.cu)."""
+    fixed, stage = w * 8 * nt * K16 * 2 * _planes(dt), 16 * K16 * 2 * _planes(dt)
+    stages = pipeline_stages(fixed, stage, _MMA_BWD_STAGES)
+    return stages, fixed + stages * stage
+
+
+def _dx_tiles(n: int, K16: int, dt: str) -> tuple[int, int] | None:
+    """(W warps (streams) per block, NT column tiles per warp) of mhc_coeffs_mma_dx_kernel: NT =
+    _DX_NT and the most W of 4, 2, 1 dividing n whose shared memory fits the portable limit with
+    at least _DX_MIN_WARPS warps per twice that; None: dx on CUDA cores."""
     for w in (4, 2, 1):
-        if n % w == 0 and (w * 64 + 2 * 16) * K16 * _planes(dt) * 2 <= _SMEM_PORTABLE:
-            return w
+        if n % w:
+            continue
+        smem = dx_smem(w, _DX_NT, K16, dt)[1]
+        if smem <= _SMEM_PORTABLE and w * (2 * _SMEM_PORTABLE // smem) >= _DX_MIN_WARPS:
+            return w, _DX_NT
     return None
 
 
@@ -390,13 +413,15 @@ class SplitBwd(_TensorCoreBwd):
         return mma_token_splits(self.tokens, self.pblocks * self.ncc, most)
 
     @property
-    def warps(self) -> int | None:
-        return _dx_warps(self.n, self.K16, self.dt)
+    def dx_tiles(self) -> tuple[int, int] | None:
+        """(W, NT) of the tensor-core dx (_dx_tiles), or None: dx on CUDA cores."""
+        return _dx_tiles(self.n, self.K16, self.dt)
 
     @property
     def dx_splits(self) -> tuple[int, int]:
         """(token ranges, tokens per range) of the tensor-core dx (no reduction; grid y <= 65535)."""
-        return mma_token_splits(self.tokens, _cdiv(self.C, 64) * (self.n // self.warps), 65535)
+        w, nt = self.dx_tiles
+        return mma_token_splits(self.tokens, _cdiv(self.C, 8 * nt) * (self.n // w), 65535)
 
     def dphi_pipeline(self) -> tuple[int, int]:
         """(stages, dynamic shared bytes) of mhc_coeffs_mma_dphi_kernel: per stage x [16][256]
@@ -406,17 +431,14 @@ class SplitBwd(_TensorCoreBwd):
         return stages, stages * stage
 
     def dx_pipeline(self) -> tuple[int, int]:
-        """(stages, dynamic shared bytes) of mhc_coeffs_mma_dx_kernel: the phi rows of its streams,
-        then per stage dH_r [planes][16][K16] (kernels_cu/coeffs.cu)."""
-        fixed, stage = (self.warps * 64 * self.K16 * 2 * _planes(self.dt), 16 * self.K16 * 2 * _planes(self.dt))
-        stages = pipeline_stages(fixed, stage, _MMA_BWD_STAGES)
-        return stages, fixed + stages * stage
+        """(stages, dynamic shared bytes) of the tensor-core dx (dx_smem)."""
+        return dx_smem(*self.dx_tiles, self.K16, self.dt)
 
     def scratch(self) -> dict:
         """name -> (shape, dtype): what the launches need besides dH (bf16 planes of dH and phi)."""
         D = self.n * self.C
         out = {"dH_c": ((3, self.ncc * self.nq * 8, self.tokens_p), "bfloat16")}
-        if self.warps is not None:
+        if self.dx_tiles is not None:
             out.update(phi_r=((3, D, self.K16), "bfloat16"), dH_r=((3, self.tokens_p, self.K16), "bfloat16"))
         else:
             out["phi_t"] = ((self.K, D), "float32")
@@ -426,12 +448,12 @@ class SplitBwd(_TensorCoreBwd):
 
 
 def launch_split_bwd(b: SplitBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc: dict, stream, tg: str | None = None,
-                     g=None, g_li=None, H_pre=None, H_res=None, res_t=False):
-    """dx = dH phi^T - c x (+ H_pre_i g_li + sum_j H_res[j, i] g_j when g or g_li is given; with
+                     g=None, g_li=None, H_pre=None, H_res=None, gx=None, res_t=False):
+    """dx = dH phi^T - c x (+ H_pre_i g_li + sum_j H_res[j, i] g_j + gx_i for those given; with
     ``res_t``, convention="deepseek", sum_j H_res[i, j] g_j) and dphi for K > 32; sc holds the
     buffers named by b.scratch() (dphi partials summed here)."""
     D, K = b.n * b.C, b.K
-    layer = g is not None or g_li is not None
+    layer = g is not None or g_li is not None or gx is not None
     tg = tg or dt
     Kc = b.ncc * b.nq * 8
     launch(_FILE, "mhc_coeffs_split_cols_kernel", _grid_stride(b.tokens_p * Kc), (_NT, 1, 1),
@@ -445,29 +467,29 @@ def launch_split_bwd(b: SplitBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc:
            stream, smem)
     if splits > 1:
         column_sum(out, dphi, splits, D * K, stream)
-    w = b.warps
-    if w is not None:
+    if b.dx_tiles is not None:
+        w, nt = b.dx_tiles
         launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(D * b.K16), (_NT, 1, 1),
                (phi, sc["phi_r"], i64(D), i32(K), i32(K), i64(D), i32(b.K16)), stream)
         launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(b.tokens_p * b.K16), (_NT, 1, 1),
                (dH, sc["dH_r"], i64(b.tokens), i32(K), i32(KP), i64(b.tokens_p), i32(b.K16)), stream)
         stages, smem = b.dx_pipeline()
-        vec = "true" if vec8(b.C, x, dx, g, g_li) else "false"
+        vec = "true" if vec8(b.C, x, dx, g, g_li, gx) else "false"
         dsplits, dt_split = b.dx_splits
         launch(_FILE, f"mhc_coeffs_mma_dx_kernel<{CTYPE[dt]},{CTYPE[tg]},{vec},{'true' if layer else 'false'},"
-                      f"{b.K16 // 16},{w},{stages}>",
-               (_cdiv(b.C, 64) * (b.n // w), dsplits, 1), (32 * w, 1, 1),
-               (x, sc["phi_r"], sc["dH_r"], dH, g, g_li, H_pre, H_res, dx, i64(b.tokens), i64(b.tokens_p), i32(b.n),
+                      f"{b.K16 // 16},{w},{nt},{stages}>",
+               (_cdiv(b.C, 8 * nt) * (b.n // w), dsplits, 1), (32 * w, 1, 1),
+               (x, sc["phi_r"], sc["dH_r"], dH, g, g_li, H_pre, H_res, gx, dx, i64(b.tokens), i64(b.tokens_p), i32(b.n),
                 i32(b.C), i32(K), i32(KP), i32(b.n // w), i64(dt_split), i32(res_t)), stream, smem)
         return
     # the layer's terms read g by stream: a thread's E positions must not straddle two streams
-    E = vec_width(1, b.C if layer else D, [(x, dt), (dx, dt), (g, tg), (g_li, tg)], budget=_BWD_E)
+    E = vec_width(1, b.C if layer else D, [(x, dt), (dx, dt), (g, tg), (g_li, tg), (gx, tg)], budget=_BWD_E)
     dblocks = _cdiv(D, _NT * E)
     launch(_FILE, "mhc_coeffs_transpose_kernel", (_cdiv(D, 32), _cdiv(K, 32), 1), (32, 8, 1),
            (phi, sc["phi_t"], i32(D), i32(K)), stream)
     launch(_FILE, f"mhc_coeffs_bwd_dx_kernel<{CTYPE[dt]},{CTYPE[tg]},{E},{_DX_KC},{'true' if layer else 'false'}>",
            (dblocks * _cdiv(b.tokens, _TS), 1, 1), (_NT, 1, 1),
-           (x, sc["phi_t"], dH, g, g_li, H_pre, H_res, dx, i64(b.tokens), i32(D), i32(K), i32(KP), i32(dblocks),
+           (x, sc["phi_t"], dH, g, g_li, H_pre, H_res, gx, dx, i64(b.tokens), i32(D), i32(K), i32(KP), i32(dblocks),
             i32(b.n), i32(b.C), i32(res_t)), stream)
 
 

@@ -34,14 +34,18 @@ from .spec import (ACTIVATION_PARAMS, ALPHA, BIAS, CONVENTION, GRAD_MODE, GRAD_X
                    LAYER_OUT, PHI, SINKHORN_PARAMS, X, Arg, Kernel)
 
 
-# MHC and mhc_cupy.jax.mhc_layer run the fused pieces on the GPU for n <= FUSED_MAX_N and the
-# separate ops above it, whichever measured faster (benchmarks/h200_layer.md; OPS.md section 9).
-FUSED_MAX_N = 4
+# The layer adapters (MHC, mhc_cupy.jax.mhc_layer) give mhc_layer_pre_bwd the post op's part of
+# dx in one of two forms (OPS.md section 9): for n <= FOLD_MAX_N the output gradient g itself
+# (grad_out: the dx kernel adds sum_j H_res[j, i] g_j, reading every g row n times), above it the
+# post op's dx from mhc_post_op_bwd (grad_x: one more read and write of [n, C] per token, but
+# each row read once), whichever measured faster (benchmarks/h200_layer.md).
+FOLD_MAX_N = 4
 
 
-def fused_default(n: int) -> bool:
-    """Whether the layer adapters run the fused pieces for n streams on the GPU (FUSED_MAX_N)."""
-    return n <= FUSED_MAX_N
+def fold_post_dx(n: int) -> bool:
+    """Whether the layer adapters pass the output gradient (grad_out) rather than the post op's dx
+    (grad_x) to mhc_layer_pre_bwd, for n streams (FOLD_MAX_N)."""
+    return n <= FOLD_MAX_N
 
 
 def _check_common(infos, num_iters, eps, rms_eps, convention, hc_eps, post_mult):
@@ -160,12 +164,12 @@ def _plan_pre_bwd(infos, num_iters, eps, rms_eps, grad_mode, convention, hc_eps,
     iters, eps, rms_eps, ds, hc_eps, post_mult = settings
     mode = _checks.grad_mode(grad_mode)
     tgs = []
-    for name, shape in (("grad_layer_in", lead + (C,)), ("grad_out", lead + (n, C))):
+    for name, shape in (("grad_layer_in", lead + (C,)), ("grad_out", lead + (n, C)), ("grad_x", lead + (n, C))):
         if infos[name] is not None:
             tgs.append((name, check_grad(name, infos[name], shape, dt)))
     if len({tg for _, tg in tgs}) > 1:
-        raise TypeError(f"grad_layer_in is {tgs[0][1]} and grad_out is {tgs[1][1]}; mhc_layer_pre_bwd needs both "
-                        "in one dtype (the activation dtype or float32)")
+        raise TypeError(", ".join(f"{name} is {tg}" for name, tg in tgs) + "; mhc_layer_pre_bwd needs its activation "
+                        "gradients in one dtype (the activation dtype or float32)")
     tg = tgs[0][1] if tgs else dt
     for name, shape in (("grad_H_post", lead + (n,)), ("grad_H_res", lead + (n, n)), ("stats", lead + (K + 1,)),
                         ("H_pre", lead + (n,)), ("H_res", lead + (n, n))):
@@ -199,22 +203,23 @@ def _plan_pre_bwd(infos, num_iters, eps, rms_eps, grad_mode, convention, hc_eps,
                     grads=(sc["dh_pre"], sc["dh_post"], sc["dh_res"]), alpha=p["alpha"], dH=sc["dH"], qa=sc["qa"],
                     dalpha=dalpha, dbias=dbias, stream=stream)
         launch_param_bwd(b, dt, x=p["x"], phi=p["phi"], dH=sc["dH"], KP=KP, dx=dx, dphi=dphi, sc=sc, stream=stream,
-                         tg=tg, g=p["grad_out"], g_li=p["grad_layer_in"], H_pre=p["H_pre"], H_res=p["H_res"], res_t=ds)
+                         tg=tg, g=p["grad_out"], g_li=p["grad_layer_in"], H_pre=p["H_pre"], H_res=p["H_res"],
+                         gx=p["grad_x"], res_t=ds)
 
     def ref(a):
         return reference.mhc_layer_pre_bwd(a["grad_layer_in"], a["grad_out"], a["grad_H_post"], a["grad_H_res"],
                                            a["x"], a["phi"], a["alpha"], a["bias"], a["stats"], a["H_pre"], a["H_res"],
-                                           iters, eps, rms_eps, mode, convention, hc_eps, post_mult)
+                                           iters, eps, rms_eps, mode, convention, hc_eps, post_mult, a["grad_x"])
 
     return param_grad_plan(infos["x"].shape, dt, tokens, D, K, scratch, body, ref)
 
 
 def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats, H_pre, H_res,
                       num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, grad_mode="unrolled", *, convention="paper",
-                      hc_eps=DEFAULT, post_mult=DEFAULT):
+                      hc_eps=DEFAULT, post_mult=DEFAULT, grad_x=None):
     """Gradient of everything before the sublayer, with the post op's dx folded in (OPS.md section 9).
 
-    dx_i = H_pre_i g_layer_in + sum_j H_res[j, i] grad_out_j + (coefficient path's dx_i)
+    dx_i = H_pre_i g_layer_in + sum_j H_res[j, i] grad_out_j + grad_x_i + (coefficient path's dx_i)
     (convention="deepseek": sum_j H_res[i, j] grad_out_j, the post op's H_res being transposed),
     summed in float32 and rounded once; dphi, dalpha, dbias as mhc_coeffs_bwd, of the
     raw-coefficient gradients that mhc_pre_op_bwd gives for (grad_layer_in, grad_H_post,
@@ -224,6 +229,10 @@ def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, 
         grad_layer_in: [..., C] gradient of layer_in (the sublayer's input gradient), or None.
         grad_out: [..., n, C] gradient of the layer's output (what mhc_layer_post_bwd got), or None;
             same dtype as grad_layer_in (the activation dtype or float32).
+        grad_x: [..., n, C] another gradient of x added before the rounding, or None (keyword
+            only; same dtype as grad_layer_in): e.g. the post op's dx from mhc_post_op_bwd, given
+            instead of grad_out, which reads each row of it once where grad_out's sum reads it
+            n times (faster for n > 4 on the H200, ``FOLD_MAX_N``).
         grad_H_post, grad_H_res: float32 [..., n], [..., n, n] from mhc_layer_post_bwd, or None.
         x, phi, alpha, bias, num_iters, eps, rms_eps, convention, hc_eps, post_mult: as given to
             mhc_layer_pre_fwd.
@@ -241,7 +250,7 @@ def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, 
     ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_layer_pre`` for gradients.
     """
     return run(_plan_pre_bwd, {"grad_layer_in": grad_layer_in, "grad_out": grad_out, "grad_H_post": grad_H_post,
-                               "grad_H_res": grad_H_res, "x": x, "phi": phi, "alpha": alpha, "bias": bias,
+                               "grad_H_res": grad_H_res, "grad_x": grad_x, "x": x, "phi": phi, "alpha": alpha, "bias": bias,
                                "stats": stats, "H_pre": H_pre, "H_res": H_res},
                num_iters=num_iters, eps=eps, rms_eps=rms_eps, grad_mode=grad_mode, convention=convention, hc_eps=hc_eps,
                post_mult=post_mult)
@@ -259,6 +268,7 @@ KERNELS = (
            params=CONVENTION),
     Kernel("mhc_layer_pre_bwd", _plan_pre_bwd, _PRE_INPUTS + (_STATS, H_PRE, H_RES), _PRE_INPUTS,
            grads=tuple(Arg(n, a.shape, a.kind, optional=True) for n, a in (
-               ("grad_layer_in", LAYER_IN), ("grad_out", X), ("grad_H_post", H_POST), ("grad_H_res", H_RES))),
+               ("grad_layer_in", LAYER_IN), ("grad_out", X), ("grad_H_post", H_POST), ("grad_H_res", H_RES),
+               ("grad_x", X))),
            params={**_PARAMS, **GRAD_MODE}),
 )

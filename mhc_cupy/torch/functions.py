@@ -16,6 +16,7 @@ from .. import _checks, _convention
 from .._convention import DEFAULT
 from .._interop import ArrayInfo
 from .. import ops as _ops
+from ..ops.layer import fold_post_dx
 from ..ops.spec import shape_of as _shape_of
 
 __all__ = [
@@ -694,10 +695,11 @@ def mhc_head(x, hc_fn, hc_scale, hc_base, rms_eps=1e-6, hc_eps=1e-6):
 
 # ----------------------------------------------------- fused layer pieces
 # OPS.md section 9: the coefficient path and the pre op in one forward; the post op's
-# backward without dx; one backward writing the layer's dx once.  The post op's dx
-# (H_res^T g) is computed by the pre piece's backward from g itself: the pre piece
-# returns ``x_link`` (a view of x) that only the post piece consumes, and the post
-# piece's backward sends g, the gradient of the layer's output, back along it.
+# backward; one backward writing the layer's dx once.  The pre piece returns ``x_link``
+# (a view of x) that only the post piece consumes, and the post piece's backward sends the
+# post op's part of dx back along it: for n <= 4 g, the gradient of the layer's output, from
+# which the pre piece's backward computes H_res^T g itself (grad_out); above, the post op's dx
+# from its own backward, which the pre piece's backward adds (grad_x; ops.layer.fold_post_dx).
 def _layer_pre_fwd_impl(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, num_iters: int, eps: float,
                         rms_eps: float, convention: str = "paper", hc_eps: float = 0.0,
                         post_mult: float = 2.0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -709,10 +711,10 @@ def _layer_pre_bwd_impl(grad_layer_in: Optional[Tensor], grad_out: Optional[Tens
                         grad_H_res: Optional[Tensor], x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor,
                         stats: Tensor, H_pre: Tensor, H_res: Tensor, num_iters: int, eps: float, rms_eps: float,
                         grad_mode: str, convention: str = "paper", hc_eps: float = 0.0,
-                        post_mult: float = 2.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                        post_mult: float = 2.0, grad_x: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _ops.mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats,
                                   H_pre, H_res, num_iters=num_iters, eps=eps, rms_eps=rms_eps, grad_mode=grad_mode,
-                                  convention=convention, hc_eps=hc_eps, post_mult=post_mult)
+                                  convention=convention, hc_eps=hc_eps, post_mult=post_mult, grad_x=grad_x)
 
 
 def _layer_post_bwd_impl(grad: Tensor, layer_out: Tensor, x: Tensor, H_post: Tensor, H_res: Tensor,
@@ -760,8 +762,10 @@ class _LayerPreFn(torch.autograd.Function):
                 "or use mhc_pre_op / mhc_post_op, which allow any use of x")
         if g_layer_in is not None and g_out is not None and g_layer_in.dtype != g_out.dtype:
             g_layer_in = g_layer_in.to(g_out.dtype)
-        dx, dphi, dalpha, dbias = _layer_call("mhc_layer_pre_bwd", ctx.custom, g_layer_in, g_out, g_H_post, g_H_res,
-                                              x, phi, alpha, bias, stats, H_pre, H_res, *ctx.params)
+        fold = fold_post_dx(x.shape[-2])  # g_out: the output gradient (fold), else the post op's dx
+        dx, dphi, dalpha, dbias = _layer_call("mhc_layer_pre_bwd", ctx.custom, g_layer_in, g_out if fold else None,
+                                              g_H_post, g_H_res, x, phi, alpha, bias, stats, H_pre, H_res,
+                                              *ctx.params, None if fold else g_out)
         return (dx, dphi, dalpha, dbias) + (None,) * 7
 
 
@@ -778,11 +782,14 @@ class _LayerPostFn(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
         layer_out, x_link, H_post, H_res = ctx.saved_tensors
-        dy, dH_post, dH_res = _layer_call("mhc_layer_post_bwd", ctx.custom, g, layer_out, x_link, H_post, H_res,
-                                          ctx.convention)
-        if ctx.pre is not None:  # the pre piece checks that x_link's gradient is this g and nothing else
-            ctx.pre.g_sent = g  # (the reference also keeps autograd from summing into g in place)
-        return dy, g, dH_post, dH_res, None, None  # g travels to _LayerPreFn.backward along x_link
+        args = (g, layer_out, x_link, H_post, H_res, ctx.convention)
+        if fold_post_dx(x_link.shape[-2]):  # g itself: the pre piece's backward adds H_res^T g
+            (dy, dH_post, dH_res), sent = _layer_call("mhc_layer_post_bwd", ctx.custom, *args), g
+        else:  # the post op's dx, which the pre piece's backward adds
+            dy, sent, dH_post, dH_res = _op("mhc_post_op_bwd")(*args) if ctx.custom else _post_bwd_impl(*args)
+        if ctx.pre is not None:  # the pre piece checks that x_link's gradient is this and nothing else
+            ctx.pre.g_sent = sent  # (the reference also keeps autograd from summing into it in place)
+        return dy, sent, dH_post, dH_res, None, None  # travels to _LayerPreFn.backward along x_link
 
 
 def mhc_layer_pre(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, grad_mode="unrolled", *,
@@ -826,8 +833,10 @@ def mhc_layer_post(layer_out, x_link, H_post, H_res, *, convention="paper"):
 
     out_i = sum_j H_res_ij x_j + H_post_i y (convention="deepseek": H_res transposed, as
     :func:`mhc_post_op`), with x_link, H_post, H_res from :func:`mhc_layer_pre` (called with the
-    same convention).  Its backward computes d_layer_out, dH_post, dH_res and
-    hands the output gradient to :func:`mhc_layer_pre`'s backward for dx.
+    same convention).  Its backward computes d_layer_out, dH_post, dH_res and hands the
+    post op's part of dx to :func:`mhc_layer_pre`'s backward, which adds it before dx's one
+    rounding: for n <= 4 the output gradient g itself (the pre piece's backward computes
+    H_res^T g), for n > 4 the post op's dx (``mhc_cupy.ops.layer.fold_post_dx``).
 
     Returns:
         out: [..., n, C], dtype and device of x.
@@ -842,9 +851,9 @@ def mhc_layer_post(layer_out, x_link, H_post, H_res, *, convention="paper"):
             torch.compile not checked: use x_link for nothing else).
 
     Notes:
-        x_link carries this op's output gradient back to mhc_layer_pre, so x_link's own
-        gradient (``x_link.grad``, hooks on x_link, ``torch.autograd.grad`` w.r.t. x_link) is
-        that output gradient, not dL/dx_link; dx is right.
+        For n <= 4 x_link carries this op's output gradient back to mhc_layer_pre, so x_link's
+        own gradient (``x_link.grad``, hooks on x_link, ``torch.autograd.grad`` w.r.t. x_link)
+        is that output gradient, not dL/dx_link; dx is right.
     """
     if _needs_autograd(layer_out, x_link, H_post, H_res):
         convention = _convention.check(convention)

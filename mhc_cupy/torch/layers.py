@@ -57,7 +57,6 @@ import torch
 from torch import Tensor, nn
 
 from .. import _checks, _convention, _layer_init
-from ..ops.layer import fused_default
 from .._convention import DEFAULT
 from .functions import mhc_coeffs, mhc_head, mhc_layer_post, mhc_layer_pre, mhc_post_op, mhc_pre_op
 
@@ -182,11 +181,12 @@ class CollapseStreams(nn.Module):
 class MHC(nn.Module):
     """mHC around one sublayer: x_{l+1} = H_res x_l + H_post^T F(H_pre x_l) (paper Eq. 3).
 
-    The coefficients are computed per token from x_l (paper Eqs. 14-18,
-    OPS.md section 8; :func:`mhc_cupy.torch.mhc_coeffs`), activated and applied by
-    ``mhc_cupy.torch.mhc_pre_op`` (OPS.md section 7), and the residual update
-    is ``mhc_cupy.torch.mhc_post_op`` (section 6).  CUDA tensors run the
-    toolkit's kernels; CPU tensors the NumPy reference.
+    The coefficients are computed per token from x_l (paper Eqs. 14-18, OPS.md
+    section 8), activated and applied (section 7) in one piece,
+    :func:`mhc_cupy.torch.mhc_layer_pre`; the residual update (section 6) is
+    :func:`mhc_cupy.torch.mhc_layer_post`, whose backward hands the post op's part of
+    dx to the first piece's, so dx is written once (OPS.md section 9).  CUDA tensors
+    run the toolkit's kernels; CPU tensors the NumPy reference.
 
     Args:
         dim: C, the hidden size of the sublayer.
@@ -321,11 +321,10 @@ class MHC(nn.Module):
         return mhc_coeffs(x, _as_f32(self.phi), _as_f32(self.alpha), _as_f32(self.bias), self.rms_eps)
 
     def fused(self, x: Tensor) -> bool:
-        """Whether forward runs the fused layer pieces (OPS.md section 9): on the CPU (the NumPy
-        reference) and on the GPU for n <= 4 (``mhc_cupy.ops.layer.FUSED_MAX_N``); for n > 4 the
-        separate ops (coefficients -> pre op -> sublayer -> post op), as fast at n = 8 and faster
-        at n = 16 on the H200 (OPS.md section 9)."""
-        return x.device.type == "cpu" or fused_default(self.n_streams)
+        """Whether forward runs the fused layer pieces (OPS.md section 9; True, the default, for
+        every x) or the separate ops (coefficients -> pre op -> sublayer -> post op), which the
+        benchmark times beside them (``python -m mhc_cupy.bench --layer --fused both``)."""
+        return True
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         pre_kw = {"convention": self.convention, "hc_eps": self.hc_eps, "post_mult": self.post_mult}
