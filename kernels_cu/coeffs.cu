@@ -22,12 +22,12 @@
 //   mhc_head_bwd_dx_kernel (K = n columns of hc_fn = phi^T; section "head" below),
 //   and its dhc_fn through mhc_coeffs_bwd_dphi_kernel.
 // * dx on CUDA cores where the tensor-core dx kernel's phi rows take too much shared
-//   memory (ops/coeffs.py _dx_tiles: n = 13 and n >= 15 at 16 bits): mhc_coeffs_bwd_dx_kernel<T, TG, E, KC,
-//   LAYER> (a thread owns E positions x TS tokens of dx, loops over K in chunks of KC columns of the
-//   transposed phi (mhc_coeffs_transpose_kernel, coalesced) and of dH staged
-//   in shared memory); mhc_coeffs_bwd_dphi_kernel<T, E, KC> (a thread owns
-//   E positions x KC columns of dphi and walks a token range; the column chunk
-//   is the fastest block index).
+//   memory (ops/coeffs.py _dx_tiles: n = 13 and n >= 15 at 16 bits; n = 9, 11 and
+//   n >= 13 in float32): mhc_coeffs_bwd_dx_kernel<T, TG, E, KC, LAYER> (a thread owns
+//   E positions x TS tokens of dx, loops over K in chunks of KC columns of the transposed
+//   phi (mhc_coeffs_transpose_kernel, coalesced) and of dH staged in shared memory);
+//   mhc_coeffs_bwd_dphi_kernel<T, E, KC> (a thread owns E positions x KC columns of dphi
+//   and walks a token range; the column chunk is the fastest block index).
 //
 // Determinism: every sum has a fixed order (per-lane sequential, fixed
 // butterflies, the tensor cores' fixed accumulation, partials summed in index
@@ -1028,7 +1028,7 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
 //   post op) sum_j H_res[i, j] g_j; then gx [tokens, n, C] (dtype TG, may be null: another
 //   gradient of x, e.g. the post op's dx).
 //   dphi: partials [splits, D, K] (the output with one split).
-// VEC: C % 8 == 0 and x, dx (and g, g_li) 16-byte aligned.  KS = K16 / 16, NQ = Kp8 / 8.
+// VEC: C % 8 == 0 and x, dx (and g, g_li, gx) 16-byte aligned.  KS = K16 / 16, NQ = Kp8 / 8.
 // Dynamic shared memory: mma_bwd_smem(n, TG, LAYER, KS, NQ, STAGES) bytes (host: same formula).
 template <typename T, typename TG, bool VEC, bool LAYER, int KS, int NQ, int STAGES>
 __global__ void __launch_bounds__(128)
@@ -1349,8 +1349,9 @@ mhc_coeffs_mma_dphi_kernel(const T* __restrict__ x, const __nv_bfloat16* __restr
 // A operand dH, B operand phi, fragments as the dx part of mhc_coeffs_mma_bwd_kernel (PO = 2
 // planes of each for 16-bit T: the dropped products are 2^-16 of the result, below its ulp; 3
 // for float32).  Each dx value is the same sum in the same order for either NT; the library runs
-// NT = 4 (ops/coeffs.py _DX_NT: half the phi rows, more blocks per SM, measured faster).  VEC: C % 8 == 0 and x, dx (and g, g_li) 16-byte
-// aligned.  Dynamic shared memory: (W * CW * K16 + STAGES * 16 * K16) * PO * 2 bytes.
+// NT = 4 (ops/coeffs.py _DX_NT: half the phi rows, more blocks per SM, measured faster).
+// VEC: C % 8 == 0 and x, dx (and g, g_li, gx) 16-byte aligned.  Dynamic shared memory:
+// (W * CW * K16 + STAGES * 16 * K16) * PO * 2 bytes.
 template <typename T, typename TG, bool VEC, bool LAYER, int KS, int W, int NT, int STAGES>
 __global__ void __launch_bounds__(32 * W)
 mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restrict__ phi_r,

@@ -887,7 +887,8 @@ def mhc_layer(params: dict, x, f, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAUL
     OPS.md section 8), then :func:`mhc_pre_op` and :func:`mhc_post_op`, as one ``custom_vjp``
     over the fused pieces (OPS.md section 9: the coefficients and the pre op in one forward)
     with f's VJP inside; the backward writes dx once (for n > 4 with the post op's dx from its own
-    backward added before the rounding: ``mhc_cupy.ops.layer.fold_post_dx``).
+    backward, rounded to x's dtype, added before the final rounding:
+    ``mhc_cupy.ops.layer.fold_post_dx``).
 
     Args:
         params: {"phi", "alpha", "bias"} from :func:`mhc_init` (or :func:`mhc_from_deepseek`).

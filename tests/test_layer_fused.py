@@ -138,6 +138,33 @@ def test_torch_layer_separate_ops(n, C):
         _close(a, b, name)
 
 
+@pytest.mark.parametrize("n", [3, 5])
+def test_torch_fused_layer_frozen_mhc_trainable_sublayer(n, monkeypatch):
+    """Frozen mHC parameters and an x without grad: x_link needs no gradient, so the post piece's
+    backward skips the post op's dx (mhc_post_op_bwd not called); the sublayer's weight gets its
+    gradient."""
+    from mhc_cupy.torch import functions
+
+    def no_dx(*args):
+        raise AssertionError("the post op's dx was computed though nothing needs it")
+
+    monkeypatch.setattr(functions, "_post_bwd_impl", no_dx)
+    C = 6
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(C, C)
+    layer = mt.MHC(C, n, lin, alpha_init=1.0).requires_grad_(False)
+    lin.requires_grad_(True)
+    x = torch.randn(5, n, C)
+    out = layer(x)
+    (gw,) = torch.autograd.grad((out**2).sum(), [lin.weight])
+    lin64 = torch.nn.Linear(C, C).double()
+    lin64.load_state_dict(lin.state_dict())
+    p64 = [q.detach().double() for q in (layer.phi, layer.alpha, layer.bias)]
+    ref = mhc_reference(x.double(), *p64, lin64, layer.num_iters, layer.eps, layer.rms_eps)
+    (gw_ref,) = torch.autograd.grad((ref**2).sum(), [lin64.weight])
+    _close(gw, gw_ref, "dW")
+
+
 def test_torch_fused_layer_two_layers_in_sequence():
     n, C = 2, 6
     l1, l2 = _layer_torch(n, C, 1), _layer_torch(n, C, 2)

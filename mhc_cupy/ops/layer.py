@@ -13,7 +13,10 @@ for everything before the sublayer that writes the layer's dx once.
 
 dx is the sum of the three paths into x (the coefficients, the pre op's
 aggregate and the post op's stream mix: dx_i = dH phi^T - c x_i + H_pre_i g_layer_in
-+ sum_j H_res[j, i] g_j), accumulated in float32 and rounded once.  The forward
++ sum_j H_res[j, i] g_j), accumulated in float32 and rounded once.  The layer adapters
+pass the post op's part as g for n <= FOLD_MAX_N and, above, as the post op's own dx
+(``mhc_post_op_bwd``, ``grad_x=``), which is rounded to x's dtype before it is added: dx
+is then rounded twice (faster; see FOLD_MAX_N).  The forward
 keeps ``stats`` (raw x~ phi and the sum of squares, float32 [..., n*n + 2n + 1])
 so the backward does not redo the GEMM.  kernels_cu/coeffs.cu (tensor-core path)
 and the pre / post op kernels.
@@ -164,9 +167,11 @@ def _plan_pre_bwd(infos, num_iters, eps, rms_eps, grad_mode, convention, hc_eps,
     iters, eps, rms_eps, ds, hc_eps, post_mult = settings
     mode = _checks.grad_mode(grad_mode)
     tgs = []
-    for name, shape in (("grad_layer_in", lead + (C,)), ("grad_out", lead + (n, C)), ("grad_x", lead + (n, C))):
+    for name, shape, what in (("grad_layer_in", lead + (C,), "the shape of layer_in"),
+                              ("grad_out", lead + (n, C), "the shape of the layer's output"),
+                              ("grad_x", lead + (n, C), "the shape of x")):
         if infos[name] is not None:
-            tgs.append((name, check_grad(name, infos[name], shape, dt)))
+            tgs.append((name, check_grad(name, infos[name], shape, dt, what)))
     if len({tg for _, tg in tgs}) > 1:
         raise TypeError(", ".join(f"{name} is {tg}" for name, tg in tgs) + "; mhc_layer_pre_bwd needs its activation "
                         "gradients in one dtype (the activation dtype or float32)")
@@ -232,7 +237,8 @@ def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, 
         grad_x: [..., n, C] another gradient of x added before the rounding, or None (keyword
             only; same dtype as grad_layer_in): e.g. the post op's dx from mhc_post_op_bwd, given
             instead of grad_out, which reads each row of it once where grad_out's sum reads it
-            n times (faster for n > 4 on the H200, ``FOLD_MAX_N``).
+            n times (faster for n > 4 on the H200, ``FOLD_MAX_N``), but is itself rounded to
+            x's dtype first (cast it to float32 where the other gradients are float32).
         grad_H_post, grad_H_res: float32 [..., n], [..., n, n] from mhc_layer_post_bwd, or None.
         x, phi, alpha, bias, num_iters, eps, rms_eps, convention, hc_eps, post_mult: as given to
             mhc_layer_pre_fwd.

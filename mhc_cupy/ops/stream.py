@@ -71,9 +71,9 @@ def check_h(name: str, info, lead, n, allow_shared: bool, x_shape=None) -> bool:
     return False
 
 
-def check_grad(name: str, info, shape, dtype) -> str:
+def check_grad(name: str, info, shape, dtype, what: str = "the shape of the forward output") -> str:
     tg = _checks.gradient(name, info, dtype)
-    _checks.expect_shape(name, info.shape, shape, "the shape of the forward output")
+    _checks.expect_shape(name, info.shape, shape, what)
     return tg
 
 

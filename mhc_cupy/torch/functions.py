@@ -783,8 +783,9 @@ class _LayerPostFn(torch.autograd.Function):
     def backward(ctx, g):
         layer_out, x_link, H_post, H_res = ctx.saved_tensors
         args = (g, layer_out, x_link, H_post, H_res, ctx.convention)
-        if fold_post_dx(x_link.shape[-2]):  # g itself: the pre piece's backward adds H_res^T g
-            (dy, dH_post, dH_res), sent = _layer_call("mhc_layer_post_bwd", ctx.custom, *args), g
+        fold = fold_post_dx(x_link.shape[-2])
+        if fold or not ctx.needs_input_grad[1]:  # g itself (the pre piece adds H_res^T g), or no dx wanted
+            (dy, dH_post, dH_res), sent = _layer_call("mhc_layer_post_bwd", ctx.custom, *args), g if fold else None
         else:  # the post op's dx, which the pre piece's backward adds
             dy, sent, dH_post, dH_res = _op("mhc_post_op_bwd")(*args) if ctx.custom else _post_bwd_impl(*args)
         if ctx.pre is not None:  # the pre piece checks that x_link's gradient is this and nothing else
@@ -834,9 +835,10 @@ def mhc_layer_post(layer_out, x_link, H_post, H_res, *, convention="paper"):
     out_i = sum_j H_res_ij x_j + H_post_i y (convention="deepseek": H_res transposed, as
     :func:`mhc_post_op`), with x_link, H_post, H_res from :func:`mhc_layer_pre` (called with the
     same convention).  Its backward computes d_layer_out, dH_post, dH_res and hands the
-    post op's part of dx to :func:`mhc_layer_pre`'s backward, which adds it before dx's one
+    post op's part of dx to :func:`mhc_layer_pre`'s backward, which adds it before dx's
     rounding: for n <= 4 the output gradient g itself (the pre piece's backward computes
-    H_res^T g), for n > 4 the post op's dx (``mhc_cupy.ops.layer.fold_post_dx``).
+    H_res^T g; dx rounded once), for n > 4 the post op's dx, already rounded to x's dtype
+    (faster; ``mhc_cupy.ops.layer.fold_post_dx``).
 
     Returns:
         out: [..., n, C], dtype and device of x.

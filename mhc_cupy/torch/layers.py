@@ -185,8 +185,9 @@ class MHC(nn.Module):
     section 8), activated and applied (section 7) in one piece,
     :func:`mhc_cupy.torch.mhc_layer_pre`; the residual update (section 6) is
     :func:`mhc_cupy.torch.mhc_layer_post`, whose backward hands the post op's part of
-    dx to the first piece's, so dx is written once (OPS.md section 9).  CUDA tensors
-    run the toolkit's kernels; CPU tensors the NumPy reference.
+    dx to the first piece's, so dx is written once (OPS.md section 9; rounded once for
+    n <= 4, twice above, where the post op's part comes rounded to x's dtype).  CUDA
+    tensors run the toolkit's kernels; CPU tensors the NumPy reference.
 
     Args:
         dim: C, the hidden size of the sublayer.
