@@ -670,6 +670,26 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// A cp.async ring of STAGES stages over `steps` steps; fill(step, stage) issues one step's copies.
+// pipeline_start: the first STAGES - 1 steps, one commit group each (empty past `steps`).
+template <int STAGES, typename Fill>
+__device__ __forceinline__ void pipeline_start(int steps, Fill&& fill) {
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < steps) fill(s, s);
+        cp_async_commit();
+    }
+}
+// pipeline_next, before step `step`: wait for its copies and barrier (every warp is then done
+// with step - 1, whose stage is free), then issue step + STAGES - 1 into that stage.
+template <int STAGES, typename Fill>
+__device__ __forceinline__ void pipeline_next(int step, int steps, Fill&& fill) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    if (step + STAGES - 1 < steps) fill(step + STAGES - 1, (step + STAGES - 1) % STAGES);
+    cp_async_commit();
+}
+
 // One 16-byte chunk of a row of T into shared memory: asynchronously when
 // VEC (16-byte aligned, all-or-nothing validity), else element by element
 // (elements at positions >= lim, or invalid rows, are zero).
@@ -908,16 +928,9 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
             for (int r = 0; r < 4; ++r) acc[m][q][r] = 0.f;
     }
 
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < steps) fill(s, s);
-        cp_async_commit();
-    }
+    pipeline_start<STAGES>(steps, fill);
     for (int i = 0; i < steps; ++i) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();  // step i is in shared memory; every warp is done with step i - 1
-        if (i + STAGES - 1 < steps) fill(i + STAGES - 1, (i + STAGES - 1) % STAGES);
-        cp_async_commit();
+        pipeline_next<STAGES>(i, steps, fill);  // step i in shared memory, every warp done with i - 1
         const unsigned char* st = smem + (i % STAGES) * SB;
         // phi: 8 consecutive positions (8 tq ..) of column kc0 + 8q + g, every plane
         unsigned bw[NTILE][3][4];
@@ -963,12 +976,7 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
         // MMAs of a long D range left up to 2e-5 of max |H~| (H200, D = 131072; 8e-7 with this,
         // at no measured cost: tests/test_coeffs.py::test_coeffs_float32_accurate_over_long_rows).
         float stp[MT][NTILE][4];
-#pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-            for (int q = 0; q < NTILE; ++q)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) stp[m][q][r] = 0.f;
+        mhc::zero(stp);
 #pragma unroll
         for (int j = 0; j < 2; ++j)
 #pragma unroll
@@ -983,12 +991,7 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
                                                    aw[m][pa][1][2 * j + 1]};
                             mma16816(stp[m][q], a, bw[q][pb][2 * j], bw[q][pb][2 * j + 1]);
                         }
-#pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-            for (int q = 0; q < NTILE; ++q)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) acc[m][q][r] += stp[m][q][r];
+        mhc::add(acc, stp);
     }
     cp_async_wait<0>();
 
@@ -1095,24 +1098,12 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
     };
 
     float accp[4][NQ][4];  // dphi: [m tile of 16 positions][column tile][fragment]
-#pragma unroll
-    for (int m = 0; m < 4; ++m)
-#pragma unroll
-        for (int q = 0; q < NQ; ++q)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) accp[m][q][r] = 0.f;
+    mhc::zero(accp);
 
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < steps) fill(s, s);
-        cp_async_commit();  // the first group also holds the phi rows
-    }
+    pipeline_start<STAGES>(steps, fill);  // the first group also holds the phi rows
     const __nv_bfloat16* ph = s_phi + (warp * 64) * K16;  // this warp's rows, plane 0
     for (int step = 0; step < steps; ++step) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();
-        if (step + STAGES - 1 < steps) fill(step + STAGES - 1, (step + STAGES - 1) % STAGES);
-        cp_async_commit();
+        pipeline_next<STAGES>(step, steps, fill);
         const unsigned char* st = stages + (step % STAGES) * SB;
         // row of stream i of token u of this step's x tile
         auto xrow = [&](int u, int i) { return reinterpret_cast<const T*>(st + u * XR) + i * 64; };
@@ -1143,10 +1134,7 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
         // n tile j: column 16 (g8 >> 1) + 2j + (g8 & 1); accumulator (tq, e) of tile j: column 16 tq + 2j + e.
         {
             float acc[8][4];
-#pragma unroll
-            for (int j = 0; j < 8; ++j)
-#pragma unroll
-                for (int r = 0; r < 4; ++r) acc[j][r] = 0.f;
+            mhc::zero(acc);
             // LAYER, 16-bit gradients, vector path: g (n streams) and g_li of this thread's 2 rows x
             // 16 columns, issued before the MMAs (raw words; 5 x 4 x 4 registers at n = 4)
             constexpr bool PRE = LAYER && VEC && sizeof(TG) == 2;
@@ -1315,22 +1303,10 @@ mhc_coeffs_mma_dphi_kernel(const T* __restrict__ x, const __nv_bfloat16* __restr
     };
 
     float acc[4][NQ][4];  // [m tile of 16 positions][column tile][fragment]
-#pragma unroll
-    for (int m = 0; m < 4; ++m)
-#pragma unroll
-        for (int q = 0; q < NQ; ++q)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) acc[m][q][r] = 0.f;
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < steps) fill(s, s);
-        cp_async_commit();
-    }
+    mhc::zero(acc);
+    pipeline_start<STAGES>(steps, fill);
     for (int step = 0; step < steps; ++step) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();
-        if (step + STAGES - 1 < steps) fill(step + STAGES - 1, (step + STAGES - 1) % STAGES);
-        cp_async_commit();
+        pipeline_next<STAGES>(step, steps, fill);
         const unsigned char* st = smem + (step % STAGES) * SB;
         unsigned afr[4][P][4];
         xT_fragments<T>([&](int u) { return reinterpret_cast<const T*>(st + u * XR) + warp * 64; }, g8, tq, afr);
@@ -1393,18 +1369,11 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
             cp_async16(st + c * 16, dH_r + p * plane_r + t0 * K16 + o * 8, true);
         }
     };
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < steps) fill(s, s);
-        cp_async_commit();  // the first group also holds the phi rows
-    }
+    pipeline_start<STAGES>(steps, fill);  // the first group also holds the phi rows
     const __nv_bfloat16* ph = s_phi + (warp * CW) * K16;  // this warp's rows, plane 0
     const T* xi = x + (i64)i * C;
     for (int step = 0; step < steps; ++step) {
-        cp_async_wait<STAGES - 2>();
-        __syncthreads();
-        if (step + STAGES - 1 < steps) fill(step + STAGES - 1, (step + STAGES - 1) % STAGES);
-        cp_async_commit();
+        pipeline_next<STAGES>(step, steps, fill);
         const __nv_bfloat16* dhr = reinterpret_cast<const __nv_bfloat16*>(stages + (step % STAGES) * SB);
         const i64 t0 = t_begin + step * 16;
         // this thread's rows (tokens g8, g8 + 8) x 2 NT columns of x and c, loaded before the MMAs
@@ -1421,10 +1390,7 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
         // A rows: tokens g8, g8 + 8; B column g8 of n tile j: position 2 NT (g8 >> 1) + 2j + (g8 & 1);
         // accumulator (tq, e) of tile j: column 2 NT tq + 2j + e.
         float acc[NT][4];
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) acc[j][r] = 0.f;
+        mhc::zero(acc);
 #pragma unroll
         for (int s = 0; s < KS; ++s) {
             unsigned a[PO][4];

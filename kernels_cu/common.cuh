@@ -256,4 +256,19 @@ __device__ __forceinline__ float sigmoid(float z) {
     return e / (1.f + e);
 }
 
+// Register arrays of any shape (float, float[a], float[a][b], ...), every loop unrolled so
+// they stay in registers: zero(a) sets every element to 0; add(a, b) does a += b elementwise.
+__device__ __forceinline__ void zero(float& v) { v = 0.f; }
+template <typename A, int N>
+__device__ __forceinline__ void zero(A (&a)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) zero(a[i]);
+}
+__device__ __forceinline__ void add(float& a, float b) { a += b; }
+template <typename A, int N>
+__device__ __forceinline__ void add(A (&a)[N], const A (&b)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) add(a[i], b[i]);
+}
+
 }  // namespace mhc

@@ -232,12 +232,7 @@ mhc_stream_post_bwd_mma_kernel(const T* __restrict__ g, const T* __restrict__ x,
 #pragma unroll
         for (int r = 0; r < 2 * MT; ++r) hp[r] = g8 + 8 * r < N ? h_post[t * h_post_stride + g8 + 8 * r] : 0.f;
         float acc[MT][QT][4];
-#pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-            for (int q = 0; q < QT; ++q)
-#pragma unroll
-                for (int k = 0; k < 4; ++k) acc[m][q][k] = 0.f;
+        mhc::zero(acc);
         const T* gt = g + t * N * (i64)C;
         const T* xt = x + t * N * (i64)C;
 #pragma unroll 2
@@ -258,12 +253,7 @@ mhc_stream_post_bwd_mma_kernel(const T* __restrict__ g, const T* __restrict__ x,
             // nearest): the tensor cores' own accumulation truncates (as the coefficient GEMM, OPS.md
             // section 8), which over a long row would bias dH by up to ~1e-4 of it at C ~ 1e5
             float stp[MT][QT][4];
-#pragma unroll
-            for (int m = 0; m < MT; ++m)
-#pragma unroll
-                for (int q = 0; q < QT; ++q)
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) stp[m][q][k] = 0.f;
+            mhc::zero(stp);
 #pragma unroll
             for (int ks = 0; ks < 2; ++ks)
 #pragma unroll
@@ -273,12 +263,7 @@ mhc_stream_post_bwd_mma_kernel(const T* __restrict__ g, const T* __restrict__ x,
 #pragma unroll
                     for (int q = 0; q < QT; ++q) mhc::mma_m16n8k16<T>(stp[m][q], a, xb[q][2 * ks], xb[q][2 * ks + 1]);
                 }
-#pragma unroll
-            for (int m = 0; m < MT; ++m)
-#pragma unroll
-                for (int q = 0; q < QT; ++q)
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) acc[m][q][k] += stp[m][q][k];
+            mhc::add(acc, stp);
             if (dy != nullptr) {
                 float v[8];
 #pragma unroll
