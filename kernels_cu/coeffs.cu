@@ -1032,7 +1032,7 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
 //   gradient of x, e.g. the post op's dx).
 //   dphi: partials [splits, D, K] (the output with one split).
 // VEC: C % 8 == 0 and x, dx (and g, g_li, gx) 16-byte aligned.  KS = K16 / 16, NQ = Kp8 / 8.
-// Dynamic shared memory: mma_bwd_smem(n, TG, LAYER, KS, NQ, STAGES) bytes (host: same formula).
+// Dynamic shared memory: MmaBwd.pipeline (ops/coeffs.py; phi and dH_r in PO planes: 2 for 16-bit x, 3 for float32).
 template <typename T, typename TG, bool VEC, bool LAYER, int KS, int NQ, int STAGES>
 __global__ void __launch_bounds__(128)
 mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restrict__ phi_r,
@@ -1057,37 +1057,40 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
     const i64 plane_r = tokens_p * K16, plane_c = (i64)Kp8 * tokens_p, plane_phi = (i64)D * K16;
     const int res_j = res_t ? 1 : n, res_i = res_t ? n : 1;  // H_res element (j, i) of this warp's row i
 
-    // shared memory: phi rows of the block, then STAGES stages of
-    // x [16][n][64] T | dH_r [3][16][K16] | dH_c [3][Kp8][16], the token rows of x padded by
+    // shared memory: phi rows of the block (PO planes), then STAGES stages of
+    // x [16][n][64] T | dH_r [PO][16][K16] | dH_c [3][Kp8][16], the token rows of x padded by
     // 16 bytes (no bank conflicts between tokens).  LAYER's g and g_li are read in the
     // epilogue straight from global memory (each once from HBM; the block's other warps
     // find them in L1): staging them too would halve the blocks per SM.
     __nv_bfloat16* s_phi = reinterpret_cast<__nv_bfloat16*>(smem);
     const int XR = nw * (int)sizeof(T) + 16;  // token row bytes
-    const int XB = 16 * XR, RB = 3 * 16 * K16 * 2, CB = 3 * Kp8 * 16 * 2;
+    const int XB = 16 * XR, RB = PO * 16 * K16 * 2, CB = 3 * Kp8 * 16 * 2;
     const int SB = XB + RB + CB;
-    unsigned char* stages = smem + 3 * nw * K16 * 2;
+    unsigned char* stages = smem + PO * nw * K16 * 2;
 
     // phi rows of the block's positions (zero where the column is past C)
-    for (int c = threadIdx.x; c < 3 * nw * (K16 / 8); c += blockDim.x) {
+    for (int c = threadIdx.x; c < PO * nw * (K16 / 8); c += blockDim.x) {
         const int r = c / (K16 / 8), q = c - r * (K16 / 8);  // r = p * nw + i * 64 + cl
         const int p = r / nw, pos = r - p * nw, i = pos >> 6, cl = pos & 63;
         const bool ok = cb0 + cl < C;
         cp_async16(s_phi + (i64)r * K16 + q * 8, phi_r + p * plane_phi + (i64)(i * C + (ok ? cb0 + cl : 0)) * K16 + q * 8,
                    ok);
     }
+    const T* xw = x + (i64)warp * C;  // this warp's stream
     auto fill = [&](int step, int stage) {
         unsigned char* st = stages + stage * SB;
         const i64 t0 = t_begin + step * 16;
+        // x: warp i copies the rows of stream i (the only ones it reads), 16 XC / 32 chunks a lane
         constexpr int XC = 64 * (int)sizeof(T) / 16;
-        for (int c = threadIdx.x; c < 16 * n * XC; c += blockDim.x) {
-            const int r = c / XC, q = c - r * XC, u = r / n, i = r - u * n;  // r = u * n + i
+#pragma unroll
+        for (int c = lane; c < 16 * XC; c += 32) {
+            const int u = c / XC, q = c % XC;
             const i64 t = t0 + u;
             const bool ok = t < t_end;
-            fill16<T, VEC>(st + u * XR + i * 64 * (int)sizeof(T) + q * 16, x + (ok ? t : 0) * (i64)D + i * C, ok,
+            fill16<T, VEC>(st + u * XR + warp * 64 * (int)sizeof(T) + q * 16, xw + (ok ? t : 0) * (i64)D, ok,
                            cb0 + q * (16 / (int)sizeof(T)), C);
         }
-        for (int c = threadIdx.x; c < 3 * 16 * K16 / 8; c += blockDim.x) {
+        for (int c = threadIdx.x; c < PO * 16 * K16 / 8; c += blockDim.x) {
             const int p = c / (16 * K16 / 8), o = c - p * (16 * K16 / 8);
             cp_async16(st + XB + c * 16, dH_r + p * plane_r + t0 * K16 + o * 8, true);
         }
@@ -1157,26 +1160,26 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
                         }
                     }
             }
-            unsigned aw[3][2][2 * KS];  // [part][row half][word]: words 2s, 2s + 1 of k-step s
+            unsigned aw[PO][2][2 * KS];  // [part][row half][word]: words 2s, 2s + 1 of k-step s
 #pragma unroll
-            for (int p = 0; p < 3; ++p)
+            for (int p = 0; p < PO; ++p)
 #pragma unroll
                 for (int h = 0; h < 2; ++h)
                     mhc::load_words<2 * KS>(dhr + (p * 16 + g8 + 8 * h) * K16 + tq * 4 * KS, aw[p][h]);
 #pragma unroll
             for (int j0 = 0; j0 < 8; j0 += 4) {
-                unsigned bw[4][3][2 * KS];  // [tile][part][word]
+                unsigned bw[4][PO][2 * KS];  // [tile][part][word]
 #pragma unroll
                 for (int jj = 0; jj < 4; ++jj) {
                     const int pos = 16 * (g8 >> 1) + 2 * (j0 + jj) + (g8 & 1);
 #pragma unroll
-                    for (int p = 0; p < 3; ++p)
+                    for (int p = 0; p < PO; ++p)
                         mhc::load_words<2 * KS>(ph + (p * nw + pos) * K16 + tq * 4 * KS, bw[jj][p]);
                 }
 #pragma unroll
                 for (int s = 0; s < KS; ++s)
 #pragma unroll
-                    for (int pa = 0; pa < 3; ++pa)
+                    for (int pa = 0; pa < PO; ++pa)
 #pragma unroll
                         for (int pb = 0; pb + pa < PO; ++pb) {
                             const unsigned a[4] = {aw[pa][0][2 * s], aw[pa][1][2 * s], aw[pa][0][2 * s + 1],
@@ -1211,7 +1214,7 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
                                                     gw[h][half][j].w};
 #pragma unroll
                             for (int e8 = 0; e8 < 8; ++e8)
-                                o[e8] = fmaf(w, mhc::from_bits<TG>((ww[e8 >> 1] >> (16 * (e8 & 1))) & 0xffffu), o[e8]);
+                                o[e8] = fmaf(w, mhc::word_elem<TG>(ww[e8 >> 1], e8 & 1), o[e8]);
                         }
                     } else if (LAYER) {
                         float gv[8];
@@ -1376,16 +1379,26 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
         pipeline_next<STAGES>(step, steps, fill);
         const __nv_bfloat16* dhr = reinterpret_cast<const __nv_bfloat16*>(stages + (step % STAGES) * SB);
         const i64 t0 = t_begin + step * 16;
-        // this thread's rows (tokens g8, g8 + 8) x 2 NT columns of x and c, loaded before the MMAs
-        float xv[2][NT / 4][8], cs[2];
+        // this thread's rows (tokens g8, g8 + 8) x 2 NT columns of x and c, and with LAYER of
+        // g_li (with H_pre) and gx, loaded before the MMAs so that their latency hides behind them
+        constexpr int LR = LAYER ? 2 : 1;
+        float xv[2][NT / 4][8], cs[2], lv[LR][NT / 4][8], gxv[LR][NT / 4][8], hp[LR];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const i64 t = t0 + g8 + 8 * h;
             const bool ok = t < t_end;
+            const int lim = ok ? C : 0;
             cs[h] = ok ? dH[t * KP + K] : 0.f;
 #pragma unroll
-            for (int half = 0; half < NT / 4; ++half)
-                load8<T, VEC>(xi + (ok ? t : 0) * (i64)D, cb0 + 2 * NT * tq + 8 * half, ok ? C : 0, xv[h][half]);
+            for (int half = 0; half < NT / 4; ++half) {
+                const int col = cb0 + 2 * NT * tq + 8 * half;
+                load8<T, VEC>(xi + (ok ? t : 0) * (i64)D, col, lim, xv[h][half]);
+                if constexpr (LAYER) {
+                    if (g_li != nullptr) load8<TG, VEC>(g_li + (ok ? t : 0) * (i64)C, col, lim, lv[h][half]);
+                    if (gx != nullptr) load8<TG, VEC>(gx + (ok ? t : 0) * (i64)D + (i64)i * C, col, lim, gxv[h][half]);
+                }
+            }
+            if constexpr (LAYER) hp[h] = (ok && g_li != nullptr) ? H_pre[t * n + i] : 0.f;
         }
         // A rows: tokens g8, g8 + 8; B column g8 of n tile j: position 2 NT (g8 >> 1) + 2j + (g8 & 1);
         // accumulator (tq, e) of tile j: column 2 NT tq + 2j + e.
@@ -1428,14 +1441,12 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
                 for (int e8 = 0; e8 < 8; ++e8)
                     o[e8] = fmaf(-cs[h], xv[h][half][e8], acc[4 * half + (e8 >> 1)][2 * h + (e8 & 1)]);
                 if constexpr (LAYER) {
-                    float gv[8];
                     if (g_li != nullptr) {
-                        const float w = H_pre[t * n + i];
-                        load8<TG, VEC>(g_li + t * (i64)C, col, C, gv);
 #pragma unroll
-                        for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(w, gv[e8], o[e8]);
+                        for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(hp[h], lv[h][half][e8], o[e8]);
                     }
                     if (g != nullptr) {
+                        float gv[8];
                         for (int j = 0; j < n; ++j) {
                             const float w = H_res[t * n * n + (res_t ? i * n + j : j * n + i)];
                             load8<TG, VEC>(g + t * (i64)D + j * C, col, C, gv);
@@ -1444,9 +1455,8 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
                         }
                     }
                     if (gx != nullptr) {
-                        load8<TG, VEC>(gx + t * (i64)D + (i64)i * C, col, C, gv);
 #pragma unroll
-                        for (int e8 = 0; e8 < 8; ++e8) o[e8] += gv[e8];
+                        for (int e8 = 0; e8 < 8; ++e8) o[e8] += gxv[h][half][e8];
                     }
                 }
                 T* out = dx + t * (i64)D + (i64)i * C;

@@ -47,6 +47,16 @@ template <> __device__ __forceinline__ float from_bits<__nv_bfloat16>(unsigned i
     return __bfloat162float(__ushort_as_bfloat16((unsigned short)b));
 }
 
+// Element k (0: low half, 1: high half) of a 32-bit word of two 16-bit T, or the word itself
+// for float, as a float (bf16: one integer instruction, not a shift then a widening).
+template <typename T> __device__ __forceinline__ float word_elem(unsigned int w, int k) {
+    return from_bits<T>(k ? w >> 16 : w & 0xffffu);
+}
+template <> __device__ __forceinline__ float word_elem<float>(unsigned int w, int) { return __uint_as_float(w); }
+template <> __device__ __forceinline__ float word_elem<__nv_bfloat16>(unsigned int w, int k) {
+    return __uint_as_float(k ? w & 0xffff0000u : w << 16);
+}
+
 // Elements of T that fit one 16-byte access.
 template <typename T> struct Max16 { static constexpr int value = 16 / sizeof(T); };
 // load_vec / store_vec move E elements of T in chunks of this many elements (at most 16 bytes).
@@ -90,7 +100,7 @@ __device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&out)[E
             load_words<B / 4>(p + k0, w);
 #pragma unroll
             for (int k = 0; k < K; ++k)
-                out[k0 + k] = from_bits<T>(sizeof(T) == 4 ? w[k] : (w[k / 2] >> ((k & 1) * 16)) & 0xffffu);
+                out[k0 + k] = word_elem<T>(w[sizeof(T) == 4 ? k : k / 2], k & 1);
         } else {
             out[k0] = from_bits<T>(*reinterpret_cast<const unsigned short*>(p + k0));
         }
@@ -135,7 +145,7 @@ template <typename T, int E> struct Packed {
     }
 
     __device__ __forceinline__ float operator[](int e) const {
-        return from_bits<T>(sizeof(T) == 4 ? w[e] : (w[e / 2] >> ((e & 1) * 16)) & 0xffffu);
+        return word_elem<T>(w[sizeof(T) == 4 ? e : e / 2], e & 1);
     }
 };
 

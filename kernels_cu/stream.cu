@@ -271,7 +271,7 @@ mhc_stream_post_bwd_mma_kernel(const T* __restrict__ g, const T* __restrict__ x,
                     float s = 0.f;
 #pragma unroll
                     for (int r = 0; r < 2 * MT; ++r)
-                        s = fmaf(hp[r], mhc::from_bits<T>((ga[r][e >> 1] >> (16 * (e & 1))) & 0xffffu), s);
+                        s = fmaf(hp[r], mhc::word_elem<T>(ga[r][e >> 1], e & 1), s);
                     v[e] = s;
                 }
                 mhc::reduce_scatter_step<8, 16>(v, lane);

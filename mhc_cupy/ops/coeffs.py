@@ -303,11 +303,12 @@ class MmaBwd(_TensorCoreBwd):
         return out
 
     def pipeline(self, dt: str) -> tuple[int, int]:
-        """(stages, dynamic shared bytes): the block's phi rows, then per stage x [16][n][64]
-        (token rows padded by 16 bytes), dH_r [3][16][K16] and dH_c [3][Kp8][16] (kernels_cu/coeffs.cu)."""
-        nw, K16, Kp8 = 64 * self.n, self.K16, self.Kp8
-        fixed = 3 * nw * K16 * 2
-        stage = 16 * (nw * ITEMSIZE[dt] + 16) + 3 * 16 * K16 * 2 + 3 * Kp8 * 32
+        """(stages, dynamic shared bytes): the block's phi rows (PO planes: 2 for 16-bit x, 3 for
+        float32), then per stage x [16][n][64] (token rows padded by 16 bytes), dH_r [PO][16][K16]
+        and dH_c [3][Kp8][16] (kernels_cu/coeffs.cu)."""
+        nw, K16, Kp8, PO = 64 * self.n, self.K16, self.Kp8, 3 if ITEMSIZE[dt] == 4 else 2
+        fixed = PO * nw * K16 * 2
+        stage = 16 * (nw * ITEMSIZE[dt] + 16) + PO * 16 * K16 * 2 + 3 * Kp8 * 32
         stages = pipeline_stages(fixed, stage, _MMA_BWD_STAGES)
         return stages, fixed + stages * stage
 
