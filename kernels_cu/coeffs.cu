@@ -22,8 +22,8 @@
 //   mhc_head_bwd_dx_kernel (K = n columns of hc_fn = phi^T; section "head" below),
 //   and its dhc_fn through mhc_coeffs_bwd_dphi_kernel.
 // * dx on CUDA cores where the tensor-core dx kernel's phi rows take too much shared
-//   memory (ops/coeffs.py _dx_tiles: n = 13 and n >= 15 at 16 bits; n = 9, 11 and
-//   n >= 13 in float32): mhc_coeffs_bwd_dx_kernel<T, TG, E, KC, LAYER> (a thread owns
+//   memory (ops/coeffs.py _dx_tiles: n >= 19 at 16 bits, n >= 16 in float32):
+//   mhc_coeffs_bwd_dx_kernel<T, TG, E, KC, LAYER> (a thread owns
 //   E positions x TS tokens of dx, loops over K in chunks of KC columns of the transposed
 //   phi (mhc_coeffs_transpose_kernel, coalesced) and of dH staged in shared memory);
 //   mhc_coeffs_bwd_dphi_kernel<T, E, KC> (a thread owns E positions x KC columns of dphi
@@ -630,6 +630,10 @@ mhc_head_bwd_dx_kernel(const TG* __restrict__ g, const T* __restrict__ x, const 
 //   rounded once.
 namespace mhc_coeffs {
 
+// Steps ahead that the dx kernels ask L2 for the rows of x and the layer's gradients they read
+// straight from global memory (mhc::prefetch_l2).
+constexpr int DX_PREFETCH = 1;
+
 __device__ __forceinline__ unsigned pack2(unsigned lo, unsigned hi) { return lo | (hi << 16); }
 
 // v = sum of P bf16 parts (as bits), each the bf16 rounding of what is left (rounded toward
@@ -1113,6 +1117,18 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
         const __nv_bfloat16* dhr = reinterpret_cast<const __nv_bfloat16*>(st + XB);
         const __nv_bfloat16* dhc = reinterpret_cast<const __nv_bfloat16*>(st + XB + RB);
         const i64 t0 = t_begin + step * 16;
+        // LAYER: the g and g_li rows of step + DX_PREFETCH into L2: lanes tq = 0 and 3 ask for
+        // the lines of the first and the last 8 of a row's 64 columns (warp i: g's stream i)
+        if (LAYER && VEC && (tq == 0 || tq == 3) && step + DX_PREFETCH < steps) {
+            const int pc = tq == 0 ? cb0 : min(cb0 + 56, C - 8);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const i64 t = t0 + 16 * DX_PREFETCH + g8 + 8 * h;
+                if (t >= t_end) continue;
+                if (g_li != nullptr) mhc::prefetch_l2(g_li + t * (i64)C + pc);
+                if (g != nullptr) mhc::prefetch_l2(g + t * (i64)D + warp * C + pc);
+            }
+        }
         // Per-token scalars of this thread's two dx rows (tokens g8, g8 + 8), loaded now so their
         // latency hides behind the MMAs: c, and with LAYER H_pre[t, i] and H_res[t, :, i].
         float cs[2], hp[2], hr[2][4];  // n <= 4 here (K <= 32)
@@ -1379,6 +1395,19 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
         pipeline_next<STAGES>(step, steps, fill);
         const __nv_bfloat16* dhr = reinterpret_cast<const __nv_bfloat16*>(stages + (step % STAGES) * SB);
         const i64 t0 = t_begin + step * 16;
+        // the rows of step + DX_PREFETCH into L2: lanes tq = 0 and 3 ask for the lines of the
+        // first and the last 8 of the warp's CW columns of a row
+        if (VEC && (tq == 0 || tq == 3) && step + DX_PREFETCH < steps) {
+            const int pc = tq == 0 ? cb0 : min(cb0 + CW - 8, C - 8);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const i64 t = t0 + 16 * DX_PREFETCH + g8 + 8 * h;
+                if (t >= t_end) continue;
+                mhc::prefetch_l2(xi + t * (i64)D + pc);
+                if (LAYER && g_li != nullptr) mhc::prefetch_l2(g_li + t * (i64)C + pc);
+                if (LAYER && gx != nullptr) mhc::prefetch_l2(gx + t * (i64)D + (i64)i * C + pc);
+            }
+        }
         // this thread's rows (tokens g8, g8 + 8) x 2 NT columns of x and c, and with LAYER of
         // g_li (with H_pre) and gx, loaded before the MMAs so that their latency hides behind them
         constexpr int LR = LAYER ? 2 : 1;

@@ -57,6 +57,10 @@ template <> __device__ __forceinline__ float word_elem<__nv_bfloat16>(unsigned i
     return __uint_as_float(k ? w & 0xffff0000u : w << 16);
 }
 
+// Ask L2 for the 128-byte line holding p (no register written): a kernel that reads a row in its
+// next step issues this a step ahead, so the load then finds the line in L2.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // Elements of T that fit one 16-byte access.
 template <typename T> struct Max16 { static constexpr int value = 16 / sizeof(T); };
 // load_vec / store_vec move E elements of T in chunks of this many elements (at most 16 bytes).

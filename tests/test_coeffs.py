@@ -298,10 +298,10 @@ def test_launch_plans(n, C, T):
     assert names[:3] == ["mhc_coeffs_split_phi_fwd_kernel", "mhc_coeffs_mma_fwd_kernel", "mhc_coeffs_bwd_prep_kernel"]
     if K <= 32:
         assert "mhc_coeffs_mma_bwd_kernel" in names and "mhc_coeffs_bwd_dx_kernel" not in names
-    else:  # dphi on tensor cores; dx too where its blocks fit (coeffs._dx_tiles: n = 8, not 16)
+    else:  # dphi on tensor cores; dx too where its blocks fit (coeffs._dx_tiles: n = 8 and 16)
         assert "mhc_coeffs_mma_dphi_kernel" in names and "mhc_coeffs_bwd_dphi_kernel" not in names
         tc_dx = {"mhc_coeffs_mma_dx_kernel"} <= set(names)
-        assert tc_dx == (n == 8) and tc_dx != ({"mhc_coeffs_transpose_kernel", "mhc_coeffs_bwd_dx_kernel"} <= set(names))
+        assert tc_dx == (n in (8, 16)) and tc_dx != ({"mhc_coeffs_transpose_kernel", "mhc_coeffs_bwd_dx_kernel"} <= set(names))
     scratch_bytes = sum(4 * int(np.prod(s)) for s, _ in plan.scratch.values())
     assert scratch_bytes <= 4 * (64 * T * (K + 1) + T * (K + 8) + 16 * 2**20 + D * K) + 12 * (D + 32) * (K + 16) \
         + 12 * (T + 16) * (K + 16)
@@ -314,8 +314,8 @@ def test_launch_plans(n, C, T):
 def test_split_bwd_launches(dt, n):
     """n > 4: the dphi / dx kernels' dynamic shared memory is the kernels' own formula and within the
     portable limit; dx runs on tensor cores (32 columns per warp, W streams per block with W | n) where
-    its shared memory leaves at least 4 warps per 2 x 99 KiB (OPS.md section 9: n 5-12 and 14 at 16
-    bits; 5-8, 10 and 12 in float32), else on CUDA cores."""
+    its shared memory leaves at least _DX_MIN_WARPS (2) warps per 2 x 99 KiB (OPS.md section 9: n 5-18
+    at 16 bits, 5-15 in float32), else on CUDA cores."""
     T, C = 1000, 72
     D, K = n * C, coeffs.columns(n)
     cx = {"x": _info((T, n, C), dt), "phi": _info((D, K)), "alpha": _info((3,)), "bias": _info((K,)),
@@ -338,15 +338,14 @@ def test_split_bwd_launches(dt, n):
             ks, w, nt, stages = (int(v) for v in params[4:8])
             po = 3 if size == 4 else 2
             assert ks == -(-K // 16) and n % w == 0 and block[0] == 32 * w
-            assert nt == 4 and w * (2 * coeffs._SMEM_PORTABLE // smem) >= 4
+            assert nt == 4 and w * (2 * coeffs._SMEM_PORTABLE // smem) >= coeffs._DX_MIN_WARPS == 2
             assert smem == (w * 8 * nt + stages * 16) * 16 * ks * po * 2 and stages >= 2
             assert grid[0] == -(-C // (8 * nt)) * (n // w)
         else:
             continue
         seen.add(name)
         assert smem <= coeffs._SMEM_PORTABLE, (expr, smem)
-    assert ("mhc_coeffs_mma_dx_kernel" in seen) == (n in ({5, 6, 7, 8, 10, 12} if size == 4 else
-                                                          {5, 6, 7, 8, 9, 10, 11, 12, 14}))
+    assert ("mhc_coeffs_mma_dx_kernel" in seen) == (5 <= n <= (15 if size == 4 else 18))
     assert "mhc_coeffs_mma_dphi_kernel" in seen
 
 
@@ -558,7 +557,8 @@ def test_coeffs_float32_accurate_over_long_rows(rng, dt, T, C):
                                       (17, 20, 8, "float32")])
 def test_coeffs_large_n(rng, n, T, C, dt):
     """n > 4: column chunks in the forward, the separate dx / dphi kernels in the backward (dx on
-    tensor cores with 4, 2 or 1 streams per block, or on CUDA cores for n = 16, 17, 32)."""
+    tensor cores with 4, 2 or 1 streams per block (n = 16 bf16: 1), or on CUDA cores for n = 32 and
+    float32 n = 17)."""
     _check(rng, T, n, C, dt)
 
 

@@ -360,9 +360,13 @@ def _planes(dt: str) -> int:
 #: its larger phi tile fits fewer blocks per SM.
 _DX_NT = 4
 #: Least warps per 2 x 99 KiB of shared memory (about an SM's) for dx on tensor cores; below it dx
-#: runs on CUDA cores.  Measured on the H200 at 8192 x 1024 x 16 (bf16): the tensor-core dx with
-#: one warp per 92 KiB block (2 warps per SM) took 6.6 ms, the CUDA-core one 4.45 ms.
-_DX_MIN_WARPS = 4
+#: runs on CUDA cores.  Measured on the H200 at 8192 x 1024 x 16 (bf16, MHC fwd+bwd, devtmp-style
+#: CUDA-event medians): the tensor-core dx with one warp per 92 KiB block (2 warps per SM) took
+#: 4.43 ms per call against 5.36 for the CUDA-core one (layer 8.72 against 9.45 ms), once its
+#: epilogue loads were issued before the MMAs and the next step's rows prefetched into L2 (before
+#: that: 6.6 against 4.45 ms).  n = 13-18 at 16 bits and 9, 11, 13-15 in float32 fall in this
+#: class; only n = 16 bf16 was timed.
+_DX_MIN_WARPS = 2
 
 
 def dx_smem(w: int, nt: int, K16: int, dt: str) -> tuple[int, int]:
