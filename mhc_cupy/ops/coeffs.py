@@ -306,7 +306,7 @@ class MmaBwd(_TensorCoreBwd):
         """(stages, dynamic shared bytes): the block's phi rows (PO planes: 2 for 16-bit x, 3 for
         float32), then per stage x [16][n][64] (token rows padded by 16 bytes), dH_r [PO][16][K16]
         and dH_c [3][Kp8][16] (kernels_cu/coeffs.cu)."""
-        nw, K16, Kp8, PO = 64 * self.n, self.K16, self.Kp8, 3 if ITEMSIZE[dt] == 4 else 2
+        nw, K16, Kp8, PO = 64 * self.n, self.K16, self.Kp8, _planes(dt)
         fixed = PO * nw * K16 * 2
         stage = 16 * (nw * ITEMSIZE[dt] + 16) + PO * 16 * K16 * 2 + 3 * Kp8 * 32
         stages = pipeline_stages(fixed, stage, _MMA_BWD_STAGES)
@@ -350,7 +350,8 @@ _MMA_DPHI_NQ = 5  # 8-column tiles per block of mhc_coeffs_mma_dphi_kernel: 16 *
 
 
 def _planes(dt: str) -> int:
-    """bf16 planes of phi and dH that mhc_coeffs_mma_dx_kernel multiplies for activations of dtype dt."""
+    """bf16 planes of phi and dH that the tensor-core dx (mhc_coeffs_mma_dx_kernel, the dx part of
+    mhc_coeffs_mma_bwd_kernel) multiplies for activations of dtype dt (PO in kernels_cu/coeffs.cu)."""
     return 3 if ITEMSIZE[dt] == 4 else 2
 
 
@@ -360,8 +361,8 @@ def _planes(dt: str) -> int:
 #: its larger phi tile fits fewer blocks per SM.
 _DX_NT = 4
 #: Least warps per 2 x 99 KiB of shared memory (about an SM's) for dx on tensor cores; below it dx
-#: runs on CUDA cores.  Measured on the H200 at 8192 x 1024 x 16 (bf16, MHC fwd+bwd, devtmp-style
-#: CUDA-event medians): the tensor-core dx with one warp per 92 KiB block (2 warps per SM) took
+#: runs on CUDA cores.  Measured on the H200 at 8192 x 1024 x 16 (bf16, MHC fwd+bwd, torch profiler
+#: and CUDA-event medians): the tensor-core dx with one warp per 92 KiB block (2 warps per SM) took
 #: 4.43 ms per call against 5.36 for the CUDA-core one (layer 8.72 against 9.45 ms), once its
 #: epilogue loads were issued before the MMAs and the next step's rows prefetched into L2 (before
 #: that: 6.6 against 4.45 ms).  n = 13-18 at 16 bits and 9, 11, 13-15 in float32 fall in this
