@@ -170,7 +170,8 @@ def test_parse_args_flags():
 
 
 def test_parse_args_convention():
-    """--convention deepseek times mhc_cupy alone (the baselines are the paper maths); paper is the default."""
+    """--convention deepseek takes no framework baselines (they are the paper maths; the paper convention of
+    mhc_cupy is its baseline, timed in _case); paper is the default."""
     assert bench.parse_args([]).convention == "paper"
     a = bench.parse_args(["--convention", "deepseek"])
     assert (a.convention, a.baselines) == ("deepseek", [])
@@ -253,6 +254,22 @@ def test_evaluate_targets():
     assert t["mhc_cupy.torch host overhead (no grad) <= 2x torch.add"]["status"] == "met"
     grad = t["mhc_cupy.torch host overhead (requires grad) <= 2x torch.add"]
     assert grad["status"] == "missed" and grad["measured"] == pytest.approx(2.5)
+
+
+def test_convention_target():
+    """--convention deepseek rows carry the paper convention's time of the same run: the 5% target
+    judges the worst ratio over all shapes, and the table shows it as a speedup column."""
+    res = fake_result()
+    res["results"] = [_row("sinkhorn_knopp", "bwd", T, None, n, us, 0.04, {"mhc_cupy.paper": paper})
+                      for T, n, us, paper in ((16384, 4, 9.6, 8.8), (16384, 8, 24.0, 23.1))]
+    res["results"].append(_row("mhc_pre_op", "fwd", 16384, 4096, 4, 160.0, 0.9, {"mhc_cupy.paper": 158.0}))
+    t = _targets(res)
+    sk = t["sinkhorn_knopp bwd deepseek convention <= 1.05x the paper convention's time"]
+    assert sk["status"] == "missed" and sk["measured"] == pytest.approx(9.6 / 8.8) and "16384x-x4" in sk["detail"]
+    assert t["mhc_pre_op fwd deepseek convention <= 1.05x the paper convention's time"]["status"] == "met"
+    assert not any("deepseek" in name for name in _targets(fake_result()))  # paper runs: no such target
+    table = bench.format_table(res).splitlines()
+    assert "paper" in table[1] and f"{8.8 / 9.6:.2f}x" in next(ln for ln in table if "16384x-x4" in ln)
 
 
 def test_format_report_table_last():

@@ -10,7 +10,7 @@ from . import env
 from .baselines import jax_fwd, torch_bwd, torch_fwd
 from .inputs import _cupy_to_jax, _cupy_to_torch, _max_rel_err, make_inputs
 from .report import evaluate_targets, write_json
-from .specs import CONVENTION_OPS, ITEMSIZE, nbytes, plan_cases, rotation, shape_str
+from .specs import CONVENTION_OPS, ITEMSIZE, PAPER, nbytes, plan_cases, rotation, shape_str
 from .timing import _time_cupy, _time_jax, _time_torch, copy_bandwidth, per_call_us
 
 def _case(op, T, C, n, dtype, cfg, copy_GBps, l2, baselines) -> list[dict]:
@@ -40,16 +40,19 @@ def _case(op, T, C, n, dtype, cfg, copy_GBps, l2, baselines) -> list[dict]:
         rows[d]["impls"][impl] = res
 
     fwd_fn, bwd_fn = getattr(m, f"{op}_fwd"), getattr(m, f"{op}_bwd")
-    kw = {"convention": convention} if convention != "paper" else {}
     ours = {}
-    for d, fn in (("fwd", lambda k: fwd_fn(*sets[k]["in"], **kw)),
-                  ("bwd", lambda k: bwd_fn(*sets[k]["grads"], *sets[k]["in"], **kw))):
-        try:
-            record(d, "mhc_cupy", _time_cupy(fn, R, calls, cfg.warmup, cfg.reps))
-            ours[d] = fn(0)
-        except Exception as e:  # noqa: BLE001 - report and go on
-            record(d, "mhc_cupy", env._error(e))
-            env._log(f"  mhc_cupy {op} {d} failed: {rows[d]['impls']['mhc_cupy']['error']}")
+    # under --convention deepseek, the same op under the paper convention is the baseline (same run, same inputs)
+    impls = (("mhc_cupy", {}),) if convention == "paper" else (("mhc_cupy", {"convention": convention}), (PAPER, {}))
+    for impl, kw in impls:
+        for d, fn in (("fwd", lambda k, kw=kw: fwd_fn(*sets[k]["in"], **kw)),
+                      ("bwd", lambda k, kw=kw: bwd_fn(*sets[k]["grads"], *sets[k]["in"], **kw))):
+            try:
+                record(d, impl, _time_cupy(fn, R, calls, cfg.warmup, cfg.reps))
+                if impl == "mhc_cupy":
+                    ours[d] = fn(0)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                record(d, impl, env._error(e))
+                env._log(f"  {impl} {op} {d} failed: {rows[d]['impls'][impl]['error']}")
 
     for impl in baselines:
         for d in ("fwd", "bwd"):
@@ -75,7 +78,7 @@ def _case(op, T, C, n, dtype, cfg, copy_GBps, l2, baselines) -> list[dict]:
         mine = rows[d]["impls"].get("mhc_cupy", {})
         rows[d]["speedup"] = {impl: (rows[d]["impls"][impl]["us"] / mine["us"]
                                      if "us" in mine and "us" in rows[d]["impls"].get(impl, {}) else None)
-                              for impl in baselines}
+                              for impl in (*baselines, PAPER) if impl in rows[d]["impls"] or impl in baselines}
     return [rows["fwd"], rows["bwd"]]
 
 

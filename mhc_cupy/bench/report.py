@@ -10,12 +10,14 @@ from pathlib import Path
 import numpy as np
 
 from .env import _log
-from .specs import DEFAULT_OPS, IMPLS, BASELINES, shape_str
+from .specs import BASELINES, DEFAULT_OPS, IMPLS, PAPER, shape_str
 
 BANDWIDTH_TARGETS = {"fwd": 0.90, "bwd": 0.85}
 BANDWIDTH_TARGET_OPS = ("stream_mix", "stream_aggregate", "stream_distribute", "mhc_post_op", "mhc_pre_op")
 SINKHORN_TARGET_US, SINKHORN_TARGET_TOKENS = 15.0, 32768
 HOST_TARGET_RATIO = 2.0
+#: --convention deepseek: each op's time at most this times the paper convention's, same run (issue 13)
+CONVENTION_TARGET_RATIO = 1.05
 #: The shapes the bandwidth and torch.compile targets apply to (the issue's
 #: "16384+ tokens, C >= 4096, n = 4"); other shapes are reported, not judged.
 TARGET_MIN_TOKENS, TARGET_MIN_C, TARGET_N = 16384, 4096, 4
@@ -80,6 +82,16 @@ def evaluate_targets(result: dict) -> list[dict]:
             worst = min(vals)
             add(name, "met" if worst[0] > 1.0 else "missed", worst[0],
                 f"slowest speedup {worst[0]:.2f}x at {worst[1]} over {len(vals)} shapes with {TARGET_DOMAIN}")
+    for op in ops:
+        for d in ("fwd", "bwd"):
+            vals = [(_us(r, "mhc_cupy") / _us(r, PAPER), shape_str(r["tokens"], r["C"], r["n"]))
+                    for r in result.get("results", []) if r["op"] == op and r["dir"] == d
+                    and _us(r, "mhc_cupy") is not None and _us(r, PAPER) is not None]
+            if vals:
+                worst = max(vals)
+                add(f"{op} {d} deepseek convention <= {CONVENTION_TARGET_RATIO:g}x the paper convention's time",
+                    "met" if worst[0] <= CONVENTION_TARGET_RATIO else "missed", worst[0],
+                    f"worst {worst[0]:.3f}x at {worst[1]} over {len(vals)} shapes")
     routes = (result.get("host_overhead_us") or {}).get("routes", {})
     for grad in ("no grad", "requires grad"):
         name = f"mhc_cupy.torch host overhead ({grad}) <= {HOST_TARGET_RATIO:g}x torch.add"
@@ -105,8 +117,8 @@ def _fmt_speedup(r, impl) -> str:
 
 def format_table(result: dict) -> str:
     rows = sorted(result.get("results", []), key=_key)
-    impls = [i for i in BASELINES if any(i in r.get("impls", {}) for r in rows)]
-    short = {"torch": "torch", "torch.compile": "compile", "jax.jit": "jax.jit"}
+    impls = [i for i in (*BASELINES, PAPER) if any(i in r.get("impls", {}) for r in rows)]
+    short = {"torch": "torch", "torch.compile": "compile", "jax.jit": "jax.jit", PAPER: "paper"}
     head = (f"{'op':<18} {'dir':<4} {'T x C x n':>15} {'us':>9} {'GB/s':>6} {'% copy':>7}"
             + "".join(f" {short[i]:>8}" for i in impls))
     lines = [" " * 64 + ("speedup vs" if impls else ""), head, "-" * len(head)]

@@ -11,6 +11,9 @@ from ..ops.spec import shape_of as _shape_of
 #: Implementations, in table order.
 IMPLS = ("mhc_cupy", "torch", "torch.compile", "jax.jit")
 BASELINES = IMPLS[1:]
+#: Under ``--convention deepseek`` the baseline of an op in CONVENTION_OPS: mhc_cupy under the paper
+#: convention, timed in the same run (the issue's "deepseek within 5% of paper").
+PAPER = "mhc_cupy.paper"
 
 #: Ops benchmarked by default, in table order.
 DEFAULT_OPS = ("stream_mix", "stream_aggregate", "stream_distribute", "mhc_post_op", "mhc_pre_op",
