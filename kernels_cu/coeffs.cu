@@ -1557,6 +1557,7 @@ mhc_coeffs_mma_dx_tile_kernel(const T* __restrict__ x, const __nv_bfloat16* __re
     const int steps = (int)((max(t_end - t_begin, (i64)0) + BT - 1) / BT);
     const int iters = steps * KCN;
     const i64 plane_r = tokens_p * K16, plane_phi = D * K16;
+    const int ks_real = (K + 15) / 16;  // k-steps of K (KS may be one more)
 
     auto fill = [&](int it, int stage) {
         unsigned char* st = smem + stage * SB;
@@ -1622,9 +1623,11 @@ mhc_coeffs_mma_dx_tile_kernel(const T* __restrict__ x, const __nv_bfloat16* __re
             for (int p = 0; p < PO; ++p)
                 mhc::load_words<4>(st + AB + (p * NW + 32 * w + 8 * (g8 >> 1) + 2 * j + (g8 & 1)) * ROW + tq * 16,
                                    b[j][p]);
-        // per accumulator: k-step, then part pairs (pa, pb) in mhc_coeffs_mma_dx_kernel's order
+        // per accumulator: k-step, then part pairs (pa, pb) in mhc_coeffs_mma_dx_kernel's order;
+        // the k-step that only pads K16 to an even count is skipped (its operands are zero)
 #pragma unroll
-        for (int sl = 0; sl < 2; ++sl)
+        for (int sl = 0; sl < 2; ++sl) {
+            if (2 * kc + sl >= ks_real) break;
 #pragma unroll
             for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -1637,6 +1640,7 @@ mhc_coeffs_mma_dx_tile_kernel(const T* __restrict__ x, const __nv_bfloat16* __re
                                                     a[m][pa][1][2 * sl + 1]};
                             mma16816(acc[m][j], av, b[j][pb][2 * sl], b[j][pb][2 * sl + 1]);
                         }
+        }
         if (kc != KCN - 1) continue;
 #pragma unroll
         for (int m = 0; m < MT; ++m)

@@ -9,7 +9,7 @@ on every device, so results are bitwise reproducible for given shapes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
@@ -419,6 +419,8 @@ class SplitBwd(_TensorCoreBwd):
     (mhc_coeffs_bwd_dx_kernel)."""
 
     dt: str
+    # _DX_TILE when the layout is made: a plan keeps the scratch it sized for its dx kernel
+    tile_mode: str = field(default_factory=lambda: _DX_TILE)
 
     @property
     def ncc(self) -> int:  # column chunks of dphi
@@ -442,11 +444,11 @@ class SplitBwd(_TensorCoreBwd):
     def dx_kind(self) -> str:
         """"resident" (mhc_coeffs_mma_dx_kernel), "tile" (mhc_coeffs_mma_dx_tile_kernel) or "cuda"
         (mhc_coeffs_bwd_dx_kernel), as _DX_TILE and _dx_tiles choose."""
-        if _DX_TILE == "always":
+        if self.tile_mode == "always":
             return "tile"
         if _dx_tiles(self.n, self.K16, self.dt) is not None:
             return "resident"
-        return "tile" if _DX_TILE == "fallback" else "cuda"
+        return "tile" if self.tile_mode == "fallback" else "cuda"
 
     @property
     def dx_tiles(self) -> tuple[int, int] | None:
