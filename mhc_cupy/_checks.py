@@ -6,6 +6,7 @@ devices, parameters) naming the argument, what it got and what it needs.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -43,14 +44,18 @@ def coefficient(name: str, info) -> None:
         raise TypeError(f"{name} has dtype {info.dtype}; coefficients need float32")
 
 
-#: Array arguments that may be None (an absent weight; a None gradient counts as zero).
-OPTIONAL_ARRAYS = frozenset(("weight", "grad_layer_in", "grad_out", "grad_H_pre", "grad_H_post", "grad_H_res",
-                             "grad_h_pre_raw", "grad_h_post_raw", "grad_h_res_raw", "grad_x"))
+@functools.cache
+def optional_arrays() -> frozenset:
+    """Array arguments that may be None (an absent weight; a None gradient counts as zero): those
+    an op spec marks optional (ops.SPECS; imported here, after the ops have imported this module)."""
+    from .ops import SPECS
+
+    return frozenset(a.name for k in SPECS.values() for a in k.args if a.optional)
 
 
 def absent(name: str) -> None:
-    """An array argument is None: fine for OPTIONAL_ARRAYS, else TypeError naming it."""
-    if name not in OPTIONAL_ARRAYS:
+    """An array argument is None: fine for optional_arrays(), else TypeError naming it."""
+    if name not in optional_arrays():
         raise TypeError(f"{name} is None; it needs an array")
 
 
