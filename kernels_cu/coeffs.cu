@@ -727,12 +727,14 @@ __device__ __forceinline__ void load8(const T* __restrict__ row, int pos, int li
     }
 }
 
-// Position of column k of a K16-column row in the "fragment order" of the backward
-// planes: lane quad member q reads its 4 values (k = 2q, 2q+1, 2q+8, 2q+9) of
-// every k-step s (KS of them) as 4 * KS consecutive values.
-__device__ __forceinline__ int frag_slot(int k, int KS) {
+// Position of column k of a row in the "fragment order" of the backward planes, in
+// chunks of KC k-steps (16 columns each): within chunk s / KC (16 KC values), lane quad
+// member q reads its 4 values (k = 2q, 2q+1, 2q+8, 2q+9) of each of the chunk's k-steps
+// as 4 KC consecutive values.  KC = KS (the whole row one chunk): the order of
+// mhc_coeffs_mma_bwd_kernel / mhc_coeffs_mma_dx_kernel; KC = 2: of mhc_coeffs_mma_dx_tile_kernel.
+__device__ __forceinline__ int frag_slot(int k, int KC) {
     const int s = k >> 4, j = k & 15;
-    return ((j & 7) >> 1) * 4 * KS + s * 4 + 2 * (j >> 3) + (j & 1);
+    return (s / KC) * 16 * KC + ((j & 7) >> 1) * 4 * KC + (s % KC) * 4 + 2 * (j >> 3) + (j & 1);
 }
 
 
@@ -841,10 +843,10 @@ __global__ void mhc_coeffs_split_phi_fwd_kernel(const float* __restrict__ phi, _
 }
 
 // src [rows, K] float32 (row stride ld) -> planes [3, rows_p, K16] bf16, columns in
-// fragment order (mhc_coeffs::frag_slot), zero padded.  For phi (rows = D) and dH
-// (rows = tokens) in the backward.
+// fragment order of KC k-steps a chunk (mhc_coeffs::frag_slot; KC divides K16 / 16), zero
+// padded.  For phi (rows = D) and dH (rows = tokens) in the backward.
 __global__ void mhc_coeffs_split_rows_kernel(const float* __restrict__ src, __nv_bfloat16* __restrict__ planes,
-                                             i64 rows, int K, int ld, i64 rows_p, int K16) {
+                                             i64 rows, int K, int ld, i64 rows_p, int K16, int KC) {
     const i64 total = rows_p * K16;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
         const i64 r = i / K16;
@@ -852,7 +854,7 @@ __global__ void mhc_coeffs_split_rows_kernel(const float* __restrict__ src, __nv
         const float v = (r < rows && k < K) ? src[r * ld + k] : 0.f;
         unsigned p[3];
         mhc_coeffs::split_bits<3>(v, p);
-        const i64 o = r * K16 + mhc_coeffs::frag_slot(k, K16 / 16);
+        const i64 o = r * K16 + mhc_coeffs::frag_slot(k, KC);
 #pragma unroll
         for (int j = 0; j < 3; ++j) planes[j * total + o] = __ushort_as_bfloat16((unsigned short)p[j]);
     }
@@ -1335,6 +1337,45 @@ mhc_coeffs_mma_dphi_kernel(const T* __restrict__ x, const __nv_bfloat16* __restr
     store_dphi<NQ>(dphi + (i64)blockIdx.y * D * (i64)K, acc, 0, d0 + warp * 64, D, K, k0, g8, tq);
 }
 
+// The end of 8 columns [col, col + 8) of dx row (token t, stream i) of the tensor-core dx kernels,
+// o = (dH phi^T - c x) there: with LAYER + H_pre_i g_li (lv: g_li's 8 values, hp = H_pre[t, i])
+// + sum_j H_res[j, i] g_j (res_t: H_res[i, j]) + gx_i (gxv), the terms whose pointer is not null,
+// in that order; then o is rounded to T and stored (columns below C).
+template <typename T, typename TG, bool VEC, bool LAYER>
+__device__ __forceinline__ void dx_finish(float (&o)[8], float hp, const float (&lv)[8], const float (&gxv)[8],
+                                          const TG* __restrict__ g, const TG* __restrict__ g_li,
+                                          const TG* __restrict__ gx, const float* __restrict__ H_res,
+                                          T* __restrict__ dx, i64 t, int n, int i, int C, int D, int col,
+                                          int res_t) {
+    if constexpr (LAYER) {
+        if (g_li != nullptr) {
+#pragma unroll
+            for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(hp, lv[e8], o[e8]);
+        }
+        if (g != nullptr) {
+            float gv[8];
+            for (int j = 0; j < n; ++j) {
+                const float w = H_res[t * n * n + (res_t ? i * n + j : j * n + i)];
+                mhc_coeffs::load8<TG, VEC>(g + t * (i64)D + j * C, col, C, gv);
+#pragma unroll
+                for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(w, gv[e8], o[e8]);
+            }
+        }
+        if (gx != nullptr) {
+#pragma unroll
+            for (int e8 = 0; e8 < 8; ++e8) o[e8] += gxv[e8];
+        }
+    }
+    T* out = dx + t * (i64)D + (i64)i * C;
+    if (VEC) {
+        if (col < C) mhc::store_vec<T, 8>(out + col, o);
+    } else {
+#pragma unroll
+        for (int e8 = 0; e8 < 8; ++e8)
+            if (col + e8 < C) out[col + e8] = mhc::from_float<T>(o[e8]);
+    }
+}
+
 // mhc_coeffs_mma_dx_kernel<T, TG, VEC, LAYER, KS, W, NT, STAGES>: dx = dH phi^T - c x (+ with
 // LAYER the rest of the layer's dx, as mhc_coeffs_mma_bwd_kernel), rounded once.  Grid
 // (cblocks * groups, splits), groups = n / W, W warps of NT 8-column MMA tiles (NT = 8 or 4,
@@ -1469,35 +1510,159 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
 #pragma unroll
                 for (int e8 = 0; e8 < 8; ++e8)
                     o[e8] = fmaf(-cs[h], xv[h][half][e8], acc[4 * half + (e8 >> 1)][2 * h + (e8 & 1)]);
-                if constexpr (LAYER) {
-                    if (g_li != nullptr) {
-#pragma unroll
-                        for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(hp[h], lv[h][half][e8], o[e8]);
-                    }
-                    if (g != nullptr) {
-                        float gv[8];
-                        for (int j = 0; j < n; ++j) {
-                            const float w = H_res[t * n * n + (res_t ? i * n + j : j * n + i)];
-                            load8<TG, VEC>(g + t * (i64)D + j * C, col, C, gv);
-#pragma unroll
-                            for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(w, gv[e8], o[e8]);
-                        }
-                    }
-                    if (gx != nullptr) {
-#pragma unroll
-                        for (int e8 = 0; e8 < 8; ++e8) o[e8] += gxv[h][half][e8];
-                    }
-                }
-                T* out = dx + t * (i64)D + (i64)i * C;
-                if (VEC) {
-                    if (col < C) mhc::store_vec<T, 8>(out + col, o);
-                } else {
-#pragma unroll
-                    for (int e8 = 0; e8 < 8; ++e8)
-                        if (col + e8 < C) out[col + e8] = mhc::from_float<T>(o[e8]);
-                }
+                dx_finish<T, TG, VEC, LAYER>(o, hp[LAYER ? h : 0], lv[LAYER ? h : 0][half], gxv[LAYER ? h : 0][half], g,
+                                             g_li, gx, H_res, dx, t, n, i, C, D, col, res_t);
             }
         }
+    }
+    cp_async_wait<0>();
+}
+
+// mhc_coeffs_mma_dx_tile_kernel<T, TG, VEC, LAYER, KS, W, MT, STAGES>: the dx of
+// mhc_coeffs_mma_dx_kernel (the same sums in the same order: bit for bit) for any K: phi's rows
+// are not kept in shared memory but streamed with dH's in chunks of two k-steps (32 columns of
+// K), so a block covers more tokens a step and any n fits.  Grid (cblocks * groups, splits),
+// cblocks = ceil(C / 32), groups = n / W; 4 warps, warp (wm, w) (wm < WM = 4 / W, w < W) owns
+// stream i = group * W + w, columns [cb * 32, cb * 32 + 32) and the MT 16-token m tiles
+// wm * MT .. of each step of BT = 16 WM MT tokens; the block walks tokens [split * t_split,
+// ...) (t_split a multiple of BT) a step at a time and each step's K in KS / 2 chunks.  A stage
+// holds one chunk: dH_r [PO][BT][32] and phi_r [PO][32 W][32] (bf16; 64-byte rows, lane quad
+// member q's 8 values at 16 q: conflict-free 16-byte reads).  The epilogue reads x, g_li, gx
+// from global memory; their lines are asked of L2 at the step's first chunk.
+//   phi_r: [3, D, K16], dH_r: [3, tokens_p, K16] (split_rows with KC = 2), K16 = 16 KS, KS even.
+// VEC: C % 8 == 0 and x, dx (and g, g_li, gx) 16-byte aligned.  Dynamic shared memory:
+// STAGES * PO * (BT + 32 W) * 64 bytes.
+template <typename T, typename TG, bool VEC, bool LAYER, int KS, int W, int MT, int STAGES>
+__global__ void __launch_bounds__(128)
+mhc_coeffs_mma_dx_tile_kernel(const T* __restrict__ x, const __nv_bfloat16* __restrict__ phi_r,
+                              const __nv_bfloat16* __restrict__ dH_r, const float* __restrict__ dH,
+                              const TG* __restrict__ g, const TG* __restrict__ g_li, const float* __restrict__ H_pre,
+                              const float* __restrict__ H_res, const TG* __restrict__ gx, T* __restrict__ dx,
+                              i64 tokens, i64 tokens_p, int n, int C, int K, int KP, int groups, i64 t_split,
+                              int res_t) {
+    using namespace mhc_coeffs;
+    constexpr int PO = sizeof(T) == 4 ? 3 : 2;
+    static_assert(KS % 2 == 0 && (W == 1 || W == 2 || W == 4), "even k-steps, 1, 2 or 4 streams a block");
+    constexpr int WM = 4 / W, BT = 16 * WM * MT, NW = 32 * W, KCN = KS / 2, K16 = 16 * KS;
+    constexpr int ROW = 64;                       // bytes of a row's chunk (32 bf16)
+    constexpr int AB = PO * BT * ROW, SB = AB + PO * NW * ROW;
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g8 = lane >> 2, tq = lane & 3, wm = warp / W, w = warp - wm * W;
+    const int cb = (int)(blockIdx.x / (unsigned)groups), grp = (int)(blockIdx.x - (unsigned)cb * groups);
+    const int cb0 = cb * 32, i = grp * W + w;
+    const i64 D = (i64)n * C;
+    const i64 t_begin = (i64)blockIdx.y * t_split;
+    const i64 t_end = min(tokens, t_begin + t_split);
+    const int steps = (int)((max(t_end - t_begin, (i64)0) + BT - 1) / BT);
+    const int iters = steps * KCN;
+    const i64 plane_r = tokens_p * K16, plane_phi = D * K16;
+    const int ks_real = (K + 15) / 16;  // k-steps of K (KS may be one more)
+
+    auto fill = [&](int it, int stage) {
+        unsigned char* st = smem + stage * SB;
+        const int step = it / KCN, k0 = (it - step * KCN) * 32;
+        const i64 t0 = t_begin + (i64)step * BT;
+#pragma unroll
+        for (int c = threadIdx.x; c < PO * BT * 4; c += 128) {  // dH_r rows p * BT + u, 4 x 16 bytes
+            const int r = c >> 2, q = c & 3, p = r / BT, u = r - p * BT;
+            const i64 t = t0 + u;
+            const bool ok = t < tokens_p;
+            cp_async16(st + r * ROW + q * 16, dH_r + p * plane_r + (ok ? t : 0) * K16 + k0 + q * 8, ok);
+        }
+#pragma unroll
+        for (int c = threadIdx.x; c < PO * NW * 4; c += 128) {  // phi_r rows p * NW + 32 w' + cl
+            const int r = c >> 2, q = c & 3, p = r / NW, pl = r - p * NW, cl = pl & 31;
+            const bool ok = cb0 + cl < C;
+            const i64 pos = (i64)(grp * W + (pl >> 5)) * C + (ok ? cb0 + cl : 0);
+            cp_async16(st + AB + r * ROW + q * 16, phi_r + p * plane_phi + pos * K16 + k0 + q * 8, ok);
+        }
+    };
+
+    const T* xi = x + (i64)i * C;
+    const int col = cb0 + 8 * tq;  // this thread's 8 columns of each of its rows
+    float acc[MT][4][4];           // [m tile][n tile j][fragment]: column 8 tq + 2j + e of row g8 (+ 8)
+    pipeline_start<STAGES>(iters, fill);
+    for (int it = 0; it < iters; ++it) {
+        pipeline_next<STAGES>(it, iters, fill);
+        const unsigned char* st = smem + (it % STAGES) * SB;
+        const int step = it / KCN, kc = it - step * KCN;
+        const i64 t0 = t_begin + (i64)step * BT + (wm * MT) * 16;  // this warp's first token
+        if (kc == 0) {
+            mhc::zero(acc);
+            // the epilogue's rows into L2: lanes tq = 0 and 3 ask for the lines of the first
+            // and the last 8 of the warp's 32 columns
+            if (VEC && (tq == 0 || tq == 3)) {
+                const int pc = tq == 0 ? cb0 : min(cb0 + 24, C - 8);
+#pragma unroll
+                for (int m = 0; m < MT; ++m)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const i64 t = t0 + 16 * m + g8 + 8 * h;
+                        if (t >= t_end) continue;
+                        mhc::prefetch_l2(xi + t * D + pc);
+                        if (LAYER && g_li != nullptr) mhc::prefetch_l2(g_li + t * (i64)C + pc);
+                        if (LAYER && gx != nullptr) mhc::prefetch_l2(gx + t * D + (i64)i * C + pc);
+                    }
+            }
+        }
+        // A: rows 16 (wm MT + m) + g8 (+ 8) of dH_r; B: column g8 of n tile j = position
+        // 8 (g8 >> 1) + 2j + (g8 & 1) of the warp's 32 (accumulator (tq, e): column 8 tq + 2j + e).
+        // Words 0, 1: the chunk's first k-step, 2, 3: its second.
+        unsigned a[MT][PO][2][4], b[4][PO][4];
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int p = 0; p < PO; ++p)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    mhc::load_words<4>(st + (p * BT + (wm * MT + m) * 16 + g8 + 8 * h) * ROW + tq * 16, a[m][p][h]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int p = 0; p < PO; ++p)
+                mhc::load_words<4>(st + AB + (p * NW + 32 * w + 8 * (g8 >> 1) + 2 * j + (g8 & 1)) * ROW + tq * 16,
+                                   b[j][p]);
+        // per accumulator: k-step, then part pairs (pa, pb) in mhc_coeffs_mma_dx_kernel's order;
+        // the k-step that only pads K16 to an even count is skipped (its operands are zero)
+#pragma unroll
+        for (int sl = 0; sl < 2; ++sl) {
+            if (2 * kc + sl >= ks_real) break;
+#pragma unroll
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int pa = 0; pa < PO; ++pa)
+#pragma unroll
+                        for (int pb = 0; pb + pa < PO; ++pb) {
+                            const unsigned av[4] = {a[m][pa][0][2 * sl], a[m][pa][1][2 * sl], a[m][pa][0][2 * sl + 1],
+                                                    a[m][pa][1][2 * sl + 1]};
+                            mma16816(acc[m][j], av, b[j][pb][2 * sl], b[j][pb][2 * sl + 1]);
+                        }
+        }
+        if (kc != KCN - 1) continue;
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const i64 t = t0 + 16 * m + g8 + 8 * h;
+                if (t >= t_end) continue;
+                float xv[8], lv[8], gxv[8], o[8];
+                load8<T, VEC>(xi + t * D, col, C, xv);
+                float hp = 0.f;
+                if constexpr (LAYER) {
+                    if (g_li != nullptr) {
+                        hp = H_pre[t * n + i];
+                        load8<TG, VEC>(g_li + t * (i64)C, col, C, lv);
+                    }
+                    if (gx != nullptr) load8<TG, VEC>(gx + t * D + (i64)i * C, col, C, gxv);
+                }
+                const float c = dH[t * KP + K];
+#pragma unroll
+                for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(-c, xv[e8], acc[m][e8 >> 1][2 * h + (e8 & 1)]);
+                dx_finish<T, TG, VEC, LAYER>(o, hp, lv, gxv, g, g_li, gx, H_res, dx, t, n, i, C, (int)D, col, res_t);
+            }
     }
     cp_async_wait<0>();
 }

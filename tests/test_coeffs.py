@@ -341,11 +341,19 @@ def test_split_bwd_launches(dt, n):
             assert nt == 4 and w * (2 * coeffs._SMEM_PORTABLE // smem) >= coeffs._DX_MIN_WARPS == 2
             assert smem == (w * 8 * nt + stages * 16) * 16 * ks * po * 2 and stages >= 2
             assert grid[0] == -(-C // (8 * nt)) * (n // w)
+        elif name == "mhc_coeffs_mma_dx_tile_kernel":
+            ks, w, mt, stages = (int(v) for v in params[4:8])
+            po, bt = (3 if size == 4 else 2), 16 * (4 // w) * mt
+            assert ks % 2 == 0 and 16 * ks >= K > 16 * (ks - 2) and n % w == 0 and block[0] == 128
+            assert smem == stages * po * (bt + 32 * w) * 64 and stages >= 2
+            assert grid[0] == -(-C // 32) * (n // w) and grid[1] * args[-2] >= T
+            assert args[-2] % bt == 0  # t_split: whole steps
         else:
             continue
         seen.add(name)
         assert smem <= coeffs._SMEM_PORTABLE, (expr, smem)
     assert ("mhc_coeffs_mma_dx_kernel" in seen) == (5 <= n <= (15 if size == 4 else 18))
+    assert ("mhc_coeffs_mma_dx_tile_kernel" in seen) == ("mhc_coeffs_mma_dx_kernel" not in seen)  # _DX_TILE "fallback"
     assert "mhc_coeffs_mma_dphi_kernel" in seen
 
 
@@ -371,10 +379,11 @@ def test_registry_lists_coeffs_kernels():
     specs = [e for f, e in _kernels.all_specialisations() if f == "coeffs.cu"]
     for name in ("mhc_coeffs_mma_fwd_kernel<__nv_bfloat16,true,2,3,4>", "mhc_coeffs_fwd_finish_kernel",
                  "mhc_coeffs_bwd_prep_kernel", "mhc_coeffs_mma_bwd_kernel<__nv_bfloat16,__nv_bfloat16,true,false,2,3,3>",
-                 "mhc_coeffs_bwd_dx_kernel<__nv_bfloat16,__nv_bfloat16,2,16,false>", "mhc_coeffs_transpose_kernel",
                  "mhc_coeffs_zero_kernel", "mhc_coeffs_split_phi_fwd_kernel", "mhc_coeffs_split_rows_kernel",
                  "mhc_coeffs_split_cols_kernel"):
         assert name in specs, name
+    # the n > 4 dx where phi's rows do not fit beside the blocks (coeffs._DX_TILE "fallback")
+    assert any(e.startswith("mhc_coeffs_mma_dx_tile_kernel<__nv_bfloat16,") for e in specs)
 
 # ------------------------------------------------- through the adapters (CPU)
 def test_torch_forward_backward_and_compile(rng):

@@ -22,6 +22,7 @@ import torch
 import mhc_cupy as m
 import mhc_cupy.torch as mt
 from mhc_cupy import reference as R
+from mhc_cupy.ops import coeffs
 from mhc_cupy.torch.reference import mhc_reference
 
 CASES = [((1,), 1, 7), ((3,), 2, 33), ((127,), 4, 64), ((2, 5), 3, 16), ((9,), 5, 12)]
@@ -415,3 +416,34 @@ def test_rms_eps_errors_name_rms_eps(rng, bad):
     layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(x, phi, alpha, bias)
     with pytest.raises(TypeError, match="rms_eps must be a float"):
         m.mhc_layer_pre_bwd(layer_in, None, None, None, x, phi, alpha, bias, stats, H_pre, H_res, rms_eps=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lead,n,C,dt", [((300,), 8, 72, "bfloat16"), ((77,), 6, 40, "float16"), ((50,), 8, 36, "float32"),
+                                         ((33,), 5, 24, "bfloat16"), ((130,), 14, 40, "bfloat16"),
+                                         ((3, 43), 7, 33, "float16")])
+@pytest.mark.parametrize("convention", ["paper", "deepseek"])
+def test_gpu_dx_tile_kernel_bitwise(rng, monkeypatch, lead, n, C, dt, convention):
+    """mhc_coeffs_mma_dx_tile_kernel (phi streamed in K chunks, coeffs._DX_TILE "always") gives the
+    dx of mhc_coeffs_mma_dx_kernel (phi resident, "never") bit for bit, with every layer term
+    (g_layer_in, g, grad_x; deepseek: H_res transposed), and the same dphi / dalpha / dbias; C not
+    a multiple of 32 and token counts that are not a multiple of a step."""
+    from gpu.helpers import to_host
+
+    from mhc_cupy import _dispatch
+
+    (x, phi, alpha, bias), dev, (g_d, y_d, gli_d), _ = _gpu_layer(dt, lead, n, C, rng)
+    got = {}
+    for mode in ("never", "always"):
+        monkeypatch.setattr(coeffs, "_DX_TILE", mode)
+        monkeypatch.setattr(_dispatch, "_plans", {})
+        monkeypatch.setattr(_dispatch, "_fast", {})
+        layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(*dev, convention=convention)
+        dy, dx_post, dH_post, dH_res = m.mhc_post_op_bwd(g_d, y_d, dev[0], H_post, H_res, convention=convention)
+        got[mode] = [to_host(a) for a in m.mhc_layer_pre_bwd(gli_d, g_d, dH_post, dH_res, *dev, stats, H_pre, H_res,
+                                                             convention=convention, grad_x=dx_post)]
+        assert coeffs.backward_layout(int(np.prod(lead)), n, C, n * n + 2 * n, dt).dx_kind == (
+            "tile" if mode == "always" else "resident")
+    for a, b, what in zip(got["never"], got["always"], ("dx", "dphi", "dalpha", "dbias")):
+        assert np.isfinite(a.astype(np.float32)).all(), what
+        assert a.tobytes() == b.tobytes(), what

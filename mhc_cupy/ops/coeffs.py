@@ -9,7 +9,7 @@ on every device, so results are bitwise reproducible for given shapes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 
@@ -328,9 +328,9 @@ def launch_mma_bwd(b: MmaBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc: dic
     layer = g is not None or g_li is not None or gx is not None  # any layer gradient alone adds its dx term
     tg = tg or dt
     launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(D * b.K16), (_NT, 1, 1),
-           (phi, sc["phi_r"], i64(D), i32(b.K), i32(b.K), i64(D), i32(b.K16)), stream)
+           (phi, sc["phi_r"], i64(D), i32(b.K), i32(b.K), i64(D), i32(b.K16), i32(b.K16 // 16)), stream)
     launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(b.tokens_p * b.K16), (_NT, 1, 1),
-           (dH, sc["dH_r"], i64(b.tokens), i32(b.K), i32(KP), i64(b.tokens_p), i32(b.K16)), stream)
+           (dH, sc["dH_r"], i64(b.tokens), i32(b.K), i32(KP), i64(b.tokens_p), i32(b.K16), i32(b.K16 // 16)), stream)
     launch(_FILE, "mhc_coeffs_split_cols_kernel", _grid_stride(b.tokens_p * b.Kp8), (_NT, 1, 1),
            (dH, sc["dH_c"], i64(b.tokens), i32(b.K), i32(KP), i64(b.tokens_p), i32(b.Kp8)), stream)
     vec = "true" if vec8(b.C, x, dx, g, g_li, gx) else "false"
@@ -391,14 +391,36 @@ def _dx_tiles(n: int, K16: int, dt: str) -> tuple[int, int] | None:
     return None
 
 
+#: Which n > 4 backward runs mhc_coeffs_mma_dx_tile_kernel (phi streamed with dH in 32-column chunks
+#: of K, any n): "fallback" where mhc_coeffs_mma_dx_kernel's resident phi rows do not fit
+#: (_dx_tiles None, the cases that ran on CUDA cores), "always" for every n > 4, "never" (the
+#: CUDA-core dx as the fallback).  Not yet timed on a GPU: the next measurement picks.
+_DX_TILE = "fallback"
+_DX_TILE_MT = 2  # 16-token m tiles per warp of the tile kernel (accumulators 16 MT per thread)
+
+
+def dx_tile_layout(n: int, K: int, dt: str) -> tuple[int, int, int, int, int]:
+    """(W streams per block, MT, KS (even), stages, dynamic shared bytes) of
+    mhc_coeffs_mma_dx_tile_kernel: 4 warps, W = 2 for even n else 1, a stage dH_r [PO][BT][32] and
+    phi_r [PO][32 W][32] bf16, BT = 16 (4 / W) MT tokens (kernels_cu/coeffs.cu)."""
+    w = 2 if n % 2 == 0 else 1
+    bt = 16 * (4 // w) * _DX_TILE_MT
+    stage = _planes(dt) * (bt + 32 * w) * 64
+    stages = pipeline_stages(0, stage, _MMA_BWD_STAGES)
+    return w, _DX_TILE_MT, _cdiv(K, 32) * 2, stages, stages * stage
+
+
 @dataclass(frozen=True)
 class SplitBwd(_TensorCoreBwd):
     """Layout and scratch of the backward for K > 32 (n > 4): dphi on tensor cores
     (mhc_coeffs_mma_dphi_kernel, columns in chunks of 8 * nq), dx on tensor cores
-    (mhc_coeffs_mma_dx_kernel) when its phi rows fit in shared memory, else on CUDA cores
+    (mhc_coeffs_mma_dx_kernel) when its phi rows fit in shared memory, else (or always, _DX_TILE) on
+    tensor cores with phi streamed (mhc_coeffs_mma_dx_tile_kernel) or on CUDA cores
     (mhc_coeffs_bwd_dx_kernel)."""
 
     dt: str
+    # _DX_TILE when the layout is made: a plan keeps the scratch it sized for its dx kernel
+    tile_mode: str = field(default_factory=lambda: _DX_TILE)
 
     @property
     def ncc(self) -> int:  # column chunks of dphi
@@ -419,13 +441,36 @@ class SplitBwd(_TensorCoreBwd):
         return mma_token_splits(self.tokens, self.pblocks * self.ncc, most)
 
     @property
+    def dx_kind(self) -> str:
+        """"resident" (mhc_coeffs_mma_dx_kernel), "tile" (mhc_coeffs_mma_dx_tile_kernel) or "cuda"
+        (mhc_coeffs_bwd_dx_kernel), as _DX_TILE and _dx_tiles choose."""
+        if self.tile_mode == "always":
+            return "tile"
+        if _dx_tiles(self.n, self.K16, self.dt) is not None:
+            return "resident"
+        return "tile" if self.tile_mode == "fallback" else "cuda"
+
+    @property
     def dx_tiles(self) -> tuple[int, int] | None:
-        """(W, NT) of the tensor-core dx (_dx_tiles), or None: dx on CUDA cores."""
-        return _dx_tiles(self.n, self.K16, self.dt)
+        """(W, NT) of mhc_coeffs_mma_dx_kernel where it runs, else None."""
+        return _dx_tiles(self.n, self.K16, self.dt) if self.dx_kind == "resident" else None
+
+    @property
+    def dx_K16(self) -> int:
+        """Columns of the bf16 planes of phi and dH that the tensor-core dx reads (tile: K16 rounded
+        up to an even number of k-steps)."""
+        return 16 * dx_tile_layout(self.n, self.K, self.dt)[2] if self.dx_kind == "tile" else self.K16
 
     @property
     def dx_splits(self) -> tuple[int, int]:
-        """(token ranges, tokens per range) of the tensor-core dx (no reduction; grid y <= 65535)."""
+        """(token ranges, tokens per range) of the tensor-core dx (no reduction; grid y <= 65535;
+        tile: tokens per range a multiple of its tokens a step)."""
+        if self.dx_kind == "tile":
+            w, mt = dx_tile_layout(self.n, self.K, self.dt)[:2]
+            bt = 16 * (4 // w) * mt
+            splits, _ = mma_token_splits(self.tokens, _cdiv(self.C, 32) * (self.n // w), 65535)
+            per = _cdiv(_cdiv(max(self.tokens, 1), splits), bt) * bt
+            return _cdiv(max(self.tokens, 1), per), per
         w, nt = self.dx_tiles
         return mma_token_splits(self.tokens, _cdiv(self.C, 8 * nt) * (self.n // w), 65535)
 
@@ -444,10 +489,10 @@ class SplitBwd(_TensorCoreBwd):
         """name -> (shape, dtype): what the launches need besides dH (bf16 planes of dH and phi)."""
         D = self.n * self.C
         out = {"dH_c": ((3, self.ncc * self.nq * 8, self.tokens_p), "bfloat16")}
-        if self.dx_tiles is not None:
-            out.update(phi_r=((3, D, self.K16), "bfloat16"), dH_r=((3, self.tokens_p, self.K16), "bfloat16"))
-        else:
+        if self.dx_kind == "cuda":
             out["phi_t"] = ((self.K, D), "float32")
+        else:
+            out.update(phi_r=((3, D, self.dx_K16), "bfloat16"), dH_r=((3, self.tokens_p, self.dx_K16), "bfloat16"))
         if self.dphi_splits[0] > 1:
             out["dphi_part"] = ((self.dphi_splits[0], D, self.K), "float32")
         return out
@@ -473,18 +518,23 @@ def launch_split_bwd(b: SplitBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc:
            stream, smem)
     if splits > 1:
         column_sum(out, dphi, splits, D * K, stream)
-    if b.dx_tiles is not None:
-        w, nt = b.dx_tiles
-        launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(D * b.K16), (_NT, 1, 1),
-               (phi, sc["phi_r"], i64(D), i32(K), i32(K), i64(D), i32(b.K16)), stream)
-        launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(b.tokens_p * b.K16), (_NT, 1, 1),
-               (dH, sc["dH_r"], i64(b.tokens), i32(K), i32(KP), i64(b.tokens_p), i32(b.K16)), stream)
-        stages, smem = b.dx_pipeline()
+    if b.dx_kind != "cuda":
+        K16 = b.dx_K16
+        kc = 2 if b.dx_kind == "tile" else K16 // 16  # k-steps per chunk of the planes' fragment order
+        launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(D * K16), (_NT, 1, 1),
+               (phi, sc["phi_r"], i64(D), i32(K), i32(K), i64(D), i32(K16), i32(kc)), stream)
+        launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(b.tokens_p * K16), (_NT, 1, 1),
+               (dH, sc["dH_r"], i64(b.tokens), i32(K), i32(KP), i64(b.tokens_p), i32(K16), i32(kc)), stream)
         vec = "true" if vec8(b.C, x, dx, g, g_li, gx) else "false"
         dsplits, dt_split = b.dx_splits
-        launch(_FILE, f"mhc_coeffs_mma_dx_kernel<{CTYPE[dt]},{CTYPE[tg]},{vec},{'true' if layer else 'false'},"
-                      f"{b.K16 // 16},{w},{nt},{stages}>",
-               (_cdiv(b.C, 8 * nt) * (b.n // w), dsplits, 1), (32 * w, 1, 1),
+        head = f"{CTYPE[dt]},{CTYPE[tg]},{vec},{'true' if layer else 'false'},{K16 // 16}"
+        if b.dx_kind == "tile":
+            w, mt, _, stages, smem = dx_tile_layout(b.n, K, dt)
+            expr, grid, block = f"mhc_coeffs_mma_dx_tile_kernel<{head},{w},{mt},{stages}>", _cdiv(b.C, 32), 128
+        else:
+            (w, nt), (stages, smem) = b.dx_tiles, b.dx_pipeline()
+            expr, grid, block = f"mhc_coeffs_mma_dx_kernel<{head},{w},{nt},{stages}>", _cdiv(b.C, 8 * nt), 32 * w
+        launch(_FILE, expr, (grid * (b.n // w), dsplits, 1), (block, 1, 1),
                (x, sc["phi_r"], sc["dH_r"], dH, g, g_li, H_pre, H_res, gx, dx, i64(b.tokens), i64(b.tokens_p), i32(b.n),
                 i32(b.C), i32(K), i32(KP), i32(b.n // w), i64(dt_split), i32(res_t)), stream, smem)
         return
