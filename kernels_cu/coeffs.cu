@@ -9,8 +9,8 @@
 //
 // The GEMMs run on tensor cores (the "tensor-core path" at the end of this
 // file: the forward GEMM and the sum of squares for every n; dx and dphi in one
-// kernel for K <= 32, i.e. n <= 4, in two above); the small per-token kernels
-// and the CUDA-core fallbacks are here:
+// kernel for K <= 32, i.e. n <= 4, in two above, dx with phi resident in shared memory
+// or streamed beside dH); the small per-token kernels and the head's CUDA-core GEMMs are here:
 //
 // * mhc_coeffs_fwd_finish_kernel: h from the raw per-D-range sums part
 //   [splits, T, K+1] (column K: the sum of squares), summed in range order.
@@ -20,14 +20,8 @@
 //   mhc_column_sum_kernel; dbias is the column sum of the incoming gradients).
 // * the head (OPS.md section 11): mhc_head_fwd_kernel, mhc_head_bwd_prep_kernel,
 //   mhc_head_bwd_dx_kernel (K = n columns of hc_fn = phi^T; section "head" below),
-//   and its dhc_fn through mhc_coeffs_bwd_dphi_kernel.
-// * dx on CUDA cores where the tensor-core dx kernel's phi rows take too much shared
-//   memory (ops/coeffs.py _dx_tiles: n >= 19 at 16 bits, n >= 16 in float32):
-//   mhc_coeffs_bwd_dx_kernel<T, TG, E, KC, LAYER> (a thread owns
-//   E positions x TS tokens of dx, loops over K in chunks of KC columns of the transposed
-//   phi (mhc_coeffs_transpose_kernel, coalesced) and of dH staged in shared memory);
-//   mhc_coeffs_bwd_dphi_kernel<T, E, KC> (a thread owns E positions x KC columns of dphi
-//   and walks a token range; the column chunk is the fastest block index).
+//   and its dhc_fn through mhc_coeffs_bwd_dphi_kernel<T, E, KC> (a thread owns E positions
+//   x KC columns of dphi and walks a token range; the column chunk is the fastest block index).
 //
 // Determinism: every sum has a fixed order (per-lane sequential, fixed
 // butterflies, the tensor cores' fixed accumulation, partials summed in index
@@ -214,126 +208,6 @@ __global__ void mhc_coeffs_bwd_prep_kernel(const float* __restrict__ part, const
             qa[t * 3 + 0] = q0;
             qa[t * 3 + 1] = q1;
             qa[t * 3 + 2] = q2;
-        }
-    }
-}
-
-// out[c, r] = in[r, c] for a row-major [rows, cols] float32 matrix (phi -> phi^T).
-// blockDim (32, 8); grid (ceil(rows / 32), ceil(cols / 32)).
-__global__ void mhc_coeffs_transpose_kernel(const float* __restrict__ in, float* __restrict__ out, int rows,
-                                            int cols) {
-    __shared__ float tile[32][33];
-    const int r0 = blockIdx.x * 32, c0 = blockIdx.y * 32;
-    for (int i = threadIdx.y; i < 32; i += 8) {
-        const int r = r0 + i, c = c0 + threadIdx.x;
-        if (r < rows && c < cols) tile[i][threadIdx.x] = in[(i64)r * cols + c];
-    }
-    __syncthreads();
-    for (int i = threadIdx.y; i < 32; i += 8) {
-        const int c = c0 + i, r = r0 + threadIdx.x;
-        if (r < rows && c < cols) out[(i64)c * rows + r] = tile[threadIdx.x][i];
-    }
-}
-
-// dx for any K.  Flattened grid: blockIdx.x = tile * dblocks + bx; a thread
-// owns positions d = (bx * 256 + tid) * E .. + E of the TS tokens of `tile`;
-// it walks K in chunks of KC columns: phi_t [K, D] (coalesced) in registers,
-// dH[tile tokens, chunk] staged in shared memory.
-// LAYER (the fused layer's backward, E divides C): dx_i also gets H_pre_i g_li +
-// sum_j H_res[j, i] g_j (g [tokens, n, C], g_li [tokens, C] of dtype TG, either may
-// be null = zero), in that order and before the one rounding, as the tensor-core kernel;
-// res_t (convention="deepseek", H_res transposed in the post op): sum_j H_res[i, j] g_j; then
-// gx_i (gx [tokens, n, C] of dtype TG, may be null: another gradient of x, e.g. the post op's dx).
-template <typename T, typename TG, int E, int KC, bool LAYER>
-__global__ void __launch_bounds__(256)
-mhc_coeffs_bwd_dx_kernel(const T* __restrict__ x, const float* __restrict__ phi_t, const float* __restrict__ dH,
-                         const TG* __restrict__ g, const TG* __restrict__ g_li, const float* __restrict__ H_pre,
-                         const float* __restrict__ H_res, const TG* __restrict__ gx, T* __restrict__ dx, i64 tokens,
-                         int D, int K, int KP, int dblocks, int n, int C, int res_t) {
-    using namespace mhc_coeffs;
-    constexpr int KCP = (KC + 3) / 4 * 4;
-    __shared__ __align__(16) float s_dH[TS][KCP];
-
-    const unsigned tile = blockIdx.x / (unsigned)dblocks;
-    const int bx = (int)(blockIdx.x - tile * (unsigned)dblocks);
-    const i64 t0 = (i64)tile * TS;
-    const int nt = (int)min((i64)TS, tokens - t0);
-    const int d = (bx * NT + threadIdx.x) * E;
-    const bool active = d < D;
-
-    float acc[TS][E];
-#pragma unroll
-    for (int tt = 0; tt < TS; ++tt)
-#pragma unroll
-        for (int e = 0; e < E; ++e) acc[tt][e] = 0.f;
-
-    for (int kc0 = 0; kc0 < K; kc0 += KC) {
-        const int kn = min(KC, K - kc0);
-        __syncthreads();
-        for (int j = threadIdx.x; j < TS * KCP; j += NT) {
-            const int tt = j / KCP, k = j - tt * KCP;
-            (&s_dH[0][0])[j] = (tt < nt && k < kn) ? dH[(t0 + tt) * KP + kc0 + k] : 0.f;
-        }
-        __syncthreads();
-        if (!active) continue;
-        float ph[KC][E];
-#pragma unroll
-        for (int k = 0; k < KC; ++k) {
-            if (k < kn) {
-                mhc_coeffs::lds<E>(phi_t + (i64)(kc0 + k) * D + d, ph[k]);  // global, E-aligned
-            } else {
-#pragma unroll
-                for (int e = 0; e < E; ++e) ph[k][e] = 0.f;
-            }
-        }
-#pragma unroll
-        for (int tt = 0; tt < TS; ++tt) {
-#pragma unroll
-            for (int k = 0; k < KCP; k += 4) {
-                float q[4];
-                mhc_coeffs::lds<4>(&s_dH[tt][k], q);
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    if (k + j < KC)
-#pragma unroll
-                        for (int e = 0; e < E; ++e) acc[tt][e] = fmaf(ph[k + j < KC ? k + j : 0][e], q[j], acc[tt][e]);
-            }
-        }
-    }
-    if (!active) return;
-#pragma unroll
-    for (int tt = 0; tt < TS; ++tt) {
-        if (tt < nt) {
-            const i64 t = t0 + tt;
-            const float c = dH[t * KP + K];
-            float xv[E], o[E];
-            mhc::load_vec<T, E>(x + t * (i64)D + d, xv);
-#pragma unroll
-            for (int e = 0; e < E; ++e) o[e] = fmaf(-xv[e], c, acc[tt][e]);
-            if constexpr (LAYER) {
-                const int i = d / C, col = d - i * C;  // E divides C: the E positions share stream i
-                float gv[E];
-                if (g_li != nullptr) {
-                    const float w = H_pre[t * n + i];
-                    mhc::load_vec<TG, E>(g_li + t * (i64)C + col, gv);
-#pragma unroll
-                    for (int e = 0; e < E; ++e) o[e] = fmaf(w, gv[e], o[e]);
-                }
-                if (g != nullptr) {
-                    for (int j = 0; j < n; ++j) {
-                        const float w = H_res[t * n * n + (res_t ? i * n + j : j * n + i)];
-                        mhc::load_vec<TG, E>(g + (t * n + j) * (i64)C + col, gv);
-#pragma unroll
-                        for (int e = 0; e < E; ++e) o[e] = fmaf(w, gv[e], o[e]);
-                    }
-                }
-                if (gx != nullptr) {
-                    mhc::load_vec<TG, E>(gx + t * (i64)D + d, gv);
-#pragma unroll
-                    for (int e = 0; e < E; ++e) o[e] += gv[e];
-                }
-            }
-            mhc::store_vec<T, E>(dx + t * (i64)D + d, o);
         }
     }
 }

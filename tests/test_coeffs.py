@@ -297,11 +297,11 @@ def test_launch_plans(n, C, T):
     names = [c[0].split("<")[0] for c in calls]
     assert names[:3] == ["mhc_coeffs_split_phi_fwd_kernel", "mhc_coeffs_mma_fwd_kernel", "mhc_coeffs_bwd_prep_kernel"]
     if K <= 32:
-        assert "mhc_coeffs_mma_bwd_kernel" in names and "mhc_coeffs_bwd_dx_kernel" not in names
-    else:  # dphi on tensor cores; dx too where its blocks fit (coeffs._dx_tiles: n = 8 and 16)
+        assert "mhc_coeffs_mma_bwd_kernel" in names and not any("dx" in name for name in names)
+    else:  # dphi on tensor cores; dx with phi resident where its blocks leave 8 warps per SM (n = 8), else tiled
         assert "mhc_coeffs_mma_dphi_kernel" in names and "mhc_coeffs_bwd_dphi_kernel" not in names
-        tc_dx = {"mhc_coeffs_mma_dx_kernel"} <= set(names)
-        assert tc_dx == (n in (8, 16)) and tc_dx != ({"mhc_coeffs_transpose_kernel", "mhc_coeffs_bwd_dx_kernel"} <= set(names))
+        resident = "mhc_coeffs_mma_dx_kernel" in names
+        assert resident == (n == 8) and resident != ("mhc_coeffs_mma_dx_tile_kernel" in names)
     scratch_bytes = sum(4 * int(np.prod(s)) for s, _ in plan.scratch.values())
     assert scratch_bytes <= 4 * (64 * T * (K + 1) + T * (K + 8) + 16 * 2**20 + D * K) + 12 * (D + 32) * (K + 16) \
         + 12 * (T + 16) * (K + 16)
@@ -313,9 +313,9 @@ def test_launch_plans(n, C, T):
 @pytest.mark.parametrize("n", [5, 6, 7, 8, 9, 12, 13, 14, 15, 16, 19])
 def test_split_bwd_launches(dt, n):
     """n > 4: the dphi / dx kernels' dynamic shared memory is the kernels' own formula and within the
-    portable limit; dx runs on tensor cores (32 columns per warp, W streams per block with W | n) where
-    its shared memory leaves at least _DX_MIN_WARPS (2) warps per 2 x 99 KiB (OPS.md section 9: n 5-18
-    at 16 bits, 5-15 in float32), else on CUDA cores."""
+    portable limit; dx runs with phi resident (32 columns per warp, W streams per block with W | n) where
+    its shared memory leaves at least _DX_MIN_WARPS (8) warps per 2 x 99 KiB (OPS.md section 9: n 5-8
+    at 16 bits, 5, 6 and 8 in float32), else with phi streamed (mhc_coeffs_mma_dx_tile_kernel)."""
     T, C = 1000, 72
     D, K = n * C, coeffs.columns(n)
     cx = {"x": _info((T, n, C), dt), "phi": _info((D, K)), "alpha": _info((3,)), "bias": _info((K,)),
@@ -338,7 +338,7 @@ def test_split_bwd_launches(dt, n):
             ks, w, nt, stages = (int(v) for v in params[4:8])
             po = 3 if size == 4 else 2
             assert ks == -(-K // 16) and n % w == 0 and block[0] == 32 * w
-            assert nt == 4 and w * (2 * coeffs._SMEM_PORTABLE // smem) >= coeffs._DX_MIN_WARPS == 2
+            assert nt == 4 and w * (2 * coeffs._SMEM_PORTABLE // smem) >= coeffs._DX_MIN_WARPS == 8
             assert smem == (w * 8 * nt + stages * 16) * 16 * ks * po * 2 and stages >= 2
             assert grid[0] == -(-C // (8 * nt)) * (n // w)
         elif name == "mhc_coeffs_mma_dx_tile_kernel":
@@ -352,8 +352,8 @@ def test_split_bwd_launches(dt, n):
             continue
         seen.add(name)
         assert smem <= coeffs._SMEM_PORTABLE, (expr, smem)
-    assert ("mhc_coeffs_mma_dx_kernel" in seen) == (5 <= n <= (15 if size == 4 else 18))
-    assert ("mhc_coeffs_mma_dx_tile_kernel" in seen) == ("mhc_coeffs_mma_dx_kernel" not in seen)  # _DX_TILE "fallback"
+    assert ("mhc_coeffs_mma_dx_kernel" in seen) == (n in ((5, 6, 8) if size == 4 else (5, 6, 7, 8)))
+    assert ("mhc_coeffs_mma_dx_tile_kernel" in seen) == ("mhc_coeffs_mma_dx_kernel" not in seen)
     assert "mhc_coeffs_mma_dphi_kernel" in seen
 
 
@@ -382,7 +382,7 @@ def test_registry_lists_coeffs_kernels():
                  "mhc_coeffs_zero_kernel", "mhc_coeffs_split_phi_fwd_kernel", "mhc_coeffs_split_rows_kernel",
                  "mhc_coeffs_split_cols_kernel"):
         assert name in specs, name
-    # the n > 4 dx where phi's rows do not fit beside the blocks (coeffs._DX_TILE "fallback")
+    # the n > 4 dx where phi's resident rows would leave too few warps per SM
     assert any(e.startswith("mhc_coeffs_mma_dx_tile_kernel<__nv_bfloat16,") for e in specs)
 
 # ------------------------------------------------- through the adapters (CPU)

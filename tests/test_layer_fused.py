@@ -424,8 +424,8 @@ def test_rms_eps_errors_name_rms_eps(rng, bad):
                                          ((3, 43), 7, 33, "float16")])
 @pytest.mark.parametrize("convention", ["paper", "deepseek"])
 def test_gpu_dx_tile_kernel_bitwise(rng, monkeypatch, lead, n, C, dt, convention):
-    """mhc_coeffs_mma_dx_tile_kernel (phi streamed in K chunks, coeffs._DX_TILE "always") gives the
-    dx of mhc_coeffs_mma_dx_kernel (phi resident, "never") bit for bit, with every layer term
+    """mhc_coeffs_mma_dx_tile_kernel (phi streamed in K chunks; coeffs._DX_MIN_WARPS above any block
+    count) gives the dx of mhc_coeffs_mma_dx_kernel (phi resident; _DX_MIN_WARPS 0) bit for bit, with every layer term
     (g_layer_in, g, grad_x; deepseek: H_res transposed), and the same dphi / dalpha / dbias; C not
     a multiple of 32 and token counts that are not a multiple of a step."""
     from gpu.helpers import to_host
@@ -434,16 +434,15 @@ def test_gpu_dx_tile_kernel_bitwise(rng, monkeypatch, lead, n, C, dt, convention
 
     (x, phi, alpha, bias), dev, (g_d, y_d, gli_d), _ = _gpu_layer(dt, lead, n, C, rng)
     got = {}
-    for mode in ("never", "always"):
-        monkeypatch.setattr(coeffs, "_DX_TILE", mode)
+    for mode, min_warps in (("resident", 0), ("tile", 1 << 30)):
+        monkeypatch.setattr(coeffs, "_DX_MIN_WARPS", min_warps)
         monkeypatch.setattr(_dispatch, "_plans", {})
         monkeypatch.setattr(_dispatch, "_fast", {})
         layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(*dev, convention=convention)
         dy, dx_post, dH_post, dH_res = m.mhc_post_op_bwd(g_d, y_d, dev[0], H_post, H_res, convention=convention)
         got[mode] = [to_host(a) for a in m.mhc_layer_pre_bwd(gli_d, g_d, dH_post, dH_res, *dev, stats, H_pre, H_res,
                                                              convention=convention, grad_x=dx_post)]
-        assert coeffs.backward_layout(int(np.prod(lead)), n, C, n * n + 2 * n, dt).dx_kind == (
-            "tile" if mode == "always" else "resident")
-    for a, b, what in zip(got["never"], got["always"], ("dx", "dphi", "dalpha", "dbias")):
+        assert coeffs.backward_layout(int(np.prod(lead)), n, C, n * n + 2 * n, dt).dx_kind == mode
+    for a, b, what in zip(got["resident"], got["tile"], ("dx", "dphi", "dalpha", "dbias")):
         assert np.isfinite(a.astype(np.float32)).all(), what
         assert a.tobytes() == b.tobytes(), what

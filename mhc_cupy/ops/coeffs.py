@@ -16,16 +16,14 @@ from typing import NamedTuple
 from .. import _checks, _convention, reference
 from .._convention import DEFAULT
 from .._dispatch import Plan, run
-from ._launch import ITEMSIZE, CTYPE, MAX_GRID, column_sum, f32, i32, i64, launch, tokens_of, vec8, vec_width
+from ._launch import ITEMSIZE, CTYPE, MAX_GRID, column_sum, f32, i32, i64, launch, tokens_of, vec8
 from .stream import check_x
 from .spec import ALPHA, BIAS, H_POST_RAW, H_PRE_RAW, H_RES_RAW, PHI, X, Kernel, optional_grads
 
 _FILE = "coeffs.cu"
 _NT = 256  # threads per block of the GEMM kernels (kernels_cu/coeffs.cu NT)
 _WARPS = _NT // 32
-_KC = 24  # columns of phi per chunk of the CUDA-core dphi kernel (n > 4)
-_TS = 32  # tokens of dH staged per step of the backward (kernels_cu/coeffs.cu TS)
-_DX_KC = 16  # columns per chunk of the general dx kernel
+_KC = 24  # columns of phi per chunk of the CUDA-core dphi kernel (the head's dhc_fn)
 _BWD_E = 2
 #: Block count the D / token splits aim for.  A constant (not the SM count) so the
 #: summation order, hence every bit of the result, is the same on every GPU.
@@ -360,14 +358,15 @@ def _planes(dt: str) -> int:
 #: slower, 3.48 / 4.33 ms against 2.42 / 2.94 ms at 16384 x 2560 x 6 / 16384 x 2048 x 8, because
 #: its larger phi tile fits fewer blocks per SM.
 _DX_NT = 4
-#: Least warps per 2 x 99 KiB of shared memory (about an SM's) for dx on tensor cores; below it dx
-#: runs on CUDA cores.  Measured on the H200 at 8192 x 1024 x 16 (bf16, MHC fwd+bwd, torch profiler
-#: and CUDA-event medians): the tensor-core dx with one warp per 92 KiB block (2 warps per SM) took
-#: 4.43 ms per call against 5.36 for the CUDA-core one (layer 8.72 against 9.45 ms), once its
-#: epilogue loads were issued before the MMAs and the next step's rows prefetched into L2 (before
-#: that: 6.6 against 4.45 ms).  n = 13-18 at 16 bits and 9, 11, 13-15 in float32 fall in this
-#: class; only n = 16 bf16 was timed.
-_DX_MIN_WARPS = 2
+#: Least warps per 2 x 99 KiB of shared memory (about an SM's) for the dx with phi resident
+#: (mhc_coeffs_mma_dx_kernel); below it the dx streams phi beside dH (mhc_coeffs_mma_dx_tile_kernel).
+#: Measured on the H200 (bf16, MHC fwd+bwd, CUDA-event medians, resident -> tile): n = 6 (18 warps)
+#: 3.22 -> 3.32 ms at 16384 x 2560, n = 8 (12 warps) 3.76 -> 4.03 at 16384 x 2048; n = 9 (5 warps)
+#: 5.91 -> 5.73 at 16384 x 1792, n = 10 (6) 6.65 -> 5.84, n = 12 (4) 8.12 -> 7.15, n = 14 (4)
+#: 9.75 -> 8.43, n = 16 (2) 8.51 -> 5.57 at 8192 x 1024.  So resident for n 5-8 at 16 bits and 5, 6,
+#: 8 in float32.  (The tile dx also replaced a CUDA-core dx, which took 40.7 against 29.7 ms at
+#: 8192 x 512 x 32.)
+_DX_MIN_WARPS = 8
 
 
 def dx_smem(w: int, nt: int, K16: int, dt: str) -> tuple[int, int]:
@@ -378,24 +377,19 @@ def dx_smem(w: int, nt: int, K16: int, dt: str) -> tuple[int, int]:
     return stages, fixed + stages * stage
 
 
-def _dx_tiles(n: int, K16: int, dt: str) -> tuple[int, int] | None:
+def _dx_tiles(n: int, K16: int, dt: str, min_warps: int) -> tuple[int, int] | None:
     """(W warps (streams) per block, NT column tiles per warp) of mhc_coeffs_mma_dx_kernel: NT =
     _DX_NT and the most W of 4, 2, 1 dividing n whose shared memory fits the portable limit with
-    at least _DX_MIN_WARPS warps per twice that; None: dx on CUDA cores."""
+    at least min_warps warps per twice that; None: the tile dx (phi streamed)."""
     for w in (4, 2, 1):
         if n % w:
             continue
         smem = dx_smem(w, _DX_NT, K16, dt)[1]
-        if smem <= _SMEM_PORTABLE and w * (2 * _SMEM_PORTABLE // smem) >= _DX_MIN_WARPS:
+        if smem <= _SMEM_PORTABLE and w * (2 * _SMEM_PORTABLE // smem) >= min_warps:
             return w, _DX_NT
     return None
 
 
-#: Which n > 4 backward runs mhc_coeffs_mma_dx_tile_kernel (phi streamed with dH in 32-column chunks
-#: of K, any n): "fallback" where mhc_coeffs_mma_dx_kernel's resident phi rows do not fit
-#: (_dx_tiles None, the cases that ran on CUDA cores), "always" for every n > 4, "never" (the
-#: CUDA-core dx as the fallback).  Not yet timed on a GPU: the next measurement picks.
-_DX_TILE = "fallback"
 _DX_TILE_MT = 2  # 16-token m tiles per warp of the tile kernel (accumulators 16 MT per thread)
 
 
@@ -414,13 +408,12 @@ def dx_tile_layout(n: int, K: int, dt: str) -> tuple[int, int, int, int, int]:
 class SplitBwd(_TensorCoreBwd):
     """Layout and scratch of the backward for K > 32 (n > 4): dphi on tensor cores
     (mhc_coeffs_mma_dphi_kernel, columns in chunks of 8 * nq), dx on tensor cores
-    (mhc_coeffs_mma_dx_kernel) when its phi rows fit in shared memory, else (or always, _DX_TILE) on
-    tensor cores with phi streamed (mhc_coeffs_mma_dx_tile_kernel) or on CUDA cores
-    (mhc_coeffs_bwd_dx_kernel)."""
+    (mhc_coeffs_mma_dx_kernel) where its phi rows leave _DX_MIN_WARPS warps per SM, else with phi
+    streamed beside dH (mhc_coeffs_mma_dx_tile_kernel)."""
 
     dt: str
-    # _DX_TILE when the layout is made: a plan keeps the scratch it sized for its dx kernel
-    tile_mode: str = field(default_factory=lambda: _DX_TILE)
+    # _DX_MIN_WARPS when the layout is made: a plan keeps the scratch it sized for its dx kernel
+    min_warps: int = field(default_factory=lambda: _DX_MIN_WARPS)
 
     @property
     def ncc(self) -> int:  # column chunks of dphi
@@ -442,18 +435,14 @@ class SplitBwd(_TensorCoreBwd):
 
     @property
     def dx_kind(self) -> str:
-        """"resident" (mhc_coeffs_mma_dx_kernel), "tile" (mhc_coeffs_mma_dx_tile_kernel) or "cuda"
-        (mhc_coeffs_bwd_dx_kernel), as _DX_TILE and _dx_tiles choose."""
-        if self.tile_mode == "always":
-            return "tile"
-        if _dx_tiles(self.n, self.K16, self.dt) is not None:
-            return "resident"
-        return "tile" if self.tile_mode == "fallback" else "cuda"
+        """"resident" (mhc_coeffs_mma_dx_kernel) or "tile" (mhc_coeffs_mma_dx_tile_kernel), as
+        _dx_tiles chooses."""
+        return "tile" if self.dx_tiles is None else "resident"
 
     @property
     def dx_tiles(self) -> tuple[int, int] | None:
         """(W, NT) of mhc_coeffs_mma_dx_kernel where it runs, else None."""
-        return _dx_tiles(self.n, self.K16, self.dt) if self.dx_kind == "resident" else None
+        return _dx_tiles(self.n, self.K16, self.dt, self.min_warps)
 
     @property
     def dx_K16(self) -> int:
@@ -488,11 +477,8 @@ class SplitBwd(_TensorCoreBwd):
     def scratch(self) -> dict:
         """name -> (shape, dtype): what the launches need besides dH (bf16 planes of dH and phi)."""
         D = self.n * self.C
-        out = {"dH_c": ((3, self.ncc * self.nq * 8, self.tokens_p), "bfloat16")}
-        if self.dx_kind == "cuda":
-            out["phi_t"] = ((self.K, D), "float32")
-        else:
-            out.update(phi_r=((3, D, self.dx_K16), "bfloat16"), dH_r=((3, self.tokens_p, self.dx_K16), "bfloat16"))
+        out = {"dH_c": ((3, self.ncc * self.nq * 8, self.tokens_p), "bfloat16"),
+               "phi_r": ((3, D, self.dx_K16), "bfloat16"), "dH_r": ((3, self.tokens_p, self.dx_K16), "bfloat16")}
         if self.dphi_splits[0] > 1:
             out["dphi_part"] = ((self.dphi_splits[0], D, self.K), "float32")
         return out
@@ -518,35 +504,24 @@ def launch_split_bwd(b: SplitBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc:
            stream, smem)
     if splits > 1:
         column_sum(out, dphi, splits, D * K, stream)
-    if b.dx_kind != "cuda":
-        K16 = b.dx_K16
-        kc = 2 if b.dx_kind == "tile" else K16 // 16  # k-steps per chunk of the planes' fragment order
-        launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(D * K16), (_NT, 1, 1),
-               (phi, sc["phi_r"], i64(D), i32(K), i32(K), i64(D), i32(K16), i32(kc)), stream)
-        launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(b.tokens_p * K16), (_NT, 1, 1),
-               (dH, sc["dH_r"], i64(b.tokens), i32(K), i32(KP), i64(b.tokens_p), i32(K16), i32(kc)), stream)
-        vec = "true" if vec8(b.C, x, dx, g, g_li, gx) else "false"
-        dsplits, dt_split = b.dx_splits
-        head = f"{CTYPE[dt]},{CTYPE[tg]},{vec},{'true' if layer else 'false'},{K16 // 16}"
-        if b.dx_kind == "tile":
-            w, mt, _, stages, smem = dx_tile_layout(b.n, K, dt)
-            expr, grid, block = f"mhc_coeffs_mma_dx_tile_kernel<{head},{w},{mt},{stages}>", _cdiv(b.C, 32), 128
-        else:
-            (w, nt), (stages, smem) = b.dx_tiles, b.dx_pipeline()
-            expr, grid, block = f"mhc_coeffs_mma_dx_kernel<{head},{w},{nt},{stages}>", _cdiv(b.C, 8 * nt), 32 * w
-        launch(_FILE, expr, (grid * (b.n // w), dsplits, 1), (block, 1, 1),
-               (x, sc["phi_r"], sc["dH_r"], dH, g, g_li, H_pre, H_res, gx, dx, i64(b.tokens), i64(b.tokens_p), i32(b.n),
-                i32(b.C), i32(K), i32(KP), i32(b.n // w), i64(dt_split), i32(res_t)), stream, smem)
-        return
-    # the layer's terms read g by stream: a thread's E positions must not straddle two streams
-    E = vec_width(1, b.C if layer else D, [(x, dt), (dx, dt), (g, tg), (g_li, tg), (gx, tg)], budget=_BWD_E)
-    dblocks = _cdiv(D, _NT * E)
-    launch(_FILE, "mhc_coeffs_transpose_kernel", (_cdiv(D, 32), _cdiv(K, 32), 1), (32, 8, 1),
-           (phi, sc["phi_t"], i32(D), i32(K)), stream)
-    launch(_FILE, f"mhc_coeffs_bwd_dx_kernel<{CTYPE[dt]},{CTYPE[tg]},{E},{_DX_KC},{'true' if layer else 'false'}>",
-           (dblocks * _cdiv(b.tokens, _TS), 1, 1), (_NT, 1, 1),
-           (x, sc["phi_t"], dH, g, g_li, H_pre, H_res, gx, dx, i64(b.tokens), i32(D), i32(K), i32(KP), i32(dblocks),
-            i32(b.n), i32(b.C), i32(res_t)), stream)
+    K16 = b.dx_K16
+    kc = 2 if b.dx_kind == "tile" else K16 // 16  # k-steps per chunk of the planes' fragment order
+    launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(D * K16), (_NT, 1, 1),
+           (phi, sc["phi_r"], i64(D), i32(K), i32(K), i64(D), i32(K16), i32(kc)), stream)
+    launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(b.tokens_p * K16), (_NT, 1, 1),
+           (dH, sc["dH_r"], i64(b.tokens), i32(K), i32(KP), i64(b.tokens_p), i32(K16), i32(kc)), stream)
+    vec = "true" if vec8(b.C, x, dx, g, g_li, gx) else "false"
+    dsplits, dt_split = b.dx_splits
+    head = f"{CTYPE[dt]},{CTYPE[tg]},{vec},{'true' if layer else 'false'},{K16 // 16}"
+    if b.dx_kind == "tile":
+        w, mt, _, stages, smem = dx_tile_layout(b.n, K, dt)
+        expr, grid, block = f"mhc_coeffs_mma_dx_tile_kernel<{head},{w},{mt},{stages}>", _cdiv(b.C, 32), 128
+    else:
+        (w, nt), (stages, smem) = b.dx_tiles, b.dx_pipeline()
+        expr, grid, block = f"mhc_coeffs_mma_dx_kernel<{head},{w},{nt},{stages}>", _cdiv(b.C, 8 * nt), 32 * w
+    launch(_FILE, expr, (grid * (b.n // w), dsplits, 1), (block, 1, 1),
+           (x, sc["phi_r"], sc["dH_r"], dH, g, g_li, H_pre, H_res, gx, dx, i64(b.tokens), i64(b.tokens_p), i32(b.n),
+            i32(b.C), i32(K), i32(KP), i32(b.n // w), i64(dt_split), i32(res_t)), stream, smem)
 
 
 def backward_layout(tokens: int, n: int, C: int, K: int, dt: str):
