@@ -103,6 +103,14 @@ __device__ __forceinline__ float group_sum(float v, unsigned mask) {
 
 __device__ __forceinline__ float fast_rcp(float d) { return __fdividef(1.f, d); }
 
+// 1 / d for a normal d (>= FLT_MIN): one MUFU.RCP, the bits of fast_rcp there (which first scales
+// a subnormal d).
+__device__ __forceinline__ float rcp_normal(float d) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+    return r;
+}
+
 // The pre op's dh_post_raw_k = gH_post_k * H_post_k * (1 - s_k), s = sigmoid(h_post_raw),
 // H_post = post_mult * s (g_post null = zero).  Paper (post_mult = 2): 1 - s = 1 - H_post / 2
 // exactly, the bits the formula gH_post H_post (1 - H_post / 2) gives.
@@ -147,16 +155,15 @@ __device__ __forceinline__ void lane_exp(const float* __restrict__ L, int lane, 
     }
 }
 
-// One row step and one column step on this lane's rows.  With hist non-null
-// the denominators are recorded (row r at slot r; column j at slot R + j / G
-// by lane j % G, see Layout; rows >= N record 1).  softmax: the row step is
-// the DeepSeek start p <- p / sum + eps (the sum recorded).
+// One row step and one column step on this lane's rows.  The row step is
+// p <- p * (1 / (sum + row_eps)) + row_add: (row_eps, row_add) = (eps, 0) the Sinkhorn
+// step, (0, eps) the DeepSeek softmax start (one FMA per element either way: fmaf(p,
+// inv, 0) is p * inv for p, inv >= 0).  With hist non-null the denominators are recorded
+// (row r at slot r; column j at slot R + j / G by lane j % G, see Layout; rows >= N record 1).
 template <int N, int G>
 __device__ __forceinline__ void lane_iteration(float (&p)[Layout<N, G>::R][N], int lane, float eps, unsigned mask,
-                                               float* hist, i64 hs, bool softmax = false) {
+                                               float* hist, i64 hs, float row_eps, float row_add) {
     constexpr int R = Layout<N, G>::R;
-    // one FMA per element either way (fmaf(p, inv, 0) is p * inv: p, inv >= 0), no select
-    const float d_eps = softmax ? 0.f : eps, add = softmax ? eps : 0.f;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         float d = 1.f;
@@ -164,10 +171,10 @@ __device__ __forceinline__ void lane_iteration(float (&p)[Layout<N, G>::R][N], i
             float s = 0.f;
 #pragma unroll
             for (int j = 0; j < N; ++j) s += p[r][j];
-            d = s + d_eps;
+            d = s + row_eps;
             const float inv = fast_rcp(d);
 #pragma unroll
-            for (int j = 0; j < N; ++j) p[r][j] = fmaf(p[r][j], inv, add);
+            for (int j = 0; j < N; ++j) p[r][j] = fmaf(p[r][j], inv, row_add);
         }
         if (hist) hist[r * hs] = d;
     }
@@ -206,10 +213,10 @@ __global__ void mhc_sinkhorn_knopp_fwd_kernel(const float* __restrict__ logits, 
     lane_exp<N, G>(logits + t * (N * N), lane, p, amax);
     int it = 0;
     if (DS && iters > 0) {
-        lane_iteration<N, G>(p, lane, eps, mask, nullptr, 0, true);
+        lane_iteration<N, G>(p, lane, eps, mask, nullptr, 0, 0.f, eps);
         it = 1;
     }
-    for (; it < iters; ++it) lane_iteration<N, G>(p, lane, eps, mask, nullptr, 0);
+    for (; it < iters; ++it) lane_iteration<N, G>(p, lane, eps, mask, nullptr, 0, eps, 0.f);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const int i = lane + r * G;
@@ -268,14 +275,18 @@ __global__ void mhc_sinkhorn_knopp_bwd_kernel(const float* __restrict__ grad_P,
     lane_exp<N, G>(logits + t * (N * N), lane, p, amax);
     float* hist = use_smem ? hist_smem + threadIdx.x : hist_global + gid;
     const i64 hs = use_smem ? (i64)blockDim.x : (i64)gridDim.x * blockDim.x;
-    // DS: the softmax start is iteration 0's row step: a run-time choice inside the one copy
-    // of the iteration here, and peeled off the reverse loop.  (H200, 16384 tokens, against the
-    // paper convention: a second, inlined copy of the iteration for it = 0 measured -2% / +15% at
-    // n = 4 / 8 in an interleaved micro-benchmark, and with it `python -m mhc_cupy.bench` gave
-    // +10% at n = 4; branching on it inside both loops +20% / +49%.)
+    // DS: the softmax start is iteration 0's row step, (row_eps, row_add) = (0, eps) in the first
+    // pass of the loop (the compiler may peel it), and peeled off the reverse loop.  (H200, 16384
+    // tokens, interleaved micro-benchmark against the paper convention: +10% / +4% at n = 4 / 8
+    // with a `DS && it == 0` flag inside the loop and fast_rcp in the softmax start's backward,
+    // -0.2% / +0.5% with these loop-carried values and rcp_normal; the same bits.)
     const int it0 = DS ? 1 : 0;
-    for (int it = 0; it < iters; ++it)
-        lane_iteration<N, G>(p, lane, eps, mask, hist + (i64)it * SLOTS * hs, hs, DS && it == 0);
+    float row_eps = DS ? 0.f : eps, row_add = DS ? eps : 0.f;
+    for (int it = 0; it < iters; ++it) {
+        lane_iteration<N, G>(p, lane, eps, mask, hist + (i64)it * SLOTS * hs, hs, row_eps, row_add);
+        row_eps = eps;
+        row_add = 0.f;
+    }
     // Reverse sweep on u = g * y (g: gradient of a step's output y).  For
     // y = p / d (d = row or column sum + eps):  dp = (g - s) / d with
     // s = sum(g * y) = sum(u), and p = y * d, so the input's u is
@@ -340,7 +351,7 @@ __global__ void mhc_sinkhorn_knopp_bwd_kernel(const float* __restrict__ grad_P,
             float s = 0.f;
 #pragma unroll
             for (int j = 0; j < N; ++j) {
-                u[r][j] *= 1.f - eps_s * fast_rcp(fmaxf(p[r][j] * S, floor_s));
+                u[r][j] *= 1.f - eps_s * rcp_normal(fmaxf(p[r][j] * S, floor_s));
                 s += u[r][j];
             }
 #pragma unroll
