@@ -5,7 +5,8 @@ block-sized chunks, the vectorised path, n = 1, 3, 4, 8, 17, 32, shared
 coefficients, RMSNorm with a weight and on vec(x), Sinkhorn history in shared and in global
 memory (n = 17: lanes that own fewer columns than rows), both gradient modes (n = 32: the
 warp-per-matrix implicit backward), the fused layer pieces (tensor-core forward for every n; the
-fused backward for n <= 4, the dphi / dx kernels above, tensor-core dx for n = 8, 17 (one warp a block, 2 stages) and CUDA-core dx for n = 32;
+fused backward for n <= 4, the dphi / dx kernels above, the dx with phi resident for n = 8 and streamed
+(mhc_coeffs_mma_dx_tile_kernel) for n = 17 and 32;
 the post op's dx given as g or as grad_x).  Exits non-zero if any result is not finite.
 """
 
