@@ -601,6 +601,18 @@ __device__ __forceinline__ void load8(const T* __restrict__ row, int pos, int li
     }
 }
 
+// v as 8 elements row[pos .. pos + 8) of T (none at positions >= lim; VEC as load8).
+template <typename T, bool VEC>
+__device__ __forceinline__ void store8(T* __restrict__ row, int pos, int lim, const float (&v)[8]) {
+    if (VEC) {
+        if (pos < lim) mhc::store_vec<T, 8>(row + pos, v);
+    } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            if (pos + e < lim) row[pos + e] = mhc::from_float<T>(v[e]);
+    }
+}
+
 // Position of column k of a row in the "fragment order" of the backward planes, in
 // chunks of KC k-steps (16 columns each): within chunk s / KC (16 KC values), lane quad
 // member q reads its 4 values (k = 2q, 2q+1, 2q+8, 2q+9) of each of the chunk's k-steps
@@ -1133,14 +1145,7 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
                             for (int e8 = 0; e8 < 8; ++e8) o[e8] += gv[e8];
                         }
                     }
-                    T* out = dx + t * (i64)D + warp * C;
-                    if (VEC) {
-                        if (col < C) mhc::store_vec<T, 8>(out + col, o);
-                    } else {
-#pragma unroll
-                        for (int e8 = 0; e8 < 8; ++e8)
-                            if (col + e8 < C) out[col + e8] = mhc::from_float<T>(o[e8]);
-                    }
+                    store8<T, VEC>(dx + t * (i64)D + warp * C, col, C, o);
                 }
             }
         }
@@ -1240,14 +1245,7 @@ __device__ __forceinline__ void dx_finish(float (&o)[8], float hp, const float (
             for (int e8 = 0; e8 < 8; ++e8) o[e8] += gxv[e8];
         }
     }
-    T* out = dx + t * (i64)D + (i64)i * C;
-    if (VEC) {
-        if (col < C) mhc::store_vec<T, 8>(out + col, o);
-    } else {
-#pragma unroll
-        for (int e8 = 0; e8 < 8; ++e8)
-            if (col + e8 < C) out[col + e8] = mhc::from_float<T>(o[e8]);
-    }
+    mhc_coeffs::store8<T, VEC>(dx + t * (i64)D + (i64)i * C, col, C, o);
 }
 
 // mhc_coeffs_mma_dx_kernel<T, TG, VEC, LAYER, KS, W, NT, STAGES>: dx = dH phi^T - c x (+ with
