@@ -701,7 +701,10 @@ def test_layer_mode_runs_tiny(tmp_path, capsys):
             assert v[d]["frac_of_copy"] > 0
         if name != ours[0]:
             assert max(v["max_rel_err"].values()) < 1e-4, (name, v["max_rel_err"])
+    acc = row["accuracy"]  # CPU: MHC runs the float64 NumPy reference, rounded once per op
+    assert acc["tokens"] == 3 and all(0 < acc[i][k] < 2 for i in ("mhc_cupy", "torch") for k in ("out", "dx")), acc
     text = (out / "layer.md").read_text()
+    assert "accuracy: largest error against float64" in text and "| 3x8x4 |" in text
     assert text.startswith("# mhc_cupy.bench --layer") and "| tanh | 3x8x4 | torch |" in text
     assert "byte floor" in text and "targets:" in text and "not measured" in text
     assert "| tanh | 3x8x4 | jax.jit |" in capsys.readouterr().out
@@ -718,6 +721,21 @@ def _layer_row(T, C, n, ours_ms, jax_ms=None, plain_ms=None):
         impls.update({"jax mhc_cupy": t(jax_ms), "jax.jit": t(plain_ms)})
     return {"sublayer": "identity", "tokens": T, "C": C, "n": n,
             "floor_bytes": {d: layer_bytes(d, T, C, n, 2) for d in ("fwd", "fwd+bwd")}, "impls": impls}
+
+
+def test_ulps():
+    """Errors in ulps of the dtype at max |ref|: the power of two at or below max |ref| times eps."""
+    torch = pytest.importorskip("torch")
+    from mhc_cupy.bench.layer import ulps
+
+    ref = torch.tensor([1.0, -3.0, 0.5], dtype=torch.float64)
+    assert ulps(ref.clone(), ref, torch.bfloat16) == 0.0
+    got = ref.clone()
+    got[2] += 2.0**-6  # max |ref| = 3: one bf16 ulp there is 2 * 2^-7
+    assert ulps(got, ref, torch.bfloat16) == pytest.approx(1.0)
+    assert ulps(got, ref, torch.float16) == pytest.approx(8.0)
+    assert ulps(torch.zeros(2), torch.zeros(2), torch.float32) == 0.0
+    assert ulps(torch.ones(2), torch.zeros(2), torch.float32) == float("inf")
 
 
 def test_evaluate_layer_targets():
@@ -738,6 +756,14 @@ def test_evaluate_layer_targets():
     assert n16["measured"] == pytest.approx(2.0 / (1.8 * scale16)) and n16["status"] == "met"
     jx = [v for k, v in t.items() if k.startswith("JAX")][0]
     assert jx["measured"] == pytest.approx(1.6) and jx["status"] == "met"
+    assert t["layer dx vs float64 <= 1 ulp (16384x4096x4, tanh sublayer, alpha 0.5)"]["status"] == "not measured"
+    res["meta"] = {"settings": {"dtype": "bfloat16"}}
+    res["results"][0]["accuracy"] = {"tokens": 4096, "mhc_cupy": {"out": 0.5, "dx": 1.2},
+                                     "torch": {"out": 0.5, "dx": 1.6}}
+    t = {x["name"]: x for x in evaluate_layer_targets(res)}
+    assert t["layer out vs float64 <= 0.6 ulp (16384x4096x4, tanh sublayer, alpha 0.5)"]["status"] == "met"
+    dx = t["layer dx vs float64 <= 1 ulp (16384x4096x4, tanh sublayer, alpha 0.5)"]
+    assert dx["status"] == "missed" and dx["measured"] == 1.2 and "1.60" in dx["detail"]
     table = format_layer_table(res)
     assert "| identity | 16384x4096x4 | jax.jit | 0.800 | 3.200 |" in table and "1.60x" in table
 

@@ -44,6 +44,11 @@ activation itemsize and P = 4·(n·C·m + 3 + m), m = n² + 2n (phi, alpha, bias
   read P, write dP.
 * fwd+bwd: 7A + 5Y + 3P.
 
+Accuracy (:func:`layer_accuracy`, once per shape on its first ACCURACY_TOKENS tokens): the largest
+error of out and dx against float64 autograd of ``MHCReference``, in ulps of the activation dtype
+at max |reference|, for ``MHC`` and for plain torch at the activation dtype (tanh sublayer,
+alpha 0.5: the issue's setting).
+
 The per-token coefficients (m float32 per token, under 0.1 % of A at these shapes)
 are left out.  "% copy" is floor bytes / time over the device-to-device copy
 bandwidth measured in the same run: 100 % would be a layer at the copy roofline.
@@ -74,6 +79,10 @@ LAYER_TARGETS_MS = {"fwd+bwd": {(16384, 4096, 4): 2.0, (32768, 7168, 4): 6.5},
 STREAM_TARGETS = {(16384, 2048, 8): 1.4, (8192, 1024, 16): 2.5}
 JAX_TARGET_SPEEDUP = 1.5
 DIRS = ("fwd", "fwd+bwd")
+#: Accuracy (issue: bf16, alpha 0.5, tanh sublayer): the largest error of out / dx against float64, in
+#: ulps of the dtype at max |reference|, on the first ACCURACY_TOKENS tokens of each shape.
+ACCURACY_TARGETS_ULP = {"out": 0.6, "dx": 1.0}
+ACCURACY_TOKENS, ACCURACY_ALPHA = 4096, 0.5
 
 
 def layer_bytes(direction: str, T: int, C: int, n: int, itemsize: int) -> int:
@@ -228,6 +237,51 @@ def rel_err(theirs, ours, device) -> float:
     den = float(b.norm())
     num = float((a - b).norm())
     return num / den if den > 0 else num
+
+
+def ulps(got, ref, dtype) -> float:
+    """max |got - ref| in units of ``dtype``'s ulp at max |ref| (its eps times the power of two at or
+    below max |ref|); 0 where ref is all zeros and got equals it."""
+    import math
+
+    import torch
+
+    err = float((got.double() - ref.double()).abs().max())
+    top = float(ref.double().abs().max())
+    if top == 0.0:
+        return 0.0 if err == 0.0 else math.inf
+    return err / (torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(top)))
+
+
+def layer_accuracy(T: int, C: int, n: int, dtype, device) -> dict:
+    """Largest error of the layer's out and dx against float64, in ulps (:func:`ulps`): ``MHC`` (what
+    it runs by default) and ``MHCReference`` in plain torch at ``dtype`` (parameters float32), both
+    against float64 autograd of ``MHCReference`` on the same inputs and parameters; tanh sublayer,
+    alpha = ACCURACY_ALPHA (the issue's setting: the coefficient path's share of dx is not negligible)."""
+    import torch
+
+    import mhc_cupy.torch as mt
+    from mhc_cupy.torch.reference import MHCReference
+
+    gen = torch.Generator(device=device).manual_seed(12345)
+    x, g = (torch.randn((T, n, C), generator=gen, device=device).to(dtype) for _ in range(2))
+    torch.manual_seed(1)
+    layer = mt.MHC(C, n, sublayer=torch.nn.Tanh(), device=device)
+    with torch.no_grad():
+        layer.alpha.fill_(ACCURACY_ALPHA)
+    ref64 = MHCReference.from_layer(layer).double()
+
+    def out_dx(module, xin, gin):
+        xin = xin.detach().requires_grad_()
+        out = module(xin)
+        return out.detach(), torch.autograd.grad(out, [xin], gin)[0]
+
+    want = out_dx(ref64, x.double(), g.double())
+    res = {"tokens": T, "sublayer": "tanh", "alpha": ACCURACY_ALPHA}
+    for impl, module in (("mhc_cupy", layer), ("torch", MHCReference.from_layer(layer))):
+        got = out_dx(module, x, g)
+        res[impl] = {k: ulps(a, b, dtype) for k, a, b in zip(("out", "dx"), got, want)}
+    return res
 
 
 def measure_jax(layer_fn, params, xs, gs, calls: int, cfg) -> tuple[dict, dict]:
@@ -387,6 +441,17 @@ def layer_case(sublayer_name: str, T: int, C: int, n: int, cfg, copy_GBps, l2: i
             env._log(f"  transformer_engine failed: {row['impls']['transformer_engine']['error']}")
     del xs, gs, base
     env._free_gpu_memory()
+    try:  # once per shape (it does not depend on the timed sublayer)
+        if sublayer_name != cfg.sublayers[0]:
+            return row
+        row["accuracy"] = layer_accuracy(min(T, ACCURACY_TOKENS), C, n, dt, dev)
+        acc = row["accuracy"]
+        env._log("  accuracy (ulps out / dx): " + ", ".join(f"{i} {acc[i]['out']:.2f} / {acc[i]['dx']:.2f}"
+                                                          for i in ("mhc_cupy", "torch")))
+    except Exception as e:  # noqa: BLE001 - report and go on
+        row["accuracy"] = env._error(e)
+        env._log(f"  accuracy failed: {row['accuracy']['error']}")
+    env._free_gpu_memory()
     return row
 
 
@@ -493,6 +558,15 @@ def evaluate_layer_targets(result: dict) -> list[dict]:
         ratio = t / (t4 * scale)
         add(name, "met" if ratio <= goal else "missed", ratio,
             f"{t:.3f} ms vs {t4:.3f} ms x {scale:.2f} (bytes) = {ratio:.2f}x")
+    acc = (base or {}).get("accuracy", {}).get("mhc_cupy")
+    for k, goal in ACCURACY_TARGETS_ULP.items():
+        name = f"layer {k} vs float64 <= {goal:g} ulp (16384x4096x4, tanh sublayer, alpha {ACCURACY_ALPHA:g})"
+        if acc is None or result.get("meta", {}).get("settings", {}).get("dtype") != "bfloat16":
+            add(name, "not measured", None, "needs 16384x4096x4 in bfloat16")
+        else:
+            torch_ulp = base["accuracy"]["torch"][k]
+            add(name, "met" if acc[k] <= goal else "missed", acc[k],
+                f"{acc[k]:.2f} ulp (plain torch in bf16: {torch_ulp:.2f}) on {base['accuracy']['tokens']} tokens")
     name = f"JAX mhc_layer jit(grad) >= {JAX_TARGET_SPEEDUP:g}x faster than jax.jit of plain jnp (16384x4096x4)"
     mine = reference_of(JAX_OURS, base["impls"]) if base else None
     t, tp = (_ms(base, mine, "fwd+bwd"), _ms(base, "jax.jit", "fwd+bwd")) if mine else (None, None)
@@ -547,6 +621,14 @@ def format_layer_table(result: dict) -> str:
                          f"| {_fmt_ms(v.get('fwd+bwd'))} "
                          f"| {_fmt_frac(v.get('fwd'))} | {_fmt_frac(v.get('fwd+bwd'))} | {_fmt_mib(v.get('fwd+bwd'))} "
                          f"| {' / '.join(speed) if ref != impl else ''} | {err} |")
+    acc = [(r, r["accuracy"]) for r in result.get("results", []) if "mhc_cupy" in r.get("accuracy", {})]
+    if acc:
+        lines += ["", f"accuracy: largest error against float64 in ulps of max |reference| (tanh sublayer, alpha "
+                      f"{ACCURACY_ALPHA:g}, the first {ACCURACY_TOKENS} tokens), out / dx", "",
+                  "| T x C x n | mhc_cupy | plain torch |", "|---|---|---|"]
+        for r, a in acc:
+            lines.append(f"| {r['tokens']}x{r['C']}x{r['n']} | {a['mhc_cupy']['out']:.2f} / {a['mhc_cupy']['dx']:.2f} "
+                         f"| {a['torch']['out']:.2f} / {a['torch']['dx']:.2f} |")
     return "\n".join(lines)
 
 
