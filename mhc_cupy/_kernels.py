@@ -82,9 +82,10 @@ def specialisations(dtypes=("bfloat16", "float16", "float32"), ns=(4,), Cs=(4096
 
 def all_specialisations() -> list[tuple[str, str]]:
     """Representative set compiled by CI: every dtype at n = 4 and n = 8 (the coefficient
-    backward's two tensor-core layouts), every supported size class of n at bfloat16,
-    vectorised and scalar paths."""
-    return sorted(set(specialisations(ns=(4, 8))) |
+    backward's fused kernel and its dx with phi resident) and the dx with phi streamed (n = 16),
+    every supported size class of n at bfloat16, vectorised and scalar paths."""
+    tile = {(f, e) for f, e in specialisations(dtypes=("float16", "float32"), ns=(16,)) if "dx_tile" in e}
+    return sorted(set(specialisations(ns=(4, 8))) | tile |
                   set(specialisations(dtypes=("bfloat16",), ns=(1, 2, 3, 8, 16, 17, 32))))
 
 

@@ -268,8 +268,15 @@ def test_convention_target():
     assert sk["status"] == "missed" and sk["measured"] == pytest.approx(9.6 / 8.8) and "16384x-x4" in sk["detail"]
     assert t["mhc_pre_op fwd deepseek convention <= 1.05x the paper convention's time"]["status"] == "met"
     assert not any("deepseek" in name for name in _targets(fake_result()))  # paper runs: no such target
+    for r in res["results"]:
+        r["convention"] = "deepseek"
     table = bench.format_table(res).splitlines()
     assert "paper" in table[1] and f"{8.8 / 9.6:.2f}x" in next(ln for ln in table if "16384x-x4" in ln)
+    assert table[3].startswith("mhc_pre_op ds") and any(ln.startswith("ds: ") for ln in table)
+    ds = fake_result()  # --merge of a paper run and a deepseek run of the same shapes keeps both rows
+    ds["results"] = [dict(r, convention="deepseek") for r in ds["results"] if r["op"] == "sinkhorn_knopp"]
+    merged = bench.merge_results([fake_result(), ds])
+    assert len(merged["results"]) == len(fake_result()["results"]) + 2
 
 
 def test_format_report_table_last():

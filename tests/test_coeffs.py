@@ -254,8 +254,10 @@ def test_mma_token_splits(tokens, n, C):
     K = coeffs.columns(n)
     b = coeffs.backward_layout(tokens, n, C, K, "bfloat16")
     ranges = [b.dphi_splits] if K > 32 else [(b.splits, b.t_split)]
-    if K > 32 and b.dx_tiles is not None:
+    if K > 32:  # the dx's token ranges (grid y): whole steps of its kernel (tile: BT tokens)
         ranges.append(b.dx_splits)
+        step = 16 * (4 // coeffs.dx_tile_layout(n, K, "bfloat16")[0]) * coeffs._DX_TILE_MT if b.dx_kind == "tile" else 16
+        assert b.dx_splits[1] % step == 0 and b.dx_splits[0] <= 65535
     for splits, per in ranges:
         assert splits >= 1 and per >= 16 and per % 16 == 0
         assert splits * per >= tokens > (splits - 1) * per or tokens == 0
@@ -565,9 +567,8 @@ def test_coeffs_float32_accurate_over_long_rows(rng, dt, T, C):
                                       (32, 2, 16, "bfloat16"), (6, 127, 40, "float16"), (7, 33, 24, "float32"),
                                       (17, 20, 8, "float32")])
 def test_coeffs_large_n(rng, n, T, C, dt):
-    """n > 4: column chunks in the forward, the separate dx / dphi kernels in the backward (dx on
-    tensor cores with 4, 2 or 1 streams per block (n = 16 bf16: 1), or on CUDA cores for n = 32 and
-    float32 n = 17)."""
+    """n > 4: column chunks in the forward, the separate dx / dphi kernels in the backward (dx with phi
+    resident, 4, 2 or 1 streams per block, for n 5-7 here; with phi streamed for n = 16, 17, 32)."""
     _check(rng, T, n, C, dt)
 
 

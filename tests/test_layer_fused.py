@@ -203,7 +203,7 @@ def test_mismatched_gradient_dtypes_raise(rng):
 # --------------------------------------------------------------------- GPU
 GPU_CASES = [((1,), 1, 7), ((3,), 2, 33), ((127,), 4, 64), ((2, 5), 3, 16), ((300,), 4, 1000), ((70,), 4, 4096),
              ((9,), 5, 12), ((127,), 8, 33), ((3, 50), 8, 256), ((40,), 16, 64), ((33,), 13, 1000),
-             ((5,), 32, 48)]  # n > 4: split backward (CUDA-core dx: 32, f32 16), tensor-core post backward
+             ((5,), 32, 48)]  # n > 4: split backward (dx with phi streamed: 13, 16, 32), tensor-core post backward
 
 
 def _gpu_layer(dt, lead, n, C, rng):
@@ -274,7 +274,7 @@ def test_gpu_pieces_bitwise_repeatable(rng, n):
 
 
 @pytest.mark.gpu
-# the fused tensor-core backward (n <= 4), the split one with dx on tensor cores (n = 8, 16) and on CUDA cores (n = 32)
+# the fused tensor-core backward (n <= 4), the split one with phi resident (n = 8) and streamed (n = 16, 32) in dx
 @pytest.mark.parametrize("n,C", [(4, 64), (8, 40), (16, 40), (32, 24)])
 @pytest.mark.parametrize("missing", ["grad_layer_in", "grad_out", "both"])
 @pytest.mark.parametrize("with_gx", [False, True])

@@ -128,8 +128,11 @@ def format_table(result: dict) -> str:
             body = f"{mine['us']:>9.1f} {mine['GBps']:>6.0f} {mine['frac_of_copy']:>7.1%}"
         else:
             body = f"{'error':>9} {'':>6} {'':>7}"
-        lines.append(f"{r['op']:<18} {r['dir']:<4} {shape_str(r['tokens'], r['C'], r['n']):>15} {body}"
+        op = r["op"] + (" ds" if r.get("convention", "paper") != "paper" else "")
+        lines.append(f"{op:<18} {r['dir']:<4} {shape_str(r['tokens'], r['C'], r['n']):>15} {body}"
                      + "".join(f" {_fmt_speedup(r, i):>8}" for i in impls))
+    if any(r.get("convention", "paper") != "paper" for r in rows):
+        lines.append("ds: convention=\"deepseek\" (its baseline \"paper\": the same op under the paper convention)")
     lines.append("speedup = baseline time / mhc_cupy time (> 1: mhc_cupy faster); "
                  "% copy = GB/s of the byte model / device-to-device copy GB/s")
     return "\n".join(lines)
@@ -247,14 +250,14 @@ def merged_from(results: list[dict]) -> list[dict]:
 
 def merge_results(results: list[dict]) -> dict:
     """Combine several bench.json results (e.g. one per --tokens value): rows of later
-    files replace rows of the same (op, dir, shape, dtype); targets are re-evaluated."""
+    files replace rows of the same (op, dir, shape, dtype, convention); targets are re-evaluated."""
     if not results:
         raise ValueError("nothing to merge")
     merged = json.loads(json.dumps(results[0]))
     by_key = {}
     for res in results:
         for r in res.get("results", []):
-            by_key[(r["op"], r["dir"], r["tokens"], r["C"], r["n"], r["dtype"])] = r
+            by_key[(r["op"], r["dir"], r["tokens"], r["C"], r["n"], r["dtype"], r.get("convention", "paper"))] = r
     merged["results"] = list(by_key.values())
     for res in results[1:]:
         if res.get("host_overhead_us"):
