@@ -568,7 +568,8 @@ def test_coeffs_float32_accurate_over_long_rows(rng, dt, T, C):
                                       (17, 20, 8, "float32")])
 def test_coeffs_large_n(rng, n, T, C, dt):
     """n > 4: column chunks in the forward, the separate dx / dphi kernels in the backward (dx with phi
-    resident, 4, 2 or 1 streams per block, for n 5-7 here; with phi streamed for n = 16, 17, 32)."""
+    resident, 2 or 1 streams per block, for n = 5, 6 here; with phi streamed for float32 n = 7 and
+    n = 16, 17, 32)."""
     _check(rng, T, n, C, dt)
 
 

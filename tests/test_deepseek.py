@@ -543,7 +543,7 @@ def _layer_pieces(x, phi, alpha, bias, g, iters=20, eps=O.EPS, grad_mode="unroll
     return (out, layer_in, stats, dy, *grads)
 
 
-#: n <= 4: the tensor-core dx / dphi kernel; 5 and 8: the CUDA-core one (both read H_res transposed here).
+#: n <= 4: the fused tensor-core dx / dphi kernel; 5 and 8: the dx with phi resident (both read H_res transposed here).
 LAYER_NS = [1, 2, 3, 4, 5, 8]
 
 
