@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import datetime
 import inspect
+import math
 import time
 from pathlib import Path
 
@@ -242,8 +243,6 @@ def rel_err(theirs, ours, device) -> float:
 def ulps(got, ref, dtype) -> float:
     """max |got - ref| in units of ``dtype``'s ulp at max |ref| (its eps times the power of two at or
     below max |ref|); 0 where ref is all zeros and got equals it."""
-    import math
-
     import torch
 
     err = float((got.double() - ref.double()).abs().max())
@@ -441,17 +440,15 @@ def layer_case(sublayer_name: str, T: int, C: int, n: int, cfg, copy_GBps, l2: i
             env._log(f"  transformer_engine failed: {row['impls']['transformer_engine']['error']}")
     del xs, gs, base
     env._free_gpu_memory()
-    try:  # once per shape (it does not depend on the timed sublayer)
-        if sublayer_name != cfg.sublayers[0]:
-            return row
-        row["accuracy"] = layer_accuracy(min(T, ACCURACY_TOKENS), C, n, dt, dev)
-        acc = row["accuracy"]
-        env._log("  accuracy (ulps out / dx): " + ", ".join(f"{i} {acc[i]['out']:.2f} / {acc[i]['dx']:.2f}"
-                                                          for i in ("mhc_cupy", "torch")))
-    except Exception as e:  # noqa: BLE001 - report and go on
-        row["accuracy"] = env._error(e)
-        env._log(f"  accuracy failed: {row['accuracy']['error']}")
-    env._free_gpu_memory()
+    if sublayer_name == cfg.sublayers[0]:  # once per shape (it does not depend on the timed sublayer)
+        try:
+            acc = row["accuracy"] = layer_accuracy(min(T, ACCURACY_TOKENS), C, n, dt, dev)
+            env._log("  accuracy (ulps out / dx): " + ", ".join(f"{i} {acc[i]['out']:.2f} / {acc[i]['dx']:.2f}"
+                                                              for i in ("mhc_cupy", "torch")))
+        except Exception as e:  # noqa: BLE001 - report and go on
+            row["accuracy"] = env._error(e)
+            env._log(f"  accuracy failed: {row['accuracy']['error']}")
+        env._free_gpu_memory()
     return row
 
 

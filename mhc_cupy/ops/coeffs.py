@@ -10,6 +10,7 @@ on every device, so results are bitwise reproducible for given shapes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 
@@ -412,50 +413,57 @@ class SplitBwd(_TensorCoreBwd):
     streamed beside dH (mhc_coeffs_mma_dx_tile_kernel)."""
 
     dt: str
-    # _DX_MIN_WARPS when the layout is made: a plan keeps the scratch it sized for its dx kernel
+    # _DX_MIN_WARPS when the layout is made: a plan keeps the scratch it sized for its dx kernel.
+    # The derived layout below is cached per instance (cached_property): the launch reads it on
+    # every call.
     min_warps: int = field(default_factory=lambda: _DX_MIN_WARPS)
 
-    @property
+    @cached_property
     def ncc(self) -> int:  # column chunks of dphi
         return _cdiv(_cdiv(self.K, 8), _MMA_DPHI_NQ)
 
-    @property
+    @cached_property
     def nq(self) -> int:  # 8-column tiles per chunk
         return _cdiv(_cdiv(self.K, 8), self.ncc)
 
-    @property
+    @cached_property
     def pblocks(self) -> int:
         return _cdiv(self.n * self.C, 256)
 
-    @property
+    @cached_property
     def dphi_splits(self) -> tuple[int, int]:
         """(splits, tokens per split) of the dphi reduction (partials as MmaBwd's)."""
         most = min(_MAX_SPLITS, _MAX_PARTIAL_FLOATS // (self.n * self.C * self.K))
         return mma_token_splits(self.tokens, self.pblocks * self.ncc, most)
 
-    @property
+    @cached_property
     def dx_kind(self) -> str:
         """"resident" (mhc_coeffs_mma_dx_kernel) or "tile" (mhc_coeffs_mma_dx_tile_kernel), as
         _dx_tiles chooses."""
         return "tile" if self.dx_tiles is None else "resident"
 
-    @property
+    @cached_property
     def dx_tiles(self) -> tuple[int, int] | None:
         """(W, NT) of mhc_coeffs_mma_dx_kernel where it runs, else None."""
         return _dx_tiles(self.n, self.K16, self.dt, self.min_warps)
 
-    @property
+    @cached_property
+    def tile_layout(self) -> tuple[int, int, int, int, int] | None:
+        """dx_tile_layout of the tile dx where it runs, else None."""
+        return dx_tile_layout(self.n, self.K, self.dt) if self.dx_kind == "tile" else None
+
+    @cached_property
     def dx_K16(self) -> int:
         """Columns of the bf16 planes of phi and dH that the tensor-core dx reads (tile: K16 rounded
         up to an even number of k-steps)."""
-        return 16 * dx_tile_layout(self.n, self.K, self.dt)[2] if self.dx_kind == "tile" else self.K16
+        return 16 * self.tile_layout[2] if self.dx_kind == "tile" else self.K16
 
-    @property
+    @cached_property
     def dx_splits(self) -> tuple[int, int]:
         """(token ranges, tokens per range) of the tensor-core dx (no reduction; grid y <= 65535;
         tile: tokens per range a multiple of its tokens a step)."""
         if self.dx_kind == "tile":
-            w, mt = dx_tile_layout(self.n, self.K, self.dt)[:2]
+            w, mt = self.tile_layout[:2]
             bt = 16 * (4 // w) * mt
             splits, _ = mma_token_splits(self.tokens, _cdiv(self.C, 32) * (self.n // w), 65535)
             per = _cdiv(_cdiv(max(self.tokens, 1), splits), bt) * bt
@@ -463,6 +471,7 @@ class SplitBwd(_TensorCoreBwd):
         w, nt = self.dx_tiles
         return mma_token_splits(self.tokens, _cdiv(self.C, 8 * nt) * (self.n // w), 65535)
 
+    @cached_property
     def dphi_pipeline(self) -> tuple[int, int]:
         """(stages, dynamic shared bytes) of mhc_coeffs_mma_dphi_kernel: per stage x [16][256]
         (token rows padded by 16 bytes) and dH_c [3][8 nq][16] (kernels_cu/coeffs.cu)."""
@@ -470,6 +479,7 @@ class SplitBwd(_TensorCoreBwd):
         stages = pipeline_stages(0, stage, _MMA_BWD_STAGES)
         return stages, stages * stage
 
+    @cached_property
     def dx_pipeline(self) -> tuple[int, int]:
         """(stages, dynamic shared bytes) of the tensor-core dx (dx_smem)."""
         return dx_smem(*self.dx_tiles, self.K16, self.dt)
@@ -497,7 +507,7 @@ def launch_split_bwd(b: SplitBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc:
            (dH, sc["dH_c"], i64(b.tokens), i32(K), i32(KP), i64(b.tokens_p), i32(Kc)), stream)
     splits, t_split = b.dphi_splits
     out = sc["dphi_part"] if splits > 1 else dphi
-    stages, smem = b.dphi_pipeline()
+    stages, smem = b.dphi_pipeline
     launch(_FILE, f"mhc_coeffs_mma_dphi_kernel<{CTYPE[dt]},{'true' if vec8(D, x) else 'false'},{b.nq},{stages}>",
            (b.pblocks * b.ncc, splits, 1), (128, 1, 1),
            (x, sc["dH_c"], out, i64(b.tokens), i64(b.tokens_p), i32(D), i32(K), i32(Kc), i32(b.ncc), i64(t_split)),
@@ -514,10 +524,10 @@ def launch_split_bwd(b: SplitBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc:
     dsplits, dt_split = b.dx_splits
     head = f"{CTYPE[dt]},{CTYPE[tg]},{vec},{'true' if layer else 'false'},{K16 // 16}"
     if b.dx_kind == "tile":
-        w, mt, _, stages, smem = dx_tile_layout(b.n, K, dt)
+        w, mt, _, stages, smem = b.tile_layout
         expr, grid, block = f"mhc_coeffs_mma_dx_tile_kernel<{head},{w},{mt},{stages}>", _cdiv(b.C, 32), 128
     else:
-        (w, nt), (stages, smem) = b.dx_tiles, b.dx_pipeline()
+        (w, nt), (stages, smem) = b.dx_tiles, b.dx_pipeline
         expr, grid, block = f"mhc_coeffs_mma_dx_kernel<{head},{w},{nt},{stages}>", _cdiv(b.C, 8 * nt), 32 * w
     launch(_FILE, expr, (grid * (b.n // w), dsplits, 1), (block, 1, 1),
            (x, sc["phi_r"], sc["dH_r"], dH, g, g_li, H_pre, H_res, gx, dx, i64(b.tokens), i64(b.tokens_p), i32(b.n),
