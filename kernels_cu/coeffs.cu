@@ -492,9 +492,10 @@ mhc_head_bwd_dx_kernel(const TG* __restrict__ g, const T* __restrict__ x, const 
 // * mhc_coeffs_mma_fwd_kernel<T, VEC, MT, NTILE, STAGES>: part[split, t, k]
 //   = raw H~ over one D range and part[split, t, K] = the sum of squares (as
 //   the CUDA-core forward with part != nullptr; mhc_coeffs_fwd_finish_kernel
-//   and mhc_coeffs_bwd_prep_kernel consume it).  4 warps; a warp owns MT x 16
-//   tokens and NTILE x 8 columns and walks the block's D range 32 positions
-//   a step (8 per lane quad member: two MMA k-steps).
+//   and mhc_coeffs_bwd_prep_kernel consume it; for bf16 x also on the tensor
+//   cores, as the diagonal of X X^T).  4 warps; a warp owns MT x 16 tokens and
+//   NTILE x 8 columns and walks the block's D range 32 positions a step (8 per
+//   lane quad member: two MMA k-steps).
 // * mhc_coeffs_mma_bwd_kernel<T, TG, VEC, LAYER, KS, NQ, STAGES>: block of n
 //   warps, warp i owns columns [cb * 64, cb * 64 + 64) of stream i and walks
 //   the block's token range 16 tokens a step: dphi[64 positions, K] += x^T dH
@@ -793,21 +794,38 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
     const int steps = (d_end - d_begin + 31) / 32;
     const i64 plane = (i64)Kp * Dp;
 
+    // The copies of a step: every thread copies chunk xq of XN token rows and PN (or PN - 1)
+    // 16-byte pieces of the phi planes; their sources are fixed but for the step's offset d0.
+    constexpr int XC = XROW / 16;                 // 16-byte chunks per token row (4 or 8)
+    constexpr int XN = TOK * XC / 128;            // x chunks per thread
+    constexpr int PC = 3 * KC * 4;                // phi chunks per step
+    constexpr int PN = (PC + 127) / 128;          // phi chunks per thread (at most)
+    const int xq = threadIdx.x % XC, xr0 = threadIdx.x / XC;
+    const T* xrow[XN];
+    bool xok[XN];
+#pragma unroll
+    for (int j = 0; j < XN; ++j) {
+        const i64 t = tile * TOK + xr0 + j * (128 / XC);
+        xok[j] = t < tokens;
+        xrow[j] = x + (xok[j] ? t : 0) * (i64)D;
+    }
+    const __nv_bfloat16* prow[PN];
+#pragma unroll
+    for (int j = 0; j < PN; ++j) {
+        const int c = threadIdx.x + 128 * j, r = min(c, PC - 1) >> 2, p = r / KC, k = r - p * KC;
+        prow[j] = planes + p * plane + (i64)(kc0 + k) * Dp + (c & 3) * 8;
+    }
     auto fill = [&](int step, int stage) {
         unsigned char* st = smem + stage * SB;
         const int d0 = d_begin + step * 32;
-        constexpr int XC = XROW / 16;  // 16-byte chunks per token row
-        for (int c = threadIdx.x; c < TOK * XC; c += 128) {
-            const int r = c / XC, q = c - r * XC;
-            const i64 t = tile * TOK + r;
-            const bool ok = t < tokens;
-            fill16<T, VEC>(st + r * XROW + q * 16, x + (ok ? t : 0) * (i64)D, ok, d0 + q * (16 / (int)sizeof(T)),
-                           d_end);
-        }
-        for (int c = threadIdx.x; c < 3 * KC * 4; c += 128) {
-            const int r = c >> 2, q = c & 3, p = r / KC, k = r - p * KC;
-            cp_async16(st + XB + r * 64 + q * 16, planes + p * plane + (i64)(kc0 + k) * Dp + d0 + q * 8, true);
-        }
+#pragma unroll
+        for (int j = 0; j < XN; ++j)
+            fill16<T, VEC>(st + (xr0 + j * (128 / XC)) * XROW + xq * 16, xrow[j], xok[j],
+                           d0 + xq * (16 / (int)sizeof(T)), d_end);
+#pragma unroll
+        for (int j = 0; j < PN; ++j)
+            if (PC % 128 == 0 || threadIdx.x + 128 * j < PC)
+                cp_async16(st + XB + (threadIdx.x + 128 * j) * 16, prow[j] + d0, true);
     };
 
     float acc[MT][NTILE][4], ss[MT][2];
@@ -839,13 +857,7 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
             for (int h = 0; h < 2; ++h) {
                 const unsigned char* src = st + (warp * MT * 16 + m * 16 + g + 8 * h) * XROW + tq * 8 * (int)sizeof(T);
                 if constexpr (P == 1) {
-                    mhc::load_words<4>(src, aw[m][0][h]);
-#pragma unroll
-                    for (int w = 0; w < 4; ++w) {
-                        const float lo = __uint_as_float(aw[m][0][h][w] << 16);
-                        const float hi = __uint_as_float(aw[m][0][h][w] & 0xffff0000u);
-                        ss[m][h] = fmaf(hi, hi, fmaf(lo, lo, ss[m][h]));
-                    }
+                    mhc::load_words<4>(src, aw[m][0][h]);  // the sum of squares: below, on the tensor cores
                 } else {
                     float v[8];
                     mhc::load_vec<T, 8>(reinterpret_cast<const T*>(src), v);
@@ -884,6 +896,28 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
                             mma16816(stp[m][q], a, bw[q][pb][2 * j], bw[q][pb][2 * j + 1]);
                         }
         mhc::add(acc, stp);
+        if constexpr (P == 1) {
+            // bf16: the step's sums of squares as the diagonal of X X^T (products exact, summed in
+            // float32 as H~): B = X^T of the same 16 positions is A's own words, rows g (a0, a2)
+            // for the tokens 0-7 of the m tile, rows g + 8 (a1, a3) for 8-15.  Diagonal entry g of
+            // each half sits in lane quad member tq = g / 2, element g % 2 (+ 2 for rows g + 8).
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                float sq[2][4];
+                mhc::zero(sq);
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const unsigned a[4] = {aw[m][0][0][2 * j], aw[m][0][1][2 * j], aw[m][0][0][2 * j + 1],
+                                           aw[m][0][1][2 * j + 1]};
+                    mma16816(sq[0], a, a[0], a[2]);
+                    mma16816(sq[1], a, a[1], a[3]);
+                }
+                if (tq == (g >> 1)) {
+                    ss[m][0] += (g & 1) ? sq[0][1] : sq[0][0];
+                    ss[m][1] += (g & 1) ? sq[1][3] : sq[1][2];
+                }
+            }
+        }
     }
     cp_async_wait<0>();
 
