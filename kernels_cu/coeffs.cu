@@ -896,7 +896,7 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
                             mma16816(stp[m][q], a, bw[q][pb][2 * j], bw[q][pb][2 * j + 1]);
                         }
         mhc::add(acc, stp);
-        if constexpr (P == 1) {
+        if (P == 1 && cc == 0) {  // (only column chunk 0 writes the sums of squares)
             // bf16: the step's sums of squares as the diagonal of X X^T (products exact, summed in
             // float32 as H~): B = X^T of the same 16 positions is A's own words, rows g (a0, a2)
             // for the tokens 0-7 of the m tile, rows g + 8 (a1, a3) for 8-15.  Diagonal entry g of
@@ -1009,8 +1009,8 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
         // x: warp i copies the rows of stream i (the only ones it reads), 16 XC / 32 chunks a lane
         constexpr int XC = 64 * (int)sizeof(T) / 16;
 #pragma unroll
-        for (int c = lane; c < 16 * XC; c += 32) {
-            const int u = c / XC, q = c % XC;
+        for (int j = 0; j < 16 * XC / 32; ++j) {
+            const int u = lane / XC + j * (32 / XC), q = lane % XC;
             const i64 t = t0 + u;
             const bool ok = t < t_end;
             fill16<T, VEC>(st + u * XR + warp * 64 * (int)sizeof(T) + q * 16, xw + (ok ? t : 0) * (i64)D, ok,
@@ -1220,20 +1220,32 @@ mhc_coeffs_mma_dphi_kernel(const T* __restrict__ x, const __nv_bfloat16* __restr
     const int steps = (int)((max(t_end - t_begin, (i64)0) + 15) / 16);
     const i64 plane_c = (i64)Kc * tokens_p;
 
+    // The copies of a step: chunk xq of XN token rows (u = xu0 + j 128 / XC) and HN (or HN - 1)
+    // 16-byte halves of dH_c rows p * 8 NQ + k, whose sources differ from step to step by t0 only.
+    constexpr int XC = 256 * (int)sizeof(T) / 16;  // 16-byte chunks per token row (32 or 64)
+    constexpr int XN = 16 * XC / 128;
+    constexpr int HC = 3 * NQ * 8 * 2, HN = (HC + 127) / 128;
+    const int xq = threadIdx.x % XC, xu0 = threadIdx.x / XC;
+    const __nv_bfloat16* hsrc[HN];
+#pragma unroll
+    for (int j = 0; j < HN; ++j) {
+        const int c = min((int)threadIdx.x + 128 * j, HC - 1), r = c >> 1, p = r / (NQ * 8), k = r - p * (NQ * 8);
+        hsrc[j] = dH_c + p * plane_c + (i64)(k0 + k) * tokens_p + (c & 1) * 8;
+    }
     auto fill = [&](int step, int stage) {
         unsigned char* st = smem + stage * SB;
         const i64 t0 = t_begin + step * 16;
-        constexpr int XC = 256 * (int)sizeof(T) / 16;  // 16-byte chunks per token row
-        for (int c = threadIdx.x; c < 16 * XC; c += 128) {
-            const int u = c / XC, q = c - u * XC;
+#pragma unroll
+        for (int j = 0; j < XN; ++j) {
+            const int u = xu0 + j * (128 / XC);
             const i64 t = t0 + u;
             const bool ok = t < t_end;
-            fill16<T, VEC>(st + u * XR + q * 16, x + (ok ? t : 0) * (i64)D, ok, d0 + q * (16 / (int)sizeof(T)), D);
+            fill16<T, VEC>(st + u * XR + xq * 16, x + (ok ? t : 0) * (i64)D, ok, d0 + xq * (16 / (int)sizeof(T)), D);
         }
-        for (int c = threadIdx.x; c < 3 * NQ * 8 * 2; c += 128) {  // rows p * 8 NQ + k, two 16-byte halves
-            const int r = c >> 1, q = c & 1, p = r / (NQ * 8), k = r - p * (NQ * 8);
-            cp_async16(st + XB + c * 16, dH_c + p * plane_c + (i64)(k0 + k) * tokens_p + t0 + q * 8, true);
-        }
+#pragma unroll
+        for (int j = 0; j < HN; ++j)
+            if (HC % 128 == 0 || (int)threadIdx.x + 128 * j < HC)
+                cp_async16(st + XB + (threadIdx.x + 128 * j) * 16, hsrc[j] + t0, true);
     };
 
     float acc[4][NQ][4];  // [m tile of 16 positions][column tile][fragment]
@@ -1465,24 +1477,42 @@ mhc_coeffs_mma_dx_tile_kernel(const T* __restrict__ x, const __nv_bfloat16* __re
     const i64 plane_r = tokens_p * K16, plane_phi = D * K16;
     const int ks_real = (K + 15) / 16;  // k-steps of K (KS may be one more)
 
+    // The copies of an iteration: 16-byte pieces c = threadIdx.x + 128 j of the dH_r rows p * BT + u
+    // (4 a row) and of the phi_r rows p * NW + 32 w' + cl; their sources differ from iteration to
+    // iteration by the step's tokens t0 and the chunk's columns k0 only.
+    constexpr int HC = PO * BT * 4, HN = (HC + 127) / 128, FC = PO * NW * 4, FN = (FC + 127) / 128;
+    const __nv_bfloat16* hsrc[HN];
+    int hu[HN];
+#pragma unroll
+    for (int j = 0; j < HN; ++j) {
+        const int c = min((int)threadIdx.x + 128 * j, HC - 1), r = c >> 2, p = r / BT;
+        hu[j] = r - p * BT;
+        hsrc[j] = dH_r + p * plane_r + (c & 3) * 8;
+    }
+    const __nv_bfloat16* fsrc[FN];
+    bool fok[FN];
+#pragma unroll
+    for (int j = 0; j < FN; ++j) {
+        const int c = min((int)threadIdx.x + 128 * j, FC - 1), r = c >> 2, p = r / NW, pl = r - p * NW, cl = pl & 31;
+        fok[j] = cb0 + cl < C;
+        const i64 pos = (i64)(grp * W + (pl >> 5)) * C + (fok[j] ? cb0 + cl : 0);
+        fsrc[j] = phi_r + p * plane_phi + pos * K16 + (c & 3) * 8;
+    }
     auto fill = [&](int it, int stage) {
         unsigned char* st = smem + stage * SB;
         const int step = it / KCN, k0 = (it - step * KCN) * 32;
         const i64 t0 = t_begin + (i64)step * BT;
 #pragma unroll
-        for (int c = threadIdx.x; c < PO * BT * 4; c += 128) {  // dH_r rows p * BT + u, 4 x 16 bytes
-            const int r = c >> 2, q = c & 3, p = r / BT, u = r - p * BT;
-            const i64 t = t0 + u;
+        for (int j = 0; j < HN; ++j) {
+            if (HC % 128 != 0 && (int)threadIdx.x + 128 * j >= HC) continue;
+            const i64 t = t0 + hu[j];
             const bool ok = t < tokens_p;
-            cp_async16(st + r * ROW + q * 16, dH_r + p * plane_r + (ok ? t : 0) * K16 + k0 + q * 8, ok);
+            cp_async16(st + (threadIdx.x + 128 * j) * 16, hsrc[j] + (ok ? t : 0) * K16 + k0, ok);
         }
 #pragma unroll
-        for (int c = threadIdx.x; c < PO * NW * 4; c += 128) {  // phi_r rows p * NW + 32 w' + cl
-            const int r = c >> 2, q = c & 3, p = r / NW, pl = r - p * NW, cl = pl & 31;
-            const bool ok = cb0 + cl < C;
-            const i64 pos = (i64)(grp * W + (pl >> 5)) * C + (ok ? cb0 + cl : 0);
-            cp_async16(st + AB + r * ROW + q * 16, phi_r + p * plane_phi + pos * K16 + k0 + q * 8, ok);
-        }
+        for (int j = 0; j < FN; ++j)
+            if (FC % 128 == 0 || (int)threadIdx.x + 128 * j < FC)
+                cp_async16(st + AB + (threadIdx.x + 128 * j) * 16, fsrc[j] + k0, fok[j]);
     };
 
     const T* xi = x + (i64)i * C;
