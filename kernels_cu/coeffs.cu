@@ -984,14 +984,17 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
     const int res_j = res_t ? 1 : n, res_i = res_t ? n : 1;  // H_res element (j, i) of this warp's row i
 
     // shared memory: phi rows of the block (PO planes), then STAGES stages of
-    // x [16][n][64] T | dH_r [PO][16][K16] | dH_c [3][Kp8][16], the token rows of x padded by
-    // 16 bytes (no bank conflicts between tokens).  LAYER's g and g_li are read in the
-    // epilogue straight from global memory (each once from HBM; the block's other warps
-    // find them in L1): staging them too would halve the blocks per SM.
+    // x [16][n][64] T | dH_r [PO][16][K16] | dH_c [3][Kp8][16] (| GS: g [n][16][64] and
+    // g_li [16][64] TG), the token rows of x and g padded by 16 bytes (no bank conflicts
+    // between tokens).  GS (LAYER, vector path, 16-bit gradients): the layer's g and g_li come
+    // with the step's copies, zero where absent, and every warp reads all n + 1 rows from there;
+    // otherwise the epilogue reads them straight from global memory.
+    constexpr bool GS = LAYER && VEC && sizeof(TG) == 2;
+    constexpr int GR = 64 * (int)sizeof(TG) + 16;  // g row bytes (GS)
     __nv_bfloat16* s_phi = reinterpret_cast<__nv_bfloat16*>(smem);
     const int XR = nw * (int)sizeof(T) + 16;  // token row bytes
     const int XB = 16 * XR, RB = PO * 16 * K16 * 2, CB = 3 * Kp8 * 16 * 2;
-    const int SB = XB + RB + CB;
+    const int SB = XB + RB + CB + (GS ? (n + 1) * 16 * GR : 0);
     unsigned char* stages = smem + PO * nw * K16 * 2;
 
     // phi rows of the block's positions (zero where the column is past C)
@@ -1024,6 +1027,28 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
             const int r = c >> 1, q = c & 1, p = r / Kp8, k = r - p * Kp8;
             cp_async16(st + XB + RB + c * 16, dH_c + p * plane_c + (i64)k * tokens_p + t0 + q * 8, true);
         }
+        if constexpr (GS) {
+            // g: warp i copies the rows of stream i (as x); g_li: the block's threads in turn
+            unsigned char* sg = st + XB + RB + CB;
+            const TG* x_any = reinterpret_cast<const TG*>(x);  // a valid address for the zero fills
+            constexpr int GC = 64 * (int)sizeof(TG) / 16;  // 16-byte chunks per row (8)
+            // (zeros where a gradient is absent: the epilogue adds them unconditionally)
+#pragma unroll
+            for (int j = 0; j < 16 * GC / 32; ++j) {
+                const int u = lane / GC + j * (32 / GC), q = lane % GC;
+                const i64 t = t0 + u;
+                const bool ok = t < t_end && g != nullptr;
+                fill16<TG, true>(sg + (warp * 16 + u) * GR + q * 16, ok ? g + t * (i64)D + warp * C : x_any, ok,
+                                 cb0 + q * (16 / (int)sizeof(TG)), C);
+            }
+            for (int c = threadIdx.x; c < 16 * GC; c += blockDim.x) {
+                const int u = c / GC, q = c % GC;
+                const i64 t = t0 + u;
+                const bool ok = t < t_end && g_li != nullptr;
+                fill16<TG, true>(sg + (n * 16 + u) * GR + q * 16, ok ? g_li + t * (i64)C : x_any, ok,
+                                 cb0 + q * (16 / (int)sizeof(TG)), C);
+            }
+        }
     };
 
     float accp[4][NQ][4];  // dphi: [m tile of 16 positions][column tile][fragment]
@@ -1041,7 +1066,7 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
         const i64 t0 = t_begin + step * 16;
         // LAYER: the g and g_li rows of step + DX_PREFETCH into L2: lanes tq = 0 and 3 ask for
         // the lines of the first and the last 8 of a row's 64 columns (warp i: g's stream i)
-        if (LAYER && VEC && (tq == 0 || tq == 3) && step + DX_PREFETCH < steps) {
+        if (LAYER && VEC && !GS && (tq == 0 || tq == 3) && step + DX_PREFETCH < steps) {
             const int pc = tq == 0 ? cb0 : min(cb0 + 56, C - 8);
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -1076,28 +1101,6 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
         {
             float acc[8][4];
             mhc::zero(acc);
-            // LAYER, 16-bit gradients, vector path: g (n streams) and g_li of this thread's 2 rows x
-            // 16 columns, issued before the MMAs (raw words; 5 x 4 x 4 registers at n = 4)
-            constexpr bool PRE = LAYER && VEC && sizeof(TG) == 2;
-            uint4 gw[PRE ? 2 : 1][2][5];  // [row half][column half][stream j | 4: g_li]
-            if constexpr (PRE) {
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const i64 t = t0 + g8 + 8 * h;
-                        const int col = cb0 + 16 * tq + 8 * half;
-                        const bool ok = t < t_end && col < C;
-#pragma unroll
-                        for (int j = 0; j < 5; ++j) {
-                            const TG* src = j < 4 ? (g != nullptr && j < n ? g + t * (i64)D + j * C : nullptr)
-                                                  : g_li + t * (i64)C;
-                            gw[h][half][j] = (ok && src != nullptr && (j < 4 || g_li != nullptr))
-                                                 ? *reinterpret_cast<const uint4*>(src + col)
-                                                 : make_uint4(0u, 0u, 0u, 0u);
-                        }
-                    }
-            }
             unsigned aw[PO][2][2 * KS];  // [part][row half][word]: words 2s, 2s + 1 of k-step s
 #pragma unroll
             for (int p = 0; p < PO; ++p)
@@ -1141,15 +1144,16 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
 #pragma unroll
                     for (int e8 = 0; e8 < 8; ++e8)
                         o[e8] = fmaf(-cs[h], xv[e8], acc[4 * half + (e8 >> 1)][2 * h + (e8 & 1)]);
-                    if constexpr (PRE) {
-                        // g_li, then the streams in order (the order of the path below)
+                    if constexpr (GS) {
+                        // g_li, then the streams in order (the order of the path below), from the stage
+                        const unsigned char* sg = st + XB + RB + CB + u * GR + cl * (int)sizeof(TG);
 #pragma unroll
                         for (int k = 0; k < 5; ++k) {
                             const int j = k == 0 ? 4 : k - 1;
                             if (j < 4 && j >= n) continue;
                             const float w = j == 4 ? hp[h] : hr[h][j];
-                            const unsigned ww[4] = {gw[h][half][j].x, gw[h][half][j].y, gw[h][half][j].z,
-                                                    gw[h][half][j].w};
+                            unsigned ww[4];
+                            mhc::load_words<4>(sg + (j == 4 ? n : j) * 16 * GR, ww);
 #pragma unroll
                             for (int e8 = 0; e8 < 8; ++e8)
                                 o[e8] = fmaf(w, mhc::word_elem<TG>(ww[e8 >> 1], e8 & 1), o[e8]);

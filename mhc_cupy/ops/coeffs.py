@@ -279,13 +279,16 @@ class MmaBwd(_TensorCoreBwd):
             out["dphi_part"] = ((self.splits, D, self.K), "float32")
         return out
 
-    def pipeline(self, dt: str) -> tuple[int, int]:
+    def pipeline(self, dt: str, g_staged: bool = False) -> tuple[int, int]:
         """(stages, dynamic shared bytes): the block's phi rows (PO planes: 2 for 16-bit x, 3 for
         float32), then per stage x [16][n][64] (token rows padded by 16 bytes), dH_r [PO][16][K16]
-        and dH_c [3][Kp8][16] (kernels_cu/coeffs.cu)."""
+        and dH_c [3][Kp8][16], and with ``g_staged`` (the layer's 16-bit gradients, vector path)
+        g [n][16][64] and g_li [16][64], rows padded by 16 bytes (kernels_cu/coeffs.cu)."""
         nw, K16, Kp8, PO = 64 * self.n, self.K16, self.Kp8, _planes(dt)
         fixed = PO * nw * K16 * 2
         stage = 16 * (nw * ITEMSIZE[dt] + 16) + PO * 16 * K16 * 2 + 3 * Kp8 * 32
+        if g_staged:
+            stage += (self.n + 1) * 16 * (64 * 2 + 16)
         stages = pipeline_stages(fixed, stage, _MMA_BWD_STAGES)
         return stages, fixed + stages * stage
 
@@ -312,7 +315,7 @@ def launch_mma_bwd(b: MmaBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc: dic
            (dH, sc["dH_c"], i64(b.tokens), i32(b.K), i32(KP), i64(b.tokens_p), i32(b.Kp8)), stream)
     vec = "true" if vec8(b.C, x, dx, g, g_li, gx) else "false"
     out = sc["dphi_part"] if b.splits > 1 else dphi
-    stages, smem = b.pipeline(dt)
+    stages, smem = b.pipeline(dt, g_staged=layer and vec == "true" and ITEMSIZE[tg] == 2)  # the kernel's GS
     launch(_FILE, f"mhc_coeffs_mma_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{vec},{'true' if layer else 'false'},"
                   f"{b.K16 // 16},{b.Kp8 // 8},{stages}>",
            (_cdiv(b.C, 64), b.splits, 1), (32 * b.n, 1, 1),
