@@ -48,9 +48,17 @@ $PY -c "import xdist" 2>/dev/null && XDIST="-n ${GPU_CHECK_WORKERS:-8}"
 # runs whose time limit the whole suite exceeds (e.g. 1/2 and 2/2 in two calls)
 TEST_PATHS=tests
 if [ -n "${GPU_CHECK_TESTS_PART:-}" ]; then
-    TEST_PATHS=$(find tests -name 'test_*.py' | sort | awk -v k="${GPU_CHECK_TESTS_PART%/*}" \
-        -v N="${GPU_CHECK_TESTS_PART#*/}" '(NR - k) % N == 0' | tr '\n' ' ')
+    PART_K=${GPU_CHECK_TESTS_PART%/*} PART_N=${GPU_CHECK_TESTS_PART#*/}
+    if ! [[ "$GPU_CHECK_TESTS_PART" =~ ^[0-9]+/[0-9]+$ ]] || [ "$PART_K" -lt 1 ] || [ "$PART_K" -gt "$PART_N" ]; then
+        echo "GPU_CHECK_TESTS_PART must be k/N with 1 <= k <= N, got '$GPU_CHECK_TESTS_PART'" >&2
+        exit 2
+    fi
+    TEST_PATHS=$(find tests -name 'test_*.py' | sort | awk -v k="$PART_K" -v N="$PART_N" '(NR - k) % N == 0' | tr '\n' ' ')
     [ -n "$MULTI_IGNORE" ] && TEST_PATHS=$(echo "$TEST_PATHS" | tr ' ' '\n' | grep -v test_multidevice_gpu.py | tr '\n' ' ')
+    if [ -z "${TEST_PATHS// /}" ]; then  # (pytest would run its testpaths: the whole suite)
+        echo "GPU_CHECK_TESTS_PART=$GPU_CHECK_TESTS_PART selects no test file" >&2
+        exit 2
+    fi
 fi
 # -v: every result on its own line as it happens, so a run cut off by the step timeout still names its failures
 step tests $PY -m pytest -p no:cacheprovider $XDIST ${GPU_CHECK_PYTEST_ARGS:--v -rf $TEST_PATHS $MULTI_IGNORE}

@@ -48,8 +48,9 @@ activation itemsize and P = 4·(n·C·m + 3 + m), m = n² + 2n (phi, alpha, bias
 Accuracy (:func:`layer_accuracy`, once per shape on min(T, ACCURACY_TOKENS) tokens): the largest
 error of out and dx against float64 autograd of ``MHCReference``, in ulps of the activation dtype
 at max |reference|, for ``MHC`` and for plain torch at the activation dtype (tanh sublayer,
-alpha 0.5: the issue's setting), and the floor of any layer whose sublayer takes and returns the
-activation dtype: float64 everywhere else, out and dx rounded once.
+alpha 0.5: the issue's setting), and a reference level ("floor"): a layer whose sublayer takes and
+returns the activation dtype, float64 everywhere else, out and dx rounded once (the roundings of
+any layer in that dtype; not a strict bound, other roundings can cancel part of them).
 
 The per-token coefficients (m float32 per token, under 0.1 % of A at these shapes)
 are left out.  "% copy" is floor bytes / time over the device-to-device copy
@@ -282,8 +283,8 @@ def layer_accuracy(T: int, C: int, n: int, dtype, device) -> dict:
     for impl, module in (("mhc_cupy", layer), ("torch", MHCReference.from_layer(layer))):
         got = out_dx(module, x, g)
         res[impl] = {k: ulps(a, b, dtype) for k, a, b in zip(("out", "dx"), got, want)}
-    # the floor: float64 throughout, but the sublayer takes and returns the activation dtype (as in
-    # any layer of a model in that dtype) and out / dx are rounded once
+    # the reference level ("floor"): float64 throughout, but the sublayer takes and returns the
+    # activation dtype (as in any layer of a model in that dtype) and out / dx are rounded once
     floor = MHCReference.from_layer(layer).double()
     floor.sublayer = _dtype_io(floor.sublayer, dtype)
     got = out_dx(floor, x.double(), g.double())
