@@ -8,7 +8,8 @@
 # Knobs: GPU_CHECK_PYTEST_ARGS (default: -v -rf tests), GPU_CHECK_BENCH_ARGS,
 # GPU_CHECK_BENCH_LAYER_ARGS, GPU_CHECK_BENCH_BLOCK_ARGS (the --layer / --block runs),
 # GPU_CHECK_MULTIGPU_ARGS (scripts/multigpu_bench.py),
-# GPU_CHECK_DEMO_ARGS (default: --baseline), GPU_CHECK_WORKERS (pytest-xdist),
+# GPU_CHECK_DEMO_ARGS (default: --baseline), GPU_CHECK_WORKERS (pytest-xdist), GPU_CHECK_TESTS_PART (k/N: a share
+# of the test files, below),
 # GPU_CHECK_STEPS (names of the steps to run), GPU_CHECK_NOTEBOOKS, GPU_CHECK_STEP_TIMEOUT (s).
 # Runs from the checkout (PYTHONPATH), no install needed.  Exit status is
 # non-zero if any step failed.
@@ -43,8 +44,24 @@ step info $PY -m mhc_cupy info
 step warmup $PY -m mhc_cupy warmup --dtypes bfloat16 --n 4  # the rest compiles in parallel in the tests
 XDIST=""
 $PY -c "import xdist" 2>/dev/null && XDIST="-n ${GPU_CHECK_WORKERS:-8}"
+# GPU_CHECK_TESTS_PART=k/N: only every N-th test file from the k-th (1-based, sorted paths), for
+# runs whose time limit the whole suite exceeds (e.g. 1/2 and 2/2 in two calls)
+TEST_PATHS=tests
+if [ -n "${GPU_CHECK_TESTS_PART:-}" ]; then
+    PART_K=${GPU_CHECK_TESTS_PART%/*} PART_N=${GPU_CHECK_TESTS_PART#*/}
+    if ! [[ "$GPU_CHECK_TESTS_PART" =~ ^[0-9]+/[0-9]+$ ]] || [ "$PART_K" -lt 1 ] || [ "$PART_K" -gt "$PART_N" ]; then
+        echo "GPU_CHECK_TESTS_PART must be k/N with 1 <= k <= N, got '$GPU_CHECK_TESTS_PART'" >&2
+        exit 2
+    fi
+    TEST_PATHS=$(find tests -name 'test_*.py' | sort | awk -v k="$PART_K" -v N="$PART_N" '(NR - k) % N == 0' | tr '\n' ' ')
+    [ -n "$MULTI_IGNORE" ] && TEST_PATHS=$(echo "$TEST_PATHS" | tr ' ' '\n' | grep -v test_multidevice_gpu.py | tr '\n' ' ')
+    if [ -z "${TEST_PATHS// /}" ]; then  # (pytest would run its testpaths: the whole suite)
+        echo "GPU_CHECK_TESTS_PART=$GPU_CHECK_TESTS_PART selects no test file" >&2
+        exit 2
+    fi
+fi
 # -v: every result on its own line as it happens, so a run cut off by the step timeout still names its failures
-step tests $PY -m pytest -p no:cacheprovider $XDIST ${GPU_CHECK_PYTEST_ARGS:--v -rf tests $MULTI_IGNORE}
+step tests $PY -m pytest -p no:cacheprovider $XDIST ${GPU_CHECK_PYTEST_ARGS:--v -rf $TEST_PATHS $MULTI_IGNORE}
 if command -v compute-sanitizer > /dev/null; then
     step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 $PY scripts/sanitize_subset.py
     step racecheck compute-sanitizer --tool racecheck --error-exitcode 9 $PY scripts/sanitize_subset.py

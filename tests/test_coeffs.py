@@ -265,16 +265,6 @@ def test_mma_token_splits(tokens, n, C):
     assert splits == 1 or splits * n * C * K <= 16 * 2**20  # partials bounded (64 MiB)
 
 
-@pytest.mark.parametrize("tokens", [0, 1, 63, 65, 5000, 10**6])
-@pytest.mark.parametrize("n,C", [(1, 1), (4, 7), (4, 4096), (8, 4096), (32, 4096)])
-def test_token_splits(tokens, n, C):
-    D, K = n * C, coeffs.columns(n)
-    splits, per = coeffs.token_splits(tokens, D, K, 1)
-    assert splits >= 1 and per >= 1
-    assert splits * per >= tokens > (splits - 1) * per or tokens == 0
-    assert splits == 1 or splits * D * K <= 16 * 2**20  # partials bounded (64 MiB)
-
-
 def _record(planner, infos, **params):
     from mhc_cupy import _jit
 

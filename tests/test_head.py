@@ -83,6 +83,21 @@ def test_functional_head_cpu(rng, dtype, n):
         assert_close(got, w, TOL["float32_unit"].value * 4, name)
 
 
+@pytest.mark.parametrize("tokens", [0, 1, 63, 65, 5000, 10**6])
+@pytest.mark.parametrize("n,C", [(1, 1), (4, 7), (4, 4096), (8, 4096), (25, 100), (32, 4096)])
+def test_dphi_layout(tokens, n, C):
+    """dhc_fn's CUDA-core reduction: every column in one chunk of at most 24, every token in one
+    split, the float32 partials [splits, n*C, n] bounded (64 MiB)."""
+    from mhc_cupy.ops import head
+
+    D = n * C
+    kc, ncc, splits, per = head._dphi_layout(tokens, D, n)
+    assert 1 <= kc <= 24 and kc * ncc >= n > kc * (ncc - 1)
+    assert splits >= 1 and per >= 1
+    assert splits * per >= tokens > (splits - 1) * per or tokens == 0
+    assert splits == 1 or splits * D * n <= 16 * 2**20
+
+
 def test_head_zero_tokens_and_bad_input(rng):
     n, C = 3, 5
     p = f32(*head_params(rng, n, C))

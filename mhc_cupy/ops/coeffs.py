@@ -24,11 +24,6 @@ from .spec import ALPHA, BIAS, H_POST_RAW, H_PRE_RAW, H_RES_RAW, PHI, X, Kernel,
 _FILE = "coeffs.cu"
 _NT = 256  # threads per block of the GEMM kernels (kernels_cu/coeffs.cu NT)
 _WARPS = _NT // 32
-_KC = 24  # columns of phi per chunk of the CUDA-core dphi kernel (the head's dhc_fn)
-_BWD_E = 2
-#: Block count the D / token splits aim for.  A constant (not the SM count) so the
-#: summation order, hence every bit of the result, is the same on every GPU.
-_TARGET_BLOCKS = 512
 _MIN_STEPS_PER_RANGE = 4  # a D range of the forward GEMM spans at least this many steps
 _MIN_TOKENS_PER_SPLIT = 64
 _MAX_SPLITS = 64
@@ -45,12 +40,6 @@ def _cdiv(a: int, b: int) -> int:
 def columns(n: int) -> int:
     """K = n*n + 2n columns of phi (pre | post | res)."""
     return n * n + 2 * n
-
-
-def column_chunk(K: int, limit: int | None = None) -> int:
-    """Columns per chunk: K split into ceil(K / limit) nearly equal chunks (limit: _KC)."""
-    limit = _KC if limit is None else limit
-    return _cdiv(K, _cdiv(K, limit))
 
 
 def padded_row(K: int) -> int:
@@ -240,17 +229,6 @@ def _plan_fwd(infos, eps):
 
 
 # ----------------------------------------------------------------- backward
-def token_splits(tokens: int, D: int, K: int, col_chunks: int) -> tuple[int, int]:
-    """(splits, tokens per split) of the dphi reduction: enough blocks to fill
-    the GPU, partials [splits, D, K] of at most _MAX_PARTIAL_FLOATS floats."""
-    dblocks = _cdiv(D, _NT * 2)
-    splits = _cdiv(_TARGET_BLOCKS, dblocks * col_chunks)
-    splits = min(splits, _cdiv(tokens, _MIN_TOKENS_PER_SPLIT), _MAX_SPLITS, _MAX_PARTIAL_FLOATS // (D * K))
-    splits = max(1, splits)
-    per = _cdiv(max(tokens, 1), splits)
-    return _cdiv(max(tokens, 1), per), per
-
-
 _MMA_BWD_MAX_K = 32  # tensor-core dx / dphi for K <= 32 (n <= 4): dphi accumulators 16 * ceil(K / 8) per thread
 
 

@@ -23,6 +23,28 @@ _NT = 256
 PARAMS = {"rms_eps": 1e-6, "hc_eps": 1e-6}
 
 
+# The CUDA-core dphi kernel (mhc_coeffs_bwd_dphi_kernel) for dhc_fn^T: columns per chunk, D positions
+# per thread, and the block count its token splits aim for (a constant, not the SM count, so the
+# summation order, hence every bit, is the same on every GPU).
+_KC = 24
+_DPHI_E = 2
+_TARGET_BLOCKS = 512
+
+
+def _dphi_layout(tokens: int, D: int, n: int) -> tuple[int, int, int, int]:
+    """(columns per chunk, chunks, token splits, tokens per split) of the dphi reduction: n columns
+    in ceil(n / _KC) nearly equal chunks; enough blocks to fill the GPU, partials [splits, D, n] of at
+    most coeffs._MAX_PARTIAL_FLOATS floats."""
+    cdiv = coeffs._cdiv
+    kc = cdiv(n, cdiv(n, _KC))
+    ncc = cdiv(n, kc)
+    splits = cdiv(_TARGET_BLOCKS, cdiv(D, _NT * _DPHI_E) * ncc)
+    splits = max(1, min(splits, cdiv(tokens, coeffs._MIN_TOKENS_PER_SPLIT), coeffs._MAX_SPLITS,
+                        coeffs._MAX_PARTIAL_FLOATS // (D * n)))
+    per = cdiv(max(tokens, 1), splits)
+    return kc, ncc, cdiv(max(tokens, 1), per), per
+
+
 def _slots(n: int) -> int:
     """The power of two >= n (1..32): per-thread accumulators of the backward's g . x_i sums."""
     return 1 << max(0, (n - 1).bit_length())
@@ -81,9 +103,7 @@ def _plan_bwd(infos, rms_eps, hc_eps):
     dt, tg, lead, n, C, D, tokens, rms_eps, hc_eps = _check(infos, rms_eps, hc_eps, True)
     mma, scratch = _gemm_scratch(tokens, D, n)
     KP = coeffs.padded_row(n)
-    kc = coeffs.column_chunk(n)
-    ncc = -(-n // kc)
-    t_splits, t_split = coeffs.token_splits(tokens, D, n, ncc)
+    kc, ncc, t_splits, t_split = _dphi_layout(tokens, D, n)
     scratch.update({"dH": ((tokens, KP), "float32"),  # dH | c
                     "w": ((tokens, n), "float32"), "gz": ((tokens, n), "float32"),  # w; dbase terms
                     "qs": ((tokens, 1), "float32"),  # dscale terms
@@ -111,7 +131,7 @@ def _plan_bwd(infos, rms_eps, hc_eps):
                (threads_for(D, E), 1, 1), (g, x, p["hc_fn"], sc["dH"], sc["w"], dx, i64(tokens), i32(n), i32(C),
                                            i32(KP)), stream)
         # dhc_fn^T = sum_t x~^T dH: the coefficient path's CUDA-core dphi kernel with K = n
-        E = vec_width(1, D, [(x, dt)], budget=coeffs._BWD_E)
+        E = vec_width(1, D, [(x, dt)], budget=_DPHI_E)
         dblocks = -(-D // (_NT * E))
         out = sc.get("dphi_part", sc["dphi"])
         launch(_FILE, f"mhc_coeffs_bwd_dphi_kernel<{CTYPE[dt]},{E},{kc}>", (ncc * dblocks * t_splits, 1, 1),

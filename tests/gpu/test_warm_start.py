@@ -37,7 +37,9 @@ def test_warm_start_compiles_nothing(tmp_path):
     warm = _run(tmp_path)
     assert warm["compiles"] == 0
     assert warm["disk_hits"] == warm["kernels"]
-    assert warm["seconds"] < 5.0, warm  # import + loading every module; cold took cold["seconds"]
+    # import + loading every module, against the cold run's compiles: relative, so that a machine
+    # loaded by parallel test workers slows both (an absolute 5 s bound is a timed test)
+    assert warm["seconds"] < cold["seconds"] / 2, (warm, cold)
 
 
 _BROKEN = r"""
