@@ -709,8 +709,10 @@ def test_layer_mode_runs_tiny(tmp_path, capsys):
             assert v[d]["frac_of_copy"] > 0
         if name != ours[0]:
             assert max(v["max_rel_err"].values()) < 1e-4, (name, v["max_rel_err"])
-    acc = row["accuracy"]  # CPU: MHC runs the float64 NumPy reference, rounded once per op
-    assert acc["tokens"] == 3 and all(0 < acc[i][k] < 2 for i in ("mhc_cupy", "torch") for k in ("out", "dx")), acc
+    # CPU: MHC runs the float64 NumPy reference, rounded once per op (< 2 ulps); GPU: float32 kernels whose
+    # sums run in other orders (the H200 measured 1.68 / 2.21 ulps for mhc_cupy, 1.23 / 1.46 for torch)
+    acc, most = row["accuracy"], 8 if _gpu() else 2
+    assert acc["tokens"] == 3 and all(0 < acc[i][k] < most for i in ("mhc_cupy", "torch") for k in ("out", "dx")), acc
     assert all(0 < acc["floor"][k] <= acc["torch"][k] for k in ("out", "dx")), acc  # the floor is below plain torch
     text = (out / "layer.md").read_text()
     assert "accuracy: largest error against float64" in text and "| 3x8x4 |" in text
