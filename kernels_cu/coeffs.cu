@@ -1064,8 +1064,9 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
         const __nv_bfloat16* dhr = reinterpret_cast<const __nv_bfloat16*>(st + XB);
         const __nv_bfloat16* dhc = reinterpret_cast<const __nv_bfloat16*>(st + XB + RB);
         const i64 t0 = t_begin + step * 16;
-        // LAYER: the g and g_li rows of step + DX_PREFETCH into L2: lanes tq = 0 and 3 ask for
-        // the lines of the first and the last 8 of a row's 64 columns (warp i: g's stream i)
+        // LAYER, vector path, gradients not staged (!GS: float32): the g and g_li rows of step +
+        // DX_PREFETCH into L2: lanes tq = 0 and 3 ask for the lines of the first and the last 8 of
+        // a row's 64 columns (warp i: g's stream i)
         if (LAYER && VEC && !GS && (tq == 0 || tq == 3) && step + DX_PREFETCH < steps) {
             const int pc = tq == 0 ? cb0 : min(cb0 + 56, C - 8);
 #pragma unroll

@@ -201,7 +201,7 @@ def test_mismatched_gradient_dtypes_raise(rng):
 
 
 # --------------------------------------------------------------------- GPU
-GPU_CASES = [((1,), 1, 7), ((3,), 2, 33), ((127,), 4, 64), ((2, 5), 3, 16), ((300,), 4, 1000), ((70,), 4, 4096),
+GPU_CASES = [((1,), 1, 7), ((1,), 2, 64), ((3,), 2, 33), ((127,), 4, 64), ((2, 5), 3, 16), ((300,), 4, 1000), ((70,), 4, 4096),
              ((9,), 5, 12), ((127,), 8, 33), ((3, 50), 8, 256), ((40,), 16, 64), ((33,), 13, 1000),
              ((5,), 32, 48)]  # n > 4: split backward (dx with phi streamed: 13, 16, 32), tensor-core post backward
 
@@ -274,26 +274,29 @@ def test_gpu_pieces_bitwise_repeatable(rng, n):
 
 
 @pytest.mark.gpu
-# the fused tensor-core backward (n <= 4), the split one with phi resident (n = 8) and streamed (n = 16, 32) in dx
+# the fused tensor-core backward (n <= 4; with 16-bit gradients and C % 8 == 0 it stages them in shared memory,
+# zeros where absent), the split one with phi resident (n = 8) and streamed (n = 16, 32) in dx
 @pytest.mark.parametrize("n,C", [(4, 64), (8, 40), (16, 40), (32, 24)])
-@pytest.mark.parametrize("missing", ["grad_layer_in", "grad_out", "both"])
+@pytest.mark.parametrize("missing", ["none", "grad_layer_in", "grad_out", "both"])
 @pytest.mark.parametrize("with_gx", [False, True])
-def test_gpu_pre_bwd_missing_layer_gradients(rng, n, C, missing, with_gx):
+@pytest.mark.parametrize("dt", ["float32", "bfloat16"])
+def test_gpu_pre_bwd_missing_layer_gradients(rng, dt, n, C, missing, with_gx):
     """A None layer gradient counts as zero in dx (each alone adds its term); grad_x alone too."""
-    from gpu.helpers import ACT_TOL, COEF_TOL, assert_close, poisoned_allocations, to_host
+    from gpu.helpers import ACT_TOL, COEF_TOL, assert_close, poisoned_allocations, rounded, to_gpu, to_host
 
-    (x, phi, alpha, bias), dev, (g_d, y_d, gli_d), (g, y, g_li) = _gpu_layer("float32", (37,), n, C, rng)
+    (x, phi, alpha, bias), dev, (g_d, y_d, gli_d), (g, y, g_li) = _gpu_layer(dt, (37,), n, C, rng)
     layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(*dev)
     dH_post, dH_res = (to_gpu_like(rng, H_post), to_gpu_like(rng, H_res))
     use_li = gli_d if missing not in ("grad_layer_in", "both") else None
     use_g = g_d if missing not in ("grad_out", "both") else None
-    gx = to_gpu_like(rng, dev[0]) if with_gx else None
+    gx_h = rounded(rng, x.shape, dt) if with_gx else None
     with poisoned_allocations():
-        got = m.mhc_layer_pre_bwd(use_li, use_g, dH_post, dH_res, *dev, stats, H_pre, H_res, grad_x=gx)
+        got = m.mhc_layer_pre_bwd(use_li, use_g, dH_post, dH_res, *dev, stats, H_pre, H_res,
+                                  grad_x=None if gx_h is None else to_gpu(gx_h))
     ref = R.mhc_layer_pre_bwd(None if use_li is None else g_li, None if use_g is None else g, to_host(dH_post),
                               to_host(dH_res), x, phi, alpha, bias, None, to_host(H_pre), to_host(H_res),
-                              grad_x=None if gx is None else to_host(gx))
-    assert_close(got[0], ref[0], 2 * ACT_TOL["float32"], "dx", scale=float(np.sqrt(np.mean(ref[0] ** 2))) + 1e-30)
+                              grad_x=gx_h)
+    assert_close(got[0], ref[0], 2 * ACT_TOL[dt], "dx", scale=float(np.sqrt(np.mean(ref[0] ** 2))) + 1e-30)
     assert_close(got[1], ref[1], COEF_TOL, "dphi")
 
 

@@ -200,7 +200,8 @@ def test_coefficient_kernels_fit_99_kib_of_shared_memory(dt, n):
     """sm_86 / sm_89 / sm_120 give a block at most 101376 bytes (99 KiB) of dynamic shared
     memory (OPS.md lists sm_86 / sm_89 limits); with 4 / 3 stages the float32 forward (n = 6,
     11..32: 102400 bytes) and the float32 backward at n = 4 (115200 bytes) asked for more.
-    bf16 / f16 keep the deepest pipelines (the H200-tuned ones)."""
+    bf16 / f16 keep the deepest pipelines (the H200-tuned ones; the layer's backward at n = 4, which
+    also stages its gradients, has 2 stages)."""
     K = coeffs.columns(n)
     C = 4096
     mma = coeffs.mma_layout(4096, n * C, K)
@@ -213,6 +214,8 @@ def test_coefficient_kernels_fit_99_kib_of_shared_memory(dt, n):
         assert bwd <= 101376 and stages >= 2
         if dt != "float32":
             assert stages == coeffs._MMA_BWD_STAGES
+            stages, bwd = coeffs.mma_bwd(4096, n, C, K).pipeline(dt, g_staged=True)  # never for float32 gradients
+            assert bwd <= 101376 and stages >= 2
 
 
 def test_layer_post_refuses_x_in_place_of_x_link():

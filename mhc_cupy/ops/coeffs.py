@@ -135,8 +135,8 @@ _MMA_STAGES = 4  # cp.async pipeline depth of the forward GEMM (at most)
 _MMA_BWD_STAGES = 3  # and of the backward
 #: Dynamic shared memory a block may use on every supported GPU: the opt-in limit of
 #: sm_86 / sm_89 / sm_120 (99 KiB; sm_80 has 163 KiB, sm_90 227 KiB).  The pipelines
-#: use fewer stages when the deepest one would need more (float32 x); the depth does
-#: not change the order of any sum.
+#: use fewer stages when the deepest one would need more (float32 x; the n = 4 backward of
+#: 16-bit x with the layer's gradients staged); the depth does not change the order of any sum.
 _SMEM_PORTABLE = 101376
 
 
