@@ -58,7 +58,9 @@ __global__ void mhc_stream_mix_distribute_fwd_kernel(const T* __restrict__ x, co
                 for (int j = 0; j < N; ++j) mhc::load_vec<T, E>(xt + (i64)j * C + c, xv[j]);
             }
             if (HAS_Y) mhc::load_vec<T, E>(yt + c, yv);
-#pragma unroll
+            // Unrolled over the N output rows, the compiler would keep all N x N coefficients in
+            // registers: for N > 8 it spills (255 registers at N = 16), so the rows run in a loop.
+#pragma unroll(N > 8 ? 1 : N)
             for (int i = 0; i < N; ++i) {
                 float o[E];
 #pragma unroll
@@ -118,7 +120,7 @@ __global__ void mhc_stream_mix_distribute_bwd_kernel(const TG* __restrict__ g, c
                 if (HAS_Y) mhc::load_vec<T, E>(yt + c, yv);
                 if (first) {
                     if (HAS_X && dx != nullptr) {  // null dx: the fused layer adds H_res^T g itself
-#pragma unroll
+#pragma unroll(N > 8 ? 1 : N)  // (as in the forward: all N x N coefficients in registers spill)
                         for (int j = 0; j < N; ++j) {
                             float o[E];
 #pragma unroll
@@ -427,6 +429,16 @@ __global__ void mhc_column_sum_kernel(const float* __restrict__ part, float* __r
         for (int k = 0; k < (int)blockDim.y; ++k) tot += s[k][threadIdx.x];
         out[c] = tot;
     }
+}
+
+// The same sum for few rows (the per-split partials of a parameter gradient): one thread per
+// column, rows 0, 1, ... into strided_column_sum's 8 accumulators.  For rows <= 64 its bits are
+// mhc_column_sum_kernel's with Y = 8 (accumulator k holds what thread row k held there, added
+// in the same order), without Y - rows idle threads per column.  1-D grid-stride launch.
+__global__ void mhc_column_sum_few_kernel(const float* __restrict__ part, float* __restrict__ out, i64 rows,
+                                          int cols) {
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x)
+        out[c] = strided_column_sum(part, rows, cols, c, 0, 1);
 }
 
 // The same sum for narrow matrices (cols <= 32, many rows: per-token terms summed over

@@ -224,3 +224,52 @@ def test_post_bwd_dispatch(convention, n, C, dt, tg, mma):
             assert exprs[1].replace(" ", "").endswith(",true,false>") and launches[1][4][-1] == 1 - res_t
         else:
             assert len(exprs) == 1
+
+
+# ----------------------------------------------------- column sums (parameter gradients over tokens)
+def _strided_sum(part, r0, S):
+    """NumPy float32 emulation of stream.cu strided_column_sum: rows r0, r0 + S, ... into 8
+    accumulators (index (r - r0) / S mod 8), added in order from +0."""
+    acc = np.zeros((8, part.shape[1]), np.float32)
+    for i, r in enumerate(range(r0, part.shape[0], S)):
+        acc[i % 8] += part[r]
+    v = np.zeros(part.shape[1], np.float32)
+    for k in range(8):
+        v += acc[k]
+    return v
+
+
+def _column_sum_order(part, Y):
+    """mhc_column_sum_kernel's order with blockDim.y = Y: thread row y sums rows y, y + Y, ...,
+    then the Y partials are added in order from +0."""
+    tot = np.zeros(part.shape[1], np.float32)
+    for y in range(Y):
+        tot += _strided_sum(part, y, Y) if y < part.shape[0] else np.float32(0)
+    return tot
+
+
+@GPU
+@pytest.mark.parametrize("rows,cols", [(1, 1), (2, 70001), (3, 33), (8, 1000), (9, 1000), (63, 257), (64, 5000),
+                                       (65, 100), (256, 40), (257, 40), (300, 7), (5000, 3)])
+def test_column_sum(rng, rows, cols):
+    """_launch.column_sum (the deterministic sums of dphi partials and of per-token dalpha / dbias /
+    dweight terms): float32 values of both signs and of different magnitudes, against float64, and
+    bitwise against a NumPy emulation of the kernel's order.  Rows <= 64 take the one-thread-per-
+    column kernel, whose bits are the 32 x 8 block kernel's (so both emulations must match it)."""
+    import cupy as cp
+
+    from mhc_cupy.ops._launch import column_sum
+
+    part = (rng.standard_normal((rows, cols)) * np.exp(rng.uniform(-4, 4, (rows, 1)))).astype(np.float32)
+    p = cp.asarray(part)
+    out = cp.full(cols, cp.nan, cp.float32)
+    column_sum(p.data.ptr, out.data.ptr, rows, cols, cp.cuda.get_current_stream().ptr)
+    got = cp.asnumpy(out)
+    exact = part.astype(np.float64).sum(0)
+    scale = np.abs(part).astype(np.float64).sum(0)
+    assert np.all(np.abs(got - exact) <= 1e-6 * rows * scale + 1e-30), "column_sum against float64"
+    if cols > 32 or rows <= 256:  # not the narrow kernel (its own warp-level order)
+        Y = 32 if rows > 256 else 8
+        np.testing.assert_array_equal(got.view(np.uint32), _column_sum_order(part, Y).view(np.uint32))
+    if rows <= 64:
+        np.testing.assert_array_equal(got.view(np.uint32), _strided_sum(part, 0, 1).view(np.uint32))

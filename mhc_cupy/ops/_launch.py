@@ -86,6 +86,10 @@ def column_sum(part_ptr, out_ptr, rows: int, cols: int, stream) -> None:
         launch("stream.cu", "mhc_column_sum_narrow_kernel", (1, 1, 1), (1024, 1, 1),
                (part_ptr, out_ptr, i64(rows), i32(cols)), stream)
         return
+    if rows <= 64:  # the same bits as the kernel below with ty = 8, one thread per column
+        launch("stream.cu", "mhc_column_sum_few_kernel", (min(-(-cols // 256), 4096), 1, 1), (256, 1, 1),
+               (part_ptr, out_ptr, i64(rows), i32(cols)), stream)
+        return
     ty = 32 if rows > 256 else 8  # tall: more threads per column
     launch("stream.cu", "mhc_column_sum_kernel", (-(-cols // 32), 1, 1), (32, ty, 1),
            (part_ptr, out_ptr, i64(rows), i32(cols)), stream)
