@@ -59,8 +59,9 @@ __global__ void mhc_stream_mix_distribute_fwd_kernel(const T* __restrict__ x, co
             }
             if (HAS_Y) mhc::load_vec<T, E>(yt + c, yv);
             // Unrolled over the N output rows, the compiler would keep all N x N coefficients in
-            // registers: for N > 8 it spills (255 registers at N = 16), so the rows run in a loop.
-#pragma unroll(N > 8 ? 1 : N)
+            // registers: for N > 8 it spills (255 registers at N = 16), so the rows run in a loop
+            // (distribute only, without x, has no N x N coefficients and stays unrolled).
+#pragma unroll(HAS_X && N > 8 ? 1 : N)
             for (int i = 0; i < N; ++i) {
                 float o[E];
 #pragma unroll
@@ -432,13 +433,13 @@ __global__ void mhc_column_sum_kernel(const float* __restrict__ part, float* __r
 }
 
 // The same sum for few rows (the per-split partials of a parameter gradient): one thread per
-// column, rows 0, 1, ... into strided_column_sum's 8 accumulators.  For rows <= 64 its bits are
-// mhc_column_sum_kernel's with Y = 8 (accumulator k holds what thread row k held there, added
-// in the same order), without Y - rows idle threads per column.  1-D grid-stride launch.
+// column, rows 0, 1, ... into strided_column_sum's 8 accumulators, no shared memory or barrier.
+// For rows <= 64 its bits are mhc_column_sum_kernel's with Y = 8 (accumulator k holds what
+// thread row k held there, added in the same order).  1-D grid-stride launch.
 __global__ void mhc_column_sum_few_kernel(const float* __restrict__ part, float* __restrict__ out, i64 rows,
                                           int cols) {
-    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += gridDim.x * blockDim.x)
-        out[c] = strided_column_sum(part, rows, cols, c, 0, 1);
+    for (i64 c = blockIdx.x * (i64)blockDim.x + threadIdx.x; c < cols; c += (i64)gridDim.x * blockDim.x)
+        out[c] = strided_column_sum(part, rows, cols, (int)c, 0, 1);
 }
 
 // The same sum for narrow matrices (cols <= 32, many rows: per-token terms summed over

@@ -57,6 +57,10 @@ def _cases(dt: str, n: int, C: int, ptr: int, tg: str):
     k = SPECS["mhc_coeffs_bwd"]
     infos = {**_infos(k, (300,), sizes, dt, tg, ptr), "grad_h_post_raw": None, "grad_h_res_raw": None}
     cases.append((k.planner, infos, k.params))
+    # and a weighted RMSNorm backward over many rows (dweight's partials of C columns: the wide
+    # column sum, which sums of 64 rows or fewer do not use)
+    k = SPECS["rmsnorm_bwd"]
+    cases.append((k.planner, _infos(k, (300,), {"C": C}, dt, tg, ptr), k.params))
     return cases
 
 

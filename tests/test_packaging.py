@@ -156,8 +156,9 @@ def test_readme_commands_each_work_alone():
 
 def test_readme_op_kernel_table_names_real_kernels():
     """Every kernel the README's "Ops and their kernels" table names (``mhc_a_{fwd,bwd}_kernel``
-    standing for two) is a __global__ function of kernels_cu/, and every kernel the op plans
-    launch is in the table."""
+    standing for two) is a __global__ function of kernels_cu/, every kernel the op plans
+    launch is in the table, and every __global__ function is launched by some dry run
+    (_kernels.dry_launches: what CI compiles and warmup loads)."""
     text = (REPO / "README.md").read_text().split("## Ops and their kernels", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in text.splitlines() if line.startswith("| `")]
     assert len(rows) >= 10, rows
@@ -175,6 +176,8 @@ def test_readme_op_kernel_table_names_real_kernels():
     shorthand = set(re.findall(r"`(_\w+_kernel)`", text))  # "`_implicit_bwd_warp_kernel`" after its full sibling
     missing = {k for k in launched - named if not any(k.endswith(s) for s in shorthand)}
     assert not missing, f"kernels the op plans launch that the README table does not name: {sorted(missing)}"
+    # a kernel no dry run reaches is neither compiled by CI nor warmed up (its first real use compiles)
+    assert not defined - launched, f"kernels no dry run of the op plans launches: {sorted(defined - launched)}"
 
 
 def test_readme_dropout_note_matches_the_demo_configs():
