@@ -544,6 +544,14 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(valid ? 16 : 0)
                  : "memory");
 }
+// ldmatrix .x4: four 8x8 b16 matrices; lane l gives the shared address of row l % 8 of matrix
+// l / 8 (16 bytes), and lane t gets elements 2 (t % 4), 2 (t % 4) + 1 of row t / 4 of each, in
+// d[0..3] (the mma.m16n8k16 fragment layout).
+__device__ __forceinline__ void ldmatrix_x4(unsigned row, unsigned (&d)[4]) {  // row: a shared-space address
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(row));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
@@ -730,8 +738,9 @@ __global__ void mhc_coeffs_split_phi_fwd_kernel(const float* __restrict__ phi, _
 }
 
 // src [rows, K] float32 (row stride ld) -> planes [3, rows_p, K16] bf16, columns in
-// fragment order of KC k-steps a chunk (mhc_coeffs::frag_slot; KC divides K16 / 16), zero
-// padded.  For phi (rows = D) and dH (rows = tokens) in the backward.
+// fragment order of KC k-steps a chunk (mhc_coeffs::frag_slot; KC divides K16 / 16), or in
+// their own order for KC = 0 (read with ldmatrix), zero padded.  For phi (rows = D) and dH
+// (rows = tokens) in the backward.
 __global__ void mhc_coeffs_split_rows_kernel(const float* __restrict__ src, __nv_bfloat16* __restrict__ planes,
                                              i64 rows, int K, int ld, i64 rows_p, int K16, int KC) {
     const i64 total = rows_p * K16;
@@ -741,7 +750,7 @@ __global__ void mhc_coeffs_split_rows_kernel(const float* __restrict__ src, __nv
         const float v = (r < rows && k < K) ? src[r * ld + k] : 0.f;
         unsigned p[3];
         mhc_coeffs::split_bits<3>(v, p);
-        const i64 o = r * K16 + mhc_coeffs::frag_slot(k, KC);
+        const i64 o = r * K16 + (KC ? mhc_coeffs::frag_slot(k, KC) : k);
 #pragma unroll
         for (int j = 0; j < 3; ++j) planes[j * total + o] = __ushort_as_bfloat16((unsigned short)p[j]);
     }
@@ -1344,13 +1353,17 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
         cp_async16(s_phi + (i64)r * K16 + q * 8,
                    phi_r + p * plane_phi + (i64)((grp * W + w) * C + (ok ? cb0 + cl : 0)) * K16 + q * 8, ok);
     }
+    constexpr int RC = 16 * K16 / 8;  // 16-byte pieces of a plane's 16 rows (contiguous in dH_r)
     auto fill = [&](int step, int stage) {
         unsigned char* st = stages + stage * SB;
-        const i64 t0 = t_begin + step * 16;
-        for (int c = threadIdx.x; c < PO * 16 * K16 / 8; c += 32 * W) {
-            const int p = c / (16 * K16 / 8), o = c - p * (16 * K16 / 8);
-            cp_async16(st + c * 16, dH_r + p * plane_r + t0 * K16 + o * 8, true);
-        }
+        const __nv_bfloat16* src = dH_r + (t_begin + step * 16) * K16;
+#pragma unroll
+        for (int p = 0; p < PO; ++p)
+#pragma unroll
+            for (int c0 = 0; c0 < RC; c0 += 32 * W) {
+                const int c = c0 + (int)threadIdx.x;
+                if (RC % (32 * W) == 0 || c < RC) cp_async16(st + (p * RC + c) * 16, src + p * plane_r + c * 8, true);
+            }
     };
     pipeline_start<STAGES>(steps, fill);  // the first group also holds the phi rows
     const __nv_bfloat16* ph = s_phi + (warp * CW) * K16;  // this warp's rows, plane 0
@@ -1449,10 +1462,12 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
 // stream i = group * W + w, columns [cb * 32, cb * 32 + 32) and the MT 16-token m tiles
 // wm * MT .. of each step of BT = 16 WM MT tokens; the block walks tokens [split * t_split,
 // ...) (t_split a multiple of BT) a step at a time and each step's K in KS / 2 chunks.  A stage
-// holds one chunk: dH_r [PO][BT][32] and phi_r [PO][32 W][32] (bf16; 64-byte rows, lane quad
-// member q's 8 values at 16 q: conflict-free 16-byte reads).  The epilogue reads x, g_li, gx
-// from global memory; their lines are asked of L2 at the step's first chunk.
-//   phi_r: [3, D, K16], dH_r: [3, tokens_p, K16] (split_rows with KC = 2), K16 = 16 KS, KS even.
+// holds one chunk: dH_r [PO][BT][32] and phi_r [PO][32 W][32] (bf16; 64-byte rows of four
+// 16-byte pieces, XOR-swizzled: ldmatrix reads the MMA fragments without bank conflicts and
+// without register moves).  The epilogue reads x, g_li, gx from global memory; their lines are
+// asked of L2 at the step's first chunk.
+//   phi_r: [3, D, K16], dH_r: [3, tokens_p, K16] (split_rows with KC = 0: columns in their own
+//   order), K16 = 16 KS, KS even.
 // VEC: C % 8 == 0 and x, dx (and g, g_li, gx) 16-byte aligned.  Dynamic shared memory:
 // STAGES * PO * (BT + 32 W) * 64 bytes.
 template <typename T, typename TG, bool VEC, bool LAYER, int KS, int W, int MT, int STAGES>
@@ -1482,43 +1497,50 @@ mhc_coeffs_mma_dx_tile_kernel(const T* __restrict__ x, const __nv_bfloat16* __re
     const i64 plane_r = tokens_p * K16, plane_phi = D * K16;
     const int ks_real = (K + 15) / 16;  // k-steps of K (KS may be one more)
 
-    // The copies of an iteration: 16-byte pieces c = threadIdx.x + 128 j of the dH_r rows p * BT + u
-    // (4 a row) and of the phi_r rows p * NW + 32 w' + cl; their sources differ from iteration to
-    // iteration by the step's tokens t0 and the chunk's columns k0 only.
-    constexpr int HC = PO * BT * 4, HN = (HC + 127) / 128, FC = PO * NW * 4, FN = (FC + 127) / 128;
-    const __nv_bfloat16* hsrc[HN];
-    int hu[HN];
-#pragma unroll
-    for (int j = 0; j < HN; ++j) {
-        const int c = min((int)threadIdx.x + 128 * j, HC - 1), r = c >> 2, p = r / BT;
-        hu[j] = r - p * BT;
-        hsrc[j] = dH_r + p * plane_r + (c & 3) * 8;
-    }
-    const __nv_bfloat16* fsrc[FN];
-    bool fok[FN];
-#pragma unroll
-    for (int j = 0; j < FN; ++j) {
-        const int c = min((int)threadIdx.x + 128 * j, FC - 1), r = c >> 2, p = r / NW, pl = r - p * NW, cl = pl & 31;
-        fok[j] = cb0 + cl < C;
-        const i64 pos = (i64)(grp * W + (pl >> 5)) * C + (fok[j] ? cb0 + cl : 0);
-        fsrc[j] = phi_r + p * plane_phi + pos * K16 + (c & 3) * 8;
-    }
+    // The copies of an iteration: 16-byte pieces c = threadIdx.x + 128 j, piece (c & 3) of row c >> 2 =
+    // u0 + 32 j (u0 = threadIdx.x >> 2).  dH_r rows p * BT + u: plane j / JB, token u0 + 32 (j % JB)
+    // of the step (JB = BT / 32); phi_r rows p * NW + 32 w' + cl: plane j / W, stream group * W + j % W,
+    // column cb0 + u0.  So the sources are one pointer each plus offsets that are constants or
+    // loop-invariant (written so that they stay cheap: precomputed per-copy pointers were recomputed
+    // in the loop by ptxas, about 28 instructions a copy).
+    static_assert(BT % 32 == 0, "BT a multiple of 32 (whole 128-piece rounds)");
+    constexpr int JB = BT / 32, HN = PO * JB, FN = PO * W;
+    const int u0 = threadIdx.x >> 2, q8 = (threadIdx.x & 3) * 8;
+    const __nv_bfloat16* hbase = dH_r + (i64)u0 * K16 + q8;
+    const bool fok = cb0 + u0 < C;
+    const __nv_bfloat16* fbase = phi_r + ((i64)grp * W * C + (fok ? cb0 + u0 : 0)) * K16 + q8;
+    const i64 stream_stride = (i64)C * K16;
+    // Stage rows are 64 bytes (4 pieces of 16); piece c of row r sits at slot c ^ swz(r),
+    // swz(r) = ((r >> 1) ^ (r >> 3)) & 3, so that the 8 rows of each ldmatrix below (8 consecutive
+    // dH_r rows; phi_r rows 8 q + 2 j + b, q < 4) cover all 32 banks.  This thread's rows u0 + 32 j
+    // share swz(u0).
+    const int slot = (threadIdx.x & 3) ^ (((u0 >> 1) ^ (u0 >> 3)) & 3);
     auto fill = [&](int it, int stage) {
-        unsigned char* st = smem + stage * SB;
+        unsigned char* st = smem + stage * SB + u0 * ROW + slot * 16;
         const int step = it / KCN, k0 = (it - step * KCN) * 32;
         const i64 t0 = t_begin + (i64)step * BT;
+        const __nv_bfloat16* h = hbase + t0 * K16 + k0;
 #pragma unroll
         for (int j = 0; j < HN; ++j) {
-            if (HC % 128 != 0 && (int)threadIdx.x + 128 * j >= HC) continue;
-            const i64 t = t0 + hu[j];
-            const bool ok = t < tokens_p;
-            cp_async16(st + (threadIdx.x + 128 * j) * 16, hsrc[j] + (ok ? t : 0) * K16 + k0, ok);
+            const bool ok = t0 + u0 + 32 * (j % JB) < tokens_p;
+            cp_async16(st + j * 2048, ok ? h + (j / JB) * plane_r + (j % JB) * 32 * K16 : dH_r, ok);
         }
+        const __nv_bfloat16* f = fbase + k0;
 #pragma unroll
-        for (int j = 0; j < FN; ++j)
-            if (FC % 128 == 0 || (int)threadIdx.x + 128 * j < FC)
-                cp_async16(st + AB + (threadIdx.x + 128 * j) * 16, fsrc[j] + k0, fok[j]);
+        for (int j = 0; j < FN; ++j) cp_async16(st + AB + j * 2048, f + (j / W) * plane_phi + (j % W) * stream_stride, fok);
     };
+
+    // The fragments by ldmatrix (lane l gives row l % 8 of matrix l / 8).  A (m tile wm MT + m,
+    // plane p, k-step sl): matrices rows 0-7 / 8-15, pieces 2 sl (k 0-7) / 2 sl + 1 (k 8-15) ->
+    // a0..a3.  B (n tile j, plane p): rows 8 (r >> 1) + 2j + (r & 1) of the warp's 32 (column r
+    // of tile j), pieces 0..3 -> b0, b1 of k-step 0, then of k-step 1.  With swz as above, this
+    // lane's A slot is s0 ^ 2 ((m + sl) & 1) and its B slot t0s ^ j; planes are 32-row multiples.
+    const int lr = lane & 7, lm = lane >> 3;
+    const int ra = wm * MT * 16 + lr + 8 * (lm & 1), s0 = ((lm >> 1) ^ (ra >> 1) ^ (ra >> 3)) & 3;
+    const unsigned a_off[2] = {(unsigned)(ra * ROW + s0 * 16), (unsigned)(ra * ROW + (s0 ^ 2) * 16)};
+    const int rb = 32 * w + 8 * (lr >> 1) + (lr & 1), t0s = (lm ^ (lr >> 1)) & 3;
+    const unsigned b_off = (unsigned)(AB + rb * ROW + t0s * 16);  // tile j: (b_off ^ 16 j) + 128 j
+    const unsigned s_smem = (unsigned)__cvta_generic_to_shared(smem);
 
     const T* xi = x + (i64)i * C;
     const int col = cb0 + 8 * tq;  // this thread's 8 columns of each of its rows
@@ -1526,7 +1548,6 @@ mhc_coeffs_mma_dx_tile_kernel(const T* __restrict__ x, const __nv_bfloat16* __re
     pipeline_start<STAGES>(iters, fill);
     for (int it = 0; it < iters; ++it) {
         pipeline_next<STAGES>(it, iters, fill);
-        const unsigned char* st = smem + (it % STAGES) * SB;
         const int step = it / KCN, kc = it - step * KCN;
         const i64 t0 = t_begin + (i64)step * BT + (wm * MT) * 16;  // this warp's first token
         if (kc == 0) {
@@ -1550,20 +1571,19 @@ mhc_coeffs_mma_dx_tile_kernel(const T* __restrict__ x, const __nv_bfloat16* __re
         // A: rows 16 (wm MT + m) + g8 (+ 8) of dH_r; B: column g8 of n tile j = position
         // 8 (g8 >> 1) + 2j + (g8 & 1) of the warp's 32 (accumulator (tq, e): column 8 tq + 2j + e).
         // Words 0, 1: the chunk's first k-step, 2, 3: its second.
+        const unsigned sst = s_smem + (unsigned)((it % STAGES) * SB);
         unsigned a[MT][PO][2][4], b[4][PO][4];
 #pragma unroll
         for (int m = 0; m < MT; ++m)
 #pragma unroll
             for (int p = 0; p < PO; ++p)
 #pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    mhc::load_words<4>(st + (p * BT + (wm * MT + m) * 16 + g8 + 8 * h) * ROW + tq * 16, a[m][p][h]);
+                for (int sl = 0; sl < 2; ++sl)
+                    ldmatrix_x4(sst + a_off[(m + sl) & 1] + (p * BT + m * 16) * ROW, a[m][p][sl]);
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
-            for (int p = 0; p < PO; ++p)
-                mhc::load_words<4>(st + AB + (p * NW + 32 * w + 8 * (g8 >> 1) + 2 * j + (g8 & 1)) * ROW + tq * 16,
-                                   b[j][p]);
+            for (int p = 0; p < PO; ++p) ldmatrix_x4(sst + ((b_off ^ (16 * j)) + 128 * j) + p * NW * ROW, b[j][p]);
         // per accumulator: k-step, then part pairs (pa, pb) in mhc_coeffs_mma_dx_kernel's order;
         // the k-step that only pads K16 to an even count is skipped (its operands are zero)
 #pragma unroll
@@ -1577,9 +1597,7 @@ mhc_coeffs_mma_dx_tile_kernel(const T* __restrict__ x, const __nv_bfloat16* __re
                     for (int pa = 0; pa < PO; ++pa)
 #pragma unroll
                         for (int pb = 0; pb + pa < PO; ++pb) {
-                            const unsigned av[4] = {a[m][pa][0][2 * sl], a[m][pa][1][2 * sl], a[m][pa][0][2 * sl + 1],
-                                                    a[m][pa][1][2 * sl + 1]};
-                            mma16816(acc[m][j], av, b[j][pb][2 * sl], b[j][pb][2 * sl + 1]);
+                            mma16816(acc[m][j], a[m][pa][sl], b[j][pb][2 * sl], b[j][pb][2 * sl + 1]);
                         }
         }
         if (kc != KCN - 1) continue;

@@ -496,7 +496,7 @@ def launch_split_bwd(b: SplitBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc:
     if splits > 1:
         column_sum(out, dphi, splits, D * K, stream)
     K16 = b.dx_K16
-    kc = 2 if b.dx_kind == "tile" else K16 // 16  # k-steps per chunk of the planes' fragment order
+    kc = 0 if b.dx_kind == "tile" else K16 // 16  # k-steps per chunk of the planes' fragment order (0: none)
     launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(D * K16), (_NT, 1, 1),
            (phi, sc["phi_r"], i64(D), i32(K), i32(K), i64(D), i32(K16), i32(kc)), stream)
     launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(b.tokens_p * K16), (_NT, 1, 1),
