@@ -1,12 +1,13 @@
 """A representative subset of every op, forward and backward, for compute-sanitizer.
 
 Shapes cover: odd C (scalar path, misaligned rows), C split into 3 / 5 / 7
-block-sized chunks, the vectorised path, n = 1, 3, 4, 8, 17, 32, shared
+block-sized chunks, the vectorised path, n = 1, 3, 4, 8, 16, 17, 32, shared
 coefficients, RMSNorm with a weight and on vec(x), Sinkhorn history in shared and in global
 memory (n = 17: lanes that own fewer columns than rows), both gradient modes (n = 32: the
 warp-per-matrix implicit backward), the fused layer pieces (tensor-core forward for every n; the
 fused backward for n <= 4, the dphi / dx kernels above, the dx with phi resident for n = 8 and streamed
-(mhc_coeffs_mma_dx_tile_kernel) for n = 17 and 32;
+(mhc_coeffs_mma_dx_tile_kernel) for n = 16, 17 and 32 (bf16 n = 16: two streams a block, C = 72
+ends in a partial column tile);
 the post op's dx given as g or as grad_x).  Exits non-zero if any result is not finite.
 """
 
@@ -31,7 +32,8 @@ def check(name, *arrays):
 
 bf16 = m._interop.numpy_dtype("bfloat16")
 for T, n, C, dt in [(3, 3, 13, bf16), (5, 4, 1536, bf16), (2, 4, 2560, bf16), (2, 8, 7168, cp.float32),
-                    (17, 8, 100, bf16), (4, 1, 4095, cp.float16), (2, 17, 264, bf16), (3, 32, 40, cp.float32)]:
+                    (17, 8, 100, bf16), (4, 1, 4095, cp.float16), (2, 16, 72, bf16), (2, 17, 264, bf16),
+                    (3, 32, 40, cp.float32)]:
     x, y, g, gy = act(T, n, C, dt=dt), act(T, C, dt=dt), act(T, n, C, dt=dt), act(T, C, dt=dt)
     M, h, hs = act(T, n, n), act(T, n), act(n)
     check("mix", m.stream_mix_fwd(x, M), *m.stream_mix_bwd(g, x, M))
