@@ -625,8 +625,9 @@ __device__ __forceinline__ void store8(T* __restrict__ row, int pos, int lim, co
 // Position of column k of a row in the "fragment order" of the backward planes, in
 // chunks of KC k-steps (16 columns each): within chunk s / KC (16 KC values), lane quad
 // member q reads its 4 values (k = 2q, 2q+1, 2q+8, 2q+9) of each of the chunk's k-steps
-// as 4 KC consecutive values.  KC = KS (the whole row one chunk): the order of
-// mhc_coeffs_mma_bwd_kernel / mhc_coeffs_mma_dx_kernel; KC = 2: of mhc_coeffs_mma_dx_tile_kernel.
+// as 4 KC consecutive values.  The library uses KC = KS (the whole row one chunk): the order of
+// mhc_coeffs_mma_bwd_kernel / mhc_coeffs_mma_dx_kernel (mhc_coeffs_mma_dx_tile_kernel reads its
+// planes in natural column order with ldmatrix: split_rows with KC = 0).
 __device__ __forceinline__ int frag_slot(int k, int KC) {
     const int s = k >> 4, j = k & 15;
     return (s / KC) * 16 * KC + ((j & 7) >> 1) * 4 * KC + (s % KC) * 4 + 2 * (j >> 3) + (j & 1);
