@@ -80,6 +80,11 @@ def grid_for(tokens: int) -> tuple:
     return (min(tokens, MAX_GRID), 1, 1)
 
 
+def grid_stride(count: int) -> tuple:
+    """Grid of a 1-D grid-stride kernel of MAX_THREADS-thread blocks over count items (at most 4096 blocks)."""
+    return (max(1, min(-(-count // MAX_THREADS), 4096)), 1, 1)
+
+
 def column_sum(part_ptr, out_ptr, rows: int, cols: int, stream) -> None:
     """out[c] = sum_r part[r, c] in a fixed order (deterministic; the order depends on the shape only)."""
     if cols <= 32 and rows > 256:  # a sum over tokens of a few per-token terms: all 1024 threads on them
@@ -87,7 +92,7 @@ def column_sum(part_ptr, out_ptr, rows: int, cols: int, stream) -> None:
                (part_ptr, out_ptr, i64(rows), i32(cols)), stream)
         return
     if rows <= 64:  # the same bits as the kernel below with ty = 8, one thread per column
-        launch("stream.cu", "mhc_column_sum_few_kernel", (min(-(-cols // 256), 4096), 1, 1), (256, 1, 1),
+        launch("stream.cu", "mhc_column_sum_few_kernel", grid_stride(cols), (MAX_THREADS, 1, 1),
                (part_ptr, out_ptr, i64(rows), i32(cols)), stream)
         return
     ty = 32 if rows > 256 else 8  # tall: more threads per column

@@ -17,7 +17,7 @@ from typing import NamedTuple
 from .. import _checks, _convention, reference
 from .._convention import DEFAULT
 from .._dispatch import Plan, run
-from ._launch import ITEMSIZE, CTYPE, MAX_GRID, column_sum, f32, i32, i64, launch, tokens_of, vec8
+from ._launch import ITEMSIZE, CTYPE, MAX_GRID, MAX_THREADS, column_sum, f32, grid_stride, i32, i64, launch, tokens_of, vec8
 from .stream import check_x
 from .spec import ALPHA, BIAS, H_POST_RAW, H_PRE_RAW, H_RES_RAW, PHI, X, Kernel, optional_grads
 
@@ -194,14 +194,10 @@ def mma_layout(tokens: int, D: int, K: int) -> MmaLayout:
     return MmaLayout(ntile, ncc, ncc * ntile * 8, units * _MMA_STEP, tiles, splits, per * _MMA_STEP)
 
 
-def _grid_stride(count: int) -> tuple:
-    return (max(1, min(_cdiv(count, _NT), 4096)), 1, 1)
-
-
 def launch_mma_gemm(dt, D, K, tokens, *, x, phi, part, planes, mma: MmaLayout, stream):
     """Raw H~ and sums of squares per D range into part [splits, T, K+1], on tensor cores
     (phi split into three bf16 planes first: kernels_cu/coeffs.cu, tensor-core path)."""
-    launch(_FILE, "mhc_coeffs_split_phi_fwd_kernel", _grid_stride(mma.Kp * mma.Dp), (_NT, 1, 1),
+    launch(_FILE, "mhc_coeffs_split_phi_fwd_kernel", grid_stride(mma.Kp * mma.Dp), (MAX_THREADS, 1, 1),
            (phi, planes, i32(D), i32(K), i32(mma.Dp), i32(mma.Kp)), stream)
     vec = "true" if vec8(D, x) else "false"
     stages, smem = mma_fwd_smem(dt, mma.ntile)
@@ -307,11 +303,11 @@ def launch_mma_bwd(b: MmaBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc: dic
     D = b.n * b.C
     layer = g is not None or g_li is not None or gx is not None  # any layer gradient alone adds its dx term
     tg = tg or dt
-    launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(D * b.K16), (_NT, 1, 1),
+    launch(_FILE, "mhc_coeffs_split_rows_kernel", grid_stride(D * b.K16), (MAX_THREADS, 1, 1),
            (phi, sc["phi_r"], i64(D), i32(b.K), i32(b.K), i64(D), i32(b.K16), i32(b.K16 // 16)), stream)
-    launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(b.tokens_p * b.K16), (_NT, 1, 1),
+    launch(_FILE, "mhc_coeffs_split_rows_kernel", grid_stride(b.tokens_p * b.K16), (MAX_THREADS, 1, 1),
            (dH, sc["dH_r"], i64(b.tokens), i32(b.K), i32(KP), i64(b.tokens_p), i32(b.K16), i32(b.K16 // 16)), stream)
-    launch(_FILE, "mhc_coeffs_split_cols_kernel", _grid_stride(b.tokens_p * b.Kp8), (_NT, 1, 1),
+    launch(_FILE, "mhc_coeffs_split_cols_kernel", grid_stride(b.tokens_p * b.Kp8), (MAX_THREADS, 1, 1),
            (dH, sc["dH_c"], i64(b.tokens), i32(b.K), i32(KP), i64(b.tokens_p), i32(b.Kp8)), stream)
     vec = "true" if vec8(b.C, x, dx, g, g_li, gx) else "false"
     out = sc["dphi_part"] if b.splits > 1 else dphi
@@ -484,7 +480,7 @@ def launch_split_bwd(b: SplitBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc:
     layer = g is not None or g_li is not None or gx is not None
     tg = tg or dt
     Kc = b.ncc * b.nq * 8
-    launch(_FILE, "mhc_coeffs_split_cols_kernel", _grid_stride(b.tokens_p * Kc), (_NT, 1, 1),
+    launch(_FILE, "mhc_coeffs_split_cols_kernel", grid_stride(b.tokens_p * Kc), (MAX_THREADS, 1, 1),
            (dH, sc["dH_c"], i64(b.tokens), i32(K), i32(KP), i64(b.tokens_p), i32(Kc)), stream)
     splits, t_split = b.dphi_splits
     out = sc["dphi_part"] if splits > 1 else dphi
@@ -497,9 +493,9 @@ def launch_split_bwd(b: SplitBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc:
         column_sum(out, dphi, splits, D * K, stream)
     K16 = b.dx_K16
     kc = 0 if b.dx_kind == "tile" else K16 // 16  # k-steps per chunk of the planes' fragment order (0: none)
-    launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(D * K16), (_NT, 1, 1),
+    launch(_FILE, "mhc_coeffs_split_rows_kernel", grid_stride(D * K16), (MAX_THREADS, 1, 1),
            (phi, sc["phi_r"], i64(D), i32(K), i32(K), i64(D), i32(K16), i32(kc)), stream)
-    launch(_FILE, "mhc_coeffs_split_rows_kernel", _grid_stride(b.tokens_p * K16), (_NT, 1, 1),
+    launch(_FILE, "mhc_coeffs_split_rows_kernel", grid_stride(b.tokens_p * K16), (MAX_THREADS, 1, 1),
            (dH, sc["dH_r"], i64(b.tokens), i32(K), i32(KP), i64(b.tokens_p), i32(K16), i32(kc)), stream)
     vec = "true" if vec8(b.C, x, dx, g, g_li, gx) else "false"
     dsplits, dt_split = b.dx_splits
