@@ -969,6 +969,9 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
 //   dphi: partials [splits, D, K] (the output with one split).
 // VEC: C % 8 == 0 and x, dx (and g, g_li, gx) 16-byte aligned.  KS = K16 / 16, NQ = Kp8 / 8.
 // Dynamic shared memory: MmaBwd.pipeline (ops/coeffs.py; phi and dH_r in PO planes: 2 for 16-bit x, 3 for float32).
+// 3 blocks of 4 warps per SM with the layer's g staged (GS below) need at most 168 registers a
+// thread: ptxas (NVRTC 12.9 / 13.0) takes 166 / 167 for bf16 / fp16 at n = 4.  Not enforced: a
+// minimum-blocks bound of 3 made ptxas spill 24 bytes (64 bytes of loads) at bf16.
 template <typename T, typename TG, bool VEC, bool LAYER, int KS, int NQ, int STAGES>
 __global__ void __launch_bounds__(128)
 mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restrict__ phi_r,
@@ -994,17 +997,19 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
     const int res_j = res_t ? 1 : n, res_i = res_t ? n : 1;  // H_res element (j, i) of this warp's row i
 
     // shared memory: phi rows of the block (PO planes), then STAGES stages of
-    // x [16][n][64] T | dH_r [PO][16][K16] | dH_c [3][Kp8][16] (| GS: g [n][16][64] and
-    // g_li [16][64] TG), the token rows of x and g padded by 16 bytes (no bank conflicts
-    // between tokens).  GS (LAYER, vector path, 16-bit gradients): the layer's g and g_li come
-    // with the step's copies, zero where absent, and every warp reads all n + 1 rows from there;
-    // otherwise the epilogue reads them straight from global memory.
+    // x [16][n][64] T | dH_r [PO][16][K16] | dH_c [3][Kp8][16] (| GS: g [n][16][64] TG), the
+    // token rows of x padded by 16 bytes (no bank conflicts between tokens); g's 128-byte rows
+    // unpadded, 16-byte chunk q of token row u at slot q ^ (u & 7) (conflict-free reads below).
+    // GS (LAYER, vector path, 16-bit gradients): the layer's g comes with the step's copies, zero
+    // where absent, and every warp reads all n streams from there; g_li (and without GS, g too)
+    // the epilogue reads from global memory, its lines asked of L2 a step ahead.  At n = 4 bf16
+    // with 2 stages a block takes 74,752 bytes: 3 blocks per SM where an SM has 228 KiB.
     constexpr bool GS = LAYER && VEC && sizeof(TG) == 2;
-    constexpr int GR = 64 * (int)sizeof(TG) + 16;  // g row bytes (GS)
+    constexpr int GR = 64 * (int)sizeof(TG);  // g row bytes (GS)
     __nv_bfloat16* s_phi = reinterpret_cast<__nv_bfloat16*>(smem);
     const int XR = nw * (int)sizeof(T) + 16;  // token row bytes
     const int XB = 16 * XR, RB = PO * 16 * K16 * 2, CB = 3 * Kp8 * 16 * 2;
-    const int SB = XB + RB + CB + (GS ? (n + 1) * 16 * GR : 0);
+    const int SB = XB + RB + CB + (GS ? n * 16 * GR : 0);
     unsigned char* stages = smem + PO * nw * K16 * 2;
 
     // phi rows of the block's positions (zero where the column is past C)
@@ -1038,25 +1043,18 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
             cp_async16(st + XB + RB + c * 16, dH_c + p * plane_c + (i64)k * tokens_p + t0 + q * 8, true);
         }
         if constexpr (GS) {
-            // g: warp i copies the rows of stream i (as x); g_li: the block's threads in turn
+            // g: warp i copies the rows of stream i (as x), chunk q of row u to slot q ^ (u & 7)
             unsigned char* sg = st + XB + RB + CB;
             const TG* x_any = reinterpret_cast<const TG*>(x);  // a valid address for the zero fills
             constexpr int GC = 64 * (int)sizeof(TG) / 16;  // 16-byte chunks per row (8)
-            // (zeros where a gradient is absent: the epilogue adds them unconditionally)
+            // (zeros where g is absent: the epilogue adds them unconditionally)
 #pragma unroll
             for (int j = 0; j < 16 * GC / 32; ++j) {
                 const int u = lane / GC + j * (32 / GC), q = lane % GC;
                 const i64 t = t0 + u;
                 const bool ok = t < t_end && g != nullptr;
-                fill16<TG, true>(sg + (warp * 16 + u) * GR + q * 16, ok ? g + t * (i64)D + warp * C : x_any, ok,
-                                 cb0 + q * (16 / (int)sizeof(TG)), C);
-            }
-            for (int c = threadIdx.x; c < 16 * GC; c += blockDim.x) {
-                const int u = c / GC, q = c % GC;
-                const i64 t = t0 + u;
-                const bool ok = t < t_end && g_li != nullptr;
-                fill16<TG, true>(sg + (n * 16 + u) * GR + q * 16, ok ? g_li + t * (i64)C : x_any, ok,
-                                 cb0 + q * (16 / (int)sizeof(TG)), C);
+                fill16<TG, true>(sg + (warp * 16 + u) * GR + (q ^ (u & 7)) * 16, ok ? g + t * (i64)D + warp * C : x_any,
+                                 ok, cb0 + q * (16 / (int)sizeof(TG)), C);
             }
         }
     };
@@ -1074,17 +1072,17 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
         const __nv_bfloat16* dhr = reinterpret_cast<const __nv_bfloat16*>(st + XB);
         const __nv_bfloat16* dhc = reinterpret_cast<const __nv_bfloat16*>(st + XB + RB);
         const i64 t0 = t_begin + step * 16;
-        // LAYER, vector path, gradients not staged (!GS: float32): the g and g_li rows of step +
-        // DX_PREFETCH into L2: lanes tq = 0 and 3 ask for the lines of the first and the last 8 of
-        // a row's 64 columns (warp i: g's stream i)
-        if (LAYER && VEC && !GS && (tq == 0 || tq == 3) && step + DX_PREFETCH < steps) {
+        // LAYER, vector path: the g_li rows (warp 0) and, not staged (!GS: float32), the g rows
+        // (warp i: stream i) of step + DX_PREFETCH into L2: lanes tq = 0 and 3 ask for the lines
+        // of the first and the last 8 of a row's 64 columns
+        if (LAYER && VEC && (tq == 0 || tq == 3) && step + DX_PREFETCH < steps) {
             const int pc = tq == 0 ? cb0 : min(cb0 + 56, C - 8);
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const i64 t = t0 + 16 * DX_PREFETCH + g8 + 8 * h;
                 if (t >= t_end) continue;
-                if (g_li != nullptr) mhc::prefetch_l2(g_li + t * (i64)C + pc);
-                if (g != nullptr) mhc::prefetch_l2(g + t * (i64)D + warp * C + pc);
+                if (g_li != nullptr && (!GS || warp == 0)) mhc::prefetch_l2(g_li + t * (i64)C + pc);
+                if (!GS && g != nullptr) mhc::prefetch_l2(g + t * (i64)D + warp * C + pc);
             }
         }
         // Per-token scalars of this thread's two dx rows (tokens g8, g8 + 8), loaded now so their
@@ -1156,18 +1154,26 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
                     for (int e8 = 0; e8 < 8; ++e8)
                         o[e8] = fmaf(-cs[h], xv[e8], acc[4 * half + (e8 >> 1)][2 * h + (e8 & 1)]);
                     if constexpr (GS) {
-                        // g_li, then the streams in order (the order of the path below), from the stage
-                        const unsigned char* sg = st + XB + RB + CB + u * GR + cl * (int)sizeof(TG);
+                        // g_li (zeros where absent, added all the same: the bits of a staged zero
+                        // row), then the streams in order (the order of the path below), from the stage
+                        float gv[8];
+                        if (g_li != nullptr) {
+                            load8<TG, VEC>(g_li + t * (i64)C, col, C, gv);
+                        } else {
 #pragma unroll
-                        for (int k = 0; k < 5; ++k) {
-                            const int j = k == 0 ? 4 : k - 1;
-                            if (j < 4 && j >= n) continue;
-                            const float w = j == 4 ? hp[h] : hr[h][j];
+                            for (int e8 = 0; e8 < 8; ++e8) gv[e8] = 0.f;
+                        }
+#pragma unroll
+                        for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(hp[h], gv[e8], o[e8]);
+                        const unsigned char* sg = st + XB + RB + CB + u * GR + (((cl >> 3) ^ (u & 7)) << 4);
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            if (j >= n) continue;
                             unsigned ww[4];
-                            mhc::load_words<4>(sg + (j == 4 ? n : j) * 16 * GR, ww);
+                            mhc::load_words<4>(sg + j * 16 * GR, ww);
 #pragma unroll
                             for (int e8 = 0; e8 < 8; ++e8)
-                                o[e8] = fmaf(w, mhc::word_elem<TG>(ww[e8 >> 1], e8 & 1), o[e8]);
+                                o[e8] = fmaf(hr[h][j], mhc::word_elem<TG>(ww[e8 >> 1], e8 & 1), o[e8]);
                         }
                     } else if (LAYER) {
                         float gv[8];

@@ -135,8 +135,9 @@ _MMA_STAGES = 4  # cp.async pipeline depth of the forward GEMM (at most)
 _MMA_BWD_STAGES = 3  # and of the backward
 #: Dynamic shared memory a block may use on every supported GPU: the opt-in limit of
 #: sm_86 / sm_89 / sm_120 (99 KiB; sm_80 has 163 KiB, sm_90 227 KiB).  The pipelines
-#: use fewer stages when the deepest one would need more (float32 x; the n = 4 backward of
-#: 16-bit x with the layer's gradients staged); the depth does not change the order of any sum.
+#: use fewer stages when the deepest one would need more (float32 x), and the n = 4 backward of
+#: 16-bit x with the layer's g staged 2 for occupancy (MmaBwd.pipeline); the depth does not
+#: change the order of any sum.
 _SMEM_PORTABLE = 101376
 
 
@@ -278,14 +279,16 @@ class MmaBwd(_TensorCoreBwd):
     def pipeline(self, dt: str, g_staged: bool = False) -> tuple[int, int]:
         """(stages, dynamic shared bytes): the block's phi rows (PO planes: 2 for 16-bit x, 3 for
         float32), then per stage x [16][n][64] (token rows padded by 16 bytes), dH_r [PO][16][K16]
-        and dH_c [3][Kp8][16], and with ``g_staged`` (the layer's 16-bit gradients, vector path)
-        g [n][16][64] and g_li [16][64], rows padded by 16 bytes (kernels_cu/coeffs.cu)."""
+        and dH_c [3][Kp8][16], and with ``g_staged`` (the layer's 16-bit output gradient, vector
+        path) g [n][16][64] (kernels_cu/coeffs.cu).  With g staged at n = 4, 2 stages: 74,752 bytes
+        (bf16), 3 blocks per SM where an SM has 228 KiB; with 3 stages 2 blocks fit.  (On main, where
+        g_li was staged too, 3 stages in 227 KiB measured no faster than 2 on the H200.)"""
         nw, K16, Kp8, PO = 64 * self.n, self.K16, self.Kp8, _planes(dt)
         fixed = PO * nw * K16 * 2
         stage = 16 * (nw * ITEMSIZE[dt] + 16) + PO * 16 * K16 * 2 + 3 * Kp8 * 32
         if g_staged:
-            stage += (self.n + 1) * 16 * (64 * 2 + 16)
-        stages = pipeline_stages(fixed, stage, _MMA_BWD_STAGES)
+            stage += self.n * 16 * 64 * 2
+        stages = pipeline_stages(fixed, stage, 2 if g_staged and self.n == 4 else _MMA_BWD_STAGES)
         return stages, fixed + stages * stage
 
 
