@@ -281,8 +281,8 @@ class MmaBwd(_TensorCoreBwd):
         float32), then per stage x [16][n][64] (token rows padded by 16 bytes), dH_r [PO][16][K16]
         and dH_c [3][Kp8][16], and with ``g_staged`` (the layer's 16-bit output gradient, vector
         path) g [n][16][64] (kernels_cu/coeffs.cu).  With g staged at n = 4, 2 stages: 74,752 bytes
-        (bf16), 3 blocks per SM where an SM has 228 KiB; with 3 stages 2 blocks fit.  (On main, where
-        g_li was staged too, 3 stages in 227 KiB measured no faster than 2 on the H200.)"""
+        (bf16), 3 blocks per SM where an SM has 228 KiB; with 3 stages 2 blocks fit.  (Before e54bd9e,
+        with g_li staged too, 3 stages in 227 KiB measured no faster than 2 on the H200.)"""
         nw, K16, Kp8, PO = 64 * self.n, self.K16, self.Kp8, _planes(dt)
         fixed = PO * nw * K16 * 2
         stage = 16 * (nw * ITEMSIZE[dt] + 16) + PO * 16 * K16 * 2 + 3 * Kp8 * 32
