@@ -80,9 +80,9 @@ def grid_for(tokens: int) -> tuple:
     return (min(tokens, MAX_GRID), 1, 1)
 
 
-def grid_stride(count: int) -> tuple:
-    """Grid of a 1-D grid-stride kernel of MAX_THREADS-thread blocks over count items (at most 4096 blocks)."""
-    return (max(1, min(-(-count // MAX_THREADS), 4096)), 1, 1)
+def launch_grid_stride(filename: str, expr: str, count: int, args, stream) -> None:
+    """Launch a 1-D grid-stride kernel over count items: MAX_THREADS-thread blocks, at most 4096 of them."""
+    launch(filename, expr, (max(1, min(-(-count // MAX_THREADS), 4096)), 1, 1), (MAX_THREADS, 1, 1), args, stream)
 
 
 def column_sum(part_ptr, out_ptr, rows: int, cols: int, stream) -> None:
@@ -92,8 +92,8 @@ def column_sum(part_ptr, out_ptr, rows: int, cols: int, stream) -> None:
                (part_ptr, out_ptr, i64(rows), i32(cols)), stream)
         return
     if rows <= 64:  # the same bits as the kernel below with ty = 8, one thread per column
-        launch("stream.cu", "mhc_column_sum_few_kernel", grid_stride(cols), (MAX_THREADS, 1, 1),
-               (part_ptr, out_ptr, i64(rows), i32(cols)), stream)
+        launch_grid_stride("stream.cu", "mhc_column_sum_few_kernel", cols, (part_ptr, out_ptr, i64(rows), i32(cols)),
+                           stream)
         return
     ty = 32 if rows > 256 else 8  # tall: more threads per column
     launch("stream.cu", "mhc_column_sum_kernel", (-(-cols // 32), 1, 1), (32, ty, 1),

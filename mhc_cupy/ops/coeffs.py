@@ -17,7 +17,8 @@ from typing import NamedTuple
 from .. import _checks, _convention, reference
 from .._convention import DEFAULT
 from .._dispatch import Plan, run
-from ._launch import ITEMSIZE, CTYPE, MAX_GRID, MAX_THREADS, column_sum, f32, grid_stride, i32, i64, launch, tokens_of, vec8
+from ._launch import (ITEMSIZE, CTYPE, MAX_GRID, column_sum, f32, i32, i64, launch, launch_grid_stride, tokens_of,
+                      vec8)
 from .stream import check_x
 from .spec import ALPHA, BIAS, H_POST_RAW, H_PRE_RAW, H_RES_RAW, PHI, X, Kernel, optional_grads
 
@@ -198,8 +199,8 @@ def mma_layout(tokens: int, D: int, K: int) -> MmaLayout:
 def launch_mma_gemm(dt, D, K, tokens, *, x, phi, part, planes, mma: MmaLayout, stream):
     """Raw H~ and sums of squares per D range into part [splits, T, K+1], on tensor cores
     (phi split into three bf16 planes first: kernels_cu/coeffs.cu, tensor-core path)."""
-    launch(_FILE, "mhc_coeffs_split_phi_fwd_kernel", grid_stride(mma.Kp * mma.Dp), (MAX_THREADS, 1, 1),
-           (phi, planes, i32(D), i32(K), i32(mma.Dp), i32(mma.Kp)), stream)
+    launch_grid_stride(_FILE, "mhc_coeffs_split_phi_fwd_kernel", mma.Kp * mma.Dp,
+                       (phi, planes, i32(D), i32(K), i32(mma.Dp), i32(mma.Kp)), stream)
     vec = "true" if vec8(D, x) else "false"
     stages, smem = mma_fwd_smem(dt, mma.ntile)
     launch(_FILE, f"mhc_coeffs_mma_fwd_kernel<{CTYPE[dt]},{vec},{_MMA_MT},{mma.ntile},{stages}>",
@@ -306,12 +307,13 @@ def launch_mma_bwd(b: MmaBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc: dic
     D = b.n * b.C
     layer = g is not None or g_li is not None or gx is not None  # any layer gradient alone adds its dx term
     tg = tg or dt
-    launch(_FILE, "mhc_coeffs_split_rows_kernel", grid_stride(D * b.K16), (MAX_THREADS, 1, 1),
-           (phi, sc["phi_r"], i64(D), i32(b.K), i32(b.K), i64(D), i32(b.K16), i32(b.K16 // 16)), stream)
-    launch(_FILE, "mhc_coeffs_split_rows_kernel", grid_stride(b.tokens_p * b.K16), (MAX_THREADS, 1, 1),
-           (dH, sc["dH_r"], i64(b.tokens), i32(b.K), i32(KP), i64(b.tokens_p), i32(b.K16), i32(b.K16 // 16)), stream)
-    launch(_FILE, "mhc_coeffs_split_cols_kernel", grid_stride(b.tokens_p * b.Kp8), (MAX_THREADS, 1, 1),
-           (dH, sc["dH_c"], i64(b.tokens), i32(b.K), i32(KP), i64(b.tokens_p), i32(b.Kp8)), stream)
+    launch_grid_stride(_FILE, "mhc_coeffs_split_rows_kernel", D * b.K16,
+                       (phi, sc["phi_r"], i64(D), i32(b.K), i32(b.K), i64(D), i32(b.K16), i32(b.K16 // 16)), stream)
+    launch_grid_stride(_FILE, "mhc_coeffs_split_rows_kernel", b.tokens_p * b.K16,
+                       (dH, sc["dH_r"], i64(b.tokens), i32(b.K), i32(KP), i64(b.tokens_p), i32(b.K16),
+                        i32(b.K16 // 16)), stream)
+    launch_grid_stride(_FILE, "mhc_coeffs_split_cols_kernel", b.tokens_p * b.Kp8,
+                       (dH, sc["dH_c"], i64(b.tokens), i32(b.K), i32(KP), i64(b.tokens_p), i32(b.Kp8)), stream)
     vec = "true" if vec8(b.C, x, dx, g, g_li, gx) else "false"
     out = sc["dphi_part"] if b.splits > 1 else dphi
     stages, smem = b.pipeline(dt, g_staged=layer and vec == "true" and ITEMSIZE[tg] == 2)  # the kernel's GS
@@ -483,8 +485,8 @@ def launch_split_bwd(b: SplitBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc:
     layer = g is not None or g_li is not None or gx is not None
     tg = tg or dt
     Kc = b.ncc * b.nq * 8
-    launch(_FILE, "mhc_coeffs_split_cols_kernel", grid_stride(b.tokens_p * Kc), (MAX_THREADS, 1, 1),
-           (dH, sc["dH_c"], i64(b.tokens), i32(K), i32(KP), i64(b.tokens_p), i32(Kc)), stream)
+    launch_grid_stride(_FILE, "mhc_coeffs_split_cols_kernel", b.tokens_p * Kc,
+                       (dH, sc["dH_c"], i64(b.tokens), i32(K), i32(KP), i64(b.tokens_p), i32(Kc)), stream)
     splits, t_split = b.dphi_splits
     out = sc["dphi_part"] if splits > 1 else dphi
     stages, smem = b.dphi_pipeline
@@ -496,10 +498,10 @@ def launch_split_bwd(b: SplitBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc:
         column_sum(out, dphi, splits, D * K, stream)
     K16 = b.dx_K16
     kc = 0 if b.dx_kind == "tile" else K16 // 16  # k-steps per chunk of the planes' fragment order (0: none)
-    launch(_FILE, "mhc_coeffs_split_rows_kernel", grid_stride(D * K16), (MAX_THREADS, 1, 1),
-           (phi, sc["phi_r"], i64(D), i32(K), i32(K), i64(D), i32(K16), i32(kc)), stream)
-    launch(_FILE, "mhc_coeffs_split_rows_kernel", grid_stride(b.tokens_p * K16), (MAX_THREADS, 1, 1),
-           (dH, sc["dH_r"], i64(b.tokens), i32(K), i32(KP), i64(b.tokens_p), i32(K16), i32(kc)), stream)
+    launch_grid_stride(_FILE, "mhc_coeffs_split_rows_kernel", D * K16,
+                       (phi, sc["phi_r"], i64(D), i32(K), i32(K), i64(D), i32(K16), i32(kc)), stream)
+    launch_grid_stride(_FILE, "mhc_coeffs_split_rows_kernel", b.tokens_p * K16,
+                       (dH, sc["dH_r"], i64(b.tokens), i32(K), i32(KP), i64(b.tokens_p), i32(K16), i32(kc)), stream)
     vec = "true" if vec8(b.C, x, dx, g, g_li, gx) else "false"
     dsplits, dt_split = b.dx_splits
     head = f"{CTYPE[dt]},{CTYPE[tg]},{vec},{'true' if layer else 'false'},{K16 // 16}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 from .. import _checks, reference
 from .._dispatch import Plan, run
 from . import coeffs
-from ._launch import (CTYPE, MAX_THREADS, column_sum, f32, grid_for, grid_stride, i32, i64, launch, threads_for, tokens_of,
+from ._launch import (CTYPE, column_sum, f32, grid_for, i32, i64, launch, launch_grid_stride, threads_for, tokens_of,
                       vec_width)
 from .spec import X, Arg, Kernel
 from .stream import check_grad
@@ -64,8 +64,8 @@ def _check(infos, rms_eps, hc_eps, with_grad: bool):
 
 def _transpose(src, dst, rows: int, cols: int, stream) -> None:
     """dst [cols, rows] = src [rows, cols]^T (float32; rows = n is small)."""
-    launch(_FILE, "mhc_head_transpose_kernel", grid_stride(rows * cols), (MAX_THREADS, 1, 1),
-           (src, dst, i32(rows), i64(cols)), stream)
+    launch_grid_stride(_FILE, "mhc_head_transpose_kernel", rows * cols,
+                       (src, dst, i32(rows), i64(cols)), stream)
 
 
 def _gemm_scratch(tokens: int, D: int, n: int):
