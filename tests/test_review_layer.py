@@ -10,6 +10,7 @@ from mhc_cupy.ops import coeffs
 def _capture(monkeypatch):
     calls = []
     monkeypatch.setattr(coeffs, "launch", lambda f, name, *a, **k: calls.append(name))
+    monkeypatch.setattr(coeffs, "launch_grid_stride", lambda f, name, *a, **k: calls.append(name))
     monkeypatch.setattr(coeffs, "column_sum", lambda *a, **k: None)
     return calls
 
