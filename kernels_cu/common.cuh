@@ -66,8 +66,61 @@ template <typename T> struct Max16 { static constexpr int value = 16 / sizeof(T)
 // load_vec / store_vec move E elements of T in chunks of this many elements (at most 16 bytes).
 template <typename T, int E> __host__ __device__ constexpr int chunk_elems() { return (E < Max16<T>::value) ? E : Max16<T>::value; }
 
-// W consecutive 32-bit words in one load / store instruction (W = 1, 2, 4).
-template <int W> __device__ __forceinline__ void load_words(const void* p, unsigned int (&w)[W]) {
+// Cache priority of a load.  A row read twice (the two-pass row reductions) is loaded
+// Evict::last by its first pass and Evict::first by its second, in L1 and L2, so that it is
+// still in L2 when the second pass comes (what Triton's looped reductions do).  sm_80 and
+// newer (createpolicy); older GPUs load as usual.
+enum class Evict { normal, last, first };
+
+// One hinted load of VEC (".v4.u32", ".v2.u32", ".u32", ".u16") at eviction priority LEVEL
+// ("evict_last" / "evict_first"); operand %N is the address, the outputs come first.
+#define MHC_LD_EVICT(LEVEL, VEC, OUTS, N)                                                              \
+    "{\n\t.reg .b64 pol;\n\tcreatepolicy.fractional.L2::" LEVEL ".b64 pol, 1.0;\n\t"                   \
+    "ld.global.L1::" LEVEL ".L2::cache_hint" VEC " " OUTS ", [%" N "], pol;\n\t}"
+
+template <Evict H, int W>
+__device__ __forceinline__ void load_words_evict(const void* p, unsigned int (&w)[W]) {
+    constexpr bool last = H == Evict::last;
+    if constexpr (W == 4) {
+        if constexpr (last)
+            asm(MHC_LD_EVICT("evict_last", ".v4.u32", "{%0,%1,%2,%3}", "4")
+                : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
+        else
+            asm(MHC_LD_EVICT("evict_first", ".v4.u32", "{%0,%1,%2,%3}", "4")
+                : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
+    } else if constexpr (W == 2) {
+        if constexpr (last)
+            asm(MHC_LD_EVICT("evict_last", ".v2.u32", "{%0,%1}", "2") : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+        else
+            asm(MHC_LD_EVICT("evict_first", ".v2.u32", "{%0,%1}", "2") : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+    } else {
+        if constexpr (last)
+            asm(MHC_LD_EVICT("evict_last", ".u32", "%0", "1") : "=r"(w[0]) : "l"(p));
+        else
+            asm(MHC_LD_EVICT("evict_first", ".u32", "%0", "1") : "=r"(w[0]) : "l"(p));
+    }
+}
+
+template <Evict H>
+__device__ __forceinline__ unsigned short load_u16_evict(const void* p) {
+    unsigned short v;
+    if constexpr (H == Evict::last)
+        asm(MHC_LD_EVICT("evict_last", ".u16", "%0", "1") : "=h"(v) : "l"(p));
+    else
+        asm(MHC_LD_EVICT("evict_first", ".u16", "%0", "1") : "=h"(v) : "l"(p));
+    return v;
+}
+
+// W consecutive 32-bit words in one load / store instruction (W = 1, 2, 4); H: cache
+// priority (above).
+template <int W, Evict H = Evict::normal>
+__device__ __forceinline__ void load_words(const void* p, unsigned int (&w)[W]) {
+#if __CUDA_ARCH__ >= 800
+    if constexpr (H != Evict::normal) {
+        load_words_evict<H, W>(p, w);
+        return;
+    }
+#endif
     if constexpr (W == 4) {
         const uint4 r = *reinterpret_cast<const uint4*>(p);
         w[0] = r.x; w[1] = r.y; w[2] = r.z; w[3] = r.w;
@@ -93,19 +146,25 @@ template <int W> __device__ __forceinline__ void store_words(void* p, const unsi
 // Load E contiguous elements starting at p into floats, with accesses of up
 // to 16 bytes built from integer words (a struct of bf16 members would be
 // split by the compiler into 2-byte accesses).  p must be aligned to
-// min(E * sizeof(T), 16) bytes.
-template <typename T, int E>
+// min(E * sizeof(T), 16) bytes.  H: cache priority (Evict).
+template <typename T, int E, Evict H = Evict::normal>
 __device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&out)[E]) {
     constexpr int K = chunk_elems<T, E>(), B = K * (int)sizeof(T);
 #pragma unroll
     for (int k0 = 0; k0 < E; k0 += K) {
         if constexpr (B >= 4) {
             unsigned int w[B / 4];
-            load_words<B / 4>(p + k0, w);
+            load_words<B / 4, H>(p + k0, w);
 #pragma unroll
             for (int k = 0; k < K; ++k)
                 out[k0 + k] = word_elem<T>(w[sizeof(T) == 4 ? k : k / 2], k & 1);
         } else {
+#if __CUDA_ARCH__ >= 800
+            if constexpr (H != Evict::normal) {
+                out[k0] = from_bits<T>(load_u16_evict<H>(p + k0));
+                continue;
+            }
+#endif
             out[k0] = from_bits<T>(*reinterpret_cast<const unsigned short*>(p + k0));
         }
     }

@@ -4,7 +4,8 @@
 // One block per row (token); the statistics are recomputed from x.
 // The *_cached kernels keep the row (x, and g in the backward) in registers
 // as K packed vectors of E elements per thread, so x is read from memory
-// once; the others read it twice (the general path: any C, E = 1).  The
+// once; the others read it twice (the general path: any C, E = 1; and wide
+// rows, where their second pass finds the row in L2, see row_sumsq).  The
 // weight gradient is accumulated per block over a contiguous range of rows in
 // shared memory (each thread owns fixed columns: no races, no atomics) and
 // written as one partial row per block; mhc_column_sum_kernel then sums the
@@ -46,13 +47,33 @@ __device__ __forceinline__ float stat_x(float v) {
     return SCALED ? v * mhc::STAT_SCALE : v;
 }
 
+// The two-pass kernels' first pass loads U vectors (of x; the backward U / 2 of x and of g) a
+// trip before summing them (more loads in flight), Evict::last: the second pass reads the row
+// again, Evict::first, mostly from L2.  The sums run over the same columns in the same order
+// as one vector a trip (and as the cached kernels with the same block).
+constexpr int U = 4;
+
 // This thread's share of sum x^2 over row xt (two-pass kernels).
 template <typename T, int E, bool SCALED>
 __device__ __forceinline__ float row_sumsq(const T* __restrict__ xt, int C) {
+    const unsigned step = blockDim.x * E;
     float a = 0.f;
-    for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
+    unsigned c = threadIdx.x * E;
+    for (; c + (U - 1) * step < (unsigned)C; c += U * step) {
+        float xv[U][E];
+#pragma unroll
+        for (int u = 0; u < U; ++u) mhc::load_vec<T, E, mhc::Evict::last>(xt + c + u * step, xv[u]);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                const float v = stat_x<SCALED>(xv[u][e]);
+                a = fmaf(v, v, a);
+            }
+    }
+    for (; c < (unsigned)C; c += step) {
         float xv[E];
-        mhc::load_vec<T, E>(xt + c, xv);
+        mhc::load_vec<T, E, mhc::Evict::last>(xt + c, xv);
 #pragma unroll
         for (int e = 0; e < E; ++e) {
             const float v = stat_x<SCALED>(xv[e]);
@@ -62,22 +83,42 @@ __device__ __forceinline__ float row_sumsq(const T* __restrict__ xt, int C) {
     return a;
 }
 
+// Adds the terms of columns c .. c + E - 1 to sum x^2 and sum g' x.
+template <int E, bool HAS_W, bool SCALED>
+__device__ __forceinline__ void add_sums(const float (&xv)[E], const float (&gv)[E], const float* __restrict__ w,
+                                         unsigned c, float (&acc)[2]) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        const float gp = HAS_W ? gv[e] * w[c + e] : gv[e];
+        const float v = stat_x<SCALED>(xv[e]);
+        acc[0] = fmaf(v, v, acc[0]);
+        acc[1] = fmaf(gp, v, acc[1]);
+    }
+}
+
 // This thread's share of sum x^2 and sum g' x over rows xt, gt (two-pass kernels).
 template <typename T, typename TG, int E, bool HAS_W, bool SCALED>
 __device__ __forceinline__ void row_sums(const T* __restrict__ xt, const TG* __restrict__ gt,
                                          const float* __restrict__ w, int C, float (&acc)[2]) {
+    constexpr int V = U / 2;
+    const unsigned step = blockDim.x * E;
     acc[0] = acc[1] = 0.f;
-    for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
-        float xv[E], gv[E];
-        mhc::load_vec<T, E>(xt + c, xv);
-        mhc::load_vec<TG, E>(gt + c, gv);
+    unsigned c = threadIdx.x * E;
+    for (; c + (V - 1) * step < (unsigned)C; c += V * step) {
+        float xv[V][E], gv[V][E];
 #pragma unroll
-        for (int e = 0; e < E; ++e) {
-            const float gp = HAS_W ? gv[e] * w[c + e] : gv[e];
-            const float v = stat_x<SCALED>(xv[e]);
-            acc[0] = fmaf(v, v, acc[0]);
-            acc[1] = fmaf(gp, v, acc[1]);
+        for (int u = 0; u < V; ++u) {
+            mhc::load_vec<T, E, mhc::Evict::last>(xt + c + u * step, xv[u]);
+            mhc::load_vec<TG, E, mhc::Evict::last>(gt + c + u * step, gv[u]);
         }
+#pragma unroll
+        for (int u = 0; u < V; ++u) add_sums<E, HAS_W, SCALED>(xv[u], gv[u], w, c + u * step, acc);
+    }
+    for (; c < (unsigned)C; c += step) {
+        float xv[E], gv[E];
+        mhc::load_vec<T, E, mhc::Evict::last>(xt + c, xv);
+        mhc::load_vec<TG, E, mhc::Evict::last>(gt + c, gv);
+        add_sums<E, HAS_W, SCALED>(xv, gv, w, c, acc);
     }
 }
 
@@ -115,7 +156,7 @@ __global__ void mhc_rmsnorm_fwd_kernel(const T* __restrict__ x, const float* __r
         }
         for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
             float xv[E], o[E];
-            mhc::load_vec<T, E>(xt + c, xv);
+            mhc::load_vec<T, E, mhc::Evict::first>(xt + c, xv);
 #pragma unroll
             for (int e = 0; e < E; ++e) o[e] = HAS_W ? xv[e] * r * w[c + e] : xv[e] * r;
             mhc::store_vec<T, E>(y + t * (i64)C + c, o);
@@ -154,8 +195,8 @@ __global__ void mhc_rmsnorm_bwd_kernel(const TG* __restrict__ g, const T* __rest
         row_factors(red[0], red[1], S, (float)C, eps, r, k);
         for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
             float xv[E], gv[E], o[E];
-            mhc::load_vec<T, E>(xt + c, xv);
-            mhc::load_vec<TG, E>(gt + c, gv);
+            mhc::load_vec<T, E, mhc::Evict::first>(xt + c, xv);
+            mhc::load_vec<TG, E, mhc::Evict::first>(gt + c, gv);
 #pragma unroll
             for (int e = 0; e < E; ++e) {
                 const float gp = HAS_W ? gv[e] * w[c + e] : gv[e];

@@ -29,16 +29,37 @@ _DEFAULT_SMEM = 48 * 1024
 #: and blocks up to 640 threads; the backward (two rows on chip) with the
 #: smallest K whose block stays within 896 threads (1024-thread blocks were 16%
 #: slower at 16384).
-_CACHED = {"fwd": ((2, 4, 8), 640), "bwd": ((1, 2, 4, 8), 896)}
+_CACHED = {"fwd": ((2, 4), 640), "bwd": ((1, 2, 4), 896)}
+#: Rows of at least this many vectors take the two-pass kernels (their first pass
+#: keeps the row in L2 for the second), with about _WIDE_VECS_PER_THREAD vectors a
+#: thread in the forward and 1024-thread blocks in the backward.  H200, bf16, in one
+#: process (devtmp A/B of 2026-12-02, CUDA events, medians), register-cached (K up to 8,
+#: which held many registers: 43 % occupancy at rows of 28672) -> two-pass, in us:
+#: forward 16384 x 16384: 301 -> 255, 32768 x 28672: 1216 -> 872, 16384 x 32768:
+#: 672 -> 501; backward 428 -> 394, 1731 -> 1405, 1138 -> 826.  2 or 8 vectors a thread
+#: in the forward: 339 / 287, 1069 / 931, 501 / 545.
+_WIDE_VECS = 2048
+_WIDE_VECS_PER_THREAD = 4
+
+
+def two_pass_threads(direction: str, C: int, E: int) -> int:
+    """Block size of the two-pass kernel of ``direction`` for a row of C elements in
+    vectors of E (before the compiled kernel's register limit)."""
+    vecs = -(-C // E)
+    if vecs < _WIDE_VECS:
+        return threads_for(C, E)
+    if direction == "bwd":
+        return 1024
+    return min(1024, -(-vecs // (_WIDE_VECS_PER_THREAD * 32)) * 32)
 
 
 @functools.lru_cache(maxsize=1024)
 def cached_layout(direction: str, C: int, E: int, dtypes) -> tuple | None:
     """(threads, K) of the register-cached kernel of ``direction`` (each
-    thread keeps K vectors of E elements of each row), or None when the row
-    does not fit (then the two-pass kernels run).  Needs whole 32-bit words
-    per vector."""
-    if C == 0 or any(E * ITEMSIZE[dt] % 4 for dt in dtypes):
+    thread keeps K vectors of E elements of each row), or None when the
+    two-pass kernels run: rows that do not fit, or of _WIDE_VECS vectors or
+    more.  Needs whole 32-bit words per vector."""
+    if C == 0 or -(-C // E) >= _WIDE_VECS or any(E * ITEMSIZE[dt] % 4 for dt in dtypes):
         return None
     ks, max_threads = _CACHED[direction]
     vecs = -(-C // E)
@@ -107,14 +128,16 @@ def _check_launch_smem(expr: str, C: int) -> None:
 def _kernel(kind: str, types: str, E: int, C: int, has_w: bool, layout):
     """(name expression, threads) of the forward / backward kernel for a row of
     C: the register-cached one when ``layout`` is given and its block fits the
-    compiled kernel's register budget, else the two-pass one."""
+    compiled kernel's register budget, else the two-pass one (its block within
+    that budget too)."""
     w = "true" if has_w else "false"
     if layout is not None:
         threads, K = layout
         expr = f"mhc_rmsnorm_{kind}_cached_kernel<{types},{E},{K},{w}>"
         if threads <= _jit.max_threads(_FILE, expr):
             return expr, threads
-    return f"mhc_rmsnorm_{kind}_kernel<{types},{E},{w}>", threads_for(C, E)
+    expr = f"mhc_rmsnorm_{kind}_kernel<{types},{E},{w}>"
+    return expr, min(two_pass_threads(kind, C, E), _jit.max_threads(_FILE, expr))
 
 
 def _check(infos, eps, with_grad: bool):
