@@ -43,8 +43,8 @@ for T, n, C, dt in [(3, 3, 13, bf16), (5, 4, 1536, bf16), (2, 4, 2560, bf16), (2
         check("distribute", m.stream_distribute_fwd(y, hh), *m.stream_distribute_bwd(g, y, hh))
     w = act(C)
     check("rmsnorm", m.rmsnorm_fwd(y, 1e-5, w), *m.rmsnorm_bwd(gy, y, 1e-5, w), m.rmsnorm_bwd(gy, y))
-    # vec(x): the register-cached kernels with K > 1; rows of 2048 vectors or more (4095 and 57344) the
-    # two-pass kernels at up to 1024 threads, the weighted backward with a dw row of up to 57344 floats
+    # vec(x): the register-cached kernels with K > 1 (6144); rows of 1024 vectors or more (4095, 10240,
+    # 57344) the two-pass kernels at up to 1024 threads, the weighted backward with a dw row of up to 57344 floats
     xv, gv = x.reshape(T, n * C), g.reshape(T, n * C)
     check("rmsnorm vec(x)", m.rmsnorm_fwd(xv), m.rmsnorm_bwd(gv, xv), *m.rmsnorm_bwd(gv, xv, 1e-5, act(n * C)))
     check("pre", *m.mhc_pre_op_fwd(x, h, h, M), *m.mhc_pre_op_bwd(gy, h, h, M, x, h, h, M))

@@ -11,15 +11,14 @@ from mhc_cupy.ops import rmsnorm, sinkhorn
 @pytest.mark.parametrize("direction,C,E,dtypes,expect", [
     ("fwd", 4096, 8, ("bfloat16",), (256, 2)),
     ("bwd", 4096, 8, ("bfloat16", "bfloat16"), (512, 1)),
-    ("fwd", 10240, 8, ("bfloat16",), (640, 2)),
-    ("fwd", 16376, 8, ("bfloat16",), (512, 4)),  # 2047 vectors: the widest cached row
-    ("bwd", 16376, 8, ("bfloat16", "float32"), (512, 4)),  # K = 2 would need 1024 threads
-    ("fwd", 16384, 8, ("bfloat16",), None),  # 2048 vectors: two-pass
-    ("bwd", 16384, 8, ("bfloat16", "bfloat16"), None),
+    ("fwd", 8184, 8, ("bfloat16",), (512, 2)),  # 1023 vectors: the widest cached row
+    ("bwd", 8184, 8, ("bfloat16", "float32"), (512, 2)),  # K = 1 would need 1024 threads
+    ("fwd", 8192, 8, ("bfloat16",), None),  # 1024 vectors: two-pass
+    ("bwd", 10240, 8, ("bfloat16", "bfloat16"), None),
     ("fwd", 28672, 8, ("bfloat16",), None),
     ("bwd", 57352, 8, ("bfloat16", "bfloat16"), None),
-    ("fwd", 2047, 1, ("float32",), (512, 4)),
-    ("fwd", 2048, 1, ("float32",), None),
+    ("fwd", 1023, 1, ("float32",), (512, 2)),
+    ("fwd", 1024, 1, ("float32",), None),
     ("fwd", 7, 1, ("bfloat16",), None),  # a 2-byte vector is not a whole 32-bit word
     ("fwd", 7, 1, ("float32",), (32, 2)),
     ("fwd", 0, 8, ("bfloat16",), None),
@@ -33,14 +32,15 @@ def test_rmsnorm_cached_layout(direction, C, E, dtypes, expect):
 
 
 @pytest.mark.parametrize("direction,C,E,expect", [
-    ("fwd", 16384, 8, 512),  # 2048 vectors, 4 a thread
+    ("fwd", 8192, 8, 256),  # 1024 vectors, 4 a thread
+    ("fwd", 10240, 8, 320),
     ("fwd", 28672, 8, 896),
     ("fwd", 32768, 8, 1024),
     ("fwd", 57352, 8, 1024),  # 7169 vectors: at most 1024 threads
-    ("bwd", 16384, 8, 1024),
+    ("bwd", 8192, 8, 1024),
     ("fwd", 16383, 1, 1024),
     ("fwd", 4096, 8, 256),  # narrower rows (the general path, E = 1 at odd C): threads_for
-    ("bwd", 2047, 1, 256),
+    ("bwd", 1023, 1, 256),
     ("fwd", 33, 1, 64),
 ])
 def test_rmsnorm_two_pass_threads(direction, C, E, expect):

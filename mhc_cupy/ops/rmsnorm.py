@@ -23,22 +23,24 @@ _BWD_STATIC_SMEM = 2 * 32 * 4
 _MAX_SMEM = 227 * 1024
 #: Shared memory per block every CUDA GPU since sm_70 grants without opting in.
 _DEFAULT_SMEM = 48 * 1024
-#: Register-cached kernels: the vectors per thread K tried, smallest first,
-#: and the largest block taken, per direction.  Measured on an H200 (bf16,
-#: rows of 4096 / 10240 / 16384 / 28672): the forward was fastest with K >= 2
-#: and blocks up to 640 threads; the backward (two rows on chip) with the
-#: smallest K whose block stays within 896 threads (1024-thread blocks were 16%
-#: slower at 16384).
-_CACHED = {"fwd": ((2, 4), 640), "bwd": ((1, 2, 4), 896)}
+#: Register-cached kernels (rows of fewer than _WIDE_VECS vectors): the vectors per
+#: thread K tried, smallest first, and the largest block taken, per direction.
+#: Measured on an H200 (bf16, rows of 4096 / 10240 / 16384 / 28672): the forward was
+#: fastest with K >= 2 and blocks up to 640 threads; the backward (two rows on chip)
+#: with the smallest K whose block stays within 896 threads (1024-thread blocks were
+#: 16% slower at 16384).
+_CACHED = {"fwd": ((2,), 640), "bwd": ((1, 2), 896)}
 #: Rows of at least this many vectors take the two-pass kernels (their first pass
 #: keeps the row in L2 for the second), with about _WIDE_VECS_PER_THREAD vectors a
 #: thread in the forward and 1024-thread blocks in the backward.  H200, bf16, in one
 #: process (devtmp A/B of 2026-12-02, CUDA events, medians), register-cached (K up to 8,
 #: which held many registers: 43 % occupancy at rows of 28672) -> two-pass, in us:
-#: forward 16384 x 16384: 301 -> 255, 32768 x 28672: 1216 -> 872, 16384 x 32768:
-#: 672 -> 501; backward 428 -> 394, 1731 -> 1405, 1138 -> 826.  2 or 8 vectors a thread
-#: in the forward: 339 / 287, 1069 / 931, 501 / 545.
-_WIDE_VECS = 2048
+#: forward 32768 x 10240: 363 -> 317, 16384 x 16384: 301 -> 255, 32768 x 28672:
+#: 1216 -> 872, 16384 x 32768: 672 -> 501; backward 541 -> 514, 428 -> 394,
+#: 1731 -> 1405, 1138 -> 826.  2 or 8 vectors a thread in the forward: 394 / 355,
+#: 339 / 287, 1069 / 931, 501 / 545; backward blocks of 256 / 512 / 640 threads at
+#: 16384 x 16384: 550 / 427 / 411.
+_WIDE_VECS = 1024
 _WIDE_VECS_PER_THREAD = 4
 
 

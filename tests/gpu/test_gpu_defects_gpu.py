@@ -258,7 +258,7 @@ def test_sinkhorn_implicit_n32_uses_no_local_memory(ds):
 # |x| ~ 1e20 overflows a float32 sum of squares (the GPU gave 0 where the CPU is
 # right); 1e36 is near the top of bf16 / f32; 1e15 does not overflow but r^3
 # (2e-45) underflowed in the old backward.  C = 7: two-pass scalar kernels;
-# 1000 / 4096: register-cached; 49152: two-pass, 1024-thread blocks (wide rows).
+# 1000 / 4096: register-cached (4096 float32: two-pass); 49152: two-pass, 1024-thread blocks.
 @pytest.mark.parametrize("dt", ["bfloat16", "float32"])
 @pytest.mark.parametrize("C", [7, 1000, 4096, 49152])
 @pytest.mark.parametrize("scale", [1e15, 1e20, 1e36])
