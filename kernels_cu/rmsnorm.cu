@@ -47,22 +47,26 @@ __device__ __forceinline__ float stat_x(float v) {
     return SCALED ? v * mhc::STAT_SCALE : v;
 }
 
-// The two-pass kernels' first pass loads U vectors (of x; the backward U / 2 of x and of g) a
-// trip before summing them (more loads in flight), Evict::last: the second pass reads the row
-// again, Evict::first, mostly from L2.  The sums run over the same columns in the same order
-// as one vector a trip (and as the cached kernels with the same block).
-constexpr int U = 4;
+// The two-pass kernels' first pass (TWO_PASS) loads U vectors (of x; the backward U / 2 of x
+// and of g) a trip before summing them (more loads in flight), Evict::last: the second pass
+// reads the row again, Evict::first, mostly from L2.  The sums run over the same columns in the
+// same order as one vector a trip (and as the cached kernels with the same block).  The cached
+// kernels' rescan (rare) loads one vector a trip without hints: the unrolled, hinted loop
+// would add up to 8 registers to those kernels.
+constexpr int U_TWO_PASS = 4;
 
-// This thread's share of sum x^2 over row xt (two-pass kernels).
-template <typename T, int E, bool SCALED>
+// This thread's share of sum x^2 over row xt.
+template <typename T, int E, bool SCALED, bool TWO_PASS = true>
 __device__ __forceinline__ float row_sumsq(const T* __restrict__ xt, int C) {
+    constexpr int U = TWO_PASS ? U_TWO_PASS : 1;
+    constexpr mhc::Evict H = TWO_PASS ? mhc::Evict::last : mhc::Evict::normal;
     const unsigned step = blockDim.x * E;
     float a = 0.f;
     unsigned c = threadIdx.x * E;
     for (; c + (U - 1) * step < (unsigned)C; c += U * step) {
         float xv[U][E];
 #pragma unroll
-        for (int u = 0; u < U; ++u) mhc::load_vec<T, E, mhc::Evict::last>(xt + c + u * step, xv[u]);
+        for (int u = 0; u < U; ++u) mhc::load_vec<T, E, H>(xt + c + u * step, xv[u]);
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -73,7 +77,7 @@ __device__ __forceinline__ float row_sumsq(const T* __restrict__ xt, int C) {
     }
     for (; c < (unsigned)C; c += step) {
         float xv[E];
-        mhc::load_vec<T, E, mhc::Evict::last>(xt + c, xv);
+        mhc::load_vec<T, E, H>(xt + c, xv);
 #pragma unroll
         for (int e = 0; e < E; ++e) {
             const float v = stat_x<SCALED>(xv[e]);
@@ -96,11 +100,12 @@ __device__ __forceinline__ void add_sums(const float (&xv)[E], const float (&gv)
     }
 }
 
-// This thread's share of sum x^2 and sum g' x over rows xt, gt (two-pass kernels).
-template <typename T, typename TG, int E, bool HAS_W, bool SCALED>
+// This thread's share of sum x^2 and sum g' x over rows xt, gt.
+template <typename T, typename TG, int E, bool HAS_W, bool SCALED, bool TWO_PASS = true>
 __device__ __forceinline__ void row_sums(const T* __restrict__ xt, const TG* __restrict__ gt,
                                          const float* __restrict__ w, int C, float (&acc)[2]) {
-    constexpr int V = U / 2;
+    constexpr int V = TWO_PASS ? U_TWO_PASS / 2 : 1;
+    constexpr mhc::Evict H = TWO_PASS ? mhc::Evict::last : mhc::Evict::normal;
     const unsigned step = blockDim.x * E;
     acc[0] = acc[1] = 0.f;
     unsigned c = threadIdx.x * E;
@@ -108,16 +113,16 @@ __device__ __forceinline__ void row_sums(const T* __restrict__ xt, const TG* __r
         float xv[V][E], gv[V][E];
 #pragma unroll
         for (int u = 0; u < V; ++u) {
-            mhc::load_vec<T, E, mhc::Evict::last>(xt + c + u * step, xv[u]);
-            mhc::load_vec<TG, E, mhc::Evict::last>(gt + c + u * step, gv[u]);
+            mhc::load_vec<T, E, H>(xt + c + u * step, xv[u]);
+            mhc::load_vec<TG, E, H>(gt + c + u * step, gv[u]);
         }
 #pragma unroll
         for (int u = 0; u < V; ++u) add_sums<E, HAS_W, SCALED>(xv[u], gv[u], w, c + u * step, acc);
     }
     for (; c < (unsigned)C; c += step) {
         float xv[E], gv[E];
-        mhc::load_vec<T, E, mhc::Evict::last>(xt + c, xv);
-        mhc::load_vec<TG, E, mhc::Evict::last>(gt + c, gv);
+        mhc::load_vec<T, E, H>(xt + c, xv);
+        mhc::load_vec<TG, E, H>(gt + c, gv);
         add_sums<E, HAS_W, SCALED>(xv, gv, w, c, acc);
     }
 }
@@ -233,7 +238,7 @@ __global__ void mhc_rmsnorm_fwd_cached_kernel(const T* __restrict__ x, const flo
         float r = 1.f / sqrtf(red[0] / (float)C + eps);
         if (isinf(red[0])) {
             __syncthreads();
-            acc[0] = row_sumsq<T, E, true>(xt, C);  // from memory: keeps registers as without
+            acc[0] = row_sumsq<T, E, true, false>(xt, C);  // from memory: keeps registers as without
             mhc::block_sum<1>(acc, red);
             r = mhc::rms_inv_scaled(red[0], (float)C, eps);
         }
@@ -287,7 +292,7 @@ __global__ void mhc_rmsnorm_bwd_cached_kernel(const TG* __restrict__ g, const T*
         float S = 1.f;  // scale of x in the sums
         if (isinf(red[0]) || isinf(red[1])) {
             __syncthreads();
-            row_sums<T, TG, E, HAS_W, true>(xt, gt, w, C, acc);  // from memory: keeps registers as without
+            row_sums<T, TG, E, HAS_W, true, false>(xt, gt, w, C, acc);  // from memory: keeps registers as without
             mhc::block_sum<2>(acc, red);
             S = mhc::STAT_SCALE;
         }

@@ -50,10 +50,12 @@ def _cases(dt: str, n: int, C: int, ptr: int, tg: str):
         for mode, conv, sh, ab in itertools.product(modes, conventions, shared, absent):
             params = dict(k.params, **({"grad_mode": mode} if mode else {}), **({"convention": conv} if conv else {}))
             cases.append((k.planner, _infos(k, (3,), sizes, dt, tg, ptr, sh, ab), params))
-    # RMSNorm of vec(x), as the mHC paper (OPS.md 2); the coefficient backward over many tokens
-    # (the narrow column sums over tokens: dalpha, dbias)
+    # RMSNorm of vec(x), as the mHC paper (OPS.md 2), with a weight too where its dw row fits every
+    # supported GPU (n*C <= 25280 floats); the coefficient backward over many tokens (the narrow
+    # column sums over tokens: dalpha, dbias)
     for k in (SPECS["rmsnorm_fwd"], SPECS["rmsnorm_bwd"]):
-        cases.append((k.planner, _infos(k, (3,), {"C": n * C}, dt, tg, ptr, absent=True), k.params))
+        for ab in (True, False) if n * C <= 25280 else (True,):
+            cases.append((k.planner, _infos(k, (3,), {"C": n * C}, dt, tg, ptr, absent=ab), k.params))
     k = SPECS["mhc_coeffs_bwd"]
     infos = {**_infos(k, (300,), sizes, dt, tg, ptr), "grad_h_post_raw": None, "grad_h_res_raw": None}
     cases.append((k.planner, infos, k.params))

@@ -39,7 +39,7 @@ def test_rmsnorm_cached_layout(direction, C, E, dtypes, expect):
     ("fwd", 57352, 8, 1024),  # 7169 vectors: at most 1024 threads
     ("bwd", 8192, 8, 1024),
     ("fwd", 16383, 1, 1024),
-    ("fwd", 4096, 8, 256),  # narrower rows (the general path, E = 1 at odd C): threads_for
+    ("fwd", 4096, 8, 256),  # rows under 1024 vectors (those of the general path, E = 1): threads_for
     ("bwd", 1023, 1, 256),
     ("fwd", 33, 1, 64),
 ])

@@ -24,11 +24,10 @@ _MAX_SMEM = 227 * 1024
 #: Shared memory per block every CUDA GPU since sm_70 grants without opting in.
 _DEFAULT_SMEM = 48 * 1024
 #: Register-cached kernels (rows of fewer than _WIDE_VECS vectors): the vectors per
-#: thread K tried, smallest first, and the largest block taken, per direction.
-#: Measured on an H200 (bf16, rows of 4096 / 10240 / 16384 / 28672): the forward was
-#: fastest with K >= 2 and blocks up to 640 threads; the backward (two rows on chip)
-#: with the smallest K whose block stays within 896 threads (1024-thread blocks were
-#: 16% slower at 16384).
+#: thread K tried, smallest first, and the largest block taken, per direction.  The
+#: forward keeps 2 vectors a thread (fastest on an H200 at rows of 4096, from an
+#: earlier layout study), the backward (two rows on chip) one while the block stays
+#: within 896 threads, else 2.
 _CACHED = {"fwd": ((2,), 640), "bwd": ((1, 2), 896)}
 #: Rows of at least this many vectors take the two-pass kernels (their first pass
 #: keeps the row in L2 for the second), with about _WIDE_VECS_PER_THREAD vectors a
@@ -61,10 +60,10 @@ def cached_layout(direction: str, C: int, E: int, dtypes) -> tuple | None:
     thread keeps K vectors of E elements of each row), or None when the
     two-pass kernels run: rows that do not fit, or of _WIDE_VECS vectors or
     more.  Needs whole 32-bit words per vector."""
-    if C == 0 or -(-C // E) >= _WIDE_VECS or any(E * ITEMSIZE[dt] % 4 for dt in dtypes):
+    vecs = -(-C // E)
+    if C == 0 or vecs >= _WIDE_VECS or any(E * ITEMSIZE[dt] % 4 for dt in dtypes):
         return None
     ks, max_threads = _CACHED[direction]
-    vecs = -(-C // E)
     for K in ks:
         threads = -(-vecs // (K * 32)) * 32
         if threads <= max_threads:

@@ -196,8 +196,8 @@ def test_weighted_rmsnorm_bwd_c_limit_from_the_device(rng):
 def test_rmsnorm_fwd_row_of_2_31_minus_1():
     """One row of C = 2^31 - 1 bf16 values (4 GiB in, 4 GiB out; the 32-bit column
     counter wrapped and stored out of bounds).  x repeats 8 values of magnitude
-    1 or 2: each of the 256 threads (a multiple of 8 columns apart) sums 2^23
-    squares of one value, exactly in float32, so the kernel's statistics carry
+    1 or 2: each of the 1024 threads (a multiple of 8 columns apart) sums about
+    2^21 squares of one value, exactly in float32, so the kernel's statistics carry
     only the rounding of the final block sum; every output of one residue class
     mod 8 must be the same."""
     import cupy as cp
