@@ -126,3 +126,20 @@ def test_every_plan_launches_with_any_optional_inputs_absent_and_any_token_count
             assert plan.empty == (not launches), (k.name, absent, lead)
             count += 1
     assert count > 1000
+
+
+@pytest.mark.parametrize("kind,types,C,E", [("fwd", "__nv_bfloat16", 28672, 8), ("bwd", "__nv_bfloat16,float", 16384, 8),
+                                            ("fwd", "__nv_bfloat16", 4096, 8)])  # the last: cached (256, 2)
+def test_rmsnorm_blocks_within_the_compiled_kernels_limit(monkeypatch, kind, types, C, E):
+    """A kernel compiled with more registers than the chosen block allows (another GPU, another
+    compiler) gets the block it can launch: the two-pass kernels' is clamped, and a cached
+    layout that does not fit falls back to the two-pass kernel."""
+    from mhc_cupy import _jit
+
+    monkeypatch.setattr(_jit, "max_threads", lambda f, expr: 128)
+    layout = rmsnorm.cached_layout(kind, C, E, ("bfloat16",) if kind == "fwd" else ("bfloat16", "float32"))
+    expr, threads = rmsnorm._kernel(kind, types, E, C, False, layout)
+    assert threads == 128 and "_cached_" not in expr
+    monkeypatch.setattr(_jit, "max_threads", lambda f, expr: 1024)
+    assert rmsnorm._kernel(kind, types, E, C, False, layout)[1] == (
+        layout[0] if layout else rmsnorm.two_pass_threads(kind, C, E))
