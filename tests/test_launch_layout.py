@@ -1,5 +1,5 @@
-"""Launch layouts chosen on the host (no GPU needed): RMSNorm's register-cached
-kernels and the Sinkhorn backward's shared-memory history."""
+"""Launch layouts chosen on the host (no GPU needed): RMSNorm's kernel and block per row
+width (register-cached or two-pass) and the Sinkhorn backward's shared-memory history."""
 
 from __future__ import annotations
 
