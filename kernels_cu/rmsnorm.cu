@@ -55,6 +55,16 @@ __device__ __forceinline__ float stat_x(float v) {
 // would add up to 8 registers to those kernels.
 constexpr int U_TWO_PASS = 4;
 
+// Adds the terms of columns c .. c + E - 1 to sum x^2.
+template <int E, bool SCALED>
+__device__ __forceinline__ void add_sumsq(const float (&xv)[E], float& a) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        const float v = stat_x<SCALED>(xv[e]);
+        a = fmaf(v, v, a);
+    }
+}
+
 // This thread's share of sum x^2 over row xt.
 template <typename T, int E, bool SCALED, bool TWO_PASS = true>
 __device__ __forceinline__ float row_sumsq(const T* __restrict__ xt, int C) {
@@ -68,21 +78,12 @@ __device__ __forceinline__ float row_sumsq(const T* __restrict__ xt, int C) {
 #pragma unroll
         for (int u = 0; u < U; ++u) mhc::load_vec<T, E, H>(xt + c + u * step, xv[u]);
 #pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                const float v = stat_x<SCALED>(xv[u][e]);
-                a = fmaf(v, v, a);
-            }
+        for (int u = 0; u < U; ++u) add_sumsq<E, SCALED>(xv[u], a);
     }
     for (; c < (unsigned)C; c += step) {
         float xv[E];
         mhc::load_vec<T, E, H>(xt + c, xv);
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-            const float v = stat_x<SCALED>(xv[e]);
-            a = fmaf(v, v, a);
-        }
+        add_sumsq<E, SCALED>(xv, a);
     }
     return a;
 }
