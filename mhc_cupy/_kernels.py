@@ -38,7 +38,7 @@ def _infos(kernel, lead: tuple, sizes: dict, dt: str, tg: str, ptr: int, shared:
 def _cases(dt: str, n: int, C: int, ptr: int, tg: str):
     """(planner, infos, params) for every op spec at one configuration: with and without its
     optional inputs, its shared input in both forms, every ``grad_mode`` and ``convention``."""
-    from .ops import SPECS, coeffs
+    from .ops import SPECS, coeffs, rmsnorm
 
     sizes = {"n": n, "C": C, "K": coeffs.columns(n)}
     cases = []
@@ -51,10 +51,10 @@ def _cases(dt: str, n: int, C: int, ptr: int, tg: str):
             params = dict(k.params, **({"grad_mode": mode} if mode else {}), **({"convention": conv} if conv else {}))
             cases.append((k.planner, _infos(k, (3,), sizes, dt, tg, ptr, sh, ab), params))
     # RMSNorm of vec(x), as the mHC paper (OPS.md 2), with a weight too where its dw row fits every
-    # supported GPU (n*C <= 25280 floats); the coefficient backward over many tokens (the narrow
-    # column sums over tokens: dalpha, dbias)
+    # supported GPU; the coefficient backward over many tokens (the narrow column sums over tokens:
+    # dalpha, dbias)
     for k in (SPECS["rmsnorm_fwd"], SPECS["rmsnorm_bwd"]):
-        for ab in (True, False) if n * C <= 25280 else (True,):
+        for ab in (True, False) if n * C <= rmsnorm.WEIGHTED_C_EVERYWHERE else (True,):
             cases.append((k.planner, _infos(k, (3,), {"C": n * C}, dt, tg, ptr, absent=ab), k.params))
     k = SPECS["mhc_coeffs_bwd"]
     infos = {**_infos(k, (300,), sizes, dt, tg, ptr), "grad_h_post_raw": None, "grad_h_res_raw": None}

@@ -15,6 +15,7 @@ import cupy as cp
 import numpy as np
 
 import mhc_cupy as m
+from mhc_cupy.ops import rmsnorm
 
 rng = cp.random.default_rng(0)
 bad = []
@@ -45,10 +46,10 @@ for T, n, C, dt in [(3, 3, 13, bf16), (5, 4, 1536, bf16), (2, 4, 2560, bf16), (2
     check("rmsnorm", m.rmsnorm_fwd(y, 1e-5, w), *m.rmsnorm_bwd(gy, y, 1e-5, w), m.rmsnorm_bwd(gy, y))
     # vec(x): the register-cached kernels with K > 1 (6144); rows of 1024 vectors or more (4095, 10240,
     # 57344) the two-pass kernels at up to 1024 threads; the weighted backward where its dw row fits every
-    # supported GPU (C <= 25280 floats, sm_86 / sm_89: ops/rmsnorm.check_weighted_c)
+    # supported GPU
     xv, gv = x.reshape(T, n * C), g.reshape(T, n * C)
     check("rmsnorm vec(x)", m.rmsnorm_fwd(xv), m.rmsnorm_bwd(gv, xv))
-    if n * C <= 25280:
+    if n * C <= rmsnorm.WEIGHTED_C_EVERYWHERE:
         check("rmsnorm vec(x) weighted", *m.rmsnorm_bwd(gv, xv, 1e-5, act(n * C)))
     check("pre", *m.mhc_pre_op_fwd(x, h, h, M), *m.mhc_pre_op_bwd(gy, h, h, M, x, h, h, M))
     check("pre implicit", *m.mhc_pre_op_bwd(None, None, h, M, x, h, h, M, grad_mode="implicit"))

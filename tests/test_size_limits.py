@@ -85,6 +85,11 @@ OPTIN = {"sm_90": 232448, "sm_80": 166912, "sm_86": 101376}
 LIMIT = {"sm_90": 58048, "sm_80": 41664, "sm_86": 25280}
 
 
+def test_weighted_c_everywhere_is_the_least_limit():
+    """The C that CI's kernel set and the sanitizer subset run weighted on every GPU."""
+    assert rmsnorm.WEIGHTED_C_EVERYWHERE == min(LIMIT.values())
+
+
 @pytest.mark.parametrize("arch", sorted(OPTIN))
 def test_weighted_rmsnorm_bwd_c_limit_follows_the_device(monkeypatch, arch):
     monkeypatch.setattr(rmsnorm, "_smem_optin", lambda ordinal: OPTIN[arch])

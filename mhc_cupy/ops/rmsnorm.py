@@ -23,6 +23,9 @@ _BWD_STATIC_SMEM = 2 * 32 * 4
 _MAX_SMEM = 227 * 1024
 #: Shared memory per block every CUDA GPU since sm_70 grants without opting in.
 _DEFAULT_SMEM = 48 * 1024
+#: The weighted backward's C limit on every supported GPU: the least opt-in shared memory per
+#: block among them (99 KiB, sm_86 / sm_89) less the static part, in floats (25280).
+WEIGHTED_C_EVERYWHERE = (99 * 1024 - _BWD_STATIC_SMEM) // 4
 #: Register-cached kernels (rows of fewer than _WIDE_VECS vectors): the vectors per
 #: thread K tried, smallest first, and the largest block taken, per direction.  The
 #: forward keeps 2 vectors a thread (fastest on an H200 at rows of 4096, from an
