@@ -489,13 +489,13 @@ mhc_head_bwd_dx_kernel(const TG* __restrict__ g, const T* __restrict__ x, const 
 // reach shared memory through cp.async in a STAGES-deep pipeline, so the HBM
 // reads of the next steps are in flight while the tensor cores work.
 //
-// * mhc_coeffs_mma_fwd_kernel<T, VEC, MT, NTILE, STAGES>: part[split, t, k]
+// * mhc_coeffs_mma_fwd_kernel<T, VEC, MT, NTILE, STAGES, SUB>: part[split, t, k]
 //   = raw H~ over one D range and part[split, t, K] = the sum of squares (as
 //   the CUDA-core forward with part != nullptr; mhc_coeffs_fwd_finish_kernel
 //   and mhc_coeffs_bwd_prep_kernel consume it; for bf16 x also on the tensor
 //   cores, as the diagonal of X X^T).  4 warps; a warp owns MT x 16 tokens and
-//   NTILE x 8 columns and walks the block's D range 32 positions a step (8 per
-//   lane quad member: two MMA k-steps).
+//   NTILE x 8 columns and walks the block's D range 32 SUB positions a pipeline
+//   stage, 32 a sub-step (8 per lane quad member: two MMA k-steps).
 // * mhc_coeffs_mma_bwd_kernel<T, TG, VEC, LAYER, KS, NQ, STAGES>: block of n
 //   warps, warp i owns columns [cb * 64, cb * 64 + 64) of stream i and walks
 //   the block's token range 16 tokens a step: dphi[64 positions, K] += x^T dH
@@ -775,20 +775,29 @@ __global__ void mhc_coeffs_split_cols_kernel(const float* __restrict__ src, __nv
 
 // Grid: blockIdx.x = (split * tiles + tile) * ncc + cc, as the CUDA-core forward; 128 threads.
 // planes: [3, Kp, Dp] (mhc_coeffs_split_phi_fwd_kernel), Kp = ncc * NTILE * 8, Dp a
-// multiple of 32 >= D; d_split a multiple of 32.  VEC: D % 8 == 0 and x 16-byte aligned.
-// Dynamic shared memory: STAGES * (4 * MT * 16 * 32 * sizeof(T) + 3 * NTILE * 8 * 64) bytes.
-template <typename T, bool VEC, int MT, int NTILE, int STAGES>
+// multiple of 32 SUB >= D; d_split a multiple of 32 SUB.  VEC: D % 8 == 0 and x 16-byte aligned.
+// A stage holds SUB sub-steps of 32 positions, 128 bytes of each token row (SUB = 2 for 16-bit x,
+// 1 for float32): HBM serves 64-byte pieces of 128 rows at about 57 % of a copy's bandwidth and
+// 128-byte pieces at full speed (H200, a read-only kernel with this grid: 2.4 against 4.2 TB/s).
+// Rows of x and phi are then 128 bytes (16-bit x): the 16-byte chunks of odd rows are stored
+// swapped by halves (chunk c at c ^ 4), so that the 8 lanes of a quarter warp (rows g and g + 1,
+// 4 chunks each) read distinct banks.
+// Dynamic shared memory: STAGES * SUB * (4 * MT * 16 * 32 * sizeof(T) + 3 * NTILE * 8 * 64) bytes.
+template <typename T, bool VEC, int MT, int NTILE, int STAGES, int SUB>
 __global__ void __launch_bounds__(128)
 mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restrict__ planes,
                           float* __restrict__ part, i64 tokens, int D, int Dp, int K, int Kp, int ncc, i64 tiles,
                           int d_split) {
     using namespace mhc_coeffs;
     constexpr int P = XParts<T>::value;
-    constexpr int TOK = 4 * MT * 16;          // tokens per block
-    constexpr int XROW = 32 * (int)sizeof(T);  // bytes of one token's 32 positions
-    constexpr int XB = TOK * XROW;            // x bytes per stage
-    constexpr int KC = NTILE * 8;             // columns per block
-    constexpr int SB = XB + 3 * KC * 64;      // stage bytes (phi: 3 planes x KC rows x 32 bf16)
+    constexpr int TOK = 4 * MT * 16;                 // tokens per block
+    constexpr int STEP = 32 * SUB;                   // positions per stage
+    constexpr int XROW = STEP * (int)sizeof(T);      // bytes of one token's positions in a stage
+    constexpr int PROW = STEP * 2;                   // bytes of one phi column's positions (bf16)
+    constexpr int XB = TOK * XROW;                   // x bytes per stage
+    constexpr int KC = NTILE * 8;                    // columns per block
+    constexpr int SB = XB + 3 * KC * PROW;           // stage bytes
+    constexpr int SWZ = (XROW == 128 && PROW == 128) ? 4 : 0;  // chunk c of an odd row sits at c ^ SWZ
     extern __shared__ __align__(16) unsigned char smem[];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -801,41 +810,42 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
     const int kc0 = cc * KC;
     const int d_begin = split * d_split;
     const int d_end = min(D, d_begin + d_split);
-    const int steps = (d_end - d_begin + 31) / 32;
+    const int steps = (d_end - d_begin + STEP - 1) / STEP;
     const i64 plane = (i64)Kp * Dp;
 
     // The copies of a step: every thread copies chunk xq of XN token rows and PN (or PN - 1)
     // 16-byte pieces of the phi planes; their sources are fixed but for the step's offset d0.
-    constexpr int XC = XROW / 16;                 // 16-byte chunks per token row (4 or 8)
+    constexpr int XC = XROW / 16;                 // 16-byte chunks per token row
     constexpr int XN = TOK * XC / 128;            // x chunks per thread
-    constexpr int PC = 3 * KC * 4;                // phi chunks per step
+    constexpr int PCR = PROW / 16;                // 16-byte chunks per phi row
+    constexpr int PC = 3 * KC * PCR;              // phi chunks per step
     constexpr int PN = (PC + 127) / 128;          // phi chunks per thread (at most)
+    static_assert(128 % XC == 0, "a thread copies one chunk position of its rows");
+    constexpr int XRS = 128 / XC;                 // rows between a thread's chunks (even)
     const int xq = threadIdx.x % XC, xr0 = threadIdx.x / XC;
-    const T* xrow[XN];
-    bool xok[XN];
-#pragma unroll
-    for (int j = 0; j < XN; ++j) {
-        const i64 t = tile * TOK + xr0 + j * (128 / XC);
-        xok[j] = t < tokens;
-        xrow[j] = x + (xok[j] ? t : 0) * (i64)D;
-    }
+    const i64 xt0 = tile * TOK + xr0;             // the thread's first row; then every XRS rows
+    const T* const xrow0 = x + min(xt0, tokens - 1) * (i64)D;
+    const int xdst0 = xr0 * XROW + (xq ^ ((xr0 & 1) * SWZ)) * 16;
     const __nv_bfloat16* prow[PN];
+    int pdst[PN];
 #pragma unroll
     for (int j = 0; j < PN; ++j) {
-        const int c = threadIdx.x + 128 * j, r = min(c, PC - 1) >> 2, p = r / KC, k = r - p * KC;
-        prow[j] = planes + p * plane + (i64)(kc0 + k) * Dp + (c & 3) * 8;
+        const int c = min(threadIdx.x + 128 * j, PC - 1), r = c / PCR, q = c % PCR, p = r / KC, k = r - p * KC;
+        prow[j] = planes + p * plane + (i64)(kc0 + k) * Dp + q * 8;
+        pdst[j] = XB + r * PROW + (q ^ ((r & 1) * SWZ)) * 16;
     }
     auto fill = [&](int step, int stage) {
         unsigned char* st = smem + stage * SB;
-        const int d0 = d_begin + step * 32;
+        const int d0 = d_begin + step * STEP;
 #pragma unroll
-        for (int j = 0; j < XN; ++j)
-            fill16<T, VEC>(st + (xr0 + j * (128 / XC)) * XROW + xq * 16, xrow[j], xok[j],
+        for (int j = 0; j < XN; ++j) {
+            const bool ok = xt0 + j * XRS < tokens;
+            fill16<T, VEC>(st + xdst0 + j * XRS * XROW, ok ? xrow0 + (i64)j * XRS * D : x, ok,
                            d0 + xq * (16 / (int)sizeof(T)), d_end);
+        }
 #pragma unroll
         for (int j = 0; j < PN; ++j)
-            if (PC % 128 == 0 || threadIdx.x + 128 * j < PC)
-                cp_async16(st + XB + (threadIdx.x + 128 * j) * 16, prow[j] + d0, true);
+            if (PC % 128 == 0 || threadIdx.x + 128 * j < PC) cp_async16(st + pdst[j], prow[j] + d0, true);
     };
 
     float acc[MT][NTILE][4], ss[MT][2];
@@ -852,79 +862,87 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
     for (int i = 0; i < steps; ++i) {
         pipeline_next<STAGES>(i, steps, fill);  // step i in shared memory, every warp done with i - 1
         const unsigned char* st = smem + (i % STAGES) * SB;
-        // phi: 8 consecutive positions (8 tq ..) of column kc0 + 8q + g, every plane
-        unsigned bw[NTILE][3][4];
+#pragma unroll (NTILE > 5 ? 1 : SUB)  // NTILE 6 unrolled: 140 bytes of spills on sm_80
+        for (int sub = 0; sub < SUB; ++sub) {
+            // byte offsets of this lane's 8 positions (8 tq ..) of sub-step sub: in a phi row (the
+            // rows this lane reads have the parity of g), and in an x row (g, g + 8 of an m tile)
+            const int phi_o = (sub * 64 + tq * 16) ^ ((g & 1) * SWZ * 16);
+            const int x_o = SWZ ? phi_o : (sub * 32 + tq * 8) * (int)sizeof(T);
+            // phi: 8 consecutive positions of column kc0 + 8q + g, every plane
+            unsigned bw[NTILE][3][4];
 #pragma unroll
-        for (int q = 0; q < NTILE; ++q)
+            for (int q = 0; q < NTILE; ++q)
 #pragma unroll
-            for (int p = 0; p < 3; ++p) mhc::load_words<4>(st + XB + (p * KC + 8 * q + g) * 64 + tq * 16, bw[q][p]);
-        // x: the same 8 positions of rows g and g + 8 of each m tile, split into P parts
-        // (bf16: the fragments are the stored words themselves)
-        unsigned aw[MT][P][2][4];  // [m][part][row half][word]
+                for (int p = 0; p < 3; ++p) mhc::load_words<4>(st + XB + (p * KC + 8 * q + g) * PROW + phi_o, bw[q][p]);
+            // x: the same 8 positions of rows g and g + 8 of each m tile, split into P parts
+            // (bf16: the fragments are the stored words themselves)
+            unsigned aw[MT][P][2][4];  // [m][part][row half][word]
 #pragma unroll
-        for (int m = 0; m < MT; ++m)
+            for (int m = 0; m < MT; ++m)
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const unsigned char* src = st + (warp * MT * 16 + m * 16 + g + 8 * h) * XROW + tq * 8 * (int)sizeof(T);
-                if constexpr (P == 1) {
-                    mhc::load_words<4>(src, aw[m][0][h]);  // the sum of squares: below, on the tensor cores
-                } else {
-                    float v[8];
-                    mhc::load_vec<T, 8>(reinterpret_cast<const T*>(src), v);
-                    unsigned bits[8][P];
+                for (int h = 0; h < 2; ++h) {
+                    const unsigned char* src = st + (warp * MT * 16 + m * 16 + g + 8 * h) * XROW + x_o;
+                    if constexpr (P == 1) {
+                        mhc::load_words<4>(src, aw[m][0][h]);  // the sum of squares: below, on the tensor cores
+                    } else {
+                        float v[8];
+                        mhc::load_vec<T, 8>(reinterpret_cast<const T*>(src), v);
+                        unsigned bits[8][P];
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) {
-                        ss[m][h] = fmaf(v[e], v[e], ss[m][h]);
-                        split_bits<P>(v[e], bits[e]);
-                    }
-#pragma unroll
-                    for (int p = 0; p < P; ++p)
-#pragma unroll
-                        for (int w = 0; w < 4; ++w) aw[m][p][h][w] = pack2(bits[2 * w][p], bits[2 * w + 1][p]);
-                }
-            }
-        // k-step j uses positions 8 tq + 4j .. + 3 (logical k 2tq, 2tq+1 | 2tq+8, 2tq+9); the
-        // accumulator of consecutive MMAs differs (m innermost) so they do not wait on each other.
-        // The step's products go into a fresh accumulator, added to acc in float32 (round to
-        // nearest): the tensor cores' own accumulation truncates, which over the thousands of
-        // MMAs of a long D range left up to 2e-5 of max |H~| (H200, D = 131072; 8e-7 with this,
-        // at no measured cost: tests/test_coeffs.py::test_coeffs_float32_accurate_over_long_rows).
-        float stp[MT][NTILE][4];
-        mhc::zero(stp);
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int pa = 0; pa < P; ++pa)
-#pragma unroll
-                for (int pb = 0; pb + pa < 3; ++pb)
-#pragma unroll
-                    for (int q = 0; q < NTILE; ++q)
-#pragma unroll
-                        for (int m = 0; m < MT; ++m) {
-                            const unsigned a[4] = {aw[m][pa][0][2 * j], aw[m][pa][1][2 * j], aw[m][pa][0][2 * j + 1],
-                                                   aw[m][pa][1][2 * j + 1]};
-                            mma16816(stp[m][q], a, bw[q][pb][2 * j], bw[q][pb][2 * j + 1]);
+                        for (int e = 0; e < 8; ++e) {
+                            ss[m][h] = fmaf(v[e], v[e], ss[m][h]);
+                            split_bits<P>(v[e], bits[e]);
                         }
-        mhc::add(acc, stp);
-        if (P == 1 && cc == 0) {  // (only column chunk 0 writes the sums of squares)
-            // bf16: the step's sums of squares as the diagonal of X X^T (products exact, summed in
-            // float32 as H~): B = X^T of the same 16 positions is A's own words, rows g (a0, a2)
-            // for the tokens 0-7 of the m tile, rows g + 8 (a1, a3) for 8-15.  Diagonal entry g of
-            // each half sits in lane quad member tq = g / 2, element g % 2 (+ 2 for rows g + 8).
 #pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                float sq[2][4];
-                mhc::zero(sq);
+                        for (int p = 0; p < P; ++p)
 #pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const unsigned a[4] = {aw[m][0][0][2 * j], aw[m][0][1][2 * j], aw[m][0][0][2 * j + 1],
-                                           aw[m][0][1][2 * j + 1]};
-                    mma16816(sq[0], a, a[0], a[2]);
-                    mma16816(sq[1], a, a[1], a[3]);
+                            for (int w = 0; w < 4; ++w) aw[m][p][h][w] = pack2(bits[2 * w][p], bits[2 * w + 1][p]);
+                    }
                 }
-                if (tq == (g >> 1)) {
-                    ss[m][0] += (g & 1) ? sq[0][1] : sq[0][0];
-                    ss[m][1] += (g & 1) ? sq[1][3] : sq[1][2];
+            // k-step j uses positions 8 tq + 4j .. + 3 (logical k 2tq, 2tq+1 | 2tq+8, 2tq+9); the
+            // accumulator of consecutive MMAs differs (m innermost) so they do not wait on each other.
+            // The sub-step's products go into a fresh accumulator, added to acc in float32 (round to
+            // nearest): the tensor cores' own accumulation truncates, which over the thousands of
+            // MMAs of a long D range left up to 2e-5 of max |H~| (H200, D = 131072; 8e-7 with this,
+            // at no measured cost: tests/test_coeffs.py::test_coeffs_float32_accurate_over_long_rows).
+            float stp[MT][NTILE][4];
+            mhc::zero(stp);
+#pragma unroll
+            for (int j = 0; j < 2; ++j)
+#pragma unroll
+                for (int pa = 0; pa < P; ++pa)
+#pragma unroll
+                    for (int pb = 0; pb + pa < 3; ++pb)
+#pragma unroll
+                        for (int q = 0; q < NTILE; ++q)
+#pragma unroll
+                            for (int m = 0; m < MT; ++m) {
+                                const unsigned a[4] = {aw[m][pa][0][2 * j], aw[m][pa][1][2 * j],
+                                                       aw[m][pa][0][2 * j + 1], aw[m][pa][1][2 * j + 1]};
+                                mma16816(stp[m][q], a, bw[q][pb][2 * j], bw[q][pb][2 * j + 1]);
+                            }
+            mhc::add(acc, stp);
+            if (P == 1 && cc == 0) {  // (only column chunk 0 writes the sums of squares)
+                // bf16: the sub-step's sums of squares as the diagonal of X X^T (products exact,
+                // summed in float32 as H~): B = X^T of the same 16 positions is A's own words, rows g
+                // (a0, a2) for the tokens 0-7 of the m tile, rows g + 8 (a1, a3) for 8-15.  Diagonal
+                // entry g of each half sits in lane quad member tq = g / 2, element g % 2 (+ 2 for
+                // rows g + 8).
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    float sq[2][4];
+                    mhc::zero(sq);
+#pragma unroll
+                    for (int j = 0; j < 2; ++j) {
+                        const unsigned a[4] = {aw[m][0][0][2 * j], aw[m][0][1][2 * j], aw[m][0][0][2 * j + 1],
+                                               aw[m][0][1][2 * j + 1]};
+                        mma16816(sq[0], a, a[0], a[2]);
+                        mma16816(sq[1], a, a[1], a[3]);
+                    }
+                    if (tq == (g >> 1)) {
+                        ss[m][0] += (g & 1) ? sq[0][1] : sq[0][0];
+                        ss[m][1] += (g & 1) ? sq[1][3] : sq[1][2];
+                    }
                 }
             }
         }

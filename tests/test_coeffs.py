@@ -34,6 +34,7 @@ from mhc_cupy import _kernels
 from mhc_cupy import reference as R
 from mhc_cupy._interop import ArrayInfo
 from mhc_cupy.ops import coeffs
+from mhc_cupy.ops._launch import ITEMSIZE
 
 from gpu.helpers import ACT_TOL, COEF_TOL, f64, rounded, to_gpu, to_host
 from harness import assert_close, assert_close_uniform, gpu_test
@@ -234,13 +235,16 @@ def _info(shape, dtype="float32", ptr=1 << 20):
 
 @pytest.mark.parametrize("tokens", [1, 3, 31, 32, 33, 1000, 100_000])
 @pytest.mark.parametrize("n,C", [(1, 1), (4, 7), (4, 1000), (4, 4096), (8, 4096), (32, 64)])
-def test_mma_layout_covers_everything_once(tokens, n, C):
+@pytest.mark.parametrize("dt", ["bfloat16", "float32"])
+def test_mma_layout_covers_everything_once(tokens, n, C, dt):
     D, K = n * C, coeffs.columns(n)
-    L = coeffs.mma_layout(tokens, D, K)
+    L = coeffs.mma_layout(tokens, D, K, dt)
+    step = 32 * coeffs.mma_sub(dt)
+    assert step * ITEMSIZE[dt] == 128  # a stage holds 128 bytes of each token row
     assert L.ntile <= 6 and L.ncc * L.ntile * 8 == L.Kp >= K  # every column in exactly one chunk
     assert L.Kp - K < 8 * L.ncc  # chunks nearly equal: less than one 8-column tile of padding per chunk
     assert L.tiles * 128 >= tokens > (L.tiles - 1) * 128
-    assert L.d_split % 32 == 0 and L.Dp % 32 == 0 and L.Dp >= D  # whole steps; the planes cover D
+    assert L.d_split % step == 0 and L.Dp % step == 0 and L.Dp >= D  # whole steps; the planes cover D
     assert L.splits * L.d_split >= D > (L.splits - 1) * L.d_split  # no empty D range
     assert 1 <= L.splits <= 64 and L.ncc * L.tiles * L.splits <= 2**31 - 1
     if L.ncc * L.tiles >= 1024:
@@ -369,7 +373,7 @@ def test_missing_gradients_zero_fill_their_bias_slice():
 
 def test_registry_lists_coeffs_kernels():
     specs = [e for f, e in _kernels.all_specialisations() if f == "coeffs.cu"]
-    for name in ("mhc_coeffs_mma_fwd_kernel<__nv_bfloat16,true,2,3,4>", "mhc_coeffs_fwd_finish_kernel",
+    for name in ("mhc_coeffs_mma_fwd_kernel<__nv_bfloat16,true,2,3,2,2>", "mhc_coeffs_fwd_finish_kernel",
                  "mhc_coeffs_bwd_prep_kernel", "mhc_coeffs_mma_bwd_kernel<__nv_bfloat16,__nv_bfloat16,true,false,2,3,3>",
                  "mhc_coeffs_zero_kernel", "mhc_coeffs_split_phi_fwd_kernel", "mhc_coeffs_split_rows_kernel",
                  "mhc_coeffs_split_cols_kernel"):

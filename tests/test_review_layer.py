@@ -205,11 +205,11 @@ def test_coefficient_kernels_fit_99_kib_of_shared_memory(dt, n):
     also stages its gradients, has 2 stages)."""
     K = coeffs.columns(n)
     C = 4096
-    mma = coeffs.mma_layout(4096, n * C, K)
+    mma = coeffs.mma_layout(4096, n * C, K, dt)
     stages, fwd = coeffs.mma_fwd_smem(dt, mma.ntile)
     assert fwd <= 101376 and stages >= 2
     if dt != "float32":
-        assert stages == coeffs._MMA_STAGES
+        assert stages == coeffs._MMA_STAGES[dt]
     if K <= coeffs._MMA_BWD_MAX_K:
         stages, bwd = coeffs.mma_bwd(4096, n, C, K).pipeline(dt)
         assert bwd <= 101376 and stages >= 2

@@ -131,8 +131,10 @@ def launch_prep(tokens, D, n, K, KP, eps, *, part, splits: int, grads: tuple, al
 _MMA_MT = 2  # 16-token MMA tiles per warp of the forward (kernels_cu/coeffs.cu mhc_coeffs_mma_fwd_kernel)
 _MMA_TOK = 4 * _MMA_MT * 16  # tokens per block (4 warps)
 _MMA_MAX_NTILE = 6  # 8-column tiles per block: accumulators 4 * MT * NTILE per thread
-_MMA_STEP = 32  # positions of D per step of a warp
-_MMA_STAGES = 4  # cp.async pipeline depth of the forward GEMM (at most)
+_MMA_ROW_BYTES = 128  # bytes of each token row per pipeline stage of the forward GEMM (32 positions a sub-step)
+#: cp.async pipeline depth of the forward GEMM (at most): 16-bit x 2 stages of 128-byte row pieces (H200,
+#: bf16 n = 4 / 8 / 16: 1-5 % faster than 3, with 3 blocks per SM instead of 2); float32 x as tuned before
+_MMA_STAGES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _MMA_BWD_STAGES = 3  # and of the backward
 #: Dynamic shared memory a block may use on every supported GPU: the opt-in limit of
 #: sm_86 / sm_89 / sm_120 (99 KiB; sm_80 has 163 KiB, sm_90 227 KiB).  The pipelines
@@ -150,11 +152,18 @@ def pipeline_stages(fixed: int, per_stage: int, most: int) -> int:
     return 2
 
 
+def mma_sub(dt: str) -> int:
+    """32-position sub-steps per stage of mhc_coeffs_mma_fwd_kernel: _MMA_ROW_BYTES of each token row
+    (HBM serves 64-byte pieces of many rows at about 57 % of the copy bandwidth, 128-byte ones at
+    full speed: H200)."""
+    return max(1, _MMA_ROW_BYTES // (32 * ITEMSIZE[dt]))
+
+
 def mma_fwd_smem(dt: str, ntile: int) -> tuple[int, int]:
-    """(stages, dynamic shared bytes) of mhc_coeffs_mma_fwd_kernel: per stage, x [128 tokens][32]
-    and phi [3 planes][ntile * 8][32 bf16]."""
-    per_stage = _MMA_TOK * 32 * ITEMSIZE[dt] + 3 * ntile * 8 * 64
-    stages = pipeline_stages(0, per_stage, _MMA_STAGES)
+    """(stages, dynamic shared bytes) of mhc_coeffs_mma_fwd_kernel: per stage, x [128 tokens][32 sub]
+    and phi [3 planes][ntile * 8][32 sub bf16]."""
+    per_stage = mma_sub(dt) * (_MMA_TOK * 32 * ITEMSIZE[dt] + 3 * ntile * 8 * 64)
+    stages = pipeline_stages(0, per_stage, _MMA_STAGES[dt])
     return stages, stages * per_stage
 _MMA_TARGET_BLOCKS = 1024  # 128-thread blocks; a constant (not the SM count): same bits on every GPU
 
@@ -168,14 +177,14 @@ class MmaLayout(NamedTuple):
     Dp: int  # padded positions of the phi planes: a multiple of 32
     tiles: int  # token tiles of _MMA_TOK tokens
     splits: int  # D ranges (part's leading dim)
-    d_split: int  # positions per D range, a multiple of 32
+    d_split: int  # positions per D range, a multiple of 32 * mma_sub(dt)
 
     @property
     def planes_shape(self):
         return (3, self.Kp, self.Dp), "bfloat16"
 
 
-def mma_layout(tokens: int, D: int, K: int) -> MmaLayout:
+def mma_layout(tokens: int, D: int, K: int, dt: str) -> MmaLayout:
     """Column chunks, token tiles and D ranges of the tensor-core forward GEMM.
 
     D is split only when token tiles x column chunks give fewer than
@@ -185,7 +194,8 @@ def mma_layout(tokens: int, D: int, K: int) -> MmaLayout:
     ncc = _cdiv(nt_total, _MMA_MAX_NTILE)
     ntile = _cdiv(nt_total, ncc)
     tiles = max(1, _cdiv(tokens, _MMA_TOK))
-    units = _cdiv(D, _MMA_STEP)
+    step = 32 * mma_sub(dt)
+    units = _cdiv(D, step)
     want = _cdiv(_MMA_TARGET_BLOCKS, ncc * tiles)
     splits = max(1, min(want, units // _MIN_STEPS_PER_RANGE, _MAX_SPLITS))
     per = _cdiv(units, splits)
@@ -193,7 +203,7 @@ def mma_layout(tokens: int, D: int, K: int) -> MmaLayout:
     if ncc * tiles * splits > MAX_GRID:
         raise ValueError(f"x has {tokens} tokens; mhc_coeffs supports at most "
                          f"{MAX_GRID // (ncc * splits) * _MMA_TOK} tokens at this n")
-    return MmaLayout(ntile, ncc, ncc * ntile * 8, units * _MMA_STEP, tiles, splits, per * _MMA_STEP)
+    return MmaLayout(ntile, ncc, ncc * ntile * 8, units * step, tiles, splits, per * step)
 
 
 def launch_mma_gemm(dt, D, K, tokens, *, x, phi, part, planes, mma: MmaLayout, stream):
@@ -203,7 +213,7 @@ def launch_mma_gemm(dt, D, K, tokens, *, x, phi, part, planes, mma: MmaLayout, s
                        (phi, planes, i32(D), i32(K), i32(mma.Dp), i32(mma.Kp)), stream)
     vec = "true" if vec8(D, x) else "false"
     stages, smem = mma_fwd_smem(dt, mma.ntile)
-    launch(_FILE, f"mhc_coeffs_mma_fwd_kernel<{CTYPE[dt]},{vec},{_MMA_MT},{mma.ntile},{stages}>",
+    launch(_FILE, f"mhc_coeffs_mma_fwd_kernel<{CTYPE[dt]},{vec},{_MMA_MT},{mma.ntile},{stages},{mma_sub(dt)}>",
            (mma.ncc * mma.tiles * mma.splits, 1, 1), (128, 1, 1),
            (x, planes, part, i64(tokens), i32(D), i32(mma.Dp), i32(K), i32(mma.Kp), i32(mma.ncc),
             i64(mma.tiles), i32(mma.d_split)), stream, smem)
@@ -211,7 +221,7 @@ def launch_mma_gemm(dt, D, K, tokens, *, x, phi, part, planes, mma: MmaLayout, s
 
 def _plan_fwd(infos, eps):
     dt, lead, n, C, D, K, tokens, eps = _check(infos, eps, False)
-    mma = mma_layout(tokens, D, K)
+    mma = mma_layout(tokens, D, K, dt)
     scratch = {"part": ((mma.splits, tokens, K + 1), "float32"), "planes": mma.planes_shape}
 
     def run_kernels(p, outs, sc, stream):
@@ -528,7 +538,7 @@ def launch_param_bwd(b, dt: str, **kwargs):
 
 def _plan_bwd(infos, eps):
     dt, lead, n, C, D, K, tokens, eps = _check(infos, eps, True)
-    mma = mma_layout(tokens, D, K)
+    mma = mma_layout(tokens, D, K, dt)
     KP = padded_row(K)
     b = backward_layout(tokens, n, C, K, dt)
     scratch = {"part": ((mma.splits, tokens, K + 1), "float32"),  # raw H~ and sum of squares per D range

@@ -68,9 +68,9 @@ def _transpose(src, dst, rows: int, cols: int, stream) -> None:
                        (src, dst, i32(rows), i64(cols)), stream)
 
 
-def _gemm_scratch(tokens: int, D: int, n: int):
+def _gemm_scratch(dt: str, tokens: int, D: int, n: int):
     """The forward GEMM's layout and its scratch: part [splits, T, n+1], phi [D, n], bf16 planes."""
-    mma = coeffs.mma_layout(tokens, D, n)
+    mma = coeffs.mma_layout(tokens, D, n, dt)
     return mma, {"part": ((mma.splits, tokens, n + 1), "float32"), "phi": ((D, n), "float32"),
                  "planes": mma.planes_shape}
 
@@ -84,7 +84,7 @@ def _launch_gemm(dt, D, n, tokens, x, hc_fn, sc: dict, mma, stream) -> None:
 
 def _plan_fwd(infos, rms_eps, hc_eps):
     dt, _, lead, n, C, D, tokens, rms_eps, hc_eps = _check(infos, rms_eps, hc_eps, False)
-    mma, scratch = _gemm_scratch(tokens, D, n)
+    mma, scratch = _gemm_scratch(dt, tokens, D, n)
 
     def run_kernels(p, outs, sc, stream):
         _launch_gemm(dt, D, n, tokens, p["x"], p["hc_fn"], sc, mma, stream)
@@ -102,7 +102,7 @@ def _plan_fwd(infos, rms_eps, hc_eps):
 
 def _plan_bwd(infos, rms_eps, hc_eps):
     dt, tg, lead, n, C, D, tokens, rms_eps, hc_eps = _check(infos, rms_eps, hc_eps, True)
-    mma, scratch = _gemm_scratch(tokens, D, n)
+    mma, scratch = _gemm_scratch(dt, tokens, D, n)
     KP = coeffs.padded_row(n)
     kc, ncc, t_splits, t_split = _dphi_layout(tokens, D, n)
     scratch.update({"dH": ((tokens, KP), "float32"),  # dH | c

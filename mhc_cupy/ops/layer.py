@@ -66,7 +66,7 @@ def _plan_pre_fwd(infos, num_iters, eps, rms_eps, convention, hc_eps, post_mult)
     dt, lead, n, C, D, K, tokens, settings = _check_common(infos, num_iters, eps, rms_eps, convention, hc_eps,
                                                            post_mult)
     iters, eps, rms_eps, ds, hc_eps, post_mult = settings
-    mma = mma_layout(tokens, D, K)
+    mma = mma_layout(tokens, D, K, dt)
     scratch = {"part": ((mma.splits, tokens, K + 1), "float32"), "planes": mma.planes_shape,
                "h_pre": ((tokens, n), "float32"), "h_post": ((tokens, n), "float32"),
                "h_res": ((tokens, n, n), "float32")}
