@@ -133,7 +133,7 @@ _MMA_TOK = 4 * _MMA_MT * 16  # tokens per block (4 warps)
 _MMA_MAX_NTILE = 6  # 8-column tiles per block: accumulators 4 * MT * NTILE per thread
 _MMA_ROW_BYTES = 128  # bytes of each token row per pipeline stage of the forward GEMM (32 positions a sub-step)
 #: cp.async pipeline depth of the forward GEMM (at most): 16-bit x 2 stages of 128-byte row pieces (H200,
-#: bf16 n = 4 / 8 / 16: 1-5 % faster than 3, with 3 blocks per SM instead of 2); float32 x as tuned before
+#: bf16 n = 4 / 8 / 16: 0-5 % faster than 3 stages, 3 blocks per SM instead of 2); float32 x as before (not re-timed)
 _MMA_STAGES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _MMA_BWD_STAGES = 3  # and of the backward
 #: Dynamic shared memory a block may use on every supported GPU: the opt-in limit of
@@ -174,7 +174,7 @@ class MmaLayout(NamedTuple):
     ntile: int  # 8-column tiles per column chunk
     ncc: int  # column chunks
     Kp: int  # padded columns of the phi planes: ncc * ntile * 8
-    Dp: int  # padded positions of the phi planes: a multiple of 32
+    Dp: int  # padded positions of the phi planes: a multiple of 32 * mma_sub(dt)
     tiles: int  # token tiles of _MMA_TOK tokens
     splits: int  # D ranges (part's leading dim)
     d_split: int  # positions per D range, a multiple of 32 * mma_sub(dt)
