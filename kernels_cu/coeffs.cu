@@ -778,7 +778,7 @@ __global__ void mhc_coeffs_split_cols_kernel(const float* __restrict__ src, __nv
 // multiple of 32 SUB >= D; d_split a multiple of 32 SUB.  VEC: D % 8 == 0 and x 16-byte aligned.
 // A stage holds SUB sub-steps of 32 positions, 128 bytes of each token row (SUB = 2 for 16-bit x,
 // 1 for float32): HBM serves 64-byte pieces of 128 rows at about 57 % of a copy's bandwidth and
-// 128-byte pieces at full speed (H200, a read-only kernel with this grid: 2.4 against 4.2 TB/s).
+// 128-byte pieces at full speed (H200, scripts/hbm_row_pieces.py "rows": 2.4 against 4.2 TB/s).
 // Rows of x and phi are then 128 bytes (16-bit x): the 16-byte chunks of odd rows are stored
 // swapped by halves (chunk c at c ^ 4), so that the 8 lanes of a quarter warp (rows g and g + 1,
 // 4 chunks each) read distinct banks.

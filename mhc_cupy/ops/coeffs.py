@@ -155,7 +155,7 @@ def pipeline_stages(fixed: int, per_stage: int, most: int) -> int:
 def mma_sub(dt: str) -> int:
     """32-position sub-steps per stage of mhc_coeffs_mma_fwd_kernel: _MMA_ROW_BYTES of each token row
     (HBM serves 64-byte pieces of many rows at about 57 % of the copy bandwidth, 128-byte ones at
-    full speed: H200)."""
+    full speed: H200, scripts/hbm_row_pieces.py)."""
     return max(1, _MMA_ROW_BYTES // (32 * ITEMSIZE[dt]))
 
 
