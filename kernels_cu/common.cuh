@@ -101,18 +101,25 @@ __device__ __forceinline__ void load_words_evict(const void* p, unsigned int (&w
     }
 }
 
+// 2 bytes at p, at cache priority H (sm_80+; a plain load elsewhere or for Evict::normal).
 template <Evict H>
-__device__ __forceinline__ unsigned short load_u16_evict(const void* p) {
+__device__ __forceinline__ unsigned short load_u16(const void* p) {
     unsigned short v;
-    if constexpr (H == Evict::last)
+#if __CUDA_ARCH__ >= 800
+    if constexpr (H == Evict::last) {
         asm(MHC_LD_EVICT("evict_last", ".u16", "%0", "1") : "=h"(v) : "l"(p));
-    else
+        return v;
+    } else if constexpr (H == Evict::first) {
         asm(MHC_LD_EVICT("evict_first", ".u16", "%0", "1") : "=h"(v) : "l"(p));
+        return v;
+    }
+#endif
+    v = *reinterpret_cast<const unsigned short*>(p);
     return v;
 }
 
 // W consecutive 32-bit words in one load / store instruction (W = 1, 2, 4); H: cache
-// priority (above).
+// priority (above; sm_80+, elsewhere a plain load).
 template <int W, Evict H = Evict::normal>
 __device__ __forceinline__ void load_words(const void* p, unsigned int (&w)[W]) {
 #if __CUDA_ARCH__ >= 800
@@ -159,13 +166,7 @@ __device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&out)[E
             for (int k = 0; k < K; ++k)
                 out[k0 + k] = word_elem<T>(w[sizeof(T) == 4 ? k : k / 2], k & 1);
         } else {
-#if __CUDA_ARCH__ >= 800
-            if constexpr (H != Evict::normal) {
-                out[k0] = from_bits<T>(load_u16_evict<H>(p + k0));
-                continue;
-            }
-#endif
-            out[k0] = from_bits<T>(*reinterpret_cast<const unsigned short*>(p + k0));
+            out[k0] = from_bits<T>(load_u16<H>(p + k0));
         }
     }
 }
