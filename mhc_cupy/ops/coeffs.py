@@ -3,7 +3,7 @@ paper Eqs. 14-18), ``kernels_cu/coeffs.cu``.
 
 Per token: H~ = vec(x) @ phi, r = sqrt(mean(vec(x)^2) + eps), h = alpha_grp H~ / r + bias,
 split into h_pre_raw [n], h_post_raw [n], h_res_raw [n, n].  The launch layout
-(column chunks, D ranges, token splits) depends only on shapes and is the same
+(column chunks, D ranges, token splits) depends only on shapes and dtypes and is the same
 on every device, so results are bitwise reproducible for given shapes.
 """
 
@@ -169,7 +169,7 @@ _MMA_TARGET_BLOCKS = 1024  # 128-thread blocks; a constant (not the SM count): s
 
 
 class MmaLayout(NamedTuple):
-    """Launch layout of mhc_coeffs_mma_fwd_kernel (depends on shapes only)."""
+    """Launch layout of mhc_coeffs_mma_fwd_kernel (depends on shapes and the dtype of x only)."""
 
     ntile: int  # 8-column tiles per column chunk
     ncc: int  # column chunks

@@ -5,7 +5,7 @@ Per token, with x~ = vec(x) (D = n*C values): H~ = x~ hc_fn^T, r = sqrt(mean(x~^
 w = sigmoid(H~ / r * hc_scale + hc_base) + hc_eps, out = sum_i w_i x_i.  It is the coefficient
 path (section 8) with K = n columns: the forward GEMM and the sum of squares are the
 coefficient path's tensor-core kernel (on phi = hc_fn^T), then one kernel computes w and the
-weighted sum.  The launch layout depends only on shapes: bitwise reproducible results.
+weighted sum.  The launch layout depends only on shapes and dtypes: bitwise reproducible results.
 """
 
 from __future__ import annotations
