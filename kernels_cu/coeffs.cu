@@ -496,7 +496,7 @@ mhc_head_bwd_dx_kernel(const TG* __restrict__ g, const T* __restrict__ x, const 
 //   cores, as the diagonal of X X^T).  4 warps; a warp owns MT x 16 tokens and
 //   NTILE x 8 columns and walks the block's D range 32 SUB positions a pipeline
 //   stage, 32 a sub-step (8 per lane quad member: two MMA k-steps).
-// * mhc_coeffs_mma_bwd_kernel<T, TG, VEC, LAYER, KS, NQ, STAGES>: block of n
+// * mhc_coeffs_mma_bwd_kernel<T, TG, VEC, LAYER, N, KS, NQ, STAGES>: block of N
 //   warps, warp i owns columns [cb * 64, cb * 64 + 64) of stream i and walks
 //   the block's token range 16 tokens a step: dphi[64 positions, K] += x^T dH
 //   (x as the A operand, rows = positions), dx[16 tokens, 64] = dH phi^T - c x
@@ -987,17 +987,21 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
 //   dphi: partials [splits, D, K] (the output with one split).
 // VEC: C % 8 == 0 and x, dx (and g, g_li, gx) 16-byte aligned.  KS = K16 / 16, NQ = Kp8 / 8.
 // Dynamic shared memory: MmaBwd.pipeline (ops/coeffs.py; phi and dH_r in PO planes: 2 for 16-bit x, 3 for float32).
-// 3 blocks of 4 warps per SM with the layer's g staged (GS below) need at most 168 registers a
-// thread: ptxas (NVRTC 12.9 / 13.0) takes 166 / 167 for bf16 / fp16 at n = 4.  Not enforced: a
-// minimum-blocks bound of 3 made ptxas spill 24 bytes (64 bytes of loads) at bf16.
-template <typename T, typename TG, bool VEC, bool LAYER, int KS, int NQ, int STAGES>
-__global__ void __launch_bounds__(128)
+// 3 blocks of 4 warps per SM need at most 168 registers a thread; the launch bound asks ptxas for
+// them with 16-bit x (NVRTC 13.0, sm_90, n = 4: bf16 164 with the layer's g staged, 151 without,
+// no spills; fp16 168 with 12 bytes spilled, where unbounded it took 171 / 178 and 2 blocks fit:
+// 2-5 % slower layer fwd+bwd on the H200).  float32 x (over 200 registers) has no bound.
+// Per step a thread's addresses are the block's first token row plus int token offsets (u below),
+// no 64-bit token arithmetic (before: 1,490 instructions a warp per 16-token step, ncu, bf16 n = 4
+// layer, most of them address and predicate work of the copies and the per-token loads).
+template <typename T, typename TG, bool VEC, bool LAYER, int N, int KS, int NQ, int STAGES>
+__global__ void __launch_bounds__(128, sizeof(T) == 2 ? 3 : 1)
 mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restrict__ phi_r,
                           const __nv_bfloat16* __restrict__ dH_r, const __nv_bfloat16* __restrict__ dH_c,
                           const float* __restrict__ dH, const TG* __restrict__ g, const TG* __restrict__ g_li,
                           const float* __restrict__ H_pre, const float* __restrict__ H_res,
                           const TG* __restrict__ gx, T* __restrict__ dx, float* __restrict__ dphi, i64 tokens,
-                          i64 tokens_p, int n, int C, int K, int KP, i64 t_split, int res_t) {
+                          i64 tokens_p, int C, int K, int KP, i64 t_split, int res_t) {
     using namespace mhc_coeffs;
     constexpr int P = XParts<T>::value;
     constexpr int PO = sizeof(T) == 4 ? 3 : 2;
@@ -1005,14 +1009,23 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g8 = lane >> 2, tq = lane & 3;
-    const int nw = n * 64;  // positions of the block
+    constexpr int n = N, nw = N * 64;  // streams, positions of the block
     const int cb0 = blockIdx.x * 64;
     const int D = n * C;
     const i64 t_begin = (i64)blockIdx.y * t_split;
-    const i64 t_end = min(tokens, t_begin + t_split);
-    const int steps = (int)((max(t_end - t_begin, (i64)0) + 15) / 16);
+    const int rows = (int)max(min(tokens, t_begin + t_split) - t_begin, (i64)0);  // tokens of the block
+    const int steps = (rows + 15) / 16;
     const i64 plane_r = tokens_p * K16, plane_c = (i64)Kp8 * tokens_p, plane_phi = (i64)D * K16;
     const int res_j = res_t ? 1 : n, res_i = res_t ? n : 1;  // H_res element (j, i) of this warp's row i
+    // Token u of the block's range (u < rows) is token t_begin + u; addresses of a token row are
+    // the block's first row plus u rows (int u: only the row's stride is 64-bit).  Rows at or past
+    // `rows` are clamped to the last valid one (an address never read: cp.async of 0 bytes).
+    const T* const x0 = x + t_begin * D + warp * C;  // this warp's stream
+    auto row_of = [&](int u) { return (i64)min(u, rows - 1); };
+    const TG* const gli0 = LAYER && g_li != nullptr ? g_li + t_begin * C : nullptr;
+    const float* const dH0 = dH + t_begin * KP + K;  // c of the block's first token
+    const float* const hp0 = LAYER ? H_pre + t_begin * n + warp : nullptr;
+    const float* const hr0 = LAYER ? H_res + t_begin * (n * n) + warp * res_i : nullptr;
 
     // shared memory: phi rows of the block (PO planes), then STAGES stages of
     // x [16][n][64] T | dH_r [PO][16][K16] | dH_c [3][Kp8][16] (| GS: g [n][16][64] TG), the
@@ -1025,9 +1038,9 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
     constexpr bool GS = LAYER && VEC && sizeof(TG) == 2;
     constexpr int GR = 64 * (int)sizeof(TG);  // g row bytes (GS)
     __nv_bfloat16* s_phi = reinterpret_cast<__nv_bfloat16*>(smem);
-    const int XR = nw * (int)sizeof(T) + 16;  // token row bytes
-    const int XB = 16 * XR, RB = PO * 16 * K16 * 2, CB = 3 * Kp8 * 16 * 2;
-    const int SB = XB + RB + CB + (GS ? n * 16 * GR : 0);
+    constexpr int XR = nw * (int)sizeof(T) + 16;  // token row bytes
+    constexpr int XB = 16 * XR, RB = PO * 16 * K16 * 2, CB = 3 * Kp8 * 16 * 2;
+    constexpr int SB = XB + RB + CB + (GS ? n * 16 * GR : 0);
     unsigned char* stages = smem + PO * nw * K16 * 2;
 
     // phi rows of the block's positions (zero where the column is past C)
@@ -1038,41 +1051,54 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
         cp_async16(s_phi + (i64)r * K16 + q * 8, phi_r + p * plane_phi + (i64)(i * C + (ok ? cb0 + cl : 0)) * K16 + q * 8,
                    ok);
     }
-    const T* xw = x + (i64)warp * C;  // this warp's stream
+    // The copies of a step: a lane's chunks of x and g are chunk q of token rows u0 + j (32 / XC)
+    // of the step; dH_r / dH_c pieces c = threadIdx.x + 32 N j at fixed offsets past the step's token.
+    constexpr int XC = 64 * (int)sizeof(T) / 16, GC = 64 * (int)sizeof(TG) / 16;  // 16-byte chunks per row
+    constexpr int RC = PO * 16 * K16 / 8, CC = 3 * Kp8 * 2, NT = 32 * N;  // dH_r, dH_c chunks per step; threads
+    const int xq = lane % XC, xu0 = lane / XC;
+    // the vector path's chunk column (all or nothing; 0 where past C: a valid address, not read)
+    const bool xcol = cb0 + xq * (16 / (int)sizeof(T)) < C;
+    const int xpos = xcol ? cb0 + xq * (16 / (int)sizeof(T)) : 0;
+    const int gq = lane % GC;  // g's (GS)
+    const bool gcol = g != nullptr && cb0 + gq * 8 < C;
+    const int gpos = gcol ? cb0 + gq * 8 : 0;
     auto fill = [&](int step, int stage) {
         unsigned char* st = stages + stage * SB;
-        const i64 t0 = t_begin + step * 16;
+        const int u0 = step * 16;
         // x: warp i copies the rows of stream i (the only ones it reads), 16 XC / 32 chunks a lane
-        constexpr int XC = 64 * (int)sizeof(T) / 16;
 #pragma unroll
         for (int j = 0; j < 16 * XC / 32; ++j) {
-            const int u = lane / XC + j * (32 / XC), q = lane % XC;
-            const i64 t = t0 + u;
-            const bool ok = t < t_end;
-            fill16<T, VEC>(st + u * XR + warp * 64 * (int)sizeof(T) + q * 16, xw + (ok ? t : 0) * (i64)D, ok,
-                           cb0 + q * (16 / (int)sizeof(T)), C);
+            const int u = xu0 + j * (32 / XC), lu = u0 + u;
+            unsigned char* dst = st + u * XR + warp * 64 * (int)sizeof(T) + xq * 16;
+            const T* row = x0 + row_of(lu) * D;
+            if constexpr (VEC) cp_async16(dst, row + xpos, lu < rows && xcol);
+            else fill16<T, false>(dst, row, lu < rows, cb0 + xq * (16 / (int)sizeof(T)), C);
         }
-        for (int c = threadIdx.x; c < PO * 16 * K16 / 8; c += blockDim.x) {
+        const i64 t0 = t_begin + u0;
+#pragma unroll
+        for (int j = 0; j < (RC + NT - 1) / NT; ++j) {
+            const int c = threadIdx.x + NT * j;
+            if (RC % NT != 0 && c >= RC) break;
             const int p = c / (16 * K16 / 8), o = c - p * (16 * K16 / 8);
             cp_async16(st + XB + c * 16, dH_r + p * plane_r + t0 * K16 + o * 8, true);
         }
-        for (int c = threadIdx.x; c < 3 * Kp8 * 2; c += blockDim.x) {
+#pragma unroll
+        for (int j = 0; j < (CC + NT - 1) / NT; ++j) {
+            const int c = threadIdx.x + NT * j;
+            if (CC % NT != 0 && c >= CC) break;
             const int r = c >> 1, q = c & 1, p = r / Kp8, k = r - p * Kp8;
             cp_async16(st + XB + RB + c * 16, dH_c + p * plane_c + (i64)k * tokens_p + t0 + q * 8, true);
         }
         if constexpr (GS) {
             // g: warp i copies the rows of stream i (as x), chunk q of row u to slot q ^ (u & 7)
-            unsigned char* sg = st + XB + RB + CB;
-            const TG* x_any = reinterpret_cast<const TG*>(x);  // a valid address for the zero fills
-            constexpr int GC = 64 * (int)sizeof(TG) / 16;  // 16-byte chunks per row (8)
             // (zeros where g is absent: the epilogue adds them unconditionally)
+            unsigned char* sg = st + XB + RB + CB;
+            const TG* g0 = g != nullptr ? g + t_begin * D + warp * C : reinterpret_cast<const TG*>(x0);
 #pragma unroll
             for (int j = 0; j < 16 * GC / 32; ++j) {
-                const int u = lane / GC + j * (32 / GC), q = lane % GC;
-                const i64 t = t0 + u;
-                const bool ok = t < t_end && g != nullptr;
-                fill16<TG, true>(sg + (warp * 16 + u) * GR + (q ^ (u & 7)) * 16, ok ? g + t * (i64)D + warp * C : x_any,
-                                 ok, cb0 + q * (16 / (int)sizeof(TG)), C);
+                const int u = lane / GC + j * (32 / GC), lu = u0 + u;
+                cp_async16(sg + (warp * 16 + u) * GR + (gq ^ (u & 7)) * 16, g0 + row_of(lu) * D + gpos,
+                           lu < rows && gcol);
             }
         }
     };
@@ -1089,7 +1115,7 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
         auto xrow = [&](int u, int i) { return reinterpret_cast<const T*>(st + u * XR) + i * 64; };
         const __nv_bfloat16* dhr = reinterpret_cast<const __nv_bfloat16*>(st + XB);
         const __nv_bfloat16* dhc = reinterpret_cast<const __nv_bfloat16*>(st + XB + RB);
-        const i64 t0 = t_begin + step * 16;
+        const int u0 = step * 16;  // the step's first token (of the block's)
         // LAYER, vector path: the g_li rows (warp 0) and, not staged (!GS: float32), the g rows
         // (warp i: stream i) of step + DX_PREFETCH into L2: lanes tq = 0 and 3 ask for the lines
         // of the first and the last 8 of a row's 64 columns
@@ -1097,24 +1123,23 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
             const int pc = tq == 0 ? cb0 : min(cb0 + 56, C - 8);
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                const i64 t = t0 + 16 * DX_PREFETCH + g8 + 8 * h;
-                if (t >= t_end) continue;
-                if (g_li != nullptr && (!GS || warp == 0)) mhc::prefetch_l2(g_li + t * (i64)C + pc);
-                if (!GS && g != nullptr) mhc::prefetch_l2(g + t * (i64)D + warp * C + pc);
+                const int u = u0 + 16 * DX_PREFETCH + g8 + 8 * h;
+                if (u >= rows) continue;
+                if (g_li != nullptr && (!GS || warp == 0)) mhc::prefetch_l2(gli0 + (i64)u * C + pc);
+                if (!GS && g != nullptr) mhc::prefetch_l2(g + (t_begin + u) * D + warp * C + pc);
             }
         }
         // Per-token scalars of this thread's two dx rows (tokens g8, g8 + 8), loaded now so their
         // latency hides behind the MMAs: c, and with LAYER H_pre[t, i] and H_res[t, :, i].
-        float cs[2], hp[2], hr[2][4];  // n <= 4 here (K <= 32)
+        float cs[2], hp[2], hr[2][n];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const i64 t = t0 + g8 + 8 * h;
-            const bool ok = t < t_end;
-            cs[h] = ok ? dH[t * KP + K] : 0.f;
-            hp[h] = (LAYER && ok) ? H_pre[t * n + warp] : 0.f;
+            const int u = u0 + g8 + 8 * h;
+            const bool ok = u < rows;
+            cs[h] = ok ? dH0[(i64)u * KP] : 0.f;
+            hp[h] = (LAYER && ok) ? hp0[u * n] : 0.f;
 #pragma unroll
-            for (int j = 0; j < 4; ++j)
-                hr[h][j] = (LAYER && ok && j < n) ? H_res[t * n * n + j * res_j + warp * res_i] : 0.f;
+            for (int j = 0; j < n; ++j) hr[h][j] = (LAYER && ok) ? hr0[(i64)u * (n * n) + j * res_j] : 0.f;
         }
 
         // ---- dphi += x^T dH (mhc_coeffs::xT_fragments)
@@ -1160,8 +1185,8 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int u = g8 + 8 * h;
-                const i64 t = t0 + u;
-                if (t >= t_end) continue;
+                if (u0 + u >= rows) continue;
+                const i64 t = t_begin + u0 + u;
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int cl = 16 * tq + 8 * half;
@@ -1176,7 +1201,7 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
                         // row), then the streams in order (the order of the path below), from the stage
                         float gv[8];
                         if (g_li != nullptr) {
-                            load8<TG, VEC>(g_li + t * (i64)C, col, C, gv);
+                            load8<TG, VEC>(gli0 + (i64)(u0 + u) * C, col, C, gv);
                         } else {
 #pragma unroll
                             for (int e8 = 0; e8 < 8; ++e8) gv[e8] = 0.f;
@@ -1185,8 +1210,7 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
                         for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(hp[h], gv[e8], o[e8]);
                         const unsigned char* sg = st + XB + RB + CB + u * GR + (((cl >> 3) ^ (u & 7)) << 4);
 #pragma unroll
-                        for (int j = 0; j < 4; ++j) {
-                            if (j >= n) continue;
+                        for (int j = 0; j < n; ++j) {
                             unsigned ww[4];
                             mhc::load_words<4>(sg + j * 16 * GR, ww);
 #pragma unroll
@@ -1196,14 +1220,13 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
                     } else if (LAYER) {
                         float gv[8];
                         if (g_li != nullptr) {
-                            load8<TG, VEC>(g_li + t * (i64)C, col, C, gv);
+                            load8<TG, VEC>(gli0 + (i64)(u0 + u) * C, col, C, gv);
 #pragma unroll
                             for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(hp[h], gv[e8], o[e8]);
                         }
                         if (g != nullptr) {
 #pragma unroll
-                            for (int j = 0; j < 4; ++j) {
-                                if (j >= n) break;
+                            for (int j = 0; j < n; ++j) {
                                 load8<TG, VEC>(g + t * (i64)D + j * C, col, C, gv);
 #pragma unroll
                                 for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(hr[h][j], gv[e8], o[e8]);

@@ -374,7 +374,7 @@ def test_missing_gradients_zero_fill_their_bias_slice():
 def test_registry_lists_coeffs_kernels():
     specs = [e for f, e in _kernels.all_specialisations() if f == "coeffs.cu"]
     for name in ("mhc_coeffs_mma_fwd_kernel<__nv_bfloat16,true,2,3,2,2>", "mhc_coeffs_fwd_finish_kernel",
-                 "mhc_coeffs_bwd_prep_kernel", "mhc_coeffs_mma_bwd_kernel<__nv_bfloat16,__nv_bfloat16,true,false,2,3,3>",
+                 "mhc_coeffs_bwd_prep_kernel", "mhc_coeffs_mma_bwd_kernel<__nv_bfloat16,__nv_bfloat16,true,false,4,2,3,3>",
                  "mhc_coeffs_zero_kernel", "mhc_coeffs_split_phi_fwd_kernel", "mhc_coeffs_split_rows_kernel",
                  "mhc_coeffs_split_cols_kernel"):
         assert name in specs, name

@@ -328,10 +328,10 @@ def launch_mma_bwd(b: MmaBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc: dic
     out = sc["dphi_part"] if b.splits > 1 else dphi
     stages, smem = b.pipeline(dt, g_staged=layer and vec == "true" and ITEMSIZE[tg] == 2)  # the kernel's GS
     launch(_FILE, f"mhc_coeffs_mma_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{vec},{'true' if layer else 'false'},"
-                  f"{b.K16 // 16},{b.Kp8 // 8},{stages}>",
+                  f"{b.n},{b.K16 // 16},{b.Kp8 // 8},{stages}>",
            (_cdiv(b.C, 64), b.splits, 1), (32 * b.n, 1, 1),
            (x, sc["phi_r"], sc["dH_r"], sc["dH_c"], dH, g, g_li, H_pre, H_res, gx, dx, out, i64(b.tokens),
-            i64(b.tokens_p), i32(b.n), i32(b.C), i32(b.K), i32(KP), i64(b.t_split), i32(res_t)),
+            i64(b.tokens_p), i32(b.C), i32(b.K), i32(KP), i64(b.t_split), i32(res_t)),
            stream, smem)
     if b.splits > 1:
         column_sum(out, dphi, b.splits, D * b.K, stream)
