@@ -164,7 +164,7 @@ def test_readme_op_kernel_table_names_real_kernels():
     assert len(rows) >= 10, rows
     defined = set()
     for f in (REPO / "kernels_cu").glob("*.cu"):
-        defined |= set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)", f.read_text()))
+        defined |= set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s+)?(\w+)", f.read_text()))
     named = set()
     for word in re.findall(r"`(mhc_[\w{},]*kernel)`", "\n".join(rows)):
         brace = re.fullmatch(r"(\w*)\{([\w,]+)\}(\w*)", word)
