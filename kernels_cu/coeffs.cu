@@ -1054,7 +1054,8 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
     // The copies of a step: a lane's chunks of x and g are chunk q of token rows u0 + j (32 / XC)
     // of the step; dH_r / dH_c pieces c = threadIdx.x + 32 N j at fixed offsets past the step's token.
     constexpr int XC = 64 * (int)sizeof(T) / 16, GC = 64 * (int)sizeof(TG) / 16;  // 16-byte chunks per row
-    constexpr int RC = PO * 16 * K16 / 8, CC = 3 * Kp8 * 2, NT = 32 * N;  // dH_r, dH_c chunks per step; threads
+    // dH_r, dH_c chunks per step; threads of the block (launch_mma_bwd launches 32 n)
+    constexpr int RC = PO * 16 * K16 / 8, CC = 3 * Kp8 * 2, NT = 32 * N;
     const int xq = lane % XC, xu0 = lane / XC;
     // the vector path's chunk column (all or nothing; 0 where past C: a valid address, not read)
     const bool xcol = cb0 + xq * (16 / (int)sizeof(T)) < C;
