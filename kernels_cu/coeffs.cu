@@ -988,7 +988,7 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
 // VEC: C % 8 == 0 and x, dx (and g, g_li, gx) 16-byte aligned.  KS = K16 / 16, NQ = Kp8 / 8.
 // Dynamic shared memory: MmaBwd.pipeline (ops/coeffs.py; phi and dH_r in PO planes: 2 for 16-bit x, 3 for float32).
 // 3 blocks of 4 warps per SM need at most 168 registers a thread; the launch bound asks ptxas for
-// them with 16-bit x (NVRTC 13.0, sm_90, n = 4: bf16 164 with the layer's g staged, 151 without,
+// them with 16-bit x (NVRTC 12.9, sm_90, n = 4: bf16 164 with the layer's g staged, 151 without,
 // no spills; fp16 168 with 12 bytes spilled, where unbounded it took 171 / 178 and 2 blocks fit:
 // 2-5 % slower layer fwd+bwd on the H200).  float32 x (over 200 registers) has no bound.
 // Per step a thread's addresses are the block's first token row plus int token offsets (u below),
