@@ -633,6 +633,19 @@ __device__ __forceinline__ int frag_slot(int k, int KC) {
     return (s / KC) * 16 * KC + ((j & 7) >> 1) * 4 * KC + (s % KC) * 4 + 2 * (j >> 3) + (j & 1);
 }
 
+// Offset of value c of row r of a plane of 16-row groups whose rows r, r + 8 (r % 16 < 8) are
+// interleaved word by word (two bf16 a word): row pair q = (r / 16) 8 + r % 8 starts at value
+// 2 K16 q, and word w of its rows sits at its words 2w (row r) and 2w + 1 (row r + 8).  Words w,
+// w + 1 (w even) of rows g, g + 8, an MMA's A fragment, are then the 16 bytes at value
+// 2 K16 q + 4 w, in the register order of mma m16n8k16 (a0 a1 a2 a3): one shared-memory load
+// into the registers the MMA reads.  (Two 8-byte loads of rows g and g + 8 needed four register
+// moves per fragment, about 150 instructions a step of mhc_coeffs_mma_dx_kernel at n = 8.  The
+// n <= 4 backward keeps the plain order: there the same change made ptxas spill, 16-48 bytes.)
+__device__ __forceinline__ i64 pair_slot(i64 r, int c, int K16) {
+    const i64 q = (r >> 4) * 8 + (r & 7);
+    return q * 2 * K16 + (c >> 1) * 4 + ((r >> 3) & 1) * 2 + (c & 1);
+}
+
 
 // ---- the dphi MMAs (x^T dH over 16 tokens), shared by mhc_coeffs_mma_bwd_kernel and
 // mhc_coeffs_mma_dphi_kernel.  A operand: 4 m tiles of 16 positions; row g of m tile m is
@@ -741,9 +754,10 @@ __global__ void mhc_coeffs_split_phi_fwd_kernel(const float* __restrict__ phi, _
 // src [rows, K] float32 (row stride ld) -> planes [3, rows_p, K16] bf16, columns in
 // fragment order of KC k-steps a chunk (mhc_coeffs::frag_slot; KC divides K16 / 16), or in
 // their own order for KC = 0 (read with ldmatrix), zero padded.  For phi (rows = D) and dH
-// (rows = tokens) in the backward.
+// (rows = tokens) in the backward.  pairs (rows_p a multiple of 16): rows r and r + 8 of each 16
+// rows interleaved word by word (mhc_coeffs::pair_slot; dH of mhc_coeffs_mma_dx_kernel).
 __global__ void mhc_coeffs_split_rows_kernel(const float* __restrict__ src, __nv_bfloat16* __restrict__ planes,
-                                             i64 rows, int K, int ld, i64 rows_p, int K16, int KC) {
+                                             i64 rows, int K, int ld, i64 rows_p, int K16, int KC, int pairs) {
     const i64 total = rows_p * K16;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
         const i64 r = i / K16;
@@ -751,7 +765,8 @@ __global__ void mhc_coeffs_split_rows_kernel(const float* __restrict__ src, __nv
         const float v = (r < rows && k < K) ? src[r * ld + k] : 0.f;
         unsigned p[3];
         mhc_coeffs::split_bits<3>(v, p);
-        const i64 o = r * K16 + (KC ? mhc_coeffs::frag_slot(k, KC) : k);
+        const int c = KC ? mhc_coeffs::frag_slot(k, KC) : k;
+        const i64 o = pairs ? mhc_coeffs::pair_slot(r, c, K16) : r * K16 + c;
 #pragma unroll
         for (int j = 0; j < 3; ++j) planes[j * total + o] = __ushort_as_bfloat16((unsigned short)p[j]);
     }
@@ -1362,7 +1377,8 @@ __device__ __forceinline__ void dx_finish(float (&o)[8], float hp, const float (
 // (cblocks * groups, splits), groups = n / W, W warps of NT 8-column MMA tiles (NT = 8 or 4,
 // CW = 8 NT columns): warp w owns positions i * C + [cb * CW, cb * CW + CW) of stream
 // i = group * W + w; the block keeps those positions' phi rows (PO planes, bf16) in shared
-// memory and walks tokens [split * t_split, ...) 16 a step, dH_r [PO][16][K16] per stage.
+// memory and walks tokens [split * t_split, ...) 16 a step, dH_r [PO][16][K16] per stage
+// (split_rows with pairs: rows g, g + 8 interleaved, mhc_coeffs::pair_slot).
 // A operand dH, B operand phi, fragments as the dx part of mhc_coeffs_mma_bwd_kernel (PO = 2
 // planes of each for 16-bit T: the dropped products are 2^-16 of the result, below its ulp; 3
 // for float32).  Each dx value is the same sum in the same order for either NT; the library runs
@@ -1461,17 +1477,9 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
         mhc::zero(acc);
 #pragma unroll
         for (int s = 0; s < KS; ++s) {
-            unsigned a[PO][4];
+            unsigned a[PO][4];  // the A fragments: rows g8, g8 + 8 of dH_r interleaved (mhc_coeffs::pair_slot)
 #pragma unroll
-            for (int p = 0; p < PO; ++p) {
-                unsigned w0[2], w1[2];
-                mhc::load_words<2>(dhr + (p * 16 + g8) * K16 + tq * 4 * KS + 4 * s, w0);
-                mhc::load_words<2>(dhr + (p * 16 + g8 + 8) * K16 + tq * 4 * KS + 4 * s, w1);
-                a[p][0] = w0[0];
-                a[p][1] = w1[0];
-                a[p][2] = w0[1];
-                a[p][3] = w1[1];
-            }
+            for (int p = 0; p < PO; ++p) mhc::load_words<4>(dhr + p * 16 * K16 + 2 * g8 * K16 + 8 * (tq * KS + s), a[p]);
 #pragma unroll
             for (int j = 0; j < NT; ++j) {
                 const int pos = 2 * NT * (g8 >> 1) + 2 * j + (g8 & 1);

@@ -318,10 +318,11 @@ def launch_mma_bwd(b: MmaBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc: dic
     layer = g is not None or g_li is not None or gx is not None  # any layer gradient alone adds its dx term
     tg = tg or dt
     launch_grid_stride(_FILE, "mhc_coeffs_split_rows_kernel", D * b.K16,
-                       (phi, sc["phi_r"], i64(D), i32(b.K), i32(b.K), i64(D), i32(b.K16), i32(b.K16 // 16)), stream)
+                       (phi, sc["phi_r"], i64(D), i32(b.K), i32(b.K), i64(D), i32(b.K16), i32(b.K16 // 16), i32(0)),
+                       stream)
     launch_grid_stride(_FILE, "mhc_coeffs_split_rows_kernel", b.tokens_p * b.K16,
                        (dH, sc["dH_r"], i64(b.tokens), i32(b.K), i32(KP), i64(b.tokens_p), i32(b.K16),
-                        i32(b.K16 // 16)), stream)
+                        i32(b.K16 // 16), i32(0)), stream)
     launch_grid_stride(_FILE, "mhc_coeffs_split_cols_kernel", b.tokens_p * b.Kp8,
                        (dH, sc["dH_c"], i64(b.tokens), i32(b.K), i32(KP), i64(b.tokens_p), i32(b.Kp8)), stream)
     vec = "true" if vec8(b.C, x, dx, g, g_li, gx) else "false"
@@ -509,9 +510,10 @@ def launch_split_bwd(b: SplitBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc:
     K16 = b.dx_K16
     kc = 0 if b.dx_kind == "tile" else K16 // 16  # k-steps per chunk of the planes' fragment order (0: none)
     launch_grid_stride(_FILE, "mhc_coeffs_split_rows_kernel", D * K16,
-                       (phi, sc["phi_r"], i64(D), i32(K), i32(K), i64(D), i32(K16), i32(kc)), stream)
-    launch_grid_stride(_FILE, "mhc_coeffs_split_rows_kernel", b.tokens_p * K16,
-                       (dH, sc["dH_r"], i64(b.tokens), i32(K), i32(KP), i64(b.tokens_p), i32(K16), i32(kc)), stream)
+                       (phi, sc["phi_r"], i64(D), i32(K), i32(K), i64(D), i32(K16), i32(kc), i32(0)), stream)
+    launch_grid_stride(_FILE, "mhc_coeffs_split_rows_kernel", b.tokens_p * K16,  # pairs: the dx kernel's A operand
+                       (dH, sc["dH_r"], i64(b.tokens), i32(K), i32(KP), i64(b.tokens_p), i32(K16), i32(kc),
+                        i32(kc != 0)), stream)
     vec = "true" if vec8(b.C, x, dx, g, g_li, gx) else "false"
     dsplits, dt_split = b.dx_splits
     head = f"{CTYPE[dt]},{CTYPE[tg]},{vec},{'true' if layer else 'false'},{K16 // 16}"
