@@ -27,6 +27,7 @@
 // butterflies, the tensor cores' fixed accumulation, partials summed in index
 // order); no atomics.
 #include "common.cuh"
+#include "wgmma.cuh"
 
 using mhc::i64;
 
@@ -985,6 +986,165 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
                     if (k < K) row[k] = acc[m][q][2 * h + e];
                 }
         }
+}
+
+// The forward GEMM on Hopper's warpgroup MMA (wgmma, sm_90a; kernels_cu/wgmma.cuh), bf16 x:
+// part[split, t, k] = raw H~ over one D range and part[split, t, K] = its sum of squares, as
+// mhc_coeffs_mma_fwd_kernel (same grid, same D ranges, the three bf16 planes of phi: products
+// float32-accurate; each 64-position stage into fresh accumulators, added to acc in float32).
+// One warpgroup (128 threads) a block: MT m64 tiles of tokens (64 MT tokens) x KC columns (N of
+// the wgmma).  VEC: D % 8 == 0 and x 16-byte aligned (cp.async of 16 bytes), else element-wise
+// fills (mhc_coeffs::fill16): the same sums either way.  Shared memory per stage: x [64 MT / 8 row
+// groups][8 chunks][8 rows][16 B], then phi [3][KC / 8][8 chunks][8 columns][16 B] (wgmma.cuh's
+// K-major layout, LBO 128, SBO 1024); planes (global, mhc_coeffs_split_phi_wg_kernel):
+// [ncc][Dp / 64][3][KC / 8][8][8][8], one stage of a column chunk contiguous (a linear copy).
+// The sums of squares (stored by column chunk 0): thread r of 128 (of 64 with MT = 1: two threads a row,
+// added in order) sums its row's bf16 values in float32 from shared memory while the tensor cores work.
+// Dynamic shared memory: STAGES * (64 MT * 128 + 3 * KC * 128) bytes.
+template <bool VEC, int KC, int MT, int STAGES>
+__global__ void __launch_bounds__(128)
+mhc_coeffs_wg_fwd_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ planes,
+                         float* __restrict__ part, i64 tokens, int D, int Dp, int K, int ncc, i64 tiles,
+                         int d_split) {
+    using namespace mhc_coeffs;
+    constexpr int TOK = 64 * MT;
+    constexpr int XB = TOK * 128;          // x bytes per stage
+    constexpr int SB = XB + 3 * KC * 128;  // stage bytes
+    constexpr int R = KC / 2;              // accumulators per thread and m tile
+    constexpr int RS = 128 / TOK;          // threads per row in the sums of squares
+    static_assert(KC % 8 == 0 && KC <= 256 && (MT == 1 || MT == 2), "m64nNk16 tiles");
+    extern __shared__ __align__(128) unsigned char smem[];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, tq = lane & 3;
+    const unsigned b = blockIdx.x, rest = b / (unsigned)ncc;
+    const int cc = (int)(b - rest * (unsigned)ncc);
+    const unsigned split_u = rest / (unsigned)tiles;
+    const i64 tile = rest - split_u * (unsigned)tiles;
+    const int split = (int)split_u;
+    const int d_begin = split * d_split;
+    const int d_end = min(D, d_begin + d_split);
+    const int steps = (d_end - d_begin + 63) / 64;
+    const __nv_bfloat16* const psrc = planes + ((i64)cc * (Dp / 64) + d_begin / 64) * (3 * KC * 64);
+
+    auto fill = [&](int step, int stage) {
+        unsigned char* st = smem + stage * SB;
+        const int d0 = d_begin + step * 64;
+#pragma unroll
+        for (int j = 0; j < MT * 4; ++j) {  // chunk c: row (c / 64) 8 + c % 8, positions d0 + 8 ((c / 8) % 8) ..
+            const int c = tid + 128 * j;
+            const i64 t = tile * TOK + (c >> 6) * 8 + (c & 7);
+            const int pos = d0 + ((c >> 3) & 7) * 8;
+            const bool ok = t < tokens;
+            fill16<__nv_bfloat16, VEC>(st + c * 16, ok ? x + t * D : x, ok, pos, d_end);
+        }
+        const __nv_bfloat16* src = psrc + (i64)step * (3 * KC * 64);
+        constexpr int PC = 3 * KC * 8;
+#pragma unroll
+        for (int j = 0; j < (PC + 127) / 128; ++j) {
+            const int c = tid + 128 * j;
+            if (PC % 128 == 0 || c < PC) cp_async16(st + XB + c * 16, src + c * 8, true);
+        }
+    };
+
+    float acc[MT][R], stp[MT][R];
+    mhc::zero(acc);
+    mhc::zero(stp);
+    float ss = 0.f;
+    const int srow = tid % TOK, spart = tid / TOK;
+
+    pipeline_start<STAGES>(steps, fill);
+    for (int i = 0; i < steps; ++i) {
+        cp_async_wait<STAGES - 2>();
+        mhc_wg::fence_proxy_async();  // this thread's shared-memory writes, before the wgmmas read them
+        __syncthreads();
+        if (i + STAGES - 1 < steps) fill(i + STAGES - 1, (i + STAGES - 1) % STAGES);
+        cp_async_commit();
+        const unsigned char* st = smem + (i % STAGES) * SB;
+#pragma unroll
+        for (int m = 0; m < MT; ++m) mhc_wg::reg_fence(stp[m]);
+        mhc_wg::fence();
+#pragma unroll
+        for (int s = 0; s < 4; ++s)
+#pragma unroll
+            for (int p = 0; p < 3; ++p)
+#pragma unroll
+                for (int m = 0; m < MT; ++m)
+                    mhc_wg::Mma<KC, 0>::run(stp[m], mhc_wg::desc(st + m * 8192 + s * 256, 128, 1024),
+                                            mhc_wg::desc(st + XB + p * KC * 128 + s * 256, 128, 1024), (s | p) != 0);
+        mhc_wg::commit();
+        // the sums of squares while the tensor cores work (every column chunk: a branch on cc here made
+        // ptxas keep far more registers, 72 -> 166 at KC = 24; chunk 0 stores them)
+#pragma unroll
+        for (int k = 0; k < 8 / RS; ++k) {
+            const int kc = spart * (8 / RS) + k;
+            unsigned w[4];
+            mhc::load_words<4>(st + (srow >> 3) * 1024 + kc * 128 + (srow & 7) * 16, w);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float lo = __uint_as_float(w[e] << 16), hi = __uint_as_float(w[e] & 0xffff0000u);
+                ss = fmaf(lo, lo, ss);
+                ss = fmaf(hi, hi, ss);
+            }
+        }
+        mhc_wg::wait<0>();
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            mhc_wg::reg_fence(stp[m]);
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[m][r] += stp[m][r];
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    float* red = reinterpret_cast<float*>(smem);
+    if (RS > 1) red[tid] = ss;
+    __syncthreads();
+    if (cc == 0 && spart == 0) {
+        float s = ss;
+#pragma unroll
+        for (int q = 1; q < RS; ++q) s += red[srow + q * TOK];
+        const i64 t = tile * TOK + srow;
+        if (t < tokens)  // after an overflow: minus the scaled sum (see SumSq)
+            part[((i64)split * tokens + t) * (K + 1) + K] =
+                isinf(s) ? -scaled_sumsq<__nv_bfloat16>(x + t * (i64)D, d_begin, d_end) : s;
+    }
+    const int kc0 = cc * KC;
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const i64 t = tile * TOK + m * 64 + warp * 16 + g + 8 * h;
+            if (t >= tokens) continue;
+            float* row = part + ((i64)split * tokens + t) * (K + 1);
+#pragma unroll
+            for (int j = 0; j < KC / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int k = kc0 + 8 * j + 2 * tq + e;
+                    if (k < K) row[k] = acc[m][4 * j + 2 * h + e];
+                }
+        }
+}
+
+// phi [D, K] float32 -> the planes of mhc_coeffs_wg_fwd_kernel: [ncc][Dp / 64][3][KC / 8][8 chunks][8
+// columns][8 positions] bf16 (column kc0 + k of chunk cc, position d; zero past K and D).  Grid-stride.
+__global__ void mhc_coeffs_split_phi_wg_kernel(const float* __restrict__ phi, __nv_bfloat16* __restrict__ planes,
+                                               int D, int K, int Dp, int KC, int ncc) {
+    const i64 per_p = (i64)KC * 64;  // values of one plane of one stage
+    const i64 total = (i64)ncc * (Dp / 64) * 3 * per_p;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
+        const i64 blk = i / (3 * per_p);  // cc * (Dp / 64) + step
+        const int rem = (int)(i - blk * 3 * per_p);
+        const int p = rem / (int)per_p, w = rem - p * (int)per_p;
+        const int cg = w >> 9, chunk = (w >> 6) & 7, col = (w >> 3) & 7, e = w & 7;
+        const int cc = (int)(blk / (Dp / 64)), step = (int)(blk - (i64)cc * (Dp / 64));
+        const int k = cc * KC + cg * 8 + col, d = step * 64 + chunk * 8 + e;
+        const float v = (k < K && d < D) ? phi[(i64)d * K + k] : 0.f;
+        unsigned bits[3];
+        mhc_coeffs::split_bits<3>(v, bits);
+        planes[i] = __ushort_as_bfloat16((unsigned short)(p == 0 ? bits[0] : p == 1 ? bits[1] : bits[2]));
+    }
 }
 
 // Backward on tensor cores.  Grid (cblocks = ceil(C / 64), splits), n warps per

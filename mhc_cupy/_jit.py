@@ -26,6 +26,7 @@ the folder, renamed into place (removed if the write fails).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -67,10 +68,12 @@ def nvrtc_version() -> tuple[int, int]:
 
 
 def target_arch(compute_capability: str) -> str:
-    """NVRTC's ``--gpu-architecture`` for a device: its own cubin (``sm_90``) when this
-    NVRTC supports it, else PTX of the newest architecture it supports (the driver
+    """NVRTC's ``--gpu-architecture`` for a device: its own cubin (``sm_80``; ``sm_90a`` for sm_90,
+    whose arch-specific instructions the wgmma kernels use) when this NVRTC supports it, else PTX of the newest architecture it supports (the driver
     compiles that for the device)."""
     cc, supported = int(compute_capability), _nvrtc.supported_archs()
+    if cc == 90 and cc in supported:
+        return "sm_90a"  # Hopper's own instructions too (wgmma: kernels_cu/wgmma.cuh); runs on sm_90 only
     if cc in supported:
         return f"sm_{cc}"
     older = [a for a in supported if a < cc]
@@ -327,6 +330,34 @@ def _driver_context() -> None:
 shared_limit = DynamicSharedLimit(_set_max_dynamic_shared, _initial_dynamic_shared)
 
 _local = threading.local()
+
+
+_wgmma: dict = {}
+
+
+def uses_wgmma() -> bool:
+    """Whether kernels compiled for the current device may use wgmma (NVRTC targets it as sm_90a).
+    Inside :func:`dry_run`, what :func:`assume_wgmma` set (default False)."""
+    if getattr(_local, "dry_run", None) is not None:
+        return getattr(_local, "wgmma", False)
+    import cupy
+
+    dev = cupy.cuda.runtime.getDevice()
+    v = _wgmma.get(dev)
+    if v is None:
+        v = _wgmma[dev] = target_arch(cupy.cuda.Device(dev).compute_capability) == "sm_90a"
+    return v
+
+
+@contextlib.contextmanager
+def assume_wgmma(flag: bool):
+    """Within the block, :func:`dry_run` plans as for a device with (True) or without wgmma."""
+    old = getattr(_local, "wgmma", False)
+    _local.wgmma = flag
+    try:
+        yield
+    finally:
+        _local.wgmma = old
 
 
 def dry_run():

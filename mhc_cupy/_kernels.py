@@ -67,23 +67,25 @@ def _cases(dt: str, n: int, C: int, ptr: int, tg: str):
 
 
 def dry_launches(dtypes=("bfloat16", "float16", "float32"), ns=(4,), Cs=(4096, 7), aligned=(True, False),
-                 grad_f32=(False, True)) -> list[tuple]:
+                 grad_f32=(False, True), wgmma=(False, True)) -> list[tuple]:
     """Every launch (``_jit.dry_run``'s tuples) the op plans make at these settings, on fake
-    pointers (``_ALIGNED`` / ``_MISALIGNED``, and addresses derived from them); no GPU needed."""
+    pointers (``_ALIGNED`` / ``_MISALIGNED``, and addresses derived from them), as on devices
+    without and with wgmma (``wgmma``); no GPU needed."""
     with _jit.dry_run() as launches:
-        for dt, n, C, al, gf in itertools.product(dtypes, ns, Cs, aligned, grad_f32):
+        for wg, dt, n, C, al, gf in itertools.product(wgmma, dtypes, ns, Cs, aligned, grad_f32):
             ptr = _ALIGNED if al else _MISALIGNED
-            for planner, infos, params in _cases(dt, n, C, ptr, "float32" if gf else dt):
-                plan = planner(infos, **params)
-                ptrs = {k: (None if v is None else v.ptr) for k, v in infos.items()}
-                plan.launch(ptrs, [ptr] * len(plan.outputs), [ptr] * len(plan.scratch), 0)
+            with _jit.assume_wgmma(wg):  # as on GPUs without and with wgmma (sm_90a)
+                for planner, infos, params in _cases(dt, n, C, ptr, "float32" if gf else dt):
+                    plan = planner(infos, **params)
+                    ptrs = {k: (None if v is None else v.ptr) for k, v in infos.items()}
+                    plan.launch(ptrs, [ptr] * len(plan.outputs), [ptr] * len(plan.scratch), 0)
     return launches
 
 
 def specialisations(dtypes=("bfloat16", "float16", "float32"), ns=(4,), Cs=(4096, 7), aligned=(True, False),
-                    grad_f32=(False, True)) -> list[tuple[str, str]]:
+                    grad_f32=(False, True), wgmma=(False, True)) -> list[tuple[str, str]]:
     """Sorted unique (kernel file, name expression) pairs that calls with these settings compile."""
-    return sorted({(filename, expr) for filename, expr, *_ in dry_launches(dtypes, ns, Cs, aligned, grad_f32)})
+    return sorted({(filename, expr) for filename, expr, *_ in dry_launches(dtypes, ns, Cs, aligned, grad_f32, wgmma)})
 
 
 def all_specialisations() -> list[tuple[str, str]]:
@@ -92,7 +94,7 @@ def all_specialisations() -> list[tuple[str, str]]:
     every supported size class of n at bfloat16, vectorised and scalar paths."""
     tile = {(f, e) for f, e in specialisations(dtypes=("float16", "float32"), ns=(16,)) if "dx_tile" in e}
     return sorted(set(specialisations(ns=(4, 8))) | tile |
-                  set(specialisations(dtypes=("bfloat16",), ns=(1, 2, 3, 8, 16, 17, 32))))
+                  set(specialisations(dtypes=("bfloat16",), ns=(1, 2, 3, 5, 7, 8, 16, 17, 32))))
 
 
 def warmup(dtypes=("bfloat16",), ns=(4,), grad_f32=(False, True), verbose=False) -> int:
@@ -109,7 +111,8 @@ def warmup(dtypes=("bfloat16",), ns=(4,), grad_f32=(False, True), verbose=False)
 
     if not cupy.cuda.is_available():
         raise RuntimeError("mhc_cupy.warmup needs a CUDA GPU; CuPy reports none available")
-    pairs = specialisations(dtypes=tuple(dtypes), ns=tuple(ns), Cs=(4096,), aligned=(True,), grad_f32=tuple(grad_f32))
+    pairs = specialisations(dtypes=tuple(dtypes), ns=tuple(ns), Cs=(4096,), aligned=(True,), grad_f32=tuple(grad_f32),
+                            wgmma=(_jit.uses_wgmma(),))  # the path this device runs
     for filename, expr in pairs:
         if verbose:
             print(f"  {filename}: {expr}")

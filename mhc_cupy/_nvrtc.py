@@ -4,7 +4,7 @@ The binding is CuPy's (``cupy_backends.cuda.libs.nvrtc``, which works without
 a GPU); ``cuda.pathfinder`` locates libnvrtc (pip wheel ``nvidia-cuda-nvrtc-cu12``
 / ``nvidia-cuda-nvrtc`` 13.x, conda, ``$CUDA_PATH``, system) and the headers
 (:mod:`mhc_cupy._headers`).  Used by the JIT layer (``_jit``) and by the CPU
-test-suite, which compiles every kernel specialisation for sm_80 and sm_90.
+test-suite, which compiles every kernel specialisation for sm_80 and sm_90a.
 
 :class:`KernelCompileError` is the one error class for a rejected kernel.
 Importing this module imports neither CuPy nor NVRTC.

@@ -249,6 +249,12 @@ def test_mma_layout_covers_everything_once(tokens, n, C, dt):
     assert 1 <= L.splits <= 64 and L.ncc * L.tiles * L.splits <= 2**31 - 1
     if L.ncc * L.tiles >= 1024:
         assert L.splits == 1  # split D only to fill the GPU
+    if dt == "bfloat16" and K >= coeffs._WG_MIN_K:  # the wgmma kernel: its own column chunks (N <= 96), the same D ranges and token tiles
+        assert L.wg_kc % 8 == 0 and 8 <= L.wg_kc <= 96 and L.wg_ncc * L.wg_kc >= K > (L.wg_ncc - 1) * L.wg_kc
+        assert L.wg_ncc * L.wg_kc - K < 8 * L.wg_ncc and L.d_split % 64 == 0
+        assert L.planes_shape[0][1] >= L.wg_ncc * L.wg_kc and L.wg_smem()[1] <= 227 * 1024
+    else:
+        assert L.wg_kc == L.wg_ncc == 0
 
 
 @pytest.mark.parametrize("tokens", [0, 1, 63, 65, 5000, 10**6])
@@ -269,10 +275,10 @@ def test_mma_token_splits(tokens, n, C):
     assert splits == 1 or splits * n * C * K <= 16 * 2**20  # partials bounded (64 MiB)
 
 
-def _record(planner, infos, **params):
+def _record(planner, infos, wgmma=False, **params):
     from mhc_cupy import _jit
 
-    with _jit.dry_run() as launches:
+    with _jit.dry_run() as launches, _jit.assume_wgmma(wgmma):
         plan = planner(infos, **params)
         ptrs = {k: (None if v is None else v.ptr) for k, v in infos.items()}
         plan.launch(ptrs, [1 << 20] * len(plan.outputs), [1 << 21] * len(plan.scratch), 0)
@@ -303,6 +309,30 @@ def test_launch_plans(n, C, T):
         + 12 * (T + 16) * (K + 16)
     for expr, grid, block, args in calls:
         assert 1 <= grid[0] <= 2**31 - 1 and grid[1] <= 65535 and block[0] * block[1] <= 1024
+
+
+@pytest.mark.parametrize("dt,C,ptr", [("bfloat16", 4096, 1 << 20), ("bfloat16", 7, 1 << 20), ("bfloat16", 4096, (1 << 20) + 2),
+                                      ("float16", 4096, 1 << 20), ("float32", 64, 1 << 20)])
+@pytest.mark.parametrize("n", [1, 4, 8, 16, 32])
+def test_forward_gemm_on_wgmma_only_where_it_can(dt, C, ptr, n):
+    """On a device with wgmma (sm_90a) the forward GEMM of bf16 x runs mhc_coeffs_wg_fwd_kernel
+    (vectorised where D % 8 == 0 and x is aligned); other dtypes, and every dtype on other GPUs,
+    the mma.sync kernel; so do narrow GEMMs (K < _WG_MIN_K, n < 7).  N of each wgmma covers its chunk's columns."""
+    D, K, T = n * C, coeffs.columns(n), 300
+    wg = dt == "bfloat16" and K >= coeffs._WG_MIN_K
+    cx = {"x": _info((T, n, C), dt, ptr), "phi": _info((D, K)), "alpha": _info((3,)), "bias": _info((K,))}
+    for device_has_wgmma in (False, True):
+        _, calls = _record(coeffs._plan_fwd, cx, wgmma=device_has_wgmma, eps=1e-5)
+        names = [c[0].split("<")[0] for c in calls]
+        if device_has_wgmma and wg:
+            assert names == ["mhc_coeffs_split_phi_wg_kernel", "mhc_coeffs_wg_fwd_kernel", "mhc_coeffs_fwd_finish_kernel"]
+            L = coeffs.mma_layout(T, D, K, dt)
+            vec, kc = calls[1][0].split("<")[1].split(",")[:2]
+            assert vec == ("true" if D % 8 == 0 and ptr % 16 == 0 else "false")
+            assert int(kc) == L.wg_kc and calls[1][1][0] == L.wg_ncc * L.tiles * L.splits
+        else:
+            assert names == ["mhc_coeffs_split_phi_fwd_kernel", "mhc_coeffs_mma_fwd_kernel",
+                             "mhc_coeffs_fwd_finish_kernel"]
 
 
 @pytest.mark.parametrize("dt", ["bfloat16", "float16", "float32"])
@@ -565,6 +595,42 @@ def test_coeffs_large_n(rng, n, T, C, dt):
     resident, 2 or 1 streams per block, for n = 5, 6 here; with phi streamed for float32 n = 7 and
     n = 16, 17, 32)."""
     _check(rng, T, n, C, dt)
+
+
+@GPU
+@pytest.mark.parametrize("n,T,C", [(1, 1, 8), (4, 3, 264), (4, 127, 72), (4, 1000, 4096), (8, 200, 2048), (7, 65, 56),
+                                   (16, 127, 64), (17, 33, 40), (32, 5, 16)])
+def test_forward_gemm_wgmma_matches_mma_sync(rng, monkeypatch, n, T, C):
+    """bf16: the forward GEMM on wgmma (sm_90a devices) and on mma.sync give the same raw
+    coefficients to float32 accuracy (both float32-accurate products; the sums differ in order), and
+    both match the float64 reference.  Tokens not a multiple of 64, D splits (T = 1000, C = 4096),
+    several column chunks (n >= 10); narrow GEMMs (n < 7) too, which the library gives the mma.sync kernel."""
+    import cupy
+
+    from mhc_cupy import _dispatch, _jit
+
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("wgmma is an sm_90 (H100 / H200) instruction")
+    assert _jit.uses_wgmma()
+    x, phi, alpha, bias, _ = _case(rng, T, n, C, "bfloat16")
+    args = [to_gpu(v) for v in (x, phi, alpha, bias)]
+    got = {}
+    monkeypatch.setattr(coeffs, "_WG_MIN_K", 0)
+    for on in (True, False):
+        monkeypatch.setattr(coeffs, "_WG_FWD", on)
+        monkeypatch.setattr(_dispatch, "_plans", {})
+        monkeypatch.setattr(_dispatch, "_fast", {})
+        got[on] = [to_host(a) for a in m.mhc_coeffs_fwd(*args)]
+    ref = R.mhc_coeffs_fwd(x, phi, alpha, bias)
+    for a, b, r, what in zip(got[True], got[False], ref, ("h_pre_raw", "h_post_raw", "h_res_raw")):
+        assert_close(a, r, COEF_TOL, what)
+        assert_close(a, b, 2e-6, what, scale="max")
+    # x one bf16 past an aligned address (the element-wise fills): the same sums, the same bits
+    monkeypatch.setattr(coeffs, "_WG_FWD", True)
+    flat = to_gpu(np.concatenate([np.zeros(1, x.dtype), x.reshape(-1)]))
+    shifted = flat[1:].reshape(x.shape)
+    for a, b in zip(got[True], (to_host(v) for v in m.mhc_coeffs_fwd(shifted, *args[1:]))):
+        assert a.tobytes() == b.tobytes()
 
 
 @GPU

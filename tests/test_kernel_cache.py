@@ -211,11 +211,11 @@ def test_digest_follows_includes(tmp_path):
 
 
 def test_target_arch(monkeypatch):
-    """A device NVRTC supports gets its own cubin; a newer one PTX of the newest older
+    """A device NVRTC supports gets its own cubin (sm_90 with its arch-specific instructions); a newer one PTX of the newest older
     architecture (the driver compiles it); an older one a clear error."""
     monkeypatch.setattr(_jit._nvrtc, "supported_archs", lambda: [75, 80, 86, 89, 90])
     monkeypatch.setattr(_jit, "nvrtc_version", lambda: (12, 4))
-    assert _jit.target_arch("90") == "sm_90" and _jit.target_arch("80") == "sm_80"
+    assert _jit.target_arch("90") == "sm_90a" and _jit.target_arch("80") == "sm_80"  # sm_90a: wgmma
     assert _jit.target_arch("100") == "compute_90"
     with pytest.raises(RuntimeError, match="NVRTC 12.4 cannot compile for this GPU .sm_70.; it supports sm_75"):
         _jit.target_arch("70")

@@ -21,7 +21,7 @@ import mhc_cupy
 from mhc_cupy import _headers, _nvrtc
 
 REPO = Path(__file__).resolve().parents[1]
-ARCHS = ("sm_80", "sm_90")
+ARCHS = ("sm_80", "sm_90a")  # sm_90a: what the JIT targets on H100 / H200 (wgmma)
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
@@ -73,6 +73,13 @@ def test_registry_importable():
     assert _GROUPS_ERROR is None, (
         "mhc_cupy._kernels.all_specialisations() failed: " + str(_GROUPS_ERROR))
     assert _GROUPS, "all_specialisations() returned no specialisation"
+
+
+def test_wgmma_header_is_generated():
+    """kernels_cu/wgmma.cuh is what scripts/gen_wgmma.py writes (its asm operand lists are generated)."""
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_wgmma.py"), "--check"], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr or r.stdout
 
 
 def test_every_kernel_file_has_specialisations():

@@ -17,6 +17,7 @@ from typing import NamedTuple
 from .. import _checks, _convention, reference
 from .._convention import DEFAULT
 from .._dispatch import Plan, run
+from .._jit import uses_wgmma
 from ._launch import (ITEMSIZE, CTYPE, MAX_GRID, column_sum, f32, i32, i64, launch, launch_grid_stride, tokens_of,
                       vec8)
 from .stream import check_x
@@ -167,6 +168,21 @@ def mma_fwd_smem(dt: str, ntile: int) -> tuple[int, int]:
     return stages, stages * per_stage
 _MMA_TARGET_BLOCKS = 1024  # 128-thread blocks; a constant (not the SM count): same bits on every GPU
 
+# The forward GEMM on wgmma (mhc_coeffs_wg_fwd_kernel; bf16 x on devices that NVRTC targets as
+# sm_90a): the same D ranges and token tiles as the mma.sync kernel (128 tokens a block), its own
+# column chunks of at most _WG_MAX_KC columns.  Its sums are not the mma.sync kernel's (other MMA
+# shapes, sums of squares on CUDA cores), so H~ differs in the last bits between sm_90 and other
+# GPUs; on one GPU the bits depend on the values only (aligned or not, the same sums).  Only from
+# _WG_MIN_K columns: on the H200 the wgmma kernel was slower at K = 24 and 35 (n = 4, 5: 0.28 against
+# 0.20 ms at 16384 x 4096 x 4) and faster at K = 63, 80, 288 (n = 7, 8, 16: 0.33 against 0.48 ms at
+# 16384 x 2048 x 8, 0.60 against 0.81 ms at 8192 x 1024 x 16); K = 48 (n = 6) not measured.
+_WG_FWD = True
+_WG_MIN_K = 63  # n >= 7
+_WG_MT = 2  # m64 token tiles per block
+assert 64 * _WG_MT == _MMA_TOK, "the wgmma forward walks the mma.sync layout's token tiles"
+_WG_MAX_KC = 96  # columns per block (N of the wgmma)
+_WG_SMEM = 113 * 1024  # dynamic shared memory a block (two blocks an SM on sm_90)
+
 
 class MmaLayout(NamedTuple):
     """Launch layout of mhc_coeffs_mma_fwd_kernel (depends on shapes and the dtype of x only)."""
@@ -178,10 +194,19 @@ class MmaLayout(NamedTuple):
     tiles: int  # token tiles of _MMA_TOK tokens
     splits: int  # D ranges (part's leading dim)
     d_split: int  # positions per D range, a multiple of 32 * mma_sub(dt)
+    wg_kc: int = 0  # columns per chunk of mhc_coeffs_wg_fwd_kernel (0: not used; bf16, K >= _WG_MIN_K only)
+    wg_ncc: int = 0  # its column chunks
 
     @property
     def planes_shape(self):
-        return (3, self.Kp, self.Dp), "bfloat16"
+        return (3, max(self.Kp, self.wg_ncc * self.wg_kc), self.Dp), "bfloat16"
+
+    def wg_smem(self) -> tuple[int, int]:
+        """(stages, dynamic shared bytes) of mhc_coeffs_wg_fwd_kernel: per stage x [128 tokens][64
+        positions] and phi [3][wg_kc][64] bf16."""
+        per_stage = _WG_MT * 64 * 128 + 3 * self.wg_kc * 128
+        stages = max(2, min(4, _WG_SMEM // per_stage))
+        return stages, stages * per_stage
 
 
 def mma_layout(tokens: int, D: int, K: int, dt: str) -> MmaLayout:
@@ -203,15 +228,29 @@ def mma_layout(tokens: int, D: int, K: int, dt: str) -> MmaLayout:
     if ncc * tiles * splits > MAX_GRID:
         raise ValueError(f"x has {tokens} tokens; mhc_coeffs supports at most "
                          f"{MAX_GRID // (ncc * splits) * _MMA_TOK} tokens at this n")
-    return MmaLayout(ntile, ncc, ncc * ntile * 8, units * step, tiles, splits, per * step)
+    wg_kc = wg_ncc = 0
+    if dt == "bfloat16" and K >= _WG_MIN_K:  # (step = 64 positions: the wgmma kernel's stage)
+        wg_ncc = _cdiv(K, _WG_MAX_KC)
+        wg_kc = 8 * _cdiv(_cdiv(K, 8), wg_ncc)
+    return MmaLayout(ntile, ncc, ncc * ntile * 8, units * step, tiles, splits, per * step, wg_kc, wg_ncc)
 
 
 def launch_mma_gemm(dt, D, K, tokens, *, x, phi, part, planes, mma: MmaLayout, stream):
     """Raw H~ and sums of squares per D range into part [splits, T, K+1], on tensor cores
-    (phi split into three bf16 planes first: kernels_cu/coeffs.cu, tensor-core path)."""
+    (phi split into three bf16 planes first: kernels_cu/coeffs.cu, tensor-core path): bf16 x on
+    a device with wgmma (sm_90a) mhc_coeffs_wg_fwd_kernel, else mhc_coeffs_mma_fwd_kernel."""
+    vec = "true" if vec8(D, x) else "false"
+    if _WG_FWD and mma.wg_kc and uses_wgmma():
+        launch_grid_stride(_FILE, "mhc_coeffs_split_phi_wg_kernel", 3 * mma.wg_ncc * mma.wg_kc * mma.Dp,
+                           (phi, planes, i32(D), i32(K), i32(mma.Dp), i32(mma.wg_kc), i32(mma.wg_ncc)), stream)
+        stages, smem = mma.wg_smem()
+        launch(_FILE, f"mhc_coeffs_wg_fwd_kernel<{vec},{mma.wg_kc},{_WG_MT},{stages}>",
+               (mma.wg_ncc * mma.tiles * mma.splits, 1, 1), (128, 1, 1),
+               (x, planes, part, i64(tokens), i32(D), i32(mma.Dp), i32(K), i32(mma.wg_ncc), i64(mma.tiles),
+                i32(mma.d_split)), stream, smem)
+        return
     launch_grid_stride(_FILE, "mhc_coeffs_split_phi_fwd_kernel", mma.Kp * mma.Dp,
                        (phi, planes, i32(D), i32(K), i32(mma.Dp), i32(mma.Kp)), stream)
-    vec = "true" if vec8(D, x) else "false"
     stages, smem = mma_fwd_smem(dt, mma.ntile)
     launch(_FILE, f"mhc_coeffs_mma_fwd_kernel<{CTYPE[dt]},{vec},{_MMA_MT},{mma.ntile},{stages},{mma_sub(dt)}>",
            (mma.ncc * mma.tiles * mma.splits, 1, 1), (128, 1, 1),
