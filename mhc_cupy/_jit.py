@@ -68,9 +68,9 @@ def nvrtc_version() -> tuple[int, int]:
 
 
 def target_arch(compute_capability: str) -> str:
-    """NVRTC's ``--gpu-architecture`` for a device: its own cubin (``sm_80``; ``sm_90a`` for sm_90,
-    whose arch-specific instructions the wgmma kernels use) when this NVRTC supports it, else PTX of the newest architecture it supports (the driver
-    compiles that for the device)."""
+    """NVRTC's ``--gpu-architecture`` for a device: its own cubin (``sm_80``, ...; for sm_90 ``sm_90a``,
+    whose arch-specific instructions the wgmma kernels use) when this NVRTC supports it, else PTX of the
+    newest architecture it supports (the driver compiles that for the device)."""
     cc, supported = int(compute_capability), _nvrtc.supported_archs()
     if cc == 90 and cc in supported:
         return "sm_90a"  # Hopper's own instructions too (wgmma: kernels_cu/wgmma.cuh); runs on sm_90 only

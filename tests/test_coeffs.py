@@ -249,7 +249,8 @@ def test_mma_layout_covers_everything_once(tokens, n, C, dt):
     assert 1 <= L.splits <= 64 and L.ncc * L.tiles * L.splits <= 2**31 - 1
     if L.ncc * L.tiles >= 1024:
         assert L.splits == 1  # split D only to fill the GPU
-    if dt == "bfloat16" and K >= coeffs._WG_MIN_K:  # the wgmma kernel: its own column chunks (N <= 96), the same D ranges and token tiles
+    if dt == "bfloat16" and K >= coeffs._WG_MIN_K:
+        # the wgmma kernel: its own column chunks (N <= 96), the same D ranges and token tiles
         assert L.wg_kc % 8 == 0 and 8 <= L.wg_kc <= 96 and L.wg_ncc * L.wg_kc >= K > (L.wg_ncc - 1) * L.wg_kc
         assert L.wg_ncc * L.wg_kc - K < 8 * L.wg_ncc and L.d_split % 64 == 0
         assert L.planes_shape[0][1] >= L.wg_ncc * L.wg_kc and L.wg_smem()[1] <= 227 * 1024
@@ -311,8 +312,9 @@ def test_launch_plans(n, C, T):
         assert 1 <= grid[0] <= 2**31 - 1 and grid[1] <= 65535 and block[0] * block[1] <= 1024
 
 
-@pytest.mark.parametrize("dt,C,ptr", [("bfloat16", 4096, 1 << 20), ("bfloat16", 7, 1 << 20), ("bfloat16", 4096, (1 << 20) + 2),
-                                      ("float16", 4096, 1 << 20), ("float32", 64, 1 << 20)])
+@pytest.mark.parametrize("dt,C,ptr", [("bfloat16", 4096, 1 << 20), ("bfloat16", 7, 1 << 20),
+                                      ("bfloat16", 4096, (1 << 20) + 2), ("float16", 4096, 1 << 20),
+                                      ("float32", 64, 1 << 20)])
 @pytest.mark.parametrize("n", [1, 4, 8, 16, 32])
 def test_forward_gemm_on_wgmma_only_where_it_can(dt, C, ptr, n):
     """On a device with wgmma (sm_90a) the forward GEMM of bf16 x runs mhc_coeffs_wg_fwd_kernel
