@@ -10,7 +10,8 @@
 // The GEMMs run on tensor cores (the "tensor-core path" at the end of this
 // file: the forward GEMM and the sum of squares for every n; dx and dphi in one
 // kernel for K <= 32, i.e. n <= 4, in two above, dx with phi resident in shared memory
-// or streamed beside dH); the small per-token kernels and the head's CUDA-core GEMMs are here:
+// or streamed beside dH; on sm_90a the forward GEMM and the dx of bf16 x also on wgmma for
+// some n); the small per-token kernels and the head's CUDA-core GEMMs are here:
 //
 // * mhc_coeffs_fwd_finish_kernel: h from the raw per-D-range sums part
 //   [splits, T, K+1] (column K: the sum of squares), summed in range order.
@@ -1839,6 +1840,154 @@ mhc_coeffs_mma_dx_tile_kernel(const T* __restrict__ x, const __nv_bfloat16* __re
                 for (int e8 = 0; e8 < 8; ++e8) o[e8] = fmaf(-c, xv[e8], acc[m][e8 >> 1][2 * h + (e8 & 1)]);
                 dx_finish<T, TG, VEC, LAYER>(o, hp, lv, gxv, g, g_li, gx, H_res, dx, t, n, i, C, (int)D, col, res_t);
             }
+    }
+    cp_async_wait<0>();
+}
+
+// mhc_coeffs_wg_dx_kernel<LAYER, KS, NB, STAGES>: the dx of mhc_coeffs_mma_dx_kernel (dH phi^T - c x,
+// with LAYER the rest of the layer's dx, rounded once) for bf16 x and bf16 layer gradients on
+// Hopper's wgmma (sm_90a; the library launches it only there, for C % 8 == 0 and 16-byte aligned x,
+// dx, g, g_li, gx).  The products are those of the mma.sync kernel (2 bf16 parts of dH and of phi,
+// part pairs a + b <= 1, float32 accumulation, k-step by k-step).  Grid (ceil(D / NB), splits), one
+// warpgroup (128 threads): the block owns positions [pb NB, pb NB + NB) of vec(x) (D = n C; an
+// 8-position group never straddles two streams since C % 8 == 0), keeps their phi rows resident in
+// shared memory and walks tokens [split t_split, ...) (t_split a multiple of 64) 64 a step: one
+// m64nNBk16 wgmma per k-step and part pair, A = dH_r [64 tokens][K16], B = phi_r [NB positions][K16],
+// both K-major in the no-swizzle canonical layout (kernels_cu/wgmma.cuh): [rows / 8][K16 / 8][8
+// rows][8 values], LBO 128 bytes, SBO 16 K16 bytes.  B row nn holds position 32 (j / 4) + 8 tq +
+// 2 (j % 4) + e of the block for nn = 8 j + 2 tq + e: accumulator (j, e) of lane quad member tq is
+// that position, so a thread holds 8 consecutive positions 32 k + 8 tq .. of each of its rows for
+// k < NB / 32 (one 16-byte load and store each; a lane quad's are 64 contiguous bytes).  What the
+// epilogue reads (x, c, g_li, H_pre, gx) is loaded into registers while the tensor cores work.
+// (Issuing the next step's wgmmas into a second accumulator set before this step's epilogue made
+// ptxas serialise them: C7514, accumulators read while another wgmma group is in flight.)
+//   phi_r: [2+, D, K16] bf16, dH_r: [2+, tokens_p, K16] (split_rows with KC = 0, pairs = 0).
+// Dynamic shared memory: 4 NB K16 + STAGES 256 K16 bytes (phi's two planes, then per stage dH's).
+namespace mhc_coeffs {
+// 16 bytes of global memory (16-byte aligned), as raw words; value e8 of 8 bf16 in them as float.
+__device__ __forceinline__ uint4 ldg16(const __nv_bfloat16* p) { return *reinterpret_cast<const uint4*>(p); }
+__device__ __forceinline__ float bf16_of(const uint4& w, int e8) {
+    const unsigned v = e8 < 2 ? w.x : e8 < 4 ? w.y : e8 < 6 ? w.z : w.w;
+    return mhc::word_elem<__nv_bfloat16>(v, e8 & 1);
+}
+}  // namespace mhc_coeffs
+
+template <bool LAYER, int KS, int NB, int STAGES>
+__global__ void __launch_bounds__(128)
+mhc_coeffs_wg_dx_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ phi_r,
+                        const __nv_bfloat16* __restrict__ dH_r, const float* __restrict__ dH,
+                        const __nv_bfloat16* __restrict__ g, const __nv_bfloat16* __restrict__ g_li,
+                        const float* __restrict__ H_pre, const float* __restrict__ H_res,
+                        const __nv_bfloat16* __restrict__ gx, __nv_bfloat16* __restrict__ dx,
+                        i64 tokens, i64 tokens_p, int n, int C, int K, int KP, i64 t_split, int res_t) {
+    using namespace mhc_coeffs;
+    static_assert(NB == 64 || NB == 128, "64 or 128 positions a block");
+    constexpr int K16 = 16 * KS, KQ = 2 * KS;  // 16-byte chunks of a row
+    constexpr int PB = NB * K16 * 2;           // bytes of a phi plane
+    constexpr int AB = 64 * K16 * 2;           // bytes of a dH plane of a stage
+    constexpr int SB = 2 * AB;                 // stage bytes
+    constexpr int R = NB / 2;                  // accumulators a thread
+    constexpr int QC = NB / 32;                // 8-position groups of a thread's row
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g8 = lane >> 2, tq = lane & 3;
+    const int D = n * C;
+    const int d0 = (int)blockIdx.x * NB;
+    const i64 t_begin = (i64)blockIdx.y * t_split;
+    const i64 t_end = min(tokens, t_begin + t_split);
+    const int steps = (int)((max(t_end - t_begin, (i64)0) + 63) / 64);
+    const i64 plane_r = tokens_p * K16, plane_phi = (i64)D * K16;
+    unsigned char* const stages = smem + 2 * PB;
+
+    // phi rows (two planes), zero past D: chunk c = (p, rg, q, r8) -> row nn = 8 rg + r8 of plane p
+    for (int c = tid; c < 2 * NB * KQ; c += 128) {
+        const int p = c / (NB * KQ), rem = c - p * (NB * KQ);
+        const int nn = (rem / (8 * KQ)) * 8 + (rem & 7), q = (rem >> 3) % KQ;
+        const int d = d0 + 32 * (nn >> 5) + 8 * ((nn >> 1) & 3) + 2 * ((nn >> 3) & 3) + (nn & 1);
+        const bool ok = d < D;
+        cp_async16(smem + c * 16, phi_r + p * plane_phi + (i64)(ok ? d : 0) * K16 + q * 8, ok);
+    }
+    // a step's copies: thread (p, u) = (tid / 64, tid % 64) copies the KQ chunks of row t0 + u of
+    // plane p of dH_r (zero past tokens_p); the 8 threads of a core matrix write 128 contiguous bytes
+    const int cu = tid & 63, cp = tid >> 6;
+    const __nv_bfloat16* const hsrc = dH_r + cp * plane_r + (t_begin + cu) * K16;
+    const int hdst = cp * AB + (cu >> 3) * (KQ * 128) + (cu & 7) * 16;
+    auto fill = [&](int step, int stage) {
+        unsigned char* st = stages + stage * SB + hdst;
+        const bool ok = t_begin + (i64)step * 64 + cu < tokens_p;
+        const __nv_bfloat16* src = ok ? hsrc + (i64)step * 64 * K16 : dH_r;
+#pragma unroll
+        for (int q = 0; q < KQ; ++q) cp_async16(st + q * 128, ok ? src + q * 8 : src, ok);
+    };
+
+    const int pq = d0 + 8 * tq;  // this thread's first position
+    float acc[R];
+    mhc::zero(acc);
+    pipeline_start<STAGES>(steps, fill);  // the first group also holds the phi rows
+    for (int step = 0; step < steps; ++step) {
+        cp_async_wait<STAGES - 2>();
+        mhc_wg::fence_proxy_async();  // this thread's shared-memory writes, before the wgmmas read them
+        __syncthreads();
+        if (step + STAGES - 1 < steps) fill(step + STAGES - 1, (step + STAGES - 1) % STAGES);
+        cp_async_commit();
+        const unsigned char* st = stages + (step % STAGES) * SB;
+        mhc_wg::reg_fence(acc);
+        mhc_wg::fence();
+#pragma unroll
+        for (int s = 0; s < KS; ++s)
+#pragma unroll
+            for (int pa = 0; pa < 2; ++pa)
+#pragma unroll
+                for (int pb = 0; pb + pa < 2; ++pb)
+                    mhc_wg::Mma<NB, 0>::run(acc, mhc_wg::desc(st + pa * AB + s * 256, 128, 16 * K16),
+                                            mhc_wg::desc(smem + pb * PB + s * 256, 128, 16 * K16), (s | pa | pb) != 0);
+        mhc_wg::commit();
+        // while the tensor cores work: what the epilogue reads of this thread's rows (x, c and with
+        // LAYER g_li, H_pre, gx) into registers
+        const i64 t0 = t_begin + (i64)step * 64 + warp * 16 + g8;  // rows t0, t0 + 8
+        uint4 xw[2][QC], lw[2][QC], gw[2][QC];
+        float cs[2], hq[2][QC];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const i64 t = t0 + 8 * h;
+            const bool ok = t < t_end;
+            cs[h] = ok ? dH[t * KP + K] : 0.f;
+#pragma unroll
+            for (int k = 0; k < QC; ++k) {
+                const int d = pq + 32 * k;
+                const bool okk = ok && d < D;
+                const i64 o = okk ? t * D + d : 0;
+                xw[h][k] = okk ? ldg16(x + o) : make_uint4(0, 0, 0, 0);
+                if constexpr (LAYER) {
+                    const int i = d / C;
+                    gw[h][k] = okk && gx != nullptr ? ldg16(gx + o) : make_uint4(0, 0, 0, 0);
+                    lw[h][k] = okk && g_li != nullptr ? ldg16(g_li + t * C + (d - i * C)) : make_uint4(0, 0, 0, 0);
+                    hq[h][k] = okk && g_li != nullptr ? H_pre[t * n + i] : 0.f;
+                }
+            }
+        }
+        mhc_wg::wait<0>();
+        mhc_wg::reg_fence(acc);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const i64 t = t0 + 8 * h;
+            if (t >= t_end) continue;
+#pragma unroll
+            for (int k = 0; k < QC; ++k) {
+                const int d = pq + 32 * k;
+                if (d >= D) continue;
+                const int i = d / C;
+                float o[8], lv[8], gxv[8];
+#pragma unroll
+                for (int e8 = 0; e8 < 8; ++e8) {  // position 32 k + 8 tq + e8: j = 4 k + e8 / 2, e = e8 % 2
+                    o[e8] = fmaf(-cs[h], bf16_of(xw[h][k], e8), acc[16 * k + 4 * (e8 >> 1) + 2 * h + (e8 & 1)]);
+                    lv[e8] = bf16_of(lw[h][k], e8);
+                    gxv[e8] = bf16_of(gw[h][k], e8);
+                }
+                dx_finish<__nv_bfloat16, __nv_bfloat16, true, LAYER>(o, hq[h][k], lv, gxv, g, g_li, gx, H_res, dx, t,
+                                                                    n, i, C, D, d - i * C, res_t);
+            }
+        }
     }
     cp_async_wait<0>();
 }

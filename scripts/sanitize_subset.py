@@ -9,7 +9,8 @@ fused backward for n <= 4, the dphi / dx kernels above, the dx with phi resident
 (mhc_coeffs_mma_dx_tile_kernel) for n = 16, 17 and 32 (bf16 n = 16: two streams a block, C = 72
 ends in a partial column tile);
 the post op's dx given as g or as grad_x; on sm_90 the wgmma forward GEMM for bf16 at n = 8, 16, 17 and,
-element-wise fills, n = 7 with C = 13).  Exits non-zero if any result is not finite.
+element-wise fills, n = 7 with C = 13, and the wgmma dx for bf16 at n = 7 and 8 (65 tokens: a partial
+64-token tile; C = 24: D not a multiple of a block's 128 positions)).  Exits non-zero if any result is not finite.
 """
 
 import cupy as cp
@@ -35,7 +36,7 @@ def check(name, *arrays):
 bf16 = m._interop.numpy_dtype("bfloat16")
 for T, n, C, dt in [(3, 3, 13, bf16), (5, 4, 1536, bf16), (2, 4, 2560, bf16), (2, 8, 7168, cp.float32),
                     (17, 8, 100, bf16), (4, 1, 4095, cp.float16), (2, 16, 72, bf16), (2, 17, 264, bf16),
-                    (3, 32, 40, cp.float32), (3, 7, 13, bf16)]:
+                    (3, 32, 40, cp.float32), (3, 7, 13, bf16), (65, 8, 64, bf16), (65, 7, 24, bf16)]:
     x, y, g, gy = act(T, n, C, dt=dt), act(T, C, dt=dt), act(T, n, C, dt=dt), act(T, C, dt=dt)
     M, h, hs = act(T, n, n), act(T, n), act(n)
     check("mix", m.stream_mix_fwd(x, M), *m.stream_mix_bwd(g, x, M))

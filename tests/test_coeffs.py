@@ -337,6 +337,58 @@ def test_forward_gemm_on_wgmma_only_where_it_can(dt, C, ptr, n):
                              "mhc_coeffs_fwd_finish_kernel"]
 
 
+@pytest.mark.parametrize("dt,C,ptr", [("bfloat16", 72, 1 << 20), ("bfloat16", 20, 1 << 20),
+                                      ("bfloat16", 72, (1 << 20) + 2), ("float16", 72, 1 << 20),
+                                      ("float32", 72, 1 << 20)])
+@pytest.mark.parametrize("n", [4, 5, 7, 8, 9, 10, 16])
+@pytest.mark.parametrize("layer", [None, "bfloat16", "float32"])
+def test_dx_on_wgmma_only_where_it_can(dt, C, ptr, n, layer):
+    """On a device with wgmma (sm_90a) the dx of bf16 x for n = 5 .. 9 (K >= _WG_DX_MIN_K, two blocks an
+    SM) runs mhc_coeffs_wg_dx_kernel where C % 8 == 0, x, dx and the layer's gradients are 16-byte
+    aligned and those gradients bf16 (layer: their dtype, None: mhc_coeffs_bwd); otherwise, and on
+    other GPUs, the mma.sync dx kernels.  Its launch: phi and dH split in their own column order (K16
+    columns), 128 positions a block, 64-token ranges covering the tokens, shared memory the kernel's
+    formula within _WG_DX_SMEM."""
+    T, D, K = 300, n * C, coeffs.columns(n)
+    K16 = -(-K // 16) * 16
+    cx = {"x": _info((T, n, C), dt, ptr), "phi": _info((D, K)), "alpha": _info((3,)), "bias": _info((K,))}
+    if layer:
+        from mhc_cupy.ops import layer as L
+
+        if layer == "float32" and dt != "bfloat16":
+            return  # gradients in x's dtype or float32 (the float32 case is the bf16 row's)
+        cx.update({"stats": _info((T, K + 1)), "H_pre": _info((T, n)), "H_res": _info((T, n, n)),
+                   "grad_layer_in": _info((T, C), layer if dt == "bfloat16" else dt), "grad_out": None,
+                   "grad_x": _info((T, n, C), layer if dt == "bfloat16" else dt),
+                   "grad_H_post": _info((T, n)), "grad_H_res": _info((T, n, n))})
+        planner, params = L._plan_pre_bwd, dict(num_iters=20, eps=1e-6, rms_eps=1e-5, grad_mode="unrolled",
+                                                convention="paper", hc_eps=0.0, post_mult=2.0)
+    else:
+        cx.update({"grad_h_pre_raw": _info((T, n)), "grad_h_post_raw": _info((T, n)),
+                   "grad_h_res_raw": _info((T, n, n))})
+        planner, params = coeffs._plan_bwd, dict(eps=1e-5)
+    wg = dt == "bfloat16" and 5 <= n <= 9 and C % 8 == 0 and ptr % 16 == 0 and layer != "float32"
+    for device_has_wgmma in (False, True):
+        _, calls = _record(planner, cx, wgmma=device_has_wgmma, **params)
+        names = [c[0].split("<")[0] for c in calls]
+        dx = [c for c in calls if "_dx" in c[0]]
+        assert len(dx) == (n > 4)
+        if not (device_has_wgmma and wg):
+            assert "mhc_coeffs_wg_dx_kernel" not in names
+            continue
+        expr, grid, block, args = dx[0]
+        lay, ks, nb, stages = expr.rstrip(">").split("<")[1].split(",")
+        ks, nb, stages = int(ks), int(nb), int(stages)
+        assert lay == ("true" if layer else "false")
+        assert 16 * ks == K16 and nb == 128 and stages == 2 and block == (128, 1, 1)
+        assert coeffs.wg_dx_layout(K) == (nb, stages, 4 * nb * K16 + stages * 256 * K16)
+        assert 4 * nb * K16 + stages * 256 * K16 <= coeffs._WG_DX_SMEM
+        t_split = args[-2]
+        assert grid[0] == -(-D // nb) and t_split % 64 == 0 and grid[1] * t_split >= T > (grid[1] - 1) * t_split
+        splits = [c for c in calls if c[0] == "mhc_coeffs_split_rows_kernel"]
+        assert [c[3][6:9] for c in splits] == [(K16, 0, 0)] * 2  # K16 columns, own order, no row pairs
+
+
 @pytest.mark.parametrize("dt", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("n", [5, 6, 7, 8, 9, 12, 13, 14, 15, 16, 19])
 def test_split_bwd_launches(dt, n):
@@ -636,6 +688,64 @@ def test_forward_gemm_wgmma_matches_mma_sync(rng, monkeypatch, n, T, C):
 
 
 @GPU
+@pytest.mark.parametrize("n,T,C", [(5, 127, 64), (6, 3, 40), (7, 65, 24), (8, 300, 72), (8, 1, 8), (9, 200, 56),
+                                   (9, 129, 8)])
+def test_dx_wgmma_matches_mma_sync(rng, monkeypatch, n, T, C):
+    """bf16, n >= 5: the dx on wgmma (sm_90a devices; mhc_coeffs_wg_dx_kernel, counted) and on mma.sync
+    agree to one rounding of bf16 (the same float32-accurate products summed in another order) and
+    both match the float64 reference; dphi, dalpha, dbias come from the same kernels (same bits).
+    Through mhc_layer_pre_bwd too, with every layer term (g_layer_in, grad_out, grad_x) under both
+    conventions (deepseek: H_res transposed; test_layer_fused holds the layer's dx to the float64
+    reference at n = 8).  Tokens 1, 3 and not a multiple of 64 (partial tiles), D not a multiple of
+    128 (a block's positions past D)."""
+    import cupy
+
+    from mhc_cupy import _dispatch, _jit
+
+    if cupy.cuda.Device().compute_capability != "90":
+        pytest.skip("wgmma is an sm_90 (H100 / H200) instruction")
+    assert _jit.uses_wgmma()
+    seen = []
+    real_launch = coeffs.launch
+
+    def counting(filename, expr, *a, **k):
+        seen.append(expr.split("<")[0])
+        return real_launch(filename, expr, *a, **k)
+
+    monkeypatch.setattr(coeffs, "launch", counting)
+    x, phi, alpha, bias, g = _case(rng, T, n, C, "bfloat16")
+    gpu = [to_gpu(v) for v in (x, phi, alpha, bias)]
+    gl = rounded(rng, (T, C), "bfloat16"), rounded(rng, (T, n, C), "bfloat16"), rounded(rng, (T, n, C), "bfloat16")
+    gl_d = [to_gpu(v) for v in gl]
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(coeffs, "_WG_DX", on)
+        monkeypatch.setattr(_dispatch, "_plans", {})
+        monkeypatch.setattr(_dispatch, "_fast", {})
+        seen.clear()
+        got[on] = [[to_host(a) for a in m.mhc_coeffs_bwd(*[to_gpu(v) for v in g], *gpu)]]
+        for conv in ("paper", "deepseek"):
+            layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(*gpu, convention=conv)
+            _, dH_post, dH_res = m.mhc_layer_post_bwd(gl_d[1], layer_in, gpu[0], H_post, H_res, convention=conv)
+            got[on].append([to_host(a) for a in m.mhc_layer_pre_bwd(gl_d[0], gl_d[1], dH_post, dH_res, *gpu, stats,
+                                                                     H_pre, H_res, convention=conv,
+                                                                     grad_x=gl_d[2])])
+        assert seen.count("mhc_coeffs_wg_dx_kernel") == (3 if on else 0)
+    ref = R.mhc_coeffs_bwd(*g, x, phi, alpha, bias)
+    for on in (True, False):
+        _check_bwd(got[on][0], ref, g, x, phi, alpha, "bfloat16")
+    dx_scale = _terms(g, x, phi, alpha)[0]
+    for k, what in ((0, "coeffs "), (1, "layer paper "), (2, "layer deepseek ")):
+        a, b = got[True][k], got[False][k]
+        scale = dx_scale if k == 0 else max(float(np.abs(f64(b[0])).max()), 1e-30)
+        assert np.isfinite(f64(a[0])).all(), what + "dx"
+        assert_close(a[0], b[0], ACT_TOL["bfloat16"], what + "dx", scale=scale)
+        assert (a[0] != b[0]).mean() < 0.05, what + "dx: most values the same bits"
+        for u, v, name in zip(a[1:], b[1:], ("dphi", "dalpha", "dbias")):
+            assert u.tobytes() == v.tobytes(), what + name
+
+
+@GPU
 @pytest.mark.parametrize("n,T,C,dt", [(8, 300, 72, "bfloat16"), (6, 77, 40, "float16"), (8, 50, 36, "float32")])
 def test_dx_column_tiles_bitwise(rng, monkeypatch, n, T, C, dt):
     """mhc_coeffs_mma_dx_kernel with 64 columns per warp (NT = 8) gives the dx of the 32-column one
@@ -645,6 +755,7 @@ def test_dx_column_tiles_bitwise(rng, monkeypatch, n, T, C, dt):
 
     x, phi, alpha, bias, g = _case(rng, T, n, C, dt)
     args = [to_gpu(v) for v in (*g, x, phi, alpha, bias)]
+    monkeypatch.setattr(coeffs, "_WG_DX", False)  # the mma.sync dx kernels (bf16 on sm_90a: the wgmma dx)
     got = {}
     for nt in (4, 8):
         monkeypatch.setattr(coeffs, "_DX_NT", nt)

@@ -437,6 +437,33 @@ def dx_tile_layout(n: int, K: int, dt: str) -> tuple[int, int, int, int, int]:
     return w, _DX_TILE_MT, _cdiv(K, 32) * 2, stages, stages * stage
 
 
+# The dx on wgmma (mhc_coeffs_wg_dx_kernel; bf16 x with C % 8 == 0, 16-byte aligned x, dx and layer
+# gradients, the layer gradients bf16, on devices that NVRTC targets as sm_90a): a block keeps the phi
+# rows of _WG_DX_NB positions (two bf16 planes) resident and walks 64 tokens a step, _WG_DX_STAGES
+# stages of dH; only where two blocks fit an SM (_WG_DX_SMEM each), which with K >= _WG_DX_MIN_K is
+# n = 5 .. 9.  Measured on the H200 (mhc_layer_pre_bwd with g_layer_in and grad_x, per-kernel CUDA
+# events, the dx kernel mma.sync -> wgmma): 0.870 -> 0.712 ms at 16384 x 3072 x 5, 0.922 -> 0.603 at
+# 16384 x 1792 x 7, 0.900 -> 0.786 at 16384 x 2048 x 8; slower where one block fits an SM or with 64
+# positions a block (whole op 2.135 -> 2.29 ms at 16384 x 1536 x 10, 2.02 -> 2.70 at 8192 x 1024 x 16),
+# and with 3 stages at n = 8 (1.678 against 1.475 ms for the whole op with 2).  The tensor core sums
+# the same products in the same k-step order as the mma.sync kernels (no bit differed in those runs);
+# the tests hold the two to one bf16 rounding.
+_WG_DX = True
+_WG_DX_MIN_K = 35  # n >= 5
+_WG_DX_NB = 128
+_WG_DX_STAGES = 2
+_WG_DX_SMEM = 113 * 1024
+
+
+def wg_dx_layout(K: int) -> tuple[int, int, int] | None:
+    """(NB positions a block, stages, dynamic shared bytes) of mhc_coeffs_wg_dx_kernel: phi [2][NB][K16]
+    and per stage dH [2][64][K16] bf16 (K16 = K rounded up to 16); None where that exceeds _WG_DX_SMEM
+    (K > 112: n > 9) or K < _WG_DX_MIN_K."""
+    K16 = _cdiv(K, 16) * 16
+    smem = 4 * _WG_DX_NB * K16 + _WG_DX_STAGES * 256 * K16
+    return (_WG_DX_NB, _WG_DX_STAGES, smem) if K >= _WG_DX_MIN_K and smem <= _WG_DX_SMEM else None
+
+
 @dataclass(frozen=True)
 class SplitBwd(_TensorCoreBwd):
     """Layout and scratch of the backward for K > 32 (n > 4): dphi on tensor cores
@@ -504,6 +531,25 @@ class SplitBwd(_TensorCoreBwd):
         return mma_token_splits(self.tokens, _cdiv(self.C, 8 * nt) * (self.n // w), 65535)
 
     @cached_property
+    def wg_dx(self) -> tuple[int, int, int] | None:
+        """wg_dx_layout for bf16 x (else None): where the wgmma dx may run; whether it does is decided
+        at launch (the device, dtypes, alignment: wg_dx_runs)."""
+        return wg_dx_layout(self.K) if self.dt == "bfloat16" else None
+
+    @cached_property
+    def wg_splits(self) -> tuple[int, int]:
+        """(token ranges, tokens per range, a multiple of 64) of the wgmma dx."""
+        splits, _ = mma_token_splits(self.tokens, _cdiv(self.n * self.C, self.wg_dx[0]), 65535)
+        per = _cdiv(_cdiv(max(self.tokens, 1), splits), 64) * 64
+        return _cdiv(max(self.tokens, 1), per), per
+
+    def wg_dx_runs(self, tg: str, *ptrs) -> bool:
+        """Whether launch_split_bwd runs the wgmma dx: a layout, layer gradients (if any) of dtype tg
+        bf16, C % 8 == 0, every given pointer (x, dx, layer gradients) 16-byte aligned, a device with
+        wgmma."""
+        return _WG_DX and self.wg_dx is not None and tg == "bfloat16" and vec8(self.C, *ptrs) and uses_wgmma()
+
+    @cached_property
     def dphi_pipeline(self) -> tuple[int, int]:
         """(stages, dynamic shared bytes) of mhc_coeffs_mma_dphi_kernel: per stage x [16][256]
         (token rows padded by 16 bytes) and dH_c [3][8 nq][16] (kernels_cu/coeffs.cu)."""
@@ -546,16 +592,21 @@ def launch_split_bwd(b: SplitBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc:
            stream, smem)
     if splits > 1:
         column_sum(out, dphi, splits, D * K, stream)
+    lay = "true" if layer else "false"
+    dx_args = (x, sc["phi_r"], sc["dH_r"], dH, g, g_li, H_pre, H_res, gx, dx, i64(b.tokens), i64(b.tokens_p),
+               i32(b.n), i32(b.C), i32(K), i32(KP))
+    if b.wg_dx_runs(tg, x, dx, g, g_li, gx):
+        _split_rows(b, phi, dH, KP, b.K16, 0, sc, stream)
+        (nb, stages, smem), (dsplits, dt_split) = b.wg_dx, b.wg_splits
+        launch(_FILE, f"mhc_coeffs_wg_dx_kernel<{lay},{b.K16 // 16},{nb},{stages}>", (_cdiv(D, nb), dsplits, 1),
+               (128, 1, 1), (*dx_args, i64(dt_split), i32(res_t)), stream, smem)
+        return
     K16 = b.dx_K16
     kc = 0 if b.dx_kind == "tile" else K16 // 16  # k-steps per chunk of the planes' fragment order (0: none)
-    launch_grid_stride(_FILE, "mhc_coeffs_split_rows_kernel", D * K16,
-                       (phi, sc["phi_r"], i64(D), i32(K), i32(K), i64(D), i32(K16), i32(kc), i32(0)), stream)
-    launch_grid_stride(_FILE, "mhc_coeffs_split_rows_kernel", b.tokens_p * K16,  # pairs: the dx kernel's A operand
-                       (dH, sc["dH_r"], i64(b.tokens), i32(K), i32(KP), i64(b.tokens_p), i32(K16), i32(kc),
-                        i32(kc != 0)), stream)
+    _split_rows(b, phi, dH, KP, K16, kc, sc, stream)
     vec = "true" if vec8(b.C, x, dx, g, g_li, gx) else "false"
     dsplits, dt_split = b.dx_splits
-    head = f"{CTYPE[dt]},{CTYPE[tg]},{vec},{'true' if layer else 'false'},{K16 // 16}"
+    head = f"{CTYPE[dt]},{CTYPE[tg]},{vec},{lay},{K16 // 16}"
     if b.dx_kind == "tile":
         w, mt, _, stages, smem = b.tile_layout
         expr, grid, block = f"mhc_coeffs_mma_dx_tile_kernel<{head},{w},{mt},{stages}>", _cdiv(b.C, 32), 128
@@ -563,8 +614,19 @@ def launch_split_bwd(b: SplitBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc:
         (w, nt), (stages, smem) = b.dx_tiles, b.dx_pipeline
         expr, grid, block = f"mhc_coeffs_mma_dx_kernel<{head},{w},{nt},{stages}>", _cdiv(b.C, 8 * nt), 32 * w
     launch(_FILE, expr, (grid * (b.n // w), dsplits, 1), (block, 1, 1),
-           (x, sc["phi_r"], sc["dH_r"], dH, g, g_li, H_pre, H_res, gx, dx, i64(b.tokens), i64(b.tokens_p), i32(b.n),
-            i32(b.C), i32(K), i32(KP), i32(b.n // w), i64(dt_split), i32(res_t)), stream, smem)
+           (*dx_args, i32(b.n // w), i64(dt_split), i32(res_t)), stream, smem)
+
+
+def _split_rows(b: SplitBwd, phi, dH, KP: int, K16: int, kc: int, sc: dict, stream) -> None:
+    """phi and dH into the bf16 planes phi_r [3, D, K16] and dH_r [3, tokens_p, K16] of the tensor-core
+    dx: columns in fragment order of kc k-steps a chunk (kc = 0: their own order); dH with rows g, g + 8
+    interleaved where kc != 0 (mhc_coeffs_mma_dx_kernel's A operand)."""
+    D = b.n * b.C
+    launch_grid_stride(_FILE, "mhc_coeffs_split_rows_kernel", D * K16,
+                       (phi, sc["phi_r"], i64(D), i32(b.K), i32(b.K), i64(D), i32(K16), i32(kc), i32(0)), stream)
+    launch_grid_stride(_FILE, "mhc_coeffs_split_rows_kernel", b.tokens_p * K16,
+                       (dH, sc["dH_r"], i64(b.tokens), i32(b.K), i32(KP), i64(b.tokens_p), i32(K16), i32(kc),
+                        i32(kc != 0)), stream)
 
 
 def backward_layout(tokens: int, n: int, C: int, K: int, dt: str):
