@@ -570,10 +570,12 @@ __device__ __forceinline__ void pipeline_start(int steps, Fill&& fill) {
     }
 }
 // pipeline_next, before step `step`: wait for its copies and barrier (every warp is then done
-// with step - 1, whose stage is free), then issue step + STAGES - 1 into that stage.
-template <int STAGES, typename Fill>
+// with step - 1, whose stage is free), then issue step + STAGES - 1 into that stage.  WG: the
+// stages are read by wgmma (the async proxy): each thread's copies are fenced before the barrier.
+template <int STAGES, bool WG = false, typename Fill>
 __device__ __forceinline__ void pipeline_next(int step, int steps, Fill&& fill) {
     cp_async_wait<STAGES - 2>();
+    if (WG) mhc_wg::fence_proxy_async();
     __syncthreads();
     if (step + STAGES - 1 < steps) fill(step + STAGES - 1, (step + STAGES - 1) % STAGES);
     cp_async_commit();
@@ -1056,11 +1058,7 @@ mhc_coeffs_wg_fwd_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat1
 
     pipeline_start<STAGES>(steps, fill);
     for (int i = 0; i < steps; ++i) {
-        cp_async_wait<STAGES - 2>();
-        mhc_wg::fence_proxy_async();  // this thread's shared-memory writes, before the wgmmas read them
-        __syncthreads();
-        if (i + STAGES - 1 < steps) fill(i + STAGES - 1, (i + STAGES - 1) % STAGES);
-        cp_async_commit();
+        pipeline_next<STAGES, true>(i, steps, fill);
         const unsigned char* st = smem + (i % STAGES) * SB;
 #pragma unroll
         for (int m = 0; m < MT; ++m) mhc_wg::reg_fence(stp[m]);
@@ -1925,11 +1923,7 @@ mhc_coeffs_wg_dx_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16
     mhc::zero(acc);
     pipeline_start<STAGES>(steps, fill);  // the first group also holds the phi rows
     for (int step = 0; step < steps; ++step) {
-        cp_async_wait<STAGES - 2>();
-        mhc_wg::fence_proxy_async();  // this thread's shared-memory writes, before the wgmmas read them
-        __syncthreads();
-        if (step + STAGES - 1 < steps) fill(step + STAGES - 1, (step + STAGES - 1) % STAGES);
-        cp_async_commit();
+        pipeline_next<STAGES, true>(step, steps, fill);
         const unsigned char* st = stages + (step % STAGES) * SB;
         mhc_wg::reg_fence(acc);
         mhc_wg::fence();
@@ -1945,8 +1939,8 @@ mhc_coeffs_wg_dx_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16
         // while the tensor cores work: what the epilogue reads of this thread's rows (x, c and with
         // LAYER g_li, H_pre, gx) into registers
         const i64 t0 = t_begin + (i64)step * 64 + warp * 16 + g8;  // rows t0, t0 + 8
-        uint4 xw[2][QC], lw[2][QC], gw[2][QC];
-        float cs[2], hq[2][QC];
+        uint4 xw[2][QC], lw[2][QC] = {}, gw[2][QC] = {};  // (zero without LAYER)
+        float cs[2], hq[2][QC] = {};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const i64 t = t0 + 8 * h;

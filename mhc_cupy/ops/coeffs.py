@@ -469,7 +469,8 @@ class SplitBwd(_TensorCoreBwd):
     """Layout and scratch of the backward for K > 32 (n > 4): dphi on tensor cores
     (mhc_coeffs_mma_dphi_kernel, columns in chunks of 8 * nq), dx on tensor cores
     (mhc_coeffs_mma_dx_kernel) where its phi rows leave _DX_MIN_WARPS warps per SM, else with phi
-    streamed beside dH (mhc_coeffs_mma_dx_tile_kernel)."""
+    streamed beside dH (mhc_coeffs_mma_dx_tile_kernel); on wgmma (mhc_coeffs_wg_dx_kernel) where
+    wg_dx_runs."""
 
     dt: str
     # _DX_MIN_WARPS when the layout is made: a plan keeps the scratch it sized for its dx kernel.
