@@ -1856,7 +1856,9 @@ mhc_coeffs_mma_dx_tile_kernel(const T* __restrict__ x, const __nv_bfloat16* __re
 // 2 (j % 4) + e of the block for nn = 8 j + 2 tq + e: accumulator (j, e) of lane quad member tq is
 // that position, so a thread holds 8 consecutive positions 32 k + 8 tq .. of each of its rows for
 // k < NB / 32 (one 16-byte load and store each; a lane quad's are 64 contiguous bytes).  What the
-// epilogue reads (x, c, g_li, H_pre, gx) is loaded into registers while the tensor cores work.
+// epilogue reads (x, c, g_li, H_pre, gx) is loaded into registers while the tensor cores work; a
+// thread's streams and columns are computed once (integer divisions in the step loop cost 7-16 % of
+// the kernel's time on the H200).
 // (Issuing the next step's wgmmas into a second accumulator set before this step's epilogue made
 // ptxas serialise them: C7514, accumulators read while another wgmma group is in flight.)
 //   phi_r: [2+, D, K16] bf16, dH_r: [2+, tokens_p, K16] (split_rows with KC = 0, pairs = 0).
@@ -1919,6 +1921,12 @@ mhc_coeffs_wg_dx_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16
     };
 
     const int pq = d0 + 8 * tq;  // this thread's first position
+    int si[QC], sc[QC];          // stream and column of its 8-position group k (position pq + 32 k)
+#pragma unroll
+    for (int k = 0; k < QC; ++k) {
+        si[k] = (pq + 32 * k) / C;
+        sc[k] = pq + 32 * k - si[k] * C;
+    }
     float acc[R];
     mhc::zero(acc);
     pipeline_start<STAGES>(steps, fill);  // the first group also holds the phi rows
@@ -1953,10 +1961,9 @@ mhc_coeffs_wg_dx_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16
                 const i64 o = okk ? t * D + d : 0;
                 xw[h][k] = okk ? ldg16(x + o) : make_uint4(0, 0, 0, 0);
                 if constexpr (LAYER) {
-                    const int i = d / C;
                     gw[h][k] = okk && gx != nullptr ? ldg16(gx + o) : make_uint4(0, 0, 0, 0);
-                    lw[h][k] = okk && g_li != nullptr ? ldg16(g_li + t * C + (d - i * C)) : make_uint4(0, 0, 0, 0);
-                    hq[h][k] = okk && g_li != nullptr ? H_pre[t * n + i] : 0.f;
+                    lw[h][k] = okk && g_li != nullptr ? ldg16(g_li + t * C + sc[k]) : make_uint4(0, 0, 0, 0);
+                    hq[h][k] = okk && g_li != nullptr ? H_pre[t * n + si[k]] : 0.f;
                 }
             }
         }
@@ -1968,9 +1975,7 @@ mhc_coeffs_wg_dx_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16
             if (t >= t_end) continue;
 #pragma unroll
             for (int k = 0; k < QC; ++k) {
-                const int d = pq + 32 * k;
-                if (d >= D) continue;
-                const int i = d / C;
+                if (pq + 32 * k >= D) continue;
                 float o[8], lv[8], gxv[8];
 #pragma unroll
                 for (int e8 = 0; e8 < 8; ++e8) {  // position 32 k + 8 tq + e8: j = 4 k + e8 / 2, e = e8 % 2
@@ -1979,7 +1984,7 @@ mhc_coeffs_wg_dx_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16
                     gxv[e8] = bf16_of(gw[h][k], e8);
                 }
                 dx_finish<__nv_bfloat16, __nv_bfloat16, true, LAYER>(o, hq[h][k], lv, gxv, g, g_li, gx, H_res, dx, t,
-                                                                    n, i, C, D, d - i * C, res_t);
+                                                                    n, si[k], C, D, sc[k], res_t);
             }
         }
     }

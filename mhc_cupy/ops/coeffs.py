@@ -442,8 +442,9 @@ def dx_tile_layout(n: int, K: int, dt: str) -> tuple[int, int, int, int, int]:
 # rows of _WG_DX_NB positions (two bf16 planes) resident and walks 64 tokens a step, _WG_DX_STAGES
 # stages of dH; only where two blocks fit an SM (_WG_DX_SMEM each), which with K >= _WG_DX_MIN_K is
 # n = 5 .. 9.  Measured on the H200 (mhc_layer_pre_bwd with g_layer_in and grad_x, per-kernel CUDA
-# events, the dx kernel mma.sync -> wgmma): 0.870 -> 0.712 ms at 16384 x 3072 x 5, 0.922 -> 0.603 at
-# 16384 x 1792 x 7, 0.900 -> 0.786 at 16384 x 2048 x 8; slower where one block fits an SM or with 64
+# events, the dx kernel mma.sync -> wgmma): 0.872 -> 0.601 ms at 16384 x 3072 x 5, 0.924 -> 0.538 at
+# 16384 x 1792 x 7, 0.896 -> 0.729 at 16384 x 2048 x 8 (ncu at n = 8: 8 warps an SM, registers and shared
+# memory each allow 2 blocks; L2 65 %, DRAM 38 % of peak: latency-bound); slower where one block fits an SM or with 64
 # positions a block (whole op 2.135 -> 2.29 ms at 16384 x 1536 x 10, 2.02 -> 2.70 at 8192 x 1024 x 16),
 # and with 3 stages at n = 8 (1.678 against 1.475 ms for the whole op with 2).  The tensor core sums
 # the same products in the same k-step order as the mma.sync kernels (no bit differed in those runs);
