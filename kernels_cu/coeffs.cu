@@ -1842,6 +1842,15 @@ mhc_coeffs_mma_dx_tile_kernel(const T* __restrict__ x, const __nv_bfloat16* __re
     cp_async_wait<0>();
 }
 
+namespace mhc_coeffs {
+// 16 bytes of global memory (16-byte aligned), as raw words; value e8 of 8 bf16 in them as float.
+__device__ __forceinline__ uint4 ldg16(const __nv_bfloat16* p) { return *reinterpret_cast<const uint4*>(p); }
+__device__ __forceinline__ float bf16_of(const uint4& w, int e8) {
+    const unsigned v = e8 < 2 ? w.x : e8 < 4 ? w.y : e8 < 6 ? w.z : w.w;
+    return mhc::word_elem<__nv_bfloat16>(v, e8 & 1);
+}
+}  // namespace mhc_coeffs
+
 // mhc_coeffs_wg_dx_kernel<LAYER, KS, NB, STAGES>: the dx of mhc_coeffs_mma_dx_kernel (dH phi^T - c x,
 // with LAYER the rest of the layer's dx, rounded once) for bf16 x and bf16 layer gradients on
 // Hopper's wgmma (sm_90a; the library launches it only there, for C % 8 == 0 and 16-byte aligned x,
@@ -1863,15 +1872,6 @@ mhc_coeffs_mma_dx_tile_kernel(const T* __restrict__ x, const __nv_bfloat16* __re
 // ptxas serialise them: C7514, accumulators read while another wgmma group is in flight.)
 //   phi_r: [2+, D, K16] bf16, dH_r: [2+, tokens_p, K16] (split_rows with KC = 0, pairs = 0).
 // Dynamic shared memory: 4 NB K16 + STAGES 256 K16 bytes (phi's two planes, then per stage dH's).
-namespace mhc_coeffs {
-// 16 bytes of global memory (16-byte aligned), as raw words; value e8 of 8 bf16 in them as float.
-__device__ __forceinline__ uint4 ldg16(const __nv_bfloat16* p) { return *reinterpret_cast<const uint4*>(p); }
-__device__ __forceinline__ float bf16_of(const uint4& w, int e8) {
-    const unsigned v = e8 < 2 ? w.x : e8 < 4 ? w.y : e8 < 6 ? w.z : w.w;
-    return mhc::word_elem<__nv_bfloat16>(v, e8 & 1);
-}
-}  // namespace mhc_coeffs
-
 template <bool LAYER, int KS, int NB, int STAGES>
 __global__ void __launch_bounds__(128)
 mhc_coeffs_wg_dx_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ phi_r,
