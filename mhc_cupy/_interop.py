@@ -25,6 +25,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ._deps import install_hint
+
 
 class ArrayInfo(NamedTuple):
     """What the checks and launch plans see of an array (a tuple: cheap to build)."""
@@ -254,7 +256,7 @@ def _cpu_dlpack_via_torch(x, exc):
 
     if importlib.util.find_spec("torch") is None:
         raise TypeError(f"NumPy cannot import this CPU DLPack array ({exc}); bfloat16 needs torch installed "
-                        "(pip install \"mhc-cupy[torch]\") or pass a NumPy ml_dtypes.bfloat16 array") from None
+                        f"({install_hint('torch', 'torch')}) or pass a NumPy ml_dtypes.bfloat16 array") from None
     import torch
 
     return _get("torch").to_numpy(torch.from_dlpack(x))

@@ -17,6 +17,7 @@ import re
 from typing import Iterable, Sequence
 
 from . import _headers
+from ._deps import install_hint
 
 __all__ = ["KernelCompileError", "NVRTCNotFoundError", "compile", "format_compile_error", "library_path",
            "missing_headers_in_log", "supported_archs", "version"]
@@ -60,9 +61,10 @@ def _binding():
         from cupy_backends.cuda.libs import nvrtc
     except ImportError as exc:  # no CuPy, or CuPy found no libnvrtc
         raise NVRTCNotFoundError(
-            f"could not load NVRTC through CuPy ({exc}). Install `pip install 'mhc-cupy[cuda12]'` "
-            "(cupy-cuda12x, nvidia-cuda-nvrtc-cu12) or `pip install 'mhc-cupy[cuda13]'`, "
-            "or set $CUDA_PATH to a CUDA toolkit.") from exc
+            f"could not load NVRTC through CuPy ({exc}). Install CuPy with NVRTC for your CUDA: "
+            f"{install_hint('cuda12', 'cupy-cuda12x nvidia-cuda-nvrtc-cu12')}, or for CUDA 13 "
+            f"{install_hint('cuda13', 'cupy-cuda13x nvidia-cuda-nvrtc')}; or set $CUDA_PATH to a CUDA "
+            "toolkit.") from exc
     return nvrtc
 
 
