@@ -877,3 +877,22 @@ def test_layer_and_block_modes_on_gpu(tmp_path):
     for k, v in row["impls"].items():
         assert "us" in v, (k, v)
     assert {"plain", "plain compiled"} <= set(row["impls"]) and len(row["overhead"]) >= 2
+
+
+def test_profile_layer_script_on_cpu(capsys):
+    """scripts/profile_layer.py (the per-kernel layer profile, GPU tool) runs end to end on the
+    CPU reference path: a table per (shape, variant, direction) naming the layer's autograd
+    functions, fused and unfused; bad --shapes is a clear SystemExit."""
+    import importlib.util
+
+    pytest.importorskip("torch")
+    spec = importlib.util.spec_from_file_location("profile_layer", REPO / "scripts" / "profile_layer.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--shapes", "3x5x2", "--fused", "both", "--steps", "1", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("=== 3x5x2 bfloat16") == 2 and out.count("forward + backward (CPU operators") == 2, out
+    assert "_LayerPreFnBackward" in out and "_mhc_pre_op_functionBackward" in out, out
+    for bad in ("3x5", "3x0x2", "axbxc"):
+        with pytest.raises(SystemExit, match="--shapes must be TxCxn"):
+            script.main(["--shapes", bad, "--device", "cpu"])
