@@ -35,7 +35,9 @@ def activation(name: str, info, dtype: str | None = None) -> str:
 def gradient(name: str, info, act_dtype: str) -> str:
     """An incoming activation gradient: the activation dtype or float32."""
     if info.dtype not in (act_dtype, "float32"):
-        raise TypeError(f"{name} has dtype {info.dtype}; it needs {act_dtype} (the activation dtype) or float32")
+        need = "float32 (the activation dtype)" if act_dtype == "float32" else \
+            f"{act_dtype} (the activation dtype) or float32"
+        raise TypeError(f"{name} has dtype {info.dtype}; it needs {need}")
     return info.dtype
 
 
@@ -91,7 +93,11 @@ def _int(name: str, value) -> int:
     """A Python or NumPy integer (not bool, not float), as an int."""
     if isinstance(value, (bool, np.bool_)) or not hasattr(value, "__index__"):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    return int(value)
+    try:
+        return int(value)
+    except Exception as exc:  # noqa: BLE001 - e.g. a traced JAX value: no concrete int at trace time
+        raise TypeError(f"{name} must be a concrete int (static under jax.jit), got {type(value).__name__} "
+                        f"{value!r}") from exc
 
 
 def num_iters(value) -> int:
@@ -106,7 +112,10 @@ def eps(name: str, value) -> float:
     """A finite real >= 0 (Python or NumPy int / float; not bool, not str)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # an int past the float range
+        v = math.inf
     if not math.isfinite(v) or v < 0:
         raise ValueError(f"{name} must be finite and >= 0, got {value}")
     return v

@@ -715,12 +715,15 @@ def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_e
 
     Returns:
         (layer_in ``[..., C]``, H_pre ``[..., n]``, H_post ``[..., n]``, H_res ``[..., n, n]``,
-        stats ``[..., n*n + 2n + 1]`` = (x~ phi, sum of x~^2)), float64.
+        stats ``[..., n*n + 2n + 1]`` = (x~ phi, sum of x~^2)), float64; a sum of squares past
+        the float32 range is kept as -sum((2^-100 x~)^2), as the kernels keep it (OPS.md §8).
     """
     x64 = _f64(x)
     n, C = x64.shape[-2], x64.shape[-1]
     xt = x64.reshape(x64.shape[:-2] + (n * C,))
-    stats = np.concatenate([xt @ _f64(phi), (xt**2).sum(axis=-1, keepdims=True)], axis=-1)
+    ss = (xt**2).sum(axis=-1, keepdims=True)
+    ss = np.where(ss > np.finfo(np.float32).max, -ss * 2.0**-200, ss)
+    stats = np.concatenate([xt @ _f64(phi), ss], axis=-1)
     h = mhc_coeffs_fwd(x, phi, alpha, bias, rms_eps, convention)
     return (*mhc_pre_op_fwd(x, *h, num_iters, eps, convention, hc_eps, post_mult), stats)
 

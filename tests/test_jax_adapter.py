@@ -544,6 +544,8 @@ def test_errors_raised_at_trace_time(rng):
         mj.sinkhorn_knopp(jnp.ones((2, 3, 3), jnp.float32), grad_mode="exact")
     with pytest.raises(ValueError, match="num_iters"):
         mj.mhc_pre_op(x, jnp.ones((3, 4)), jnp.ones((3, 4)), jnp.ones((3, 4, 4)), num_iters=-1)
+    with pytest.raises(TypeError, match=r"num_iters must be a concrete int \(static under jax.jit\)"):
+        jax.jit(lambda L, k: mj.sinkhorn_knopp(L, num_iters=k))(jnp.ones((2, 3, 3), jnp.float32), 5)
     with pytest.raises(TypeError, match="layer_out"):
         mj.mhc_post_op(jnp.ones((3, 7), jnp.float32), x, jnp.ones((3, 4)), jnp.ones((3, 4, 4)))
     with pytest.raises(ValueError, match="weight"):

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -76,6 +78,24 @@ def test_functional_pieces_match_autograd(rng, lead, n, C, post_dx):
     xt = x.reshape(lead + (n * C,)).astype(np.float64)
     np.testing.assert_allclose(stats[..., :-1], xt @ phi.astype(np.float64), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(stats[..., -1], (xt**2).sum(-1), rtol=1e-5)
+
+
+def test_cpu_stats_keep_an_overflowing_sum_of_squares_scaled(rng):
+    """OPS.md section 8: a token whose float32 sum of squares overflows is saved in stats[..., -1]
+    as -sum((2^-100 x~)^2), on the CPU as on the GPU (it was inf there); the other token's stats
+    stay plain sums and the outputs are those of the separate ops."""
+    x = rng.standard_normal((2, 2, 3)).astype(np.float32)
+    x[0] *= np.float32(1e20)  # sum of squares ~ 1e40 > float32 max
+    phi, alpha, bias = _params(rng, 2, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow warning from a cast
+        layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(x, phi, alpha, bias)
+    x64 = x.astype(np.float64).reshape(2, 6)
+    np.testing.assert_allclose(stats[0, -1], -((2.0**-100 * x64[0]) ** 2).sum(), rtol=1e-6)
+    np.testing.assert_allclose(stats[1, -1], (x64[1] ** 2).sum(), rtol=1e-6)
+    assert np.isfinite(stats).all() and stats[0, -1] < 0 < stats[1, -1]
+    for got, want in zip((layer_in, H_pre, H_post, H_res), m.mhc_pre_op_fwd(x, *m.mhc_coeffs_fwd(x, phi, alpha, bias))):
+        np.testing.assert_allclose(got, want, rtol=1e-6)  # (the coefficients rounded to float32 here)
 
 
 def _layer_torch(n, C, seed=0):

@@ -5,6 +5,7 @@ Each op's own checks against float64 torch autograd are in its family's file (te
 test_rmsnorm.py, test_stream.py, test_pre_op.py, test_coeffs.py).  Runs on CPU only.
 """
 
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -182,6 +183,20 @@ def test_functional_eps_type_strict(name):
     for bad in (True, False, "1e-5", None):
         with pytest.raises(TypeError, match="eps must be a float"):
             fn(*arrays.values(), **dict(params, eps=bad))
+    for bad in (10**400, -10**400, float("nan"), -1e-5):  # an int past the float range too
+        with pytest.raises(ValueError, match="eps must be finite and >= 0"):
+            fn(*arrays.values(), **dict(params, eps=bad))
+
+
+def test_gradient_dtype_message_names_each_allowed_dtype_once():
+    import mhc_cupy
+
+    x = np.ones((3, 4), np.float32)
+    with pytest.raises(TypeError, match=r"^grad has dtype float16; it needs float32 \(the activation dtype\)$"):
+        mhc_cupy.rmsnorm_bwd(x.astype(np.float16), x)
+    with pytest.raises(TypeError, match=r"^grad has dtype float16; it needs bfloat16 \(the activation dtype\) "
+                                        r"or float32$"):
+        mhc_cupy.rmsnorm_bwd(x.astype(np.float16), x.astype(ml_dtypes.bfloat16))
 
 
 def test_functional_shape_error_names_x():

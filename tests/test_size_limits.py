@@ -110,14 +110,52 @@ def test_weighted_rmsnorm_bwd_c_limit_follows_the_device(monkeypatch, arch):
 
 def test_weighted_rmsnorm_bwd_c_limit_without_a_device_query(monkeypatch):
     monkeypatch.setattr(rmsnorm, "_smem_optin", lambda ordinal: pytest.fail("queried a device"))
-    rmsnorm.check_weighted_c(LIMIT["sm_90"], ("cpu", 0))  # the CPU: the H100 / H200 limit, one contract
-    with pytest.raises(ValueError, match=rf"supports C <= {LIMIT['sm_90']}; .* on an H100 / H200"):
-        rmsnorm.check_weighted_c(LIMIT["sm_90"] + 1, ("cpu", 0))
+    rmsnorm.check_weighted_c(BIG - 1, ("cpu", 0))  # the CPU reference: no limit (OPS.md section 2)
     rmsnorm.check_weighted_c(12000, ("cuda", 0))  # within the 48 KiB every GPU grants: no query
     monkeypatch.setattr(rmsnorm, "_smem_optin", lambda ordinal: None)
     rmsnorm.check_weighted_c(LIMIT["sm_90"], ("cuda", 0))  # cannot query (no GPU here): the H100 / H200 limit
     with pytest.raises(ValueError, match=rf"supports C <= {LIMIT['sm_90']}"):
         rmsnorm.check_weighted_c(LIMIT["sm_90"] + 1, ("cuda", 0))
+
+
+def test_weighted_rmsnorm_bwd_on_the_cpu_past_the_gpu_limit(rng):
+    """The CPU reference takes any C (OPS.md section 2): C one past the H100 / H200 limit, against
+    a float64 evaluation of the same formulas, through the functional API and torch autograd."""
+    torch = pytest.importorskip("torch")
+    import mhc_cupy.torch as mt
+
+    C = LIMIT["sm_90"] + 1
+    x = rng.standard_normal((2, C)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(C)).astype(np.float32)
+    g = rng.standard_normal((2, C)).astype(np.float32)
+    dx, dw = m.rmsnorm_bwd(g, x, weight=w)
+    x64, w64, g64 = (v.astype(np.float64) for v in (x, w, g))
+    r = 1 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-5)
+    gw = g64 * w64
+    np.testing.assert_allclose(dx, r * gw - x64 * r**3 * (gw * x64).mean(-1, keepdims=True), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dw, (g64 * x64 * r).sum(0), rtol=1e-5, atol=1e-6)
+    xt, wt = torch.from_numpy(x).requires_grad_(), torch.from_numpy(w).requires_grad_()
+    gx, gw_t = torch.autograd.grad(mt.rmsnorm(xt, weight=wt), (xt, wt), torch.from_numpy(g))
+    np.testing.assert_array_equal(gx.numpy(), dx)
+    np.testing.assert_array_equal(gw_t.numpy(), dw)
+
+
+@pytest.mark.gpu
+def test_torch_weighted_rmsnorm_refuses_c_in_forward(monkeypatch):
+    """On a GPU, mhc_cupy.torch.rmsnorm with a weight refuses a C its backward cannot take in
+    the forward (when gradients are recorded), not after the forward ran; without recording,
+    the forward runs.  The device's limit is lowered to 14936 (60000 bytes of shared memory)."""
+    torch = pytest.importorskip("torch")
+    import mhc_cupy.torch as mt
+
+    monkeypatch.setattr(rmsnorm, "_smem_optin", lambda ordinal: 60000)
+    C = 16000
+    x = torch.randn(2, C, device="cuda")
+    w = torch.ones(C, device="cuda", requires_grad=True)
+    with pytest.raises(ValueError, match=r"rmsnorm_bwd with a weight supports C <= 14936; x has C = 16000"):
+        mt.rmsnorm(x, weight=w)
+    with torch.no_grad():
+        assert mt.rmsnorm(x, weight=w).shape == (2, C)
 
 
 # ------------------------------------------------- per-thread kernel resources

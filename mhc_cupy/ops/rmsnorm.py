@@ -97,8 +97,10 @@ def check_weighted_c(C: int, device) -> None:
     """Raise ValueError when the weighted backward's dw row (C floats of
     dynamic shared memory) cannot fit: C <= (S - 256) / 4 with S the opt-in
     shared memory per block of ``device`` (a ("cuda", ordinal) tuple), at most
-    _MAX_SMEM: C <= 58048 on sm_90 and on the CPU, 41664 on sm_80, 25280 on
-    sm_86 / sm_89."""
+    _MAX_SMEM: C <= 58048 on sm_90, 41664 on sm_80, 25280 on sm_86 / sm_89; no limit on
+    the CPU (the NumPy reference)."""
+    if device[0] != "cuda":
+        return
     smem, where = _MAX_SMEM, "on an H100 / H200"
     if device[0] == "cuda" and C * 4 + _BWD_STATIC_SMEM > _DEFAULT_SMEM:
         optin = _smem_optin(device[1])
@@ -245,8 +247,8 @@ def rmsnorm_bwd(grad, x, eps=1e-5, weight=None):
     Raises:
         TypeError / ValueError: as the forward; grad shape differs from x;
         with a weight, C above what a GPU's shared memory per block holds
-        (C floats: C <= 58048 on sm_90 and on the CPU, 41664 on sm_80, 25280 on
-        sm_86 / sm_89).
+        (C floats: C <= 58048 on sm_90, 41664 on sm_80, 25280 on sm_86 / sm_89; no
+        limit on the CPU).
 
     Autograd: none.  Torch tensors that require grad (with grad mode on) give an
     ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.rmsnorm`` for gradients.

@@ -293,13 +293,17 @@ def rmsnorm(x, eps=1e-5, weight=None):
         rounding at the end).
 
     Raises:
-        TypeError: bad dtypes.  ValueError: weight shape, devices, eps.
+        TypeError: bad dtypes.  ValueError: weight shape, devices, eps; with a weight, on a
+        GPU, when gradients are recorded: C above what the weighted backward supports
+        (``mhc_cupy.rmsnorm_bwd``), here rather than in backward.
 
     Notes:
         Backward saves x (and weight) only and recomputes r.  dx has the dtype
         of x; d_weight is float32 [C], summed over tokens in a fixed order
         (deterministic).
     """
+    if weight is not None and isinstance(x, Tensor) and x.is_cuda and x.ndim and _needs_autograd(x, weight):
+        _ops.rmsnorm.check_weighted_c(x.shape[-1], ("cuda", x.device.index))
     if _use_custom_op(x, weight):
         return _op("rmsnorm_fwd")(x, eps, weight)
     if _needs_autograd(x, weight):
