@@ -81,20 +81,28 @@ def test_rmsnorm_bwd_static_shared_memory_matches_the_kernels():
 
 def test_rmsnorm_bwd_weight_limit_leaves_room_for_static_shared_memory():
     """C floats of dynamic shared memory plus the static ones fit in 227 KiB (an H100 /
-    H200 block): the largest C is accepted, one more is a clear ValueError (it used to
-    reach cuFuncSetAttribute and fail there with CUDA_ERROR_INVALID_VALUE)."""
+    H200 block): the largest C is accepted, one more is a clear ValueError from the planner of a
+    GPU call (it used to reach cuFuncSetAttribute and fail there with CUDA_ERROR_INVALID_VALUE);
+    the CPU reference takes both (OPS.md section 2)."""
     import numpy as np
 
     import mhc_cupy as m
 
     C = (227 * 1024 - rmsnorm._BWD_STATIC_SMEM) // 4
     assert C * 4 + rmsnorm._BWD_STATIC_SMEM <= 227 * 1024
-    ones = np.ones((1, C), np.float32)
-    dx, dw = m.rmsnorm_bwd(ones, ones, 1e-5, np.ones(C, np.float32))
-    assert dx.shape == (1, C) and dw.shape == (C,)
-    ones = np.ones((1, C + 1), np.float32)
-    with pytest.raises(ValueError, match=rf"supports C <= {C}; x has C = {C + 1}"):
-        m.rmsnorm_bwd(ones, ones, 1e-5, np.ones(C + 1, np.float32))
+    for c in (C, C + 1):
+        ones = np.ones((1, c), np.float32)
+        dx, dw = m.rmsnorm_bwd(ones, ones, 1e-5, np.ones(c, np.float32))
+        assert dx.shape == (1, c) and dw.shape == (c,)
+    gpu = ("cuda", 0)
+    for c in (C, C + 1):
+        x = m._interop.ArrayInfo((1, c), "float32", gpu, 1 << 20, (c, 1))
+        w = m._interop.ArrayInfo((c,), "float32", gpu, 1 << 20, (1,))
+        if c == C:
+            rmsnorm._plan_bwd({"grad": x, "x": x, "weight": w}, eps=1e-5)
+        else:
+            with pytest.raises(ValueError, match=rf"supports C <= {C}; x has C = {C + 1}"):
+                rmsnorm._plan_bwd({"grad": x, "x": x, "weight": w}, eps=1e-5)
 
 
 def test_every_plan_launches_with_any_optional_inputs_absent_and_any_token_count():
