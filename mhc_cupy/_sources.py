@@ -2,7 +2,9 @@
 
 The sources ship inside the wheel as the package ``mhc_cupy.kernels_cu``
 (``pyproject.toml`` maps the top-level ``kernels_cu/`` folder onto it); in a
-source checkout the folder beside the package is used directly.
+source checkout the folder beside the package is used directly.  Either way the
+folder is found from this file's location, so the kernels always belong to the
+imported package.
 
 Local ``#include "x.cuh"`` lines are inlined, with ``#line`` directives so that
 NVRTC messages still name the real file and line.  Inlining makes the text
@@ -20,21 +22,23 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
 
 def kernel_dir() -> Path:
-    """The folder holding the ``.cu`` / ``.cuh`` files (installed or checkout)."""
-    try:
-        from importlib.resources import files
+    """The folder holding the ``.cu`` / ``.cuh`` files that belong to the imported package.
 
-        d = Path(str(files("mhc_cupy.kernels_cu")))
+    Found from this module's own location, never through the import system: an installed
+    wheel keeps them in ``mhc_cupy/kernels_cu/``, a source checkout (editable install or
+    ``PYTHONPATH``) in ``kernels_cu/`` beside the package.  So Python code and kernels always
+    come from the same tree, even with one checkout on ``PYTHONPATH`` and another installed.
+
+    Raises:
+        FileNotFoundError: neither folder holds ``common.cuh``.
+    """
+    package = Path(__file__).resolve().parent
+    for d in (package / "kernels_cu", package.parent / "kernels_cu"):
         if (d / "common.cuh").is_file():
             return d
-    except (ImportError, ModuleNotFoundError, TypeError):
-        pass
-    d = Path(__file__).resolve().parent.parent / "kernels_cu"
-    if (d / "common.cuh").is_file():
-        return d
     raise FileNotFoundError(
-        "mhc_cupy could not find its CUDA sources: neither the installed package "
-        "'mhc_cupy.kernels_cu' nor the checkout folder 'kernels_cu/' holds common.cuh; "
+        f"mhc_cupy could not find its CUDA sources: neither {package / 'kernels_cu'} (an installed "
+        f"wheel) nor {package.parent / 'kernels_cu'} (a source checkout) holds common.cuh; "
         "reinstall mhc-cupy"
     )
 

@@ -132,6 +132,23 @@ def test_installed_wheel_finds_kernels(wheel, tmp_path):
     assert p.returncode == 0 and "OK" in p.stdout, p.stdout + p.stderr
 
 
+def test_kernels_come_from_the_imported_checkout(tmp_path):
+    """A second checkout on PYTHONPATH runs its own kernels, not those of the installed one."""
+    other = tmp_path / "other"
+    shutil.copytree(REPO / "mhc_cupy", other / "mhc_cupy",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "kernels_cu", other / "kernels_cu")
+    code = "import mhc_cupy, mhc_cupy._sources as s; print(mhc_cupy.__file__); print(s.kernel_dir())"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(other)
+    p = subprocess.run([sys.executable, "-c", code], cwd=str(tmp_path), env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    package_file, kdir = p.stdout.split()
+    assert Path(package_file).is_relative_to(other), package_file
+    assert Path(kdir) == (other / "kernels_cu").resolve(), kdir
+
+
 # ------------------------------------------------------------------ README, CI, CLI, missing extras
 def _readme_commands():
     """The shell commands of the README's "Two commands" block (comments dropped)."""
