@@ -47,6 +47,8 @@ The package (no module imports another in a circle):
 * :mod:`mhc_cupy.torch.layers`: the ``nn.Module`` :class:`MHC` and the
   stream helpers (``expand_streams``, ``collapse_streams``, ``identity_bias``,
   ``ExpandStreams``, ``CollapseStreams``), built on ``functions``;
+* :mod:`mhc_cupy.torch.stack`: :class:`MHCStack`, a network's sequence of :class:`MHC` layers
+  with stream recompute (paper section 4.3), built on ``layers``;
 * :mod:`mhc_cupy.torch.reference`: the same ops and layer in plain torch ops
   (``sinkhorn_reference``, ``mhc_reference``, ``MHCReference``), the autograd
   oracles of the tests and the bench; not imported here.
@@ -59,9 +61,10 @@ from .._deps import require
 
 require("torch", "torch", "mhc_cupy.torch")  # missing: an ImportError naming the extra
 
-from . import functions, layers  # noqa: E402
+from . import functions, layers, stack  # noqa: E402
 from .functions import *  # noqa: E402,F401,F403 - the differentiable ops (functions.__all__)
 from .functions import NAMESPACE  # noqa: E402,F401
 from .layers import *  # noqa: E402,F401,F403 - MHC and the stream helpers (layers.__all__)
+from .stack import *  # noqa: E402,F401,F403 - MHCStack (stack.__all__)
 
-__all__ = functions.__all__ + layers.__all__
+__all__ = functions.__all__ + layers.__all__ + stack.__all__

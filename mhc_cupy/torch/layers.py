@@ -50,6 +50,7 @@ stay equal forever.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -327,23 +328,35 @@ class MHC(nn.Module):
         benchmark times beside them (``python -m mhc_cupy.bench --layer --fused both``)."""
         return True
 
+    #: set by :class:`mhc_cupy.torch.MHCStack` around a call when it recomputes: the hooks that save
+    #: the mHC pieces' tensors (the sublayer's are its own) and the sink of the residual update's inputs
+    _stack_slot = None
+
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         pre_kw = {"convention": self.convention, "hc_eps": self.hc_eps, "post_mult": self.post_mult}
-        if self.fused(x):
-            self._check(x)
-            layer_in, x_in, H_post, H_res = mhc_layer_pre(x, _as_f32(self.phi), _as_f32(self.alpha),
-                                                             _as_f32(self.bias), self.num_iters, self.eps,
-                                                             self.rms_eps, self.grad_mode, **pre_kw)
-            post = mhc_layer_post
-        else:
-            h_pre_raw, h_post_raw, h_res_raw = self.coefficients(x)
-            layer_in, _, H_post, H_res = mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=self.num_iters,
-                                                    eps=self.eps, grad_mode=self.grad_mode, **pre_kw)
-            x_in, post = x, mhc_post_op
+        slot = self._stack_slot
+        with slot.saving() if slot is not None else contextlib.nullcontext():
+            if self.fused(x):
+                self._check(x)
+                layer_in, x_in, H_post, H_res = mhc_layer_pre(x, _as_f32(self.phi), _as_f32(self.alpha),
+                                                                 _as_f32(self.bias), self.num_iters, self.eps,
+                                                                 self.rms_eps, self.grad_mode, **pre_kw)
+                post = mhc_layer_post
+            else:
+                h_pre_raw, h_post_raw, h_res_raw = self.coefficients(x)
+                layer_in, _, H_post, H_res = mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw,
+                                                        num_iters=self.num_iters, eps=self.eps,
+                                                        grad_mode=self.grad_mode, **pre_kw)
+                x_in, post = x, mhc_post_op
         y = self.sublayer(layer_in, *args, **kwargs)
         if y.shape != layer_in.shape:
             raise ValueError(f"sublayer returned shape {tuple(y.shape)}; MHC needs [..., C] = {tuple(layer_in.shape)}")
-        return post(y.to(x.dtype), x_in, H_post, H_res, convention=self.convention)
+        y = y.to(x.dtype)
+        if slot is None:
+            return post(y, x_in, H_post, H_res, convention=self.convention)
+        slot.record(y, H_post, H_res, self.convention)
+        with slot.saving():
+            return post(y, x_in, H_post, H_res, convention=self.convention)
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, n_streams={self.n_streams}, num_iters={self.num_iters}, eps={self.eps}, "

@@ -1,0 +1,182 @@
+"""``MHCStack``: a network's sequence of mHC layers, with stream recompute (paper section 4.3).
+
+A stack of L :class:`~mhc_cupy.torch.MHC` layers computes x_{l+1} = H_res,l x_l + H_post,l^T
+F_l(H_pre,l x_l) for l = 0 .. L-1 (paper Eq. 3), exactly as the layers applied one after the
+other.  What it adds is memory: each mHC layer saves its input streams x_l ([..., n, C], n
+times a plain residual's activation) for backward.  With ``recompute = L_r`` the stack keeps
+x_l only at every L_r-th layer (the block boundaries) and rebuilds the others in backward,
+block by block, with the residual update x_{j+1} = H_res,j x_j + H_post,j^T y_j from what the
+layers save anyway (the sublayer outputs y_j and the per-token coefficients H_post,j, H_res,j):
+the paper's recompute of the mHC pieces in blocks of L_r layers, L_r* = sqrt(n L / (n + 2))
+(``recompute="auto"``).  The sublayers are not recomputed (checkpoint them yourself if you want
+to).  The rebuilt streams are bitwise the forward's (the same deterministic op on the same
+inputs), so gradients are bitwise those without recompute.
+
+Mechanism: the mHC pieces of each layer of a block (not its sublayer) run inside
+``torch.autograd.graph.saved_tensors_hooks`` whose pack hook replaces a saved x_l of a
+non-boundary layer with a handle, and whose unpack hook rebuilds it (once per block: the first unpack in a block rebuilds all its streams, each is
+dropped after its last unpack).  Eager PyTorch only: under ``torch.compile`` the stack runs
+without recompute (say ``recompute=None`` to silence the warning).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from .. import mhc_post_op_fwd
+from .layers import MHC
+
+__all__ = ["MHCStack", "recompute_blocks"]
+
+
+def recompute_blocks(recompute, n: int, L: int) -> Optional[int]:
+    """L_r, the layers per recompute block, for ``recompute`` None (no recompute), a positive
+    int, or "auto" (the paper's L_r* = sqrt(n L / (n + 2)) rounded, at least 1, section 4.3).
+
+    Returns None where nothing is recomputed (None, or L_r = 1: every layer is a boundary).
+
+    Raises:
+        ValueError / TypeError: ``recompute`` is none of those.
+    """
+    if recompute is None:
+        return None
+    if isinstance(recompute, str):
+        if recompute != "auto":
+            raise ValueError(f"recompute must be None, a positive int or 'auto', got {recompute!r}")
+        L_r = max(1, round(math.sqrt(n * L / (n + 2))))
+    elif isinstance(recompute, bool) or not isinstance(recompute, int):
+        raise TypeError(f"recompute must be None, a positive int or 'auto', got {type(recompute).__name__} "
+                        f"{recompute!r}")
+    elif recompute < 1:
+        raise ValueError(f"recompute must be None, a positive int or 'auto', got {recompute}")
+    else:
+        L_r = recompute
+    return L_r if L_r > 1 else None
+
+
+class _Block:
+    """One recompute block: its boundary streams, and what rebuilds each later one in backward."""
+
+    def __init__(self, x: Tensor):
+        self.x0 = x          # the boundary streams (stream 0), saved as they are
+        self.update = []     # update[k]: (y, H_post, H_res, convention) of the block's k-th layer: k -> k + 1
+        self.uses = []       # per stream of the block: saves of it not yet unpacked
+        self.cache = {}      # streams rebuilt in backward and still to be unpacked
+
+    def get(self, i: int) -> Tensor:
+        """The block's i-th streams (i >= 1): rebuilt from the nearest held ones, kept until their
+        last unpack (a later backward through a retained graph rebuilds them again)."""
+        x = self.cache.pop(i, None)
+        if x is None:
+            j = max((k for k in self.cache if k < i), default=0)
+            x = self.x0 if j == 0 else self.cache[j]
+            for k in range(j, i):
+                y, H_post, H_res, convention = self.update[k]
+                x = mhc_post_op_fwd(y, x, H_post, H_res, convention=convention)
+                if k + 1 < i and self.uses[k + 1] > 0:
+                    self.cache[k + 1] = x
+        self.uses[i] -= 1
+        if self.uses[i] > 0:
+            self.cache[i] = x
+        return x
+
+
+class _Slot:
+    """One layer's call inside a block (``MHC._stack_slot``): its input, the block's i-th streams,
+    is saved as a handle (i >= 1), and its residual update's inputs are recorded."""
+
+    def __init__(self, block: _Block, i: int, x: Tensor):
+        self.block, self.i = block, i
+        self.key = (x.data_ptr(), x.shape, x.dtype, x.device)  # not x: autograd keeps the pack hook alive
+        block.uses.append(0)
+
+    def pack(self, t: Tensor):
+        if (t.data_ptr(), t.shape, t.dtype, t.device) == self.key:  # x, or x_link (a view)
+            self.block.uses[self.i] += 1
+            return (self.block, self.i)
+        return t
+
+    def saving(self):
+        """The context around the mHC pieces: nothing to change at the block's boundary (i = 0)."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack) if self.i else contextlib.nullcontext()
+
+    def record(self, y: Tensor, H_post: Tensor, H_res: Tensor, convention: str) -> None:
+        self.block.update.append((y.detach(), H_post.detach(), H_res.detach(), convention))
+
+
+def _unpack(saved):
+    return saved[0].get(saved[1]) if isinstance(saved, tuple) else saved
+
+
+class MHCStack(nn.Module):
+    """A sequence of mHC layers applied in order, with optional stream recompute.
+
+    ``forward(x, *args, **kwargs)`` equals ``for layer in layers: x = layer(x, *args, **kwargs)``
+    in value and gradient (bitwise, with or without recompute): the extra arguments go to
+    every sublayer.
+
+    Args:
+        layers: a non-empty sequence of :class:`MHC` (any convention; all of one n and C).  They
+            become ``stack.layers`` (an ``nn.ModuleList``): their parameters are the stack's, so
+            ``MHC.from_deepseek`` layers and existing checkpoints load as they are.
+        recompute: None (default: every layer saves its input streams), an int L_r >= 1 (save the
+            streams at every L_r-th layer only and rebuild the rest in backward), or "auto" (the
+            paper's L_r* = sqrt(n L / (n + 2)), section 4.3).
+
+    Shapes:
+        x [..., n, C] (bfloat16 / float16 / float32) -> [..., n, C], dtype of x.
+
+    Raises:
+        ValueError: empty ``layers``; layers of different n or C; ``recompute`` not None / a
+        positive int / "auto" (TypeError for a non-int).  TypeError: an element is not an MHC.
+    """
+
+    def __init__(self, layers: Sequence[MHC], recompute: Union[None, int, str] = None):
+        super().__init__()
+        if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
+            raise TypeError(f"layers must be a sequence of MHC modules, got one {type(layers).__name__}")
+        layers = list(layers)
+        if not layers:
+            raise ValueError("layers must hold at least one MHC layer, got an empty sequence")
+        for i, layer in enumerate(layers):
+            if not isinstance(layer, MHC):
+                raise TypeError(f"layers[{i}] must be an mhc_cupy.torch.MHC, got {type(layer).__name__}")
+            if (layer.n_streams, layer.dim) != (layers[0].n_streams, layers[0].dim):
+                raise ValueError(f"layers[{i}] has n_streams={layer.n_streams}, dim={layer.dim}; layers[0] has "
+                                 f"n_streams={layers[0].n_streams}, dim={layers[0].dim}: a stack needs one n and C")
+        self.layers = nn.ModuleList(layers)
+        self.n_streams, self.dim = layers[0].n_streams, layers[0].dim
+        self.recompute = recompute
+        self.block_layers = recompute_blocks(recompute, self.n_streams, len(layers))
+
+    def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        L_r = self.block_layers
+        if L_r is None or not torch.is_grad_enabled():
+            for layer in self.layers:
+                x = layer(x, *args, **kwargs)
+            return x
+        if torch.compiler.is_compiling():
+            warnings.warn("MHCStack: stream recompute runs in eager mode only; under torch.compile the stack "
+                          "saves every layer's streams (give recompute=None to silence this)", stacklevel=2)
+            for layer in self.layers:
+                x = layer(x, *args, **kwargs)
+            return x
+        block = None
+        for l, layer in enumerate(self.layers):
+            if l % L_r == 0:
+                block = _Block(x)
+            layer._stack_slot = _Slot(block, l % L_r, x)
+            try:
+                x = layer(x, *args, **kwargs)
+            finally:
+                del layer._stack_slot
+        return x
+
+    def extra_repr(self) -> str:
+        return f"n_streams={self.n_streams}, dim={self.dim}, layers={len(self.layers)}, recompute={self.recompute!r}"

@@ -1,0 +1,229 @@
+"""``mhc_cupy.torch.MHCStack``: a sequence of MHC layers with stream recompute (issue: mHC across
+the whole network).
+
+* value and gradient equal a chain of the same layers, bitwise, with recompute off, per block of
+  L_r layers and "auto"; the chain equals a chain of float64 reference layers (paper convention);
+* recompute keeps the streams of block boundaries only (the others are freed after the forward)
+  and rebuilds them in backward; a second backward (retain_graph) gives the same gradients;
+* under torch.no_grad() the stack saves nothing; bad input raises errors naming the argument.
+
+CPU tensors run the NumPy reference; the GPU variant at the end runs the kernels.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from harness import TOL, assert_close, default_dtype
+
+import mhc_cupy.torch as mt
+from mhc_cupy.torch.reference import MHCReference
+
+
+@pytest.fixture(autouse=True)
+def _float32_default():
+    with default_dtype(torch.float32):
+        yield
+
+
+class Mlp(nn.Module):
+    """A pre-norm MLP sublayer that also takes an extra forward argument."""
+
+    def __init__(self, C):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(C), nn.Linear(C, 2 * C), nn.Linear(2 * C, C)
+
+    def forward(self, h, scale=1.0):
+        return scale * self.down(torch.tanh(self.up(self.norm(h))))
+
+
+def make_layers(L, n, C, seed, convention="paper", sublayer=True):
+    """L MHC layers with coefficients moved away from their init (logits of scale ~1)."""
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(L):
+        layer = mt.MHC(C, n, Mlp(C) if sublayer else None, alpha_init=1.0, convention=convention)
+        with torch.no_grad():
+            layer.bias.add_(torch.randn_like(layer.bias))
+            layer.alpha.copy_(torch.tensor([0.5, 1.0, 1.5]))
+        layers.append(layer)
+    return layers
+
+
+def run(module, x, g, *args, **kwargs):
+    """(out, dx, parameter gradients) of module(x) with output gradient g."""
+    module.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    out = module(x, *args, **kwargs)
+    out.backward(g)
+    return out.detach(), x.grad, [p.grad for p in module.parameters()]
+
+
+def assert_bitwise(a, b, what):
+    (out_a, dx_a, grads_a), (out_b, dx_b, grads_b) = a, b
+    assert torch.equal(out_a, out_b), f"{what}: out"
+    assert torch.equal(dx_a, dx_b), f"{what}: dx"
+    assert len(grads_a) == len(grads_b)
+    for i, (p, q) in enumerate(zip(grads_a, grads_b)):
+        assert (p is None) == (q is None) and (p is None or torch.equal(p, q)), f"{what}: grad of parameter {i}"
+
+
+CASES = [  # (lead, n, C, L)
+    ((1,), 1, 5, 1), ((3,), 2, 8, 2), ((2, 3), 4, 7, 3), ((127,), 4, 16, 5), ((3,), 5, 3, 4),
+    ((2,), 8, 9, 5), ((1,), 16, 4, 3),
+]
+
+
+@pytest.mark.parametrize("convention", ["paper", "deepseek"])
+@pytest.mark.parametrize("lead,n,C,L", CASES)
+def test_stack_equals_the_chain_bitwise_with_and_without_recompute(rng, lead, n, C, L, convention):
+    layers = make_layers(L, n, C, int(rng.integers(1 << 30)), convention)
+    x = torch.from_numpy(rng.standard_normal(lead + (n, C))).float()
+    g = torch.from_numpy(rng.standard_normal(lead + (n, C))).float()
+    chain = nn.Sequential(*layers)
+    want = run(chain, x, g)
+    for recompute in (None, 1, 2, 3, "auto", L + 2):
+        stack = mt.MHCStack(layers, recompute=recompute)
+        assert_bitwise(run(stack, x, g), want, f"recompute={recompute!r}")
+
+
+@pytest.mark.parametrize("lead,n,C,L", CASES[:5])
+def test_stack_matches_a_chain_of_float64_reference_layers(rng, lead, n, C, L):
+    layers = make_layers(L, n, C, int(rng.integers(1 << 30)))
+    refs = nn.Sequential(*(MHCReference.from_layer(layer) for layer in layers)).double()
+    x = torch.from_numpy(rng.standard_normal(lead + (n, C))).float()
+    g = torch.from_numpy(rng.standard_normal(lead + (n, C))).float()
+    out, dx, grads = run(mt.MHCStack(layers, recompute=2), x, g)
+    out_ref, dx_ref, grads_ref = run(refs, x.double(), g.double())
+    tol = TOL["float32_layer"].value * L  # one layer's bound per layer: errors compound over the chain
+    assert_close(out, out_ref, tol, "out")
+    assert_close(dx, dx_ref, tol, "dx")
+    for i, (p, q) in enumerate(zip(grads, grads_ref)):
+        assert_close(p, q, tol, f"grad of parameter {i}")
+
+
+def test_extra_forward_arguments_reach_every_sublayer(rng):
+    layers = make_layers(3, 4, 8, 1)
+    x = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+    g = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+    want = run(nn.Sequential(*layers), x, g)  # scale = 1
+    got = run(mt.MHCStack(layers, recompute=2), x, g, scale=0.5)
+    assert not torch.equal(got[0], want[0])
+    chain = lambda x, scale: [x := layer(x, scale=scale) for layer in layers][-1]  # noqa: E731
+    x1 = x.clone().requires_grad_()
+    out = chain(x1, 0.5)
+    out.backward(g)
+    assert torch.equal(got[0], out.detach()) and torch.equal(got[1], x1.grad)
+
+
+def _streams_alive_after_forward(stack, x):
+    """Which layers' input streams are still held (by the autograd graph) after the forward."""
+    refs = []
+    hooks = [layer.register_forward_pre_hook(lambda mod, args: refs.append(weakref.ref(args[0])))
+             for layer in stack.layers]
+    try:
+        out = stack(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    gc.collect()
+    return out, [r() is not None for r in refs]
+
+
+@pytest.mark.parametrize("recompute,boundaries", [(None, [0, 1, 2, 3, 4, 5]), (2, [0, 2, 4]), (3, [0, 3]),
+                                                  ("auto", [0, 2, 4])])
+def test_recompute_keeps_only_the_block_boundaries(rng, recompute, boundaries):
+    """After the forward, the graph holds the input streams of boundary layers only; the backward
+    rebuilds the others (bitwise: see above) and frees them again."""
+    layers = make_layers(6, 4, 8, 2)
+    stack = mt.MHCStack(layers, recompute=recompute)
+    x = torch.from_numpy(rng.standard_normal((3, 4, 8))).float().requires_grad_()
+    out, alive = _streams_alive_after_forward(stack, x)
+    assert [i for i, a in enumerate(alive) if a] == boundaries
+    out.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_no_grad_saves_nothing(rng):
+    stack = mt.MHCStack(make_layers(4, 4, 8, 3), recompute=2)
+    x = torch.from_numpy(rng.standard_normal((3, 4, 8))).float()
+    with torch.no_grad():
+        out, alive = _streams_alive_after_forward(stack, x.clone())
+    assert out.grad_fn is None and alive[1:] == [False] * 3  # (alive[0]: the argument)
+    with torch.no_grad():
+        assert torch.equal(out, nn.Sequential(*stack.layers)(x))
+
+
+def test_second_backward_with_retain_graph_rebuilds_again(rng):
+    stack = mt.MHCStack(make_layers(5, 4, 8, 4), recompute=2)
+    x = torch.from_numpy(rng.standard_normal((3, 4, 8))).float().requires_grad_()
+    out = stack(x)
+    (dx1,) = torch.autograd.grad(out.sum(), x, retain_graph=True)
+    (dx2,) = torch.autograd.grad(out.sum(), x)
+    assert torch.equal(dx1, dx2)
+
+
+def test_parameters_are_the_layers_and_load_a_chain_checkpoint(rng):
+    layers = make_layers(3, 4, 8, 5)
+    stack = mt.MHCStack(layers, recompute="auto")
+    assert all(a is b for a, b in zip(stack.layers, layers))
+    assert {id(p) for p in stack.parameters()} == {id(p) for layer in layers for p in layer.parameters()}
+    other = mt.MHCStack(make_layers(3, 4, 8, 6))
+    other.load_state_dict(stack.state_dict())
+    x = torch.from_numpy(rng.standard_normal((3, 4, 8))).float()
+    with torch.no_grad():
+        assert torch.equal(other(x), stack(x))
+    assert "recompute='auto'" in repr(stack)
+
+
+@pytest.mark.parametrize("n,L,want", [(4, 8, 2), (4, 32, 5), (1, 4, 1), (16, 60, 7)])
+def test_auto_block_size_is_the_papers(n, L, want):
+    """L_r* = sqrt(n L / (n + 2)) rounded (paper section 4.3); 1 means no recompute (None)."""
+    got = mt.stack.recompute_blocks("auto", n, L)
+    assert got == (None if want == 1 else want)
+
+
+@pytest.mark.parametrize("layers,recompute,exc,match", [
+    ([], None, ValueError, "layers must hold at least one MHC layer"),
+    ([nn.Linear(8, 8)], None, TypeError, r"layers\[0\] must be an mhc_cupy.torch.MHC, got Linear"),
+    ("mixed", None, ValueError, r"layers\[1\] has n_streams=2, dim=8; layers\[0\] has n_streams=4"),
+    ("dims", None, ValueError, r"layers\[1\] has n_streams=4, dim=6; layers\[0\] has n_streams=4, dim=8"),
+    ("ok", 0, ValueError, "recompute must be None, a positive int or 'auto', got 0"),
+    ("ok", -2, ValueError, "recompute must be None, a positive int or 'auto', got -2"),
+    ("ok", "sqrt", ValueError, "recompute must be None, a positive int or 'auto', got 'sqrt'"),
+    ("ok", 2.0, TypeError, "recompute must be None, a positive int or 'auto', got float 2.0"),
+    ("ok", True, TypeError, "recompute must be None, a positive int or 'auto', got bool True"),
+])
+def test_bad_input_names_the_argument(layers, recompute, exc, match):
+    if layers == "mixed":
+        layers = [mt.MHC(8, 4), mt.MHC(8, 2)]
+    elif layers == "dims":
+        layers = [mt.MHC(8, 4), mt.MHC(6, 4)]
+    elif layers == "ok":
+        layers = [mt.MHC(8, 4), mt.MHC(8, 4)]
+    with pytest.raises(exc, match=match):
+        mt.MHCStack(layers, recompute=recompute)
+    with pytest.raises(TypeError, match="layers must be a sequence of MHC modules, got one MHC"):
+        mt.MHCStack(mt.MHC(8, 4))
+
+
+# ---------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n,C", [(4, 64), (5, 24), (16, 8)])
+def test_gpu_stack_recompute_is_bitwise_the_chain(dtype, n, C):
+    L, lead = 5, (3, 127)
+    layers = [layer.cuda() for layer in make_layers(L, n, C, 7)]
+    for layer in layers:
+        layer.sublayer.to(dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(lead + (n, C), device="cuda", generator=gen).to(dtype)
+    g = torch.randn(lead + (n, C), device="cuda", generator=gen).to(dtype)
+    want = run(nn.Sequential(*layers), x, g)
+    for recompute in (None, 2, "auto"):
+        assert_bitwise(run(mt.MHCStack(layers, recompute=recompute), x, g), want, f"recompute={recompute!r}")
