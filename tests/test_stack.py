@@ -227,3 +227,18 @@ def test_gpu_stack_recompute_is_bitwise_the_chain(dtype, n, C):
     want = run(nn.Sequential(*layers), x, g)
     for recompute in (None, 2, "auto"):
         assert_bitwise(run(mt.MHCStack(layers, recompute=recompute), x, g), want, f"recompute={recompute!r}")
+
+
+@pytest.mark.parametrize("recompute", [None, 2])
+def test_compile_fullgraph(rng, recompute):
+    """torch.compile(fullgraph=True) of a stack traces without a break (recompute is eager-only:
+    compiled, the stack saves every layer's streams) and gives the eager values and gradients."""
+    torch._dynamo.reset()
+    layers = make_layers(3, 4, 8, 8)
+    stack = mt.MHCStack(layers, recompute=recompute)
+    x = torch.from_numpy(rng.standard_normal((2, 3, 4, 8))).float()
+    g = torch.from_numpy(rng.standard_normal((2, 3, 4, 8))).float()
+    want = run(stack, x, g)
+    got = run(torch.compile(stack, fullgraph=True, backend="aot_eager"), x, g)
+    for a, b in zip((got[0], got[1], *got[2]), (want[0], want[1], *want[2])):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

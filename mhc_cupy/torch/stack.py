@@ -16,14 +16,13 @@ Mechanism: the mHC pieces of each layer of a block (not its sublayer) run inside
 ``torch.autograd.graph.saved_tensors_hooks`` whose pack hook replaces a saved x_l of a
 non-boundary layer with a handle, and whose unpack hook rebuilds it (once per block: the first unpack in a block rebuilds all its streams, each is
 dropped after its last unpack).  Eager PyTorch only: under ``torch.compile`` the stack runs
-without recompute (say ``recompute=None`` to silence the warning).
+without recompute (the same values and gradients, with every layer's streams saved).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from typing import Optional, Sequence, Union
 
 import torch
@@ -157,13 +156,8 @@ class MHCStack(nn.Module):
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         L_r = self.block_layers
-        if L_r is None or not torch.is_grad_enabled():
-            for layer in self.layers:
-                x = layer(x, *args, **kwargs)
-            return x
-        if torch.compiler.is_compiling():
-            warnings.warn("MHCStack: stream recompute runs in eager mode only; under torch.compile the stack "
-                          "saves every layer's streams (give recompute=None to silence this)", stacklevel=2)
+        if L_r is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            # (compiled: the graph is traced without the saved-tensor hooks, so without recompute)
             for layer in self.layers:
                 x = layer(x, *args, **kwargs)
             return x
