@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from mhc_cupy.torch import MHC
+from mhc_cupy.torch import MHC, MHCHead
 
 import deepseek_oracle as O
 from deepseek_oracle import LEADS, NS, layer_params, t64
@@ -38,6 +38,10 @@ def test_mhc_round_trip_bitwise(rng):
         MHC.from_deepseek(hc_fn, hc_scale, hc_base[:-1])
     with pytest.raises(TypeError, match="hc_scale"):
         MHC.from_deepseek(hc_fn, [1.0, 1.0, 1.0], hc_base)
+    with pytest.raises(ValueError, match=r"hc_fn has shape \(24, 0\); it needs .* C >= 1"):  # issue 41 item 11
+        MHC.from_deepseek(hc_fn[:, :0], hc_scale, hc_base)
+    with pytest.raises(ValueError, match=r"hc_fn has shape \(4, 0\); it needs \[n, n\*C\] with n >= 1 and C >= 1"):
+        MHCHead.from_deepseek(torch.zeros(4, 0), torch.zeros(1), torch.zeros(4))
     with pytest.raises(ValueError, match="num_iters"):
         MHC(33, 4, num_iters=0, convention="deepseek")
 
@@ -153,6 +157,7 @@ def test_layer_halves_must_share_the_convention():
     out.sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
+
 # ============================================================ GPU
 # ------------------------------------------------------------------ torch: MHCHead and MHC(convention="deepseek")
 
@@ -167,7 +172,7 @@ def test_torch_mhc_deepseek_cuda(rng, n, dt):
     import torch
 
     import deepseek_oracle as O
-    from mhc_cupy.torch import MHC
+    from mhc_cupy.torch import MHC, MHCHead
 
     from harness import TOL
 
@@ -199,7 +204,7 @@ def test_torch_mhc_deepseek_deterministic(rng):
     """MHC(convention="deepseek") on CUDA: a repeated forward and backward gives the same bits."""
     import torch
 
-    from mhc_cupy.torch import MHC
+    from mhc_cupy.torch import MHC, MHCHead
 
     layer = MHC(256, 4, convention="deepseek", device="cuda")
     x = torch.tensor(rng.standard_normal((2000, 4, 256)), dtype=torch.bfloat16, device="cuda")

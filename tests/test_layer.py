@@ -242,6 +242,30 @@ def test_bad_shapes_raise():
         MHC(8, 4, grad_mode="exact")
 
 
+@pytest.mark.parametrize("cls, arg, value, exc, need", [
+    (MHC, "phi_init_std", -1.0, ValueError, "must be finite and >= 0"),
+    (MHC, "phi_init_std", math.nan, ValueError, "must be finite and >= 0"),
+    (MHC, "phi_init_std", "0.1", TypeError, "must be a float"),
+    (MHC, "alpha_init", math.inf, ValueError, "must be finite"),
+    (MHC, "alpha_init", math.nan, ValueError, "must be finite"),
+    (MHC, "alpha_init", True, TypeError, "must be a float"),
+    ("MHCHead", "fn_init_std", -1.0, ValueError, "must be finite and >= 0"),
+    ("MHCHead", "fn_init_std", math.nan, ValueError, "must be finite and >= 0"),
+    ("MHCHead", "scale_init", math.nan, ValueError, "must be finite"),
+    ("MHCHead", "scale_init", -math.inf, ValueError, "must be finite"),
+])
+def test_bad_init_arguments_raise(cls, arg, value, exc, need):
+    """Initialisation arguments are checked in the constructor, naming the argument and its value
+    (issue 41 item 11: they were accepted and gave NaN / inf parameters)."""
+    from mhc_cupy.torch import MHCHead
+
+    cls = MHCHead if cls == "MHCHead" else cls
+    with pytest.raises(exc, match=rf"{arg} {need}.*{value!r}" if exc is TypeError else rf"{arg} {need}, got {value}"):
+        cls(8, 4, **{arg: value})
+    ok = cls(8, 4, **{arg: 0.0})  # zero is fine for all four (a std of 0: zeros)
+    assert all(torch.isfinite(p).all() for p in ok.parameters())
+
+
 def test_bf16_activations_and_f32_coefficients():
     """bf16 streams keep bf16; coefficients stay float32 even after module.bfloat16()."""
     layer = make_layer(16, 4, 1)

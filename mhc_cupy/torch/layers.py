@@ -50,7 +50,6 @@ stay equal forever.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -230,7 +229,8 @@ class MHC(nn.Module):
         int >= 1, n_streams not in 1..32, num_iters not an int in 0..10000
         (``mhc_cupy.MAX_NUM_ITERS``; >= 1 under "deepseek"), eps / rms_eps / hc_eps /
         post_mult not a finite float >= 0, post_init not in (0, post_mult), bad grad_mode or convention,
-        sublayer neither None nor callable.
+        sublayer neither None nor callable, alpha_init not a finite float, phi_init_std neither None
+        nor a finite float >= 0.
     """
 
     def __init__(self, dim: int, n_streams: int = 4, sublayer: Optional[nn.Module] = None,
@@ -250,8 +250,8 @@ class MHC(nn.Module):
         self.hc_eps, self.post_mult = _convention.activations(convention, hc_eps, post_mult)
         self.dim, self.n_streams = dim, n_streams
         self.num_iters, self.eps, self.rms_eps, self.grad_mode = num_iters, eps, rms_eps, grad_mode
-        self.alpha_init = alpha_init
-        self.phi_init_std = 1.0 / math.sqrt(n_streams * dim) if phi_init_std is None else phi_init_std
+        self.alpha_init = _layer_init.init_value("alpha_init", alpha_init)
+        self.phi_init_std = _layer_init.init_std("phi_init_std", phi_init_std, n_streams * dim)
         if post_init is not None and self.post_mult > 0 and not 0 < post_init < self.post_mult:
             raise ValueError(f"post_init (H_post at init = post_mult sigmoid(b_post)) must be in (0, post_mult = "
                              f"{self.post_mult}), got {post_init}")
@@ -380,7 +380,8 @@ class MHCHead(nn.Module):
 
     Raises:
         TypeError / ValueError in the constructor: dim not an int >= 1, n_streams not in 1..32,
-        rms_eps / hc_eps not a finite float >= 0, bad convention.
+        rms_eps / hc_eps not a finite float >= 0, bad convention, scale_init not a finite float,
+        fn_init_std neither None nor a finite float >= 0.
     """
 
     def __init__(self, dim: int, n_streams: int = 4, convention: str = "deepseek", rms_eps: float = DEFAULT,
@@ -392,8 +393,8 @@ class MHCHead(nn.Module):
         self.rms_eps = _convention.rms_eps(convention, rms_eps)
         self.hc_eps = _checks.eps("hc_eps", _convention.resolve(convention, hc_eps=hc_eps))
         self.dim, self.n_streams = dim, n_streams
-        self.scale_init = scale_init
-        self.fn_init_std = 1.0 / math.sqrt(n_streams * dim) if fn_init_std is None else fn_init_std
+        self.scale_init = _layer_init.init_value("scale_init", scale_init)
+        self.fn_init_std = _layer_init.init_std("fn_init_std", fn_init_std, n_streams * dim)
         kw = {"device": device, "dtype": torch.float32}
         self.hc_fn = nn.Parameter(torch.empty(n_streams, n_streams * dim, **kw))
         self.hc_scale = nn.Parameter(torch.empty(1, **kw))
