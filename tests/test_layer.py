@@ -275,12 +275,13 @@ def test_bf16_activations_and_f32_coefficients():
     assert out.dtype == torch.bfloat16
     out.float().sum().backward()
     assert x.grad.dtype == torch.bfloat16 and layer.phi.grad.dtype == torch.float32
-    # a module converted wholesale: phi / alpha / bias are cast back to float32 for the ops
+    # a module converted wholesale: the sublayer is bf16, phi / alpha / bias stay float32
     layer2 = make_layer(16, 4, 1).bfloat16()
+    assert {p.dtype for p in (layer2.phi, layer2.alpha, layer2.bias)} == {torch.float32}
     out2 = layer2(x.detach())
     assert out2.dtype == torch.bfloat16 and torch.isfinite(out2.float()).all()
     ref = make_layer(16, 4, 1)(x.detach().float())
-    assert_close(out2.float(), ref, 5e-2, "bf16 module vs float32 module")  # bf16 weights: ~ a few 2^-8
+    assert_close(out2.float(), ref, 5e-2, "bf16 module vs float32 module")  # bf16 sublayer: ~ a few 2^-8
 
 
 def test_no_grad_and_implicit_grad_mode(rng):

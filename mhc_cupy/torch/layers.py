@@ -57,6 +57,7 @@ from torch import Tensor, nn
 
 from .. import _checks, _convention, _layer_init
 from .._convention import DEFAULT
+from ._float32 import Float32Parameters
 from .functions import mhc_coeffs, mhc_head, mhc_layer_post, mhc_layer_pre, mhc_post_op, mhc_pre_op
 
 
@@ -67,7 +68,8 @@ __all__ = [
 
 # ----------------------------------------------------------------- helpers
 def _as_f32(t: Tensor) -> Tensor:
-    """Coefficient parameters are float32 (OPS.md); differentiable cast if a module was ``.to()``-ed."""
+    """Coefficient parameters are float32 (OPS.md; dtype casts of the module keep them so); a
+    differentiable cast where their data has another dtype (an FSDP2 policy's low param_dtype)."""
     return t if t.dtype == torch.float32 else t.float()
 
 
@@ -177,7 +179,7 @@ class CollapseStreams(nn.Module):
 
 
 # ------------------------------------------------------------------- layer
-class MHC(nn.Module):
+class MHC(Float32Parameters):
     """mHC around one sublayer: x_{l+1} = H_res x_l + H_post^T F(H_pre x_l) (paper Eq. 3).
 
     The coefficients are computed per token from x_l (paper Eqs. 14-18, OPS.md
@@ -224,6 +226,10 @@ class MHC(nn.Module):
         forward(x [..., n, C], *args, **kwargs) -> [..., n, C], dtype of x
         (bfloat16 / float16 / float32; coefficients are always float32).
 
+    dtype casts (``.to(torch.bfloat16)``, ``.half()``, ``.bfloat16()``, ``.double()``) cast the
+    sublayer only: phi, alpha and bias (and their gradients) stay float32, unrounded; device moves
+    apply to all.
+
     Raises:
         TypeError / ValueError in the constructor (before allocating): dim not an
         int >= 1, n_streams not in 1..32, num_iters not an int in 0..10000
@@ -232,6 +238,8 @@ class MHC(nn.Module):
         sublayer neither None nor callable, alpha_init not a finite float, phi_init_std neither None
         nor a finite float >= 0.
     """
+
+    float32_parameters = ("phi", "alpha", "bias")
 
     def __init__(self, dim: int, n_streams: int = 4, sublayer: Optional[nn.Module] = None,
                  num_iters: int = DEFAULT, eps: float = DEFAULT, rms_eps: float = DEFAULT,
@@ -257,7 +265,7 @@ class MHC(nn.Module):
                              f"{self.post_mult}), got {post_init}")
         self.pre_init, self.post_init, self.res_diag_init = pre_init, post_init, res_diag_init
         m = n_streams * n_streams + 2 * n_streams
-        kw = {"device": device, "dtype": torch.float32}
+        kw = {"device": device, "dtype": torch.float32}  # kept float32 by dtype casts (Float32Parameters)
         self.phi = nn.Parameter(torch.empty(n_streams * dim, m, **kw))
         self.alpha = nn.Parameter(torch.empty(3, **kw))
         self.bias = nn.Parameter(torch.empty(m, **kw))
@@ -353,7 +361,7 @@ class MHC(nn.Module):
 
 
 # -------------------------------------------------------------------- head
-class MHCHead(nn.Module):
+class MHCHead(Float32Parameters):
     """The mHC head: the n residual streams merged into one hidden state at the end of the
     network (OPS.md section 11; DeepSeek-V4's ``hc_head``), in place of :func:`collapse_streams`.
 
@@ -378,11 +386,16 @@ class MHCHead(nn.Module):
     Shapes:
         forward(x [..., n, C]) -> [..., C], dtype of x.
 
+    dtype casts of the module (``.to(torch.bfloat16)``, ``.half()``, ...) leave hc_fn, hc_scale and
+    hc_base float32.
+
     Raises:
         TypeError / ValueError in the constructor: dim not an int >= 1, n_streams not in 1..32,
         rms_eps / hc_eps not a finite float >= 0, bad convention, scale_init not a finite float,
         fn_init_std neither None nor a finite float >= 0.
     """
+
+    float32_parameters = ("hc_fn", "hc_scale", "hc_base")
 
     def __init__(self, dim: int, n_streams: int = 4, convention: str = "deepseek", rms_eps: float = DEFAULT,
                  hc_eps: float = DEFAULT, scale_init: float = 0.01, fn_init_std: Optional[float] = None,

@@ -1,0 +1,73 @@
+"""PyTorch adapter edges (issue 41): dtype casts of ``MHC`` / ``MHCHead`` keep the coefficient
+parameters float32 (item 13), ``torch.func`` transforms are refused with a clear error (item 12),
+and the FSDP2 bf16 recipe of ``examples/distributed.py`` runs the residual streams in bf16 (item 3).
+CPU only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mhc_cupy.torch import MHC, MHCHead
+from mhc_cupy.torch.reference import MHCReference
+
+COEFFS = {MHC: ("phi", "alpha", "bias"), MHCHead: ("hc_fn", "hc_scale", "hc_base")}
+
+
+def _module(cls):
+    torch.manual_seed(0)
+    return MHC(8, 4, nn.Linear(8, 8), alpha_init=0.3) if cls is MHC else MHCHead(8, 4, scale_init=0.3)
+
+
+# ------------------------------------------------------------------ item 13: coefficients stay float32
+@pytest.mark.parametrize("cls", [MHC, MHCHead])
+@pytest.mark.parametrize("cast", ["to_bf16", "bfloat16", "half", "double", "type_f16"])
+def test_dtype_casts_keep_coefficients_float32(cls, cast):
+    """A dtype cast of the module leaves phi / alpha / bias (hc_fn / hc_scale / hc_base) and their
+    gradients float32 and bitwise unchanged (not rounded through the other dtype), casts the
+    sublayer, and the module still runs on activations of the sublayer's dtype."""
+    module = _module(cls)
+    x = torch.randn(3, 4, 8)
+    module(x).sum().backward()
+    before = {k: (getattr(module, k).detach().clone(), getattr(module, k).grad.clone()) for k in COEFFS[cls]}
+    to = {"to_bf16": lambda m: m.to(torch.bfloat16), "bfloat16": nn.Module.bfloat16, "half": nn.Module.half,
+          "double": nn.Module.double, "type_f16": lambda m: m.type(torch.float16)}[cast]
+    assert to(module) is module
+    for k, (value, grad) in before.items():
+        p = getattr(module, k)
+        assert isinstance(p, nn.Parameter) and p.dtype == p.grad.dtype == torch.float32, k
+        assert torch.equal(p, value) and torch.equal(p.grad, grad), k
+    if cls is MHC:
+        low = module.sublayer.weight.dtype
+        assert low == {"to_bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "double": torch.float64}.get(
+            cast, torch.float16)
+        if low != torch.float64:  # activations: bf16 / f16 / f32 only
+            x_low = x.to(low).requires_grad_()
+            out = module(x_low)
+            out.float().sum().backward()
+            assert out.dtype == x_low.grad.dtype == low and module.phi.grad.dtype == torch.float32
+    else:
+        assert module(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_device_moves_and_swap_conversion_keep_float32(swap):
+    """Device moves still apply (meta, to_empty), also with torch's swap-tensors conversion; the
+    plain-torch oracle MHCReference casts its parameters (``.double()`` is the float64 oracle)."""
+    old = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(swap)
+    try:
+        layer = _module(MHC)
+        layer.to("meta", torch.bfloat16)
+        assert layer.phi.device.type == "meta" and layer.phi.dtype == torch.float32
+        assert layer.sublayer.weight.device.type == "meta" and layer.sublayer.weight.dtype == torch.bfloat16
+        layer.to_empty(device="cpu")
+        assert layer.phi.device.type == "cpu" and layer.phi.dtype == torch.float32
+        layer = _module(MHC).bfloat16()
+        assert layer.phi.dtype == torch.float32 and layer.sublayer.weight.dtype == torch.bfloat16
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(old)
+    ref = MHCReference.from_layer(_module(MHC)).double()
+    assert ref.phi.dtype == ref.alpha.dtype == ref.bias.dtype == torch.float64
