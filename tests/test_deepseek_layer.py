@@ -158,6 +158,39 @@ def test_layer_halves_must_share_the_convention():
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "frozen", "autograd", "compiled", "compiled_no_grad"])
+def test_layer_halves_convention_checked_in_every_mode(mode):
+    """The convention mismatch raises whether or not autograd records (issue 41 item 2: under no_grad or
+    with frozen parameters the post half silently ran the paper post op), also under torch.compile
+    (checked while tracing: a ValueError, or under fullgraph=True Dynamo's error carrying it)."""
+    import contextlib
+
+    import mhc_cupy.torch as mt
+
+    layer = mt.MHC(8, 3)
+    params = [p.detach() for p in (layer.phi, layer.alpha, layer.bias)] if mode == "frozen" else \
+        [layer.phi, layer.alpha, layer.bias]
+    x = torch.randn(2, 3, 8)
+
+    def run(x, phi, alpha, bias, convention):
+        layer_in, x_link, H_post, H_res = mt.mhc_layer_pre(x, phi, alpha, bias, convention="deepseek")
+        return mt.mhc_layer_post(layer_in, x_link, H_post, H_res, convention=convention)
+
+    compiled = mode.startswith("compiled")
+    good = torch.compile(run, backend="aot_eager", fullgraph=True) if compiled else run  # no graph break
+    bad = torch.compile(run, backend="aot_eager") if compiled else run
+    match = "convention='paper' but mhc_layer_pre ran with convention='deepseek'"
+    with torch.no_grad() if mode.endswith("no_grad") else contextlib.nullcontext():
+        layer_in, _, H_post, H_res = mt.mhc_layer_pre(x, *params, convention="deepseek")
+        want = mt.mhc_post_op(layer_in, x, H_post, H_res, convention="deepseek")
+        torch.testing.assert_close(good(x, *params, "deepseek"), want)
+        with pytest.raises(ValueError, match=match):
+            bad(x, *params, "paper")
+        if compiled:
+            with pytest.raises(Exception, match=match):
+                good(x, *params, "paper")
+
+
 # ============================================================ GPU
 # ------------------------------------------------------------------ torch: MHCHead and MHC(convention="deepseek")
 
