@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import mhc_cupy.torch as mt
 from mhc_cupy.torch import MHC, MHCHead
 from mhc_cupy.torch.reference import MHCReference
 
@@ -71,3 +72,43 @@ def test_device_moves_and_swap_conversion_keep_float32(swap):
         torch.__future__.set_swap_module_params_on_conversion(old)
     ref = MHCReference.from_layer(_module(MHC)).double()
     assert ref.phi.dtype == ref.alpha.dtype == ref.bias.dtype == torch.float64
+
+
+# ------------------------------------------------------------------ item 12: torch.func transforms
+def _transforms(module, x):
+    params = {k: v.detach() for k, v in module.named_parameters()}
+
+    def loss(p, x):
+        return torch.func.functional_call(module, p, (x,)).float().sum()
+
+    return {
+        "grad": lambda: torch.func.grad(loss)(params, x),
+        "vmap": lambda: torch.func.vmap(module)(x.unsqueeze(0)),
+        "vmap_no_grad": lambda: torch.no_grad()(torch.func.vmap(module))(x.unsqueeze(0)),
+        "jacrev": lambda: torch.func.jacrev(lambda x: module(x).sum())(x),
+        "jvp": lambda: torch.func.jvp(module, (x,), (torch.ones_like(x),)),
+        "vjp": lambda: torch.func.vjp(module, x),
+    }
+
+
+@pytest.mark.parametrize("cls", [MHC, MHCHead])
+@pytest.mark.parametrize("transform", ["grad", "vmap", "vmap_no_grad", "jacrev", "jvp", "vjp"])
+def test_func_transforms_refused_clearly(cls, transform):
+    """torch.func transforms raise NotImplementedError saying so and what to use (issue 41 item 12:
+    PyTorch's generic setup_context message, or a missing data pointer, before)."""
+    module = _module(cls)
+    with pytest.raises(NotImplementedError, match=r"does not support torch.func transforms .* torch.autograd"):
+        _transforms(module, torch.randn(3, 4, 8))[transform]()
+
+
+def test_func_transforms_refused_by_the_ops_and_functional_call_works():
+    """The ops themselves refuse too (every public op checks first); functional_call, not a
+    transform, works and gives the module's result."""
+    with pytest.raises(NotImplementedError, match="torch.func transforms"):
+        torch.func.vmap(mt.sinkhorn_knopp)(torch.randn(2, 3, 4, 4))
+    with pytest.raises(NotImplementedError, match="torch.func transforms"):
+        torch.func.vmap(lambda x: mt.stream_aggregate(x, torch.full((4,), 0.25)))(torch.randn(2, 3, 4, 8))
+    layer = _module(MHC)
+    x = torch.randn(3, 4, 8)
+    params = {k: v.detach() for k, v in layer.named_parameters()}
+    torch.testing.assert_close(torch.func.functional_call(layer, params, (x,)), layer(x), rtol=0, atol=0)

@@ -16,6 +16,7 @@ from .. import _checks, _convention
 from .._convention import DEFAULT
 from ._link import autograd_pre as _autograd_pre, check_convention as _check_convention, tag as _tag
 from ._link import tensor_key as _tensor_key
+from ._transforms import active as _transform_active, refuse as _refuse_transform
 from .._interop import ArrayInfo
 from .. import ops as _ops
 from ..ops.layer import fold_post_dx
@@ -41,9 +42,13 @@ _is_compiling = torch.compiler.is_compiling
 
 # Both run on every eager call: plain loops (a generator in any() costs more).
 def _use_custom_op(*tensors) -> bool:
-    """True inside torch.compile / export, or for tensor subclasses (fake, functional, ...)."""
+    """True inside torch.compile / export, or for tensor subclasses (fake, functional, ...).  Every
+    public op calls it before any autograd Function or kernel: under a torch.func transform it raises
+    NotImplementedError (:mod:`mhc_cupy.torch._transforms`)."""
     if _is_compiling():
         return True
+    if _transform_active():
+        _refuse_transform()
     for t in tensors:
         if t is not None and type(t) not in _PLAIN and isinstance(t, Tensor):
             return True

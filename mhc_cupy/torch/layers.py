@@ -228,7 +228,8 @@ class MHC(Float32Parameters):
 
     dtype casts (``.to(torch.bfloat16)``, ``.half()``, ``.bfloat16()``, ``.double()``) cast the
     sublayer only: phi, alpha and bias (and their gradients) stay float32, unrounded; device moves
-    apply to all.
+    apply to all.  ``torch.func`` transforms (grad, vmap, ...) are not supported:
+    NotImplementedError (use torch.autograd, and leading dims for a batch).
 
     Raises:
         TypeError / ValueError in the constructor (before allocating): dim not an
@@ -387,7 +388,7 @@ class MHCHead(Float32Parameters):
         forward(x [..., n, C]) -> [..., C], dtype of x.
 
     dtype casts of the module (``.to(torch.bfloat16)``, ``.half()``, ...) leave hc_fn, hc_scale and
-    hc_base float32.
+    hc_base float32; ``torch.func`` transforms raise NotImplementedError (as :class:`MHC`).
 
     Raises:
         TypeError / ValueError in the constructor: dim not an int >= 1, n_streams not in 1..32,
