@@ -21,12 +21,16 @@ FSDP unit with the chosen mixed-precision policy (``fsdp2-bf16``: bf16
 compute, and bf16 residual streams), each MHC layer's own parameters (phi,
 alpha, bias) a unit whose policy keeps them float32 (mhc_cupy's coefficient
 kernels take float32 phi / alpha / bias, OPS.md section 8), then the root.
+That float32 policy sets ``cast_forward_inputs=False``: FSDP2 casts a unit's
+floating-point inputs to its ``param_dtype`` by default, which would turn the
+bf16 residual streams into float32 at every MHC layer.
 
 ``--check`` also trains the unwrapped model in one process on the full batch
 (on every rank) and compares losses and parameters after the last step
 (float32: 1e-5 relative; exits 1 on a mismatch).  In ``fsdp2-bf16`` the check
-is that mHC's parameters are float32 and the sublayers run in bfloat16
-during the forward, and that the loss stays within 2e-2 of float32 training.
+is that, in the forward, mHC's parameters are float32 while the residual
+streams reaching each MHC layer and its sublayer's input are bfloat16, and
+that the loss stays within 2e-2 of float32 training.
 """
 
 from __future__ import annotations
@@ -109,7 +113,9 @@ def wrap(model, mode, device, compile_backend):
 
     low = torch.bfloat16 if mode == "fsdp2-bf16" else torch.float32
     sub_policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
-    fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    # float32 phi / alpha / bias; cast_forward_inputs=False keeps the streams in their own dtype (bf16)
+    fp32_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                       cast_forward_inputs=False)
     for block in model.blocks:
         fully_shard(block.sublayer, mp_policy=sub_policy)
         fully_shard(block, mp_policy=fp32_policy)  # phi, alpha, bias: float32
@@ -153,11 +159,17 @@ def full_params(model) -> dict:
 
 
 def dtype_probe(model):
-    """Forward hooks recording, per MHC layer, the dtype of phi and of the sublayer's input in the forward."""
+    """Forward hooks recording, per MHC layer call, the dtypes in the forward: phi, alpha, bias, the
+    residual streams it gets (after FSDP's input casts, whose pre-forward hooks run first) and its
+    sublayer's input."""
     seen = []
     for block in model.blocks:
-        def hook(sub, inputs, output, block=block):
-            seen.append((block.phi.dtype, block.alpha.dtype, block.bias.dtype, inputs[0].dtype))
+        def pre_hook(block, inputs):
+            seen.append([block.phi.dtype, block.alpha.dtype, block.bias.dtype, inputs[0].dtype])
+
+        def hook(sub, inputs, output):
+            seen[-1].append(inputs[0].dtype)
+        block.register_forward_pre_hook(pre_hook)
         block.sublayer.register_forward_hook(hook)
     return seen
 
@@ -180,11 +192,11 @@ def run_mode(mode, args, rank, world, device) -> bool:
     ref_losses = train(reference, args, device)
     ref_params = full_params(reference)
     if mode == "fsdp2-bf16":
-        low = {d[3] for d in probe}
         coef = {d[i] for d in probe for i in range(3)}
-        ok = coef == {torch.float32} and low == {torch.bfloat16}
+        streams, low = {d[3] for d in probe}, {d[4] for d in probe}
+        ok = coef == {torch.float32} and streams == low == {torch.bfloat16}
         ok &= all(abs(a - b) <= 2e-2 * abs(b) for a, b in zip(losses, ref_losses))
-        diff = f"in the forward: mHC params {coef}, sublayer inputs {low}"
+        diff = f"in the forward: mHC params {coef}, residual streams {streams}, sublayer inputs {low}"
     else:
         loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
         param_err = max(float((params[k] - v).abs().max() / v.abs().max().clamp_min(1e-30))

@@ -4,13 +4,33 @@ shared by :mod:`mhc_cupy.torch.layers` (PyTorch) and :mod:`mhc_cupy.jax`."""
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
+
+from . import _checks
 
 
 def logit(p: float) -> float:
     """log(p / (1 - p)): the sigmoid's inverse."""
     return math.log(p) - math.log1p(-p)
+
+
+def init_value(name: str, value) -> float:
+    """An initial parameter value (``alpha_init``, ``scale_init``): a finite real (Python or NumPy
+    int / float; not bool).  TypeError / ValueError naming the argument otherwise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return v
+
+
+def init_std(name: str, value, fan_in: int) -> float:
+    """The std of a normal initialisation (``phi_init_std``, ``fn_init_std``): None gives
+    1/sqrt(fan_in), else a finite real >= 0 (0: zeros).  TypeError / ValueError naming the argument."""
+    return 1.0 / math.sqrt(fan_in) if value is None else _checks.eps(name, value)
 
 
 def identity_bias(n: int, pre: float | None = None, post: float = 1.0, res_diag: float = 0.95) -> np.ndarray:
@@ -55,9 +75,9 @@ def deepseek_sizes(fn_shape, scale_shape, base_shape, head: bool) -> tuple:
     fn_shape = tuple(fn_shape)
     m, D = fn_shape if len(fn_shape) == 2 else (0, 0)
     n = m if head else math.isqrt(m + 1) - 1
-    if n < 1 or (not head and n * n + 2 * n != m) or D % n:
+    if n < 1 or (not head and n * n + 2 * n != m) or D % n or D < n:
         what = "[n, n*C]" if head else "[n*n + 2n, n*C] (rows pre | post | res)"
-        raise ValueError(f"hc_fn has shape {fn_shape}; it needs {what}")
+        raise ValueError(f"hc_fn has shape {fn_shape}; it needs {what} with n >= 1 and C >= 1")
     for name, shape, want in (("hc_scale", scale_shape, (1,) if head else (3,)), ("hc_base", base_shape, (m,))):
         if tuple(shape) != want:
             raise ValueError(f"{name} has shape {tuple(shape)}; it needs {want}")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from mhc_cupy.torch import MHC
+from mhc_cupy.torch import MHC, MHCHead
 
 import deepseek_oracle as O
 from deepseek_oracle import LEADS, NS, layer_params, t64
@@ -38,6 +38,10 @@ def test_mhc_round_trip_bitwise(rng):
         MHC.from_deepseek(hc_fn, hc_scale, hc_base[:-1])
     with pytest.raises(TypeError, match="hc_scale"):
         MHC.from_deepseek(hc_fn, [1.0, 1.0, 1.0], hc_base)
+    with pytest.raises(ValueError, match=r"hc_fn has shape \(24, 0\); it needs .* C >= 1"):  # issue 41 item 11
+        MHC.from_deepseek(hc_fn[:, :0], hc_scale, hc_base)
+    with pytest.raises(ValueError, match=r"hc_fn has shape \(4, 0\); it needs \[n, n\*C\] with n >= 1 and C >= 1"):
+        MHCHead.from_deepseek(torch.zeros(4, 0), torch.zeros(1), torch.zeros(4))
     with pytest.raises(ValueError, match="num_iters"):
         MHC(33, 4, num_iters=0, convention="deepseek")
 
@@ -153,6 +157,40 @@ def test_layer_halves_must_share_the_convention():
     out.sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
+
+@pytest.mark.parametrize("mode", ["no_grad", "frozen", "autograd", "compiled", "compiled_no_grad"])
+def test_layer_halves_convention_checked_in_every_mode(mode):
+    """The convention mismatch raises whether or not autograd records (issue 41 item 2: under no_grad or
+    with frozen parameters the post half silently ran the paper post op), also under torch.compile
+    (checked while tracing: a ValueError, or under fullgraph=True Dynamo's error carrying it)."""
+    import contextlib
+
+    import mhc_cupy.torch as mt
+
+    layer = mt.MHC(8, 3)
+    params = [p.detach() for p in (layer.phi, layer.alpha, layer.bias)] if mode == "frozen" else \
+        [layer.phi, layer.alpha, layer.bias]
+    x = torch.randn(2, 3, 8)
+
+    def run(x, phi, alpha, bias, convention):
+        layer_in, x_link, H_post, H_res = mt.mhc_layer_pre(x, phi, alpha, bias, convention="deepseek")
+        return mt.mhc_layer_post(layer_in, x_link, H_post, H_res, convention=convention)
+
+    compiled = mode.startswith("compiled")
+    good = torch.compile(run, backend="aot_eager", fullgraph=True) if compiled else run  # no graph break
+    bad = torch.compile(run, backend="aot_eager") if compiled else run
+    match = "convention='paper' but mhc_layer_pre ran with convention='deepseek'"
+    with torch.no_grad() if mode.endswith("no_grad") else contextlib.nullcontext():
+        layer_in, _, H_post, H_res = mt.mhc_layer_pre(x, *params, convention="deepseek")
+        want = mt.mhc_post_op(layer_in, x, H_post, H_res, convention="deepseek")
+        torch.testing.assert_close(good(x, *params, "deepseek"), want)
+        with pytest.raises(ValueError, match=match):
+            bad(x, *params, "paper")
+        if compiled:
+            with pytest.raises(Exception, match=match):
+                good(x, *params, "paper")
+
+
 # ============================================================ GPU
 # ------------------------------------------------------------------ torch: MHCHead and MHC(convention="deepseek")
 
@@ -167,7 +205,7 @@ def test_torch_mhc_deepseek_cuda(rng, n, dt):
     import torch
 
     import deepseek_oracle as O
-    from mhc_cupy.torch import MHC
+    from mhc_cupy.torch import MHC, MHCHead
 
     from harness import TOL
 
@@ -199,7 +237,7 @@ def test_torch_mhc_deepseek_deterministic(rng):
     """MHC(convention="deepseek") on CUDA: a repeated forward and backward gives the same bits."""
     import torch
 
-    from mhc_cupy.torch import MHC
+    from mhc_cupy.torch import MHC, MHCHead
 
     layer = MHC(256, 4, convention="deepseek", device="cuda")
     x = torch.tensor(rng.standard_normal((2000, 4, 256)), dtype=torch.bfloat16, device="cuda")

@@ -242,6 +242,30 @@ def test_bad_shapes_raise():
         MHC(8, 4, grad_mode="exact")
 
 
+@pytest.mark.parametrize("cls, arg, value, exc, need", [
+    (MHC, "phi_init_std", -1.0, ValueError, "must be finite and >= 0"),
+    (MHC, "phi_init_std", math.nan, ValueError, "must be finite and >= 0"),
+    (MHC, "phi_init_std", "0.1", TypeError, "must be a float"),
+    (MHC, "alpha_init", math.inf, ValueError, "must be finite"),
+    (MHC, "alpha_init", math.nan, ValueError, "must be finite"),
+    (MHC, "alpha_init", True, TypeError, "must be a float"),
+    ("MHCHead", "fn_init_std", -1.0, ValueError, "must be finite and >= 0"),
+    ("MHCHead", "fn_init_std", math.nan, ValueError, "must be finite and >= 0"),
+    ("MHCHead", "scale_init", math.nan, ValueError, "must be finite"),
+    ("MHCHead", "scale_init", -math.inf, ValueError, "must be finite"),
+])
+def test_bad_init_arguments_raise(cls, arg, value, exc, need):
+    """Initialisation arguments are checked in the constructor, naming the argument and its value
+    (issue 41 item 11: they were accepted and gave NaN / inf parameters)."""
+    from mhc_cupy.torch import MHCHead
+
+    cls = MHCHead if cls == "MHCHead" else cls
+    with pytest.raises(exc, match=rf"{arg} {need}.*{value!r}" if exc is TypeError else rf"{arg} {need}, got {value}"):
+        cls(8, 4, **{arg: value})
+    ok = cls(8, 4, **{arg: 0.0})  # zero is fine for all four (a std of 0: zeros)
+    assert all(torch.isfinite(p).all() for p in ok.parameters())
+
+
 def test_bf16_activations_and_f32_coefficients():
     """bf16 streams keep bf16; coefficients stay float32 even after module.bfloat16()."""
     layer = make_layer(16, 4, 1)
@@ -251,12 +275,13 @@ def test_bf16_activations_and_f32_coefficients():
     assert out.dtype == torch.bfloat16
     out.float().sum().backward()
     assert x.grad.dtype == torch.bfloat16 and layer.phi.grad.dtype == torch.float32
-    # a module converted wholesale: phi / alpha / bias are cast back to float32 for the ops
+    # a module converted wholesale: the sublayer is bf16, phi / alpha / bias stay float32
     layer2 = make_layer(16, 4, 1).bfloat16()
+    assert {p.dtype for p in (layer2.phi, layer2.alpha, layer2.bias)} == {torch.float32}
     out2 = layer2(x.detach())
     assert out2.dtype == torch.bfloat16 and torch.isfinite(out2.float()).all()
     ref = make_layer(16, 4, 1)(x.detach().float())
-    assert_close(out2.float(), ref, 5e-2, "bf16 module vs float32 module")  # bf16 weights: ~ a few 2^-8
+    assert_close(out2.float(), ref, 5e-2, "bf16 module vs float32 module")  # bf16 sublayer: ~ a few 2^-8
 
 
 def test_no_grad_and_implicit_grad_mode(rng):

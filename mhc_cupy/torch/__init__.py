@@ -40,6 +40,10 @@ then a backward through the result) raises ``RuntimeError`` ("trying to
 differentiate twice a function that was marked with @once_differentiable"
 eagerly; under ``torch.compile`` the custom op's missing double backward).
 
+``torch.func`` transforms (grad, vmap, jacrev, jvp, ...) are not supported: every op (and so
+``MHC`` / ``MHCHead``) raises ``NotImplementedError`` under one, saying what to use instead
+(torch.autograd; leading dims for a batch).  ``torch.func.functional_call`` works.
+
 The package (no module imports another in a circle):
 
 * :mod:`mhc_cupy.torch.functions`: the differentiable ops above and the fused

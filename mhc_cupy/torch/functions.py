@@ -14,6 +14,9 @@ from torch import Tensor
 
 from .. import _checks, _convention
 from .._convention import DEFAULT
+from ._link import autograd_pre as _autograd_pre, check_convention as _check_convention, tag as _tag
+from ._link import tensor_key as _tensor_key
+from ._transforms import active as _transform_active, refuse as _refuse_transform
 from .._interop import ArrayInfo
 from .. import ops as _ops
 from ..ops.layer import fold_post_dx
@@ -39,18 +42,17 @@ _is_compiling = torch.compiler.is_compiling
 
 # Both run on every eager call: plain loops (a generator in any() costs more).
 def _use_custom_op(*tensors) -> bool:
-    """True inside torch.compile / export, or for tensor subclasses (fake, functional, ...)."""
+    """True inside torch.compile / export, or for tensor subclasses (fake, functional, ...).  Every
+    public op calls it before any autograd Function or kernel: under a torch.func transform it raises
+    NotImplementedError (:mod:`mhc_cupy.torch._transforms`)."""
     if _is_compiling():
         return True
+    if _transform_active():
+        _refuse_transform()
     for t in tensors:
         if t is not None and type(t) not in _PLAIN and isinstance(t, Tensor):
             return True
     return False  # non-tensors (a list, None for a tensor) go on to the functional API, which names them
-
-
-def _tensor_key(t: Tensor) -> tuple:
-    """What identifies a tensor's data here: address, shape and strides."""
-    return t.data_ptr(), tuple(t.shape), t.stride()
 
 
 def _same_tensor(a: Tensor, b) -> bool:
@@ -740,8 +742,7 @@ def _layer_call(name: str, custom: bool, *args):
 
 class _LayerPreFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, phi, alpha, bias, num_iters, eps, rms_eps, grad_mode, convention, hc_eps, post_mult):
-        custom = _use_custom_op(x, phi, alpha, bias)
+    def forward(ctx, x, phi, alpha, bias, num_iters, eps, rms_eps, grad_mode, convention, hc_eps, post_mult, custom):
         layer_in, H_pre, H_post, H_res, stats = _layer_call("mhc_layer_pre_fwd", custom, x, phi, alpha, bias,
                                                             num_iters, eps, rms_eps, convention, hc_eps, post_mult)
         ctx.save_for_backward(x, phi, alpha, bias, stats, H_pre, H_res)
@@ -770,13 +771,12 @@ class _LayerPreFn(torch.autograd.Function):
         dx, dphi, dalpha, dbias = _layer_call("mhc_layer_pre_bwd", ctx.custom, g_layer_in, g_out if fold else None,
                                               g_H_post, g_H_res, x, phi, alpha, bias, stats, H_pre, H_res,
                                               *ctx.params, None if fold else g_out)
-        return (dx, dphi, dalpha, dbias) + (None,) * 7
+        return (dx, dphi, dalpha, dbias) + (None,) * 8
 
 
 class _LayerPostFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, layer_out, x_link, H_post, H_res, convention, pre):
-        custom = _use_custom_op(layer_out, x_link, H_post, H_res)
+    def forward(ctx, layer_out, x_link, H_post, H_res, convention, pre, custom):
         ctx.save_for_backward(layer_out, x_link, H_post, H_res)
         ctx.custom, ctx.convention, ctx.pre = custom, convention, pre
         return _op("mhc_post_op_fwd")(layer_out, x_link, H_post, H_res, convention) if custom else \
@@ -794,7 +794,7 @@ class _LayerPostFn(torch.autograd.Function):
             dy, sent, dH_post, dH_res = _op("mhc_post_op_bwd")(*args) if ctx.custom else _post_bwd_impl(*args)
         if ctx.pre is not None:  # the pre piece checks that x_link's gradient is this and nothing else
             ctx.pre.g_sent = sent  # (the reference also keeps autograd from summing into it in place)
-        return dy, sent, dH_post, dH_res, None, None  # travels to _LayerPreFn.backward along x_link
+        return dy, sent, dH_post, dH_res, None, None, None  # travels to _LayerPreFn.backward along x_link
 
 
 def mhc_layer_pre(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, grad_mode="unrolled", *,
@@ -825,12 +825,15 @@ def mhc_layer_pre(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_eps=D
     _checks.grad_mode(grad_mode)
     num_iters, eps, rms_eps, hc_eps, post_mult = _convention.resolve(
         convention, num_iters=num_iters, eps=eps, rms_eps=rms_eps, hc_eps=hc_eps, post_mult=post_mult)
+    custom = _use_custom_op(x, phi, alpha, bias)
     if _needs_autograd(x, phi, alpha, bias):
-        return _LayerPreFn.apply(x, phi, alpha, bias, num_iters, eps, rms_eps, grad_mode, convention, hc_eps,
-                                 post_mult)
-    layer_in, _, H_post, H_res, _ = _layer_call("mhc_layer_pre_fwd", _use_custom_op(x, phi, alpha, bias), x, phi,
-                                                alpha, bias, num_iters, eps, rms_eps, convention, hc_eps, post_mult)
-    return layer_in, x, H_post, H_res
+        out = _LayerPreFn.apply(x, phi, alpha, bias, num_iters, eps, rms_eps, grad_mode, convention, hc_eps,
+                                post_mult, custom)
+    else:
+        layer_in, _, H_post, H_res, _ = _layer_call("mhc_layer_pre_fwd", custom, x, phi, alpha, bias, num_iters, eps,
+                                                    rms_eps, convention, hc_eps, post_mult)
+        out = layer_in, x, H_post, H_res
+    return (*out[:3], _tag(out[3], convention))  # mhc_layer_post checks the mark in every mode
 
 
 def mhc_layer_post(layer_out, x_link, H_post, H_res, *, convention="paper"):
@@ -848,10 +851,11 @@ def mhc_layer_post(layer_out, x_link, H_post, H_res, *, convention="paper"):
         out: [..., n, C], dtype and device of x.
 
     Raises:
-        ValueError: a convention other than mhc_layer_pre's, x_link (requiring grad) is not
-            mhc_layer_pre's x_link (also under a reentrant checkpoint of this call alone:
-            checkpoint the whole layer, or use use_reentrant=False), or H_res is not that
-            call's H_res.
+        ValueError: a convention other than mhc_layer_pre's (checked in every mode, also under
+            torch.no_grad, with frozen parameters and under torch.compile, where H_res is
+            mhc_layer_pre's H_res as returned); x_link (requiring grad) is not mhc_layer_pre's
+            x_link (also under a reentrant checkpoint of this call alone: checkpoint the whole
+            layer, or use use_reentrant=False), or H_res is not that call's H_res.
         RuntimeError (in backward): x_link was used for anything but one mhc_layer_post call,
             so its gradient is not only this op's output gradient (eager mode; under
             torch.compile not checked: use x_link for nothing else).
@@ -861,22 +865,10 @@ def mhc_layer_post(layer_out, x_link, H_post, H_res, *, convention="paper"):
         own gradient (``x_link.grad``, hooks on x_link, ``torch.autograd.grad`` w.r.t. x_link)
         is that output gradient, not dL/dx_link; dx is right.
     """
-    if _needs_autograd(layer_out, x_link, H_post, H_res):
-        convention = _convention.check(convention)
-        pre = None
-        if x_link.requires_grad and not _is_compiling():
-            # autograd names a Function's backward node "<Function name>Backward"; the node is its ctx
-            pre = x_link.grad_fn
-            if type(pre).__name__ != "_LayerPreFnBackward":
-                raise ValueError("x_link must be the x_link output of mhc_layer_pre (its backward receives this "
-                                 f"op's output gradient); got a tensor whose grad_fn is {type(pre).__name__}")
-            pre_convention = pre.params[4]  # (num_iters, eps, rms_eps, grad_mode, convention, ...)
-            if pre_convention != convention:  # the pre half's backward folds this op's dx in its convention
-                raise ValueError(f"mhc_layer_post got convention={convention!r} but mhc_layer_pre ran with "
-                                 f"convention={pre_convention!r}; give both halves the same convention")
-            if pre.h_res_key is not None and _tensor_key(H_res) != pre.h_res_key:
-                raise ValueError("H_res must be the H_res output of the mhc_layer_pre call that made x_link (its "
-                                 "backward folds that H_res^T g into dx); for another H_res use mhc_post_op")
-        return _LayerPostFn.apply(layer_out, x_link, H_post, H_res, convention, pre)
-    return mhc_post_op(layer_out, x_link, H_post, H_res, convention=convention)
+    _check_convention(H_res, _convention.check(convention))  # H_res marked by mhc_layer_pre: every mode
+    if not _needs_autograd(layer_out, x_link, H_post, H_res):
+        return mhc_post_op(layer_out, x_link, H_post, H_res, convention=convention)
+    custom = _use_custom_op(layer_out, x_link, H_post, H_res)
+    pre = _autograd_pre(x_link, H_res, convention) if x_link.requires_grad and not _is_compiling() else None
+    return _LayerPostFn.apply(layer_out, x_link, H_post, H_res, convention, pre, custom)
 

@@ -51,7 +51,6 @@ stay equal forever.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Optional
 
 import torch
@@ -59,6 +58,7 @@ from torch import Tensor, nn
 
 from .. import _checks, _convention, _layer_init
 from .._convention import DEFAULT
+from ._float32 import Float32Parameters
 from .functions import mhc_coeffs, mhc_head, mhc_layer_post, mhc_layer_pre, mhc_post_op, mhc_pre_op
 
 
@@ -69,7 +69,8 @@ __all__ = [
 
 # ----------------------------------------------------------------- helpers
 def _as_f32(t: Tensor) -> Tensor:
-    """Coefficient parameters are float32 (OPS.md); differentiable cast if a module was ``.to()``-ed."""
+    """Coefficient parameters are float32 (OPS.md; dtype casts of the module keep them so); a
+    differentiable cast where their data has another dtype (an FSDP2 policy's low param_dtype)."""
     return t if t.dtype == torch.float32 else t.float()
 
 
@@ -179,7 +180,7 @@ class CollapseStreams(nn.Module):
 
 
 # ------------------------------------------------------------------- layer
-class MHC(nn.Module):
+class MHC(Float32Parameters):
     """mHC around one sublayer: x_{l+1} = H_res x_l + H_post^T F(H_pre x_l) (paper Eq. 3).
 
     The coefficients are computed per token from x_l (paper Eqs. 14-18, OPS.md
@@ -226,13 +227,21 @@ class MHC(nn.Module):
         forward(x [..., n, C], *args, **kwargs) -> [..., n, C], dtype of x
         (bfloat16 / float16 / float32; coefficients are always float32).
 
+    dtype casts (``.to(torch.bfloat16)``, ``.half()``, ``.bfloat16()``, ``.double()``) cast the
+    sublayer only: phi, alpha and bias (and their gradients) stay float32, unrounded; device moves
+    apply to all.  ``torch.func`` transforms (grad, vmap, ...) are not supported:
+    NotImplementedError (use torch.autograd, and leading dims for a batch).
+
     Raises:
         TypeError / ValueError in the constructor (before allocating): dim not an
         int >= 1, n_streams not in 1..32, num_iters not an int in 0..10000
         (``mhc_cupy.MAX_NUM_ITERS``; >= 1 under "deepseek"), eps / rms_eps / hc_eps /
         post_mult not a finite float >= 0, post_init not in (0, post_mult), bad grad_mode or convention,
-        sublayer neither None nor callable.
+        sublayer neither None nor callable, alpha_init not a finite float, phi_init_std neither None
+        nor a finite float >= 0.
     """
+
+    float32_parameters = ("phi", "alpha", "bias")
 
     def __init__(self, dim: int, n_streams: int = 4, sublayer: Optional[nn.Module] = None,
                  num_iters: int = DEFAULT, eps: float = DEFAULT, rms_eps: float = DEFAULT,
@@ -251,14 +260,14 @@ class MHC(nn.Module):
         self.hc_eps, self.post_mult = _convention.activations(convention, hc_eps, post_mult)
         self.dim, self.n_streams = dim, n_streams
         self.num_iters, self.eps, self.rms_eps, self.grad_mode = num_iters, eps, rms_eps, grad_mode
-        self.alpha_init = alpha_init
-        self.phi_init_std = 1.0 / math.sqrt(n_streams * dim) if phi_init_std is None else phi_init_std
+        self.alpha_init = _layer_init.init_value("alpha_init", alpha_init)
+        self.phi_init_std = _layer_init.init_std("phi_init_std", phi_init_std, n_streams * dim)
         if post_init is not None and self.post_mult > 0 and not 0 < post_init < self.post_mult:
             raise ValueError(f"post_init (H_post at init = post_mult sigmoid(b_post)) must be in (0, post_mult = "
                              f"{self.post_mult}), got {post_init}")
         self.pre_init, self.post_init, self.res_diag_init = pre_init, post_init, res_diag_init
         m = n_streams * n_streams + 2 * n_streams
-        kw = {"device": device, "dtype": torch.float32}
+        kw = {"device": device, "dtype": torch.float32}  # kept float32 by dtype casts (Float32Parameters)
         self.phi = nn.Parameter(torch.empty(n_streams * dim, m, **kw))
         self.alpha = nn.Parameter(torch.empty(3, **kw))
         self.bias = nn.Parameter(torch.empty(m, **kw))
@@ -366,7 +375,7 @@ class MHC(nn.Module):
 
 
 # -------------------------------------------------------------------- head
-class MHCHead(nn.Module):
+class MHCHead(Float32Parameters):
     """The mHC head: the n residual streams merged into one hidden state at the end of the
     network (OPS.md section 11; DeepSeek-V4's ``hc_head``), in place of :func:`collapse_streams`.
 
@@ -391,10 +400,16 @@ class MHCHead(nn.Module):
     Shapes:
         forward(x [..., n, C]) -> [..., C], dtype of x.
 
+    dtype casts of the module (``.to(torch.bfloat16)``, ``.half()``, ...) leave hc_fn, hc_scale and
+    hc_base float32; ``torch.func`` transforms raise NotImplementedError (as :class:`MHC`).
+
     Raises:
         TypeError / ValueError in the constructor: dim not an int >= 1, n_streams not in 1..32,
-        rms_eps / hc_eps not a finite float >= 0, bad convention.
+        rms_eps / hc_eps not a finite float >= 0, bad convention, scale_init not a finite float,
+        fn_init_std neither None nor a finite float >= 0.
     """
+
+    float32_parameters = ("hc_fn", "hc_scale", "hc_base")
 
     def __init__(self, dim: int, n_streams: int = 4, convention: str = "deepseek", rms_eps: float = DEFAULT,
                  hc_eps: float = DEFAULT, scale_init: float = 0.01, fn_init_std: Optional[float] = None,
@@ -405,8 +420,8 @@ class MHCHead(nn.Module):
         self.rms_eps = _convention.rms_eps(convention, rms_eps)
         self.hc_eps = _checks.eps("hc_eps", _convention.resolve(convention, hc_eps=hc_eps))
         self.dim, self.n_streams = dim, n_streams
-        self.scale_init = scale_init
-        self.fn_init_std = 1.0 / math.sqrt(n_streams * dim) if fn_init_std is None else fn_init_std
+        self.scale_init = _layer_init.init_value("scale_init", scale_init)
+        self.fn_init_std = _layer_init.init_std("fn_init_std", fn_init_std, n_streams * dim)
         kw = {"device": device, "dtype": torch.float32}
         self.hc_fn = nn.Parameter(torch.empty(n_streams, n_streams * dim, **kw))
         self.hc_scale = nn.Parameter(torch.empty(1, **kw))

@@ -73,8 +73,11 @@ class MHCReference(MHC):
     Same constructor, parameters and state dict as :class:`MHC`; use
     :meth:`from_layer` to get a reference copy of an existing layer (deep
     copy of its sublayer and parameters).  For tests: autograd of this
-    module is the oracle for the kernel path.
+    module is the oracle for the kernel path.  Unlike MHC, dtype casts apply to phi / alpha /
+    bias too (``.double()`` gives the float64 oracle).
     """
+
+    float32_parameters = ()
 
     @classmethod
     def from_layer(cls, layer: MHC) -> "MHCReference":

@@ -1,0 +1,68 @@
+"""How :func:`mhc_cupy.torch.mhc_layer_post` knows the :func:`mhc_cupy.torch.mhc_layer_pre` call it
+completes (the fused layer's two halves, OPS.md section 9), and the checks it runs on that.
+
+* The convention: ``mhc_layer_pre`` marks its H_res with the convention it ran under (a Python
+  attribute on the tensor object, :func:`tag`), in every mode: with or without autograd recording,
+  with frozen parameters, and under ``torch.compile`` (Dynamo traces the attribute and the check,
+  so a mismatch raises the ValueError while tracing; under fullgraph=True Dynamo's own error,
+  carrying its message).  :func:`check_convention`
+  refuses an ``mhc_layer_post`` whose convention differs (the paper and DeepSeek-V4 post ops
+  differ: H_res or its transpose).  An H_res that is not the pre half's output as returned (a copy,
+  a slice, ``detach()``) carries no mark and is not checked.
+* While autograd records: :func:`autograd_pre`, the pre half's backward node behind ``x_link``
+  (checked to be one, with the same convention and the same H_res), which receives the post op's
+  part of dx.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+#: The attribute of mhc_layer_pre's H_res that names its convention (:func:`tag`).
+_MARK = "_mhc_convention"
+
+
+def tensor_key(t: Tensor) -> tuple:
+    """What identifies a tensor's data here: address, shape and strides."""
+    return t.data_ptr(), tuple(t.shape), t.stride()
+
+
+def tag(H_res: Tensor, convention: str) -> Tensor:
+    """``H_res`` (an output of mhc_layer_pre) marked as made under ``convention``: the tensor itself,
+    or under torch.compile a view of it (Dynamo traces an attribute statement on a tensor that a
+    traced torch op made, not on a custom op's or autograd Function's output)."""
+    if torch.compiler.is_compiling():
+        H_res = H_res.view_as(H_res)
+    H_res._mhc_convention = convention  # an attribute statement: Dynamo does not trace setattr() on tensors
+    return H_res
+
+
+def _mismatch(convention: str, pre_convention: str) -> ValueError:
+    return ValueError(f"mhc_layer_post got convention={convention!r} but mhc_layer_pre ran with "
+                      f"convention={pre_convention!r}; give both halves the same convention")
+
+
+def check_convention(H_res, convention: str) -> None:
+    """ValueError if ``H_res`` is marked (:func:`tag`) with another convention than ``convention``."""
+    made = getattr(H_res, _MARK, None)
+    if made is not None and made != convention:
+        raise _mismatch(convention, made)
+
+
+def autograd_pre(x_link: Tensor, H_res: Tensor, convention: str):
+    """The autograd node of the mhc_layer_pre call that made ``x_link`` (its ctx), checked: ValueError
+    if x_link is not such an output, that call ran under another convention, or ``H_res`` is not
+    that call's H_res (its backward folds that H_res^T g into dx)."""
+    # autograd names a Function's backward node "<Function name>Backward"; the node is its ctx
+    pre = x_link.grad_fn
+    if type(pre).__name__ != "_LayerPreFnBackward":
+        raise ValueError("x_link must be the x_link output of mhc_layer_pre (its backward receives this "
+                         f"op's output gradient); got a tensor whose grad_fn is {type(pre).__name__}")
+    pre_convention = pre.params[4]  # (num_iters, eps, rms_eps, grad_mode, convention, ...)
+    if pre_convention != convention:  # the pre half's backward folds this op's dx in its convention
+        raise _mismatch(convention, pre_convention)
+    if pre.h_res_key is not None and tensor_key(H_res) != pre.h_res_key:
+        raise ValueError("H_res must be the H_res output of the mhc_layer_pre call that made x_link (its "
+                         "backward folds that H_res^T g into dx); for another H_res use mhc_post_op")
+    return pre

@@ -1,0 +1,29 @@
+"""``torch.func`` transforms (grad, vmap, jacrev, jacfwd, jvp, vjp, hessian) of the mhc_cupy.torch ops: not
+supported, refused early with an error that says what to use instead.
+
+The ops run NumPy (CPU) or CuPy kernels (GPU) on the tensors' memory, and their autograd Functions
+are written in the classic ``forward(ctx, ...)`` style (a third of the per-call host cost of the
+``setup_context`` style that torch.func needs) without vmap rules: under a transform PyTorch would
+otherwise fail inside ``Function.apply`` with its generic "must override the setup_context
+staticmethod" message, or on a batched tensor's missing storage.  ``torch.func.functional_call``
+is not a transform and works.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: True inside any torch.func transform (a C call, ~35 ns; what ``Function.apply`` checks itself).
+active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+MESSAGE = (
+    "mhc_cupy.torch does not support torch.func transforms (grad, vmap, jacrev, jacfwd, jvp, vjp, hessian): "
+    "its ops run NumPy / CuPy kernels on the tensors' memory, with no torch.func rules.  For gradients use "
+    "torch.autograd (loss.backward() or torch.autograd.grad; torch.func.functional_call for parameters "
+    "given as a dict works); instead of vmap pass the batch as leading dims (every op and MHC / MHCHead take "
+    "[..., n, C]) or loop over it")
+
+
+def refuse() -> None:
+    """Raise NotImplementedError (:data:`MESSAGE`); called where :data:`active` is true."""
+    raise NotImplementedError(MESSAGE)
