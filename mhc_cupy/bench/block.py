@@ -24,14 +24,12 @@ plain block's time: the least overhead a layer at the copy roofline could add.
 
 from __future__ import annotations
 
-import datetime
 import time
 from pathlib import Path
 
 from . import env
 from .layer import fused_options, layer_bytes, measure_torch, pin_fused, timing_words, torch_timer
 from .report import format_targets, write_json
-from .timing import copy_bandwidth, host_copy_bandwidth
 
 #: Default blocks: (C, heads, SwiGLU hidden size).
 BLOCK_CONFIGS = ((4096, 32, 11008), (2048, 16, 5504))
@@ -175,20 +173,11 @@ def run_block(cfg) -> dict:
     on_gpu = torch.cuda.is_available()
     fused = fused_options(mt.MHC, cfg.fused)
     compile_ = "torch.compile" in cfg.baselines
-    device = env._device_meta() if on_gpu else {"name": "CPU (no CUDA GPU: wall clock)", "sm": None}
-    copy = copy_bandwidth() if on_gpu else host_copy_bandwidth()
     out_dir = Path(cfg.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = {
-        "schema": "mhc_cupy.bench.block/1",
-        "meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                 "argv": list(cfg.argv), "device": device, "versions": env._versions(),
-                 "settings": {"mode": "block", "dtype": cfg.dtype, "reps": cfg.reps, "warmup": cfg.warmup,
-                              "calls": cfg.min_calls, "graph": cfg.graph, "fused": cfg.fused, "compile": compile_,
-                              "batch": cfg.batch, "seq": cfg.seq, "n": cfg.streams,
-                              "configs": [list(c) for c in cfg.block_configs]}},
-        "copy": copy, "results": [], "targets": [], "skipped": [],
-    }
+    result = env.torch_mode_result(cfg, "block", on_gpu, fused=cfg.fused, compile=compile_, batch=cfg.batch,
+                                   seq=cfg.seq, n=cfg.streams, configs=[list(c) for c in cfg.block_configs])
+    copy = result["copy"]
     for C, heads, ffn in cfg.block_configs:
         env._log(f"[{time.perf_counter() - t0:7.1f} s] block C {C}, {heads} heads, SwiGLU {ffn}")
         result["results"].append(block_case(C, heads, ffn, cfg, copy["GBps"], on_gpu, fused, compile_))

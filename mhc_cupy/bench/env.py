@@ -126,3 +126,21 @@ def _free_gpu_memory() -> None:
 def _error(e: BaseException) -> dict:
     return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
 
+
+
+def torch_mode_result(cfg, mode: str, on_gpu: bool, **settings) -> dict:
+    """The skeleton of a PyTorch mode's result (``--block``, ``--stack``): schema, meta (date, argv,
+    device, versions, the timing settings and ``settings``), the copy bandwidth, empty lists."""
+    import datetime
+
+    from .timing import copy_bandwidth, host_copy_bandwidth
+
+    device = _device_meta() if on_gpu else {"name": "CPU (no CUDA GPU: wall clock)", "sm": None}
+    return {
+        "schema": f"mhc_cupy.bench.{mode}/1",
+        "meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                 "argv": list(cfg.argv), "device": device, "versions": _versions(),
+                 "settings": {"mode": mode, "dtype": cfg.dtype, "reps": cfg.reps, "warmup": cfg.warmup,
+                              "calls": cfg.min_calls, "graph": cfg.graph, **settings}},
+        "copy": copy_bandwidth() if on_gpu else host_copy_bandwidth(), "results": [], "targets": [], "skipped": [],
+    }

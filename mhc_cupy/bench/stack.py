@@ -1,0 +1,161 @@
+"""Stack mode: a model of L pre-norm blocks, plain residual vs mHC (``python -m mhc_cupy.bench --stack``).
+
+Each block is the block mode's (:func:`mhc_cupy.bench.block.build_blocks`: causal SDPA attention and
+SwiGLU, each behind RMSNorm); the model is L of them, with different weights per block.  Variants,
+all with the same weights:
+
+* ``plain``: the blocks with plain residual connections, on ``h [B, S, C]``;
+* ``mhc chain``: every residual replaced by an ``MHC`` layer (2L of them), applied one after the other
+  on ``x [B, S, n, C]``;
+* ``MHCStack``: the same 2L layers in one :class:`mhc_cupy.torch.MHCStack` (recompute off);
+* ``MHCStack recompute``: with ``recompute="auto"`` (the paper's L_r*; section 4.3);
+* with ``torch.compile`` among the baselines: ``plain compiled`` and ``mhc chain compiled``.
+
+Timed: a training step of the model, ``torch.autograd.grad(model(x), [x, *weights], g)`` (CUDA events
+around ``calls`` eager calls, median of ``reps`` after warm-up; wall clock on the CPU), and the peak of
+the memory PyTorch's allocator holds during one step beyond what it held before (weights and inputs
+excluded: activations saved for backward and the gradients).  Overhead = time / plain time - 1 and
+memory = peak / plain peak, eager against eager and compiled against compiled.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from . import env
+from .block import build_blocks
+from .layer import measure_torch, timing_words, torch_timer
+from .report import format_targets, write_json
+
+#: Default models: (blocks L, C, heads, SwiGLU hidden size, batch, sequence) — the issue's two.
+STACK_CONFIGS = ((8, 2048, 16, 5504, 4, 2048), (4, 4096, 32, 11008, 1, 4096))
+#: Targets (model fwd+bwd over plain, n = 4): {(L, C): (time recompute off, time recompute on, memory on)}.
+STACK_TARGETS = {(8, 2048): (0.10, 0.13, 1.25), (4, 4096): (0.06, None, 1.3)}
+
+
+def build_models(L: int, C: int, heads: int, ffn: int, n: int, device, dtype) -> dict:
+    """{name: (module, input shape suffix)} of the variants above, sharing their weights."""
+    from torch import nn
+
+    import mhc_cupy.torch as mt
+
+    plain_blocks, mhc_layers = [], []
+    for _ in range(L):
+        plain, mhc = build_blocks(C, heads, ffn, n, device, dtype)
+        plain_blocks.append(plain)
+        mhc_layers += [mhc.attn, mhc.mlp]
+    return {
+        "plain": nn.Sequential(*plain_blocks),
+        "mhc chain": nn.Sequential(*mhc_layers),
+        "MHCStack": mt.MHCStack(mhc_layers),
+        "MHCStack recompute": mt.MHCStack(mhc_layers, recompute="auto"),
+    }
+
+
+def stack_case(L: int, C: int, heads: int, ffn: int, batch: int, seq: int, cfg, on_gpu: bool,
+               compile_: bool) -> dict:
+    """Time and measure every variant at one configuration; returns the result row."""
+    import torch
+
+    import mhc_cupy.torch as mt
+
+    dev = torch.device("cuda" if on_gpu else "cpu")
+    dt = getattr(torch, cfg.dtype)
+    n = cfg.streams
+    row = {"L": L, "C": C, "heads": heads, "ffn": ffn, "batch": batch, "seq": seq, "n": n, "dtype": cfg.dtype,
+           "recompute_blocks": mt.stack.recompute_blocks("auto", n, 2 * L), "impls": {}, "overhead": {},
+           "memory": {}}
+    timer = torch_timer(on_gpu, cfg)
+
+    def gen(shape, seed):
+        g = torch.Generator(device=dev).manual_seed(seed)
+        return torch.randn(shape, generator=g, device=dev, dtype=torch.float32).to(dt)
+
+    torch.manual_seed(0)
+    models = build_models(L, C, heads, ffn, n, dev, dt)
+    if compile_:
+        torch._dynamo.reset()
+        models["plain compiled"] = torch.compile(models["plain"], dynamic=False)
+        models["mhc chain compiled"] = torch.compile(models["mhc chain"], dynamic=False)
+    for name, model in models.items():
+        shape = (batch, seq, C) if name.startswith("plain") else (batch, seq, n, C)
+        xs, gs = [gen(shape, 0)], [gen(shape, 1)]
+        rows, _ = measure_torch(model, list(model.parameters()), xs, gs, cfg.min_calls, timer, on_gpu,
+                                dirs=("fwd+bwd",))
+        v = row["impls"][name] = rows["fwd+bwd"]
+        peak = v.get("peak_bytes")
+        env._log(f"  {name}: " + (f"fwd+bwd {v['us'] / 1e3:.3f} ms" if "us" in v else v["error"])
+                 + (f", peak {peak / 2**30:.2f} GiB" if peak else ""))
+        del xs, gs
+        env._free_gpu_memory()
+    for name, v in row["impls"].items():
+        base = row["impls"].get("plain compiled" if name.endswith("compiled") else "plain", {})
+        if name.startswith("plain") or "us" not in v or "us" not in base:
+            continue
+        row["overhead"][name] = v["us"] / base["us"] - 1.0
+        if v.get("peak_bytes") and base.get("peak_bytes"):
+            row["memory"][name] = v["peak_bytes"] / base["peak_bytes"]
+    return row
+
+
+def run_stack(cfg) -> dict:
+    """Run the stack mode ``cfg`` asks for (parsed arguments); returns the result dict."""
+    import torch
+
+    t0 = time.perf_counter()
+    on_gpu = torch.cuda.is_available()
+    compile_ = "torch.compile" in cfg.baselines
+    out_dir = Path(cfg.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = env.torch_mode_result(cfg, "stack", on_gpu, compile=compile_, n=cfg.streams,
+                                   configs=[list(c) for c in cfg.stack_configs])
+    for L, C, heads, ffn, batch, seq in cfg.stack_configs:
+        env._log(f"[{time.perf_counter() - t0:7.1f} s] stack of {L} blocks, C {C}, {batch} x {seq} tokens")
+        result["results"].append(stack_case(L, C, heads, ffn, batch, seq, cfg, on_gpu, compile_))
+        write_json(result, out_dir / "stack.json")
+    result["targets"] = evaluate_stack_targets(result)
+    result["meta"]["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def evaluate_stack_targets(result: dict) -> list[dict]:
+    """Model overhead and memory over plain against the issue's targets (n = 4)."""
+    out = []
+    for (L, C), goals in STACK_TARGETS.items():
+        row = next((r for r in result.get("results", []) if (r["L"], r["C"]) == (L, C) and r["n"] == 4), None)
+        checks = (("time over plain, recompute off", "MHCStack", "overhead", goals[0]),
+                  ("time over plain, recompute on", "MHCStack recompute", "overhead", goals[1]),
+                  ("peak memory vs plain, recompute on", "MHCStack recompute", "memory", goals[2]))
+        for what, impl, kind, goal in checks:
+            if goal is None:
+                continue
+            name = f"{L} blocks, C {C}: {what} <= " + (f"+{goal:.0%}" if kind == "overhead" else f"{goal:.2f}x")
+            got = None if row is None else row[kind].get(impl)
+            if got is None:
+                out.append({"name": name, "status": "not measured", "measured": None, "detail": ""})
+            else:
+                out.append({"name": name, "status": "met" if got <= goal else "missed", "measured": got,
+                            "detail": f"{got:+.1%}" if kind == "overhead" else f"{got:.2f}x"})
+    return out
+
+
+def format_stack_report(result: dict) -> str:
+    """The stack mode's report (markdown): header, targets, table."""
+    meta = result.get("meta", {})
+    st = meta.get("settings", {})
+    lines = [f"# mhc_cupy.bench --stack  {meta.get('date', '')}  {meta.get('device', {}).get('name', '?')}  "
+             f"dtype {st.get('dtype', '?')}", "",
+             f"L pre-norm blocks (attention + SwiGLU), mHC n = {st.get('n')} around every sublayer; fwd+bwd of the "
+             f"model ({timing_words(result)}, median of {st.get('reps')}); overhead = time / plain time - 1; memory "
+             "= peak allocator bytes of a step beyond weights and inputs / plain's", "",
+             "```", format_targets(result.get("targets") or evaluate_stack_targets(result)), "```", "",
+             "| L | C | tokens | impl | fwd+bwd ms | overhead | peak GiB | memory |", "|---|---|---|---|---|---|---|---|"]
+    for r in result.get("results", []):
+        for name, v in r["impls"].items():
+            t = f"{v['us'] / 1e3:.3f}" if "us" in v else "err"
+            ov, mem, peak = r["overhead"].get(name), r["memory"].get(name), v.get("peak_bytes")
+            lines.append(f"| {r['L']} | {r['C']} | {r['batch']} x {r['seq']} | {name} | {t} | "
+                         f"{'' if ov is None else f'{ov:+.1%}'} | {'' if not peak else f'{peak / 2**30:.2f}'} | "
+                         f"{'' if mem is None else f'{mem:.2f}x'} |")
+    return "\n".join(lines)
