@@ -16,6 +16,9 @@ inputs:
   replicated;
 * the compiled program has no all-gather, and one all-reduce per program at
   most (XLA combines the psums of the shared gradients, one per gradient).
+
+And ``jax.grad`` inside ``jax.shard_map`` (check_vma on) for every op and the layer, tokens split
+over the 2 devices: equal to the program on all tokens (tests/test_jax_rough_edges.py).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import mhc_cupy.jax as mj
 
-from harness import assert_close  # tests/ is on sys.path (tests/conftest.py)
+import test_jax_rough_edges as rough  # tests/ is on sys.path (tests/conftest.py)
+from harness import assert_close
 from multidevice import count_collectives
 
 PLATFORM = os.environ.get("MHC_SHARDING_PLATFORM", "cpu")
@@ -294,3 +298,9 @@ def test_token_sharded_wraps_a_whole_layer(rng):
     assert spec_of(got[0]) == ("data", None, None, None) and all(spec_of(a) == (None,) * a.ndim for a in got[1:])
     counts = collectives(g, xs, *args[1:])
     assert counts.get("all-gather", 0) == 0 and counts.get("all-reduce", 0) <= 2, counts
+
+
+# ------------------------------------------------------------ grad inside jax.shard_map
+@pytest.mark.parametrize("name", rough.SHARD_CASES)
+def test_grad_inside_shard_map(name, rng):
+    rough.check_grad_inside_shard_map(name, rng, DEVICES[:2])
