@@ -48,7 +48,7 @@ try:  # jax >= 0.6.1, as mhc_cupy.jax needs
 except ImportError:  # pragma: no cover - depends on the installed jax
     _bc = None
 
-__all__ = ["token_sharded", "HOST_ATTR"]
+__all__ = ["token_sharded", "HOST_ATTR", "varying", "vary", "like"]
 
 #: Attribute of a ``buffer_callback`` callback: ``(key, host)``, the kernel's
 #: family (hashable, the same for every shape) and its callback in XLA's FFI
@@ -278,6 +278,56 @@ def token_sharded(fn, in_ranks: tuple, out_ranks: tuple, ref: int = 0):
         return tuple(outs)
 
     return functools.wraps(fn)(run)
+
+
+# ------------------------------------------------ jax.shard_map with check_vma
+# Inside ``jax.shard_map`` (check_vma=True, the default) every value's type says over which
+# manual mesh axes it varies.  ``buffer_callback`` declares its results invariant, and a
+# custom_vjp's backward must give each input's gradient that input's type.  So a kernel's
+# results are typed as varying over every axis one of its inputs varies over (:func:`vary`), and
+# each gradient is brought to its primal's type (:func:`like`): summed (psum) over the axes where
+# only the gradient varies, which is the transpose of JAX's implicit cast of an invariant
+# operand to varying, as for any jax.numpy op.  Outside shard_map both are no-ops.
+def varying(a) -> frozenset:
+    """The manual mesh axes over which ``a`` varies (empty outside ``jax.shard_map``, with
+    check_vma=False, or for None)."""
+    if a is None:
+        return frozenset()
+    t = _jax.typeof(a)
+    for name in ("mat", "manual_axis_type", "manual_type"):  # jax >= 0.10: a ManualAxisType
+        mat = getattr(t, name, None)
+        if mat is not None:
+            return frozenset(mat.varying)
+    return frozenset(getattr(t, "vma", ()))  # jax < 0.10: the set itself
+
+
+def _axes_tuple(names) -> tuple:
+    return tuple(sorted(names, key=str))
+
+
+def _cast(a, want: frozenset):
+    """``a`` summed over the axes it varies over outside ``want``, cast to varying over the rest."""
+    if a is None:
+        return a
+    have = varying(a)
+    if have - want:
+        a = _jax.lax.psum(a, _axes_tuple(have - want))
+    if want - have:
+        axes = _axes_tuple(want - have)
+        pcast = getattr(_jax.lax, "pcast", None)
+        a = pcast(a, axes, to="varying") if pcast is not None else _jax.lax.pvary(a, axes)  # pvary: jax < 0.8.2
+    return a
+
+
+def vary(outs, ins) -> tuple:
+    """A kernel's results ``outs``, typed as varying over every axis that one of ``ins`` varies over."""
+    want = frozenset().union(*(varying(a) for a in ins))
+    return tuple(_cast(o, want) for o in outs) if want else tuple(outs)
+
+
+def like(grads, primals) -> tuple:
+    """Each gradient (None: absent) with the type of its primal under ``jax.shard_map``."""
+    return tuple(_cast(g, varying(p)) for g, p in zip(grads, primals))
 
 
 class _Hashable:

@@ -50,7 +50,10 @@ bias, a shared ``h`` [n], the RMSNorm weight) is reduced across the mesh
 (``mhc_cupy._jax_shard.token_sharded``, a ``custom_partitioning`` rule).
 A sharded C or n dim, or a sharded parameter, is replicated for the op
 (correct, but that operand is gathered); so is a token dim whose size its
-mesh axes do not divide.
+mesh axes do not divide.  Inside ``jax.shard_map`` (check_vma on or off) each
+device runs the kernels on its block; results vary like their inputs, and the
+gradient of an input that does not vary over a mesh axis is summed over it
+(``psum``), as for jax.numpy ops.
 
 Gradients: the forward saves its inputs; the backward calls the op's ``_bwd``
 kernels (statistics and Sinkhorn iterations are recomputed on chip).
@@ -86,6 +89,7 @@ import jax.numpy as _jnp  # noqa: E402
 
 from . import _checks, _convention, _interop
 from ._convention import DEFAULT
+from . import _jax_layer as _layer
 from . import _jax_shard as _shard
 from ._interop import ArrayInfo
 from . import ops as _ops
@@ -412,7 +416,7 @@ def _kernel(name: str, params: tuple):
 
 def _k(name: str, params: tuple, *arrays) -> tuple:
     _check_arrays(name, arrays)  # before the vmap and sharding wrappers look at shapes
-    return _kernel(name, params)(*arrays)
+    return _shard.vary(_kernel(name, params)(*arrays), arrays)  # typed for jax.shard_map
 
 
 # ------------------------------------------------------- custom_vjp ops
@@ -431,7 +435,8 @@ def _sinkhorn_fwd(logits, num_iters, eps, grad_mode, convention):
 
 def _sinkhorn_bwd(num_iters, eps, grad_mode, convention, res, g):
     (logits,) = res
-    return _k("sinkhorn_knopp_bwd", _sk_params(num_iters, eps, convention) + (("grad_mode", grad_mode),), g, logits)
+    return _shard.like(_k("sinkhorn_knopp_bwd", _sk_params(num_iters, eps, convention) + (("grad_mode", grad_mode),),
+                          g, logits), res)
 
 
 _sinkhorn.defvjp(_sinkhorn_fwd, _sinkhorn_bwd)
@@ -449,7 +454,7 @@ def _rmsnorm_fwd(x, weight, eps):
 def _rmsnorm_bwd(eps, res, g):
     x, weight = res
     outs = _k("rmsnorm_bwd", (("eps", eps),), g, x, weight)
-    return outs[0], (outs[1] if weight is not None else None)
+    return _shard.like((outs[0], outs[1] if weight is not None else None), res)
 
 
 _rmsnorm.defvjp(_rmsnorm_fwd, _rmsnorm_bwd)
@@ -467,7 +472,7 @@ def _simple_vjp(fwd_name: str, bwd_name: str, params: tuple = ()):
         return op(*args), args
 
     def bwd(res, g):
-        return tuple(_k(bwd_name, params, g, *res))
+        return _shard.like(_k(bwd_name, params, g, *res), res)
 
     op.defvjp(fwd, bwd)
     return op
@@ -507,7 +512,7 @@ def _pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, *settings):
 def _pre_op_bwd(num_iters, eps, grad_mode, convention, hc_eps, post_mult, res, cts):
     grads = tuple(None if isinstance(g, _jax.custom_derivatives.SymbolicZero) else g for g in cts)
     params = _pre_params(num_iters, eps, convention, hc_eps, post_mult) + (("grad_mode", grad_mode),)
-    return _k("mhc_pre_op_bwd", params, *grads, *res)
+    return _shard.like(_k("mhc_pre_op_bwd", params, *grads, *res), res)
 
 
 _pre_op.defvjp(_pre_op_fwd, _pre_op_bwd, symbolic_zeros=True)
@@ -525,7 +530,7 @@ def _coeffs_op_fwd(x, phi, alpha, bias, eps):
 
 def _coeffs_op_bwd(eps, res, cts):
     grads = tuple(None if isinstance(g, _jax.custom_derivatives.SymbolicZero) else g for g in cts)
-    return _k("mhc_coeffs_bwd", (("eps", eps),), *grads, *res)
+    return _shard.like(_k("mhc_coeffs_bwd", (("eps", eps),), *grads, *res), res)
 
 
 _coeffs_op.defvjp(_coeffs_op_fwd, _coeffs_op_bwd, symbolic_zeros=True)
@@ -545,7 +550,7 @@ def _head_op_fwd(x, hc_fn, hc_scale, hc_base, rms_eps, hc_eps):
 
 
 def _head_op_bwd(rms_eps, hc_eps, res, g):
-    return tuple(_k("mhc_head_bwd", _head_params(rms_eps, hc_eps), g, *res))
+    return _shard.like(_k("mhc_head_bwd", _head_params(rms_eps, hc_eps), g, *res), res)
 
 
 _head_op.defvjp(_head_op_fwd, _head_op_bwd)
@@ -791,21 +796,24 @@ def mhc_init(key, dim: int, n_streams: int = 4, alpha_init: float = 0.01, conven
     phi [n*C, n*n + 2n] small normal (std 1/sqrt(n*C)); alpha [3] = ``alpha_init``
     (small, paper section 4); bias from :func:`mhc_cupy._layer_init.identity_bias`,
     so that the layer starts close to a plain residual connection (H_pre = 1/n,
-    H_post = 1, H_res = 0.95 on the diagonal).  All float32.  ``convention`` ("paper" or
-    "deepseek") is checked only: both conventions use the same parameters and start (pass the
-    same convention to :func:`mhc_layer`; DeepSeek-V4 weights: :func:`mhc_from_deepseek`).
+    H_post = 1, H_res = 0.95 on the diagonal).  All float32 (under jax_enable_x64 too).
+    ``convention`` ("paper" or "deepseek") is checked only: both conventions use the same
+    parameters and start (pass the same convention to :func:`mhc_layer`; DeepSeek-V4 weights:
+    :func:`mhc_from_deepseek`).
 
     Raises:
-        TypeError / ValueError: dim not an int >= 1, n_streams not in 1..32, bad convention.
+        TypeError / ValueError: dim not an int >= 1, n_streams not in 1..32, alpha_init not a finite
+        float, bad convention.
     """
     from ._layer_init import identity_bias
 
     _convention.check(convention)
     dim, n_streams = _checks.layer_size(dim, n_streams)
+    alpha_init = _layer.init_value("alpha_init", alpha_init)
     n, D = n_streams, n_streams * dim
-    phi = _jax.random.normal(key, (D, n * n + 2 * n), _jnp.float32) / np.sqrt(D)
+    phi = _jax.random.normal(key, (D, n * n + 2 * n), _jnp.float32) * np.float32(1 / np.sqrt(D))  # f32 under x64 too
     return {"phi": phi, "alpha": _jnp.full((3,), alpha_init, _jnp.float32),
-            "bias": _jnp.asarray(identity_bias(n))}
+            "bias": _jnp.asarray(identity_bias(n), _jnp.float32)}
 
 
 def mhc_from_deepseek(hc_fn, hc_scale, hc_base) -> dict:
@@ -815,12 +823,10 @@ def mhc_from_deepseek(hc_fn, hc_scale, hc_base) -> dict:
     Use with ``mhc_layer(..., convention="deepseek")``.
 
     Raises:
-        ValueError: shapes that are not a DeepSeek layer's.
+        TypeError: an argument that is not an array (None included).  ValueError: shapes that are
+        not a DeepSeek layer's, or n outside 1..32 (the argument named).
     """
-    from ._layer_init import deepseek_sizes
-
-    hc_fn, hc_scale, hc_base = (_jnp.asarray(a, _jnp.float32) for a in (hc_fn, hc_scale, hc_base))
-    deepseek_sizes(hc_fn.shape, hc_scale.shape, hc_base.shape, head=False)
+    hc_fn, hc_scale, hc_base = _layer.deepseek_params(hc_fn, hc_scale, hc_base)
     return {"phi": hc_fn.T, "alpha": hc_scale, "bias": hc_base}
 
 
@@ -873,7 +879,7 @@ def _fused_layer_bwd(f, settings, fold, res, g):
     params = _layer_params(settings) + (("grad_mode", settings[3]),)
     dx, dphi, dalpha, dbias = _k("mhc_layer_pre_bwd", params, g_li, g if fold else None, dH_post, dH_res,
                                  None if fold else dx_post, x, phi, alpha, bias, stats, H_pre, H_res)
-    return (dphi, dalpha, dbias, dx, *d_consts)
+    return (*_shard.like((dphi, dalpha, dbias, dx), (phi, alpha, bias, x)), *d_consts)
 
 
 _fused_layer.defvjp(_fused_layer_fwd, _fused_layer_bwd)
@@ -893,7 +899,11 @@ def mhc_layer(params: dict, x, f, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAUL
     Args:
         params: {"phi", "alpha", "bias"} from :func:`mhc_init` (or :func:`mhc_from_deepseek`).
         x: [..., n, C] residual streams (bfloat16 / float16 / float32).
-        f: the sublayer, [..., C] -> [..., C] (its output is cast to x's dtype).
+        f: the sublayer, [..., C] -> [..., C] (its output is cast to x's dtype); None: the identity.
+            Traced at every call, as it is then (a stateful sublayer, or one reading globals,
+            is used with its current state); what it closes over may be traced values (weights,
+            PRNG keys, ints: under jit / grad / vmap / lax.scan / checkpoint / shard_map), and
+            closed-over weights get their gradients.
         num_iters, eps, grad_mode: Sinkhorn-Knopp settings; rms_eps: the coefficient path's eps.
             left out: the convention's default (20, 1e-8, 1e-5; "deepseek": 20, 1e-6, 1e-6).
         convention: "paper" (default) or "deepseek" (the DeepSeek-V4 maths, OPS.md
@@ -907,39 +917,37 @@ def mhc_layer(params: dict, x, f, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAUL
     Raises:
         TypeError / ValueError: bad num_iters (an int in 0..10000, >= 1 under "deepseek"), eps,
         rms_eps, hc_eps, post_mult, grad_mode or convention, or shapes (x's n and C must match
-        params["phi"]).
+        params["phi"]); f neither callable nor None, or not returning one array of its input's shape.
     """
     if not isinstance(params, dict) or any(k not in params for k in ("phi", "alpha", "bias")):
         raise TypeError(f"params must be the dict of mhc_init (phi, alpha, bias), got {type(params).__name__}")
     settings = _layer_settings(num_iters, eps, rms_eps, grad_mode, _convention.check(convention), hc_eps, post_mult)
-    num_iters, eps, rms_eps, grad_mode, convention, hc_eps, post_mult = settings
-    if getattr(x, "ndim", 0) >= 2:
-        # the fused pieces (OPS.md section 9), one custom_vjp around the whole layer with f's VJP inside
-        # (f's closed-over traced values become explicit arguments, so they get their gradients)
-        example = _jax.ShapeDtypeStruct(tuple(x.shape[:-2]) + (x.shape[-1],), x.dtype)
-        f_conv, consts = _jax.closure_convert(f, example)
-        return _fused_layer(f_conv, settings, _ops.layer.fold_post_dx(x.shape[-2]), params["phi"], params["alpha"],
-                            params["bias"], x, *consts)
-    h_pre, h_post, h_res = mhc_coeffs(x, params["phi"], params["alpha"], params["bias"], rms_eps)
-    layer_in, _, H_post, H_res = mhc_pre_op(x, h_pre, h_post, h_res, num_iters, eps, grad_mode,
-                                            convention=convention, hc_eps=hc_eps, post_mult=post_mult)
-    return mhc_post_op(f(layer_in).astype(x.dtype), x, H_post, H_res, convention=convention)
+    _layer.check_x(params, x)
+    # the fused pieces (OPS.md section 9), one custom_vjp around the whole layer with f's VJP inside
+    # (f's closed-over traced values become explicit arguments: they get their gradients, and no
+    # tracer is used outside the trace that made it)
+    coefficients = (params["phi"], params["alpha"], params["bias"])
+    f_conv, consts = _layer.sublayer(f, x, coefficients)
+    return _fused_layer(f_conv, settings, _ops.layer.fold_post_dx(x.shape[-2]), *coefficients, x, *consts)
 
 
 # ------------------------------------------------------------------ the head (OPS.md section 11)
 def mhc_head_init(key, dim: int, n_streams: int = 4, scale_init: float = 0.01) -> dict:
     """Parameters of the mHC head for :func:`mhc_head`, in DeepSeek-V4's layout and names:
     hc_fn [n, n*C] small normal (std 1/sqrt(n*C)), hc_scale [1] = ``scale_init``, hc_base [n] =
-    logit(1/n) (0.99 for n = 1: the head starts as the stream mean).  All float32.
+    logit(1/n) (0.99 for n = 1: the head starts as the stream mean).  All float32 (under
+    jax_enable_x64 too).
 
     Raises:
-        TypeError / ValueError: dim not an int >= 1, n_streams not in 1..32.
+        TypeError / ValueError: dim not an int >= 1, n_streams not in 1..32, scale_init not a finite
+        float.
     """
     from ._layer_init import logit
 
     dim, n = _checks.layer_size(dim, n_streams)
+    scale_init = _layer.init_value("scale_init", scale_init)
     D = n * dim
-    return {"hc_fn": _jax.random.normal(key, (n, D), _jnp.float32) / np.sqrt(D),
+    return {"hc_fn": _jax.random.normal(key, (n, D), _jnp.float32) * np.float32(1 / np.sqrt(D)),
             "hc_scale": _jnp.full((1,), scale_init, _jnp.float32),
             "hc_base": _jnp.full((n,), logit(1.0 / n if n > 1 else 0.99), _jnp.float32)}
 

@@ -18,7 +18,26 @@ import json
 import numpy as np
 import pytest
 
-from multidevice import ROOT, pytest_cases, torchrun
+from multidevice import ROOT, count_collectives, pytest_cases, torchrun
+
+
+def test_count_collectives_sees_combined_and_async_ones():
+    """XLA's combined collectives have a tuple type, printed with /*index=5*/ comments past five
+    elements: each counts once, as do plain and async (-start) ones; -done and non-collective
+    ops (and names that merely contain a collective's name) do not."""
+    tup = ", ".join(f"{'/*index=5*/' if i == 5 else ''}f32[2,{i + 1}]{{1,0}}" for i in range(7))
+    args = ", ".join(f"{'/*index=5*/' if i == 5 else ''}%p.{i}" for i in range(7))
+    hlo = "\n".join([
+        "HloModule jit_f, entry_computation_layout={(f32[4]{0})->f32[8]{0}}",
+        f"  %all-gather = ({tup}) all-gather({args}), channel_id=1, replica_groups={{{{0,1}}}}, dimensions={{0}}",
+        f"  ROOT %all-reduce.3 = ({tup}) all-reduce({args}), channel_id=2, to_apply=%region_0.0",
+        "  %all-gather-start = (f32[2]{0}, f32[4]{0}) all-gather-start(f32[2]{0} %p), dimensions={0}",
+        "  %all-gather-done = f32[4]{0} all-gather-done((f32[2]{0}, f32[4]{0}) %all-gather-start)",
+        "  %all_gather.21 = f32[4,1]{1,0} all-gather(%param.7), channel_id=3, dimensions={0}",
+        "  %all-reduce-copy = f32[4]{0} copy(f32[4]{0} %all-reduce.3)",
+        "  %fusion = f32[4]{0:S(1)} fusion(%all-gather), kind=kLoop, calls=%fused_computation",
+    ])
+    assert count_collectives(hlo) == {"all-gather": 3, "all-reduce": 1}
 
 
 @pytest.mark.slow

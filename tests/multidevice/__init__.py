@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -36,3 +37,28 @@ def torchrun(script_args, nproc=2, env=None, timeout=300) -> str:
     env = {"OMP_NUM_THREADS": "1", **(env or {})}
     return run(["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script_args], env,
                timeout)
+
+
+#: Collective opcodes of XLA's HLO text (an async collective is counted once, at its "-start").
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute",
+               "collective-broadcast", "reduce-scatter")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.*?)\s(?P<op>[a-z][a-z0-9\-]*)\(")
+
+
+def count_collectives(hlo: str) -> dict:
+    """{opcode: count} of the collective instructions in HLO text (``compiled.as_text()``).
+
+    Every instruction line is ``name = type opcode(operands), attributes``.  A combined collective
+    (XLA's combiners merge several into one whose type is a tuple, printed with ``/*index=5*/``
+    comments past five elements) counts as one instruction; ``-start`` counts, ``-done`` does not.
+    """
+    counts: dict = {}
+    for line in hlo.splitlines():
+        m = _INSTRUCTION.match(re.sub(r"/\*.*?\*/", "", line))
+        if m is None:
+            continue
+        op = m.group("op")
+        op = op[:-len("-start")] if op.endswith("-start") else op
+        if op in COLLECTIVES:
+            counts[op] = counts.get(op, 0) + 1
+    return counts

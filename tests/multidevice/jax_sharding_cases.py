@@ -16,12 +16,14 @@ inputs:
   replicated;
 * the compiled program has no all-gather, and one all-reduce per program at
   most (XLA combines the psums of the shared gradients, one per gradient).
+
+And ``jax.grad`` inside ``jax.shard_map`` (check_vma on) for every op and the layer, tokens split
+over the 2 devices: equal to the program on all tokens (tests/test_jax_rough_edges.py).
 """
 
 from __future__ import annotations
 
 import os
-import re
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +33,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import mhc_cupy.jax as mj
 
-from harness import assert_close  # tests/ is on sys.path (tests/conftest.py)
+import test_jax_rough_edges as rough  # tests/ is on sys.path (tests/conftest.py)
+from harness import assert_close
+from multidevice import count_collectives
 
 PLATFORM = os.environ.get("MHC_SHARDING_PLATFORM", "cpu")
 DEVICES = jax.devices(PLATFORM)
@@ -46,11 +50,19 @@ N, C = 4, 24
 
 
 def collectives(fn, *args) -> dict:
-    """Counts of collective ops in the compiled HLO of jit(fn)(*args)."""
-    txt = jax.jit(fn).lower(*args).compile().as_text()
-    ops = re.findall(r"= [^=]*? (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(",
-                     txt)
-    return {k: ops.count(k) for k in set(ops)}
+    """Counts of collective ops in the compiled HLO of jit(fn)(*args) (a combined one counts once)."""
+    return count_collectives(jax.jit(fn).lower(*args).compile().as_text())
+
+
+def test_collectives_counts_combined_ones():
+    """7 psums that XLA combines into one all-reduce of a 7-tuple (its type printed with an
+    /*index=5*/ comment): counted, once (the CPU compiler combines them; others may less)."""
+    k = 7
+    f = jax.shard_map(lambda *xs: tuple(jax.lax.psum(x, "data") for x in xs), mesh=MESH,
+                      in_specs=(P("data"),) * k, out_specs=(P(),) * k, check_vma=False)
+    counts = collectives(f, *[jnp.ones((4, i + 1), jnp.float32) for i in range(k)])
+    assert set(counts) == {"all-reduce"} and 1 <= counts["all-reduce"] <= k, counts
+    assert PLATFORM != "cpu" or counts["all-reduce"] == 1, counts
 
 
 def spec_of(a) -> tuple:
@@ -286,3 +298,9 @@ def test_token_sharded_wraps_a_whole_layer(rng):
     assert spec_of(got[0]) == ("data", None, None, None) and all(spec_of(a) == (None,) * a.ndim for a in got[1:])
     counts = collectives(g, xs, *args[1:])
     assert counts.get("all-gather", 0) == 0 and counts.get("all-reduce", 0) <= 2, counts
+
+
+# ------------------------------------------------------------ grad inside jax.shard_map
+@pytest.mark.parametrize("name", rough.SHARD_CASES)
+def test_grad_inside_shard_map(name, rng):
+    rough.check_grad_inside_shard_map(name, rng, DEVICES[:2])
