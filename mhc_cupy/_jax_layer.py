@@ -14,17 +14,15 @@ reads globals, is used as it is at that call) and hoists every traced value it c
 from __future__ import annotations
 
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import _checks
 from . import _jax_shard as _shard
 from ._layer_init import deepseek_sizes
 
-__all__ = ["sublayer", "check_x", "init_value", "deepseek_params"]
+__all__ = ["sublayer", "check_x", "deepseek_params"]
 
 
 def sublayer(f, x, params) -> tuple:
@@ -100,17 +98,6 @@ def check_x(params: dict, x) -> None:
                          f"[..., n, C] = [..., {n}, {D // n}]")
 
 
-def init_value(name: str, value) -> float:
-    """An initial parameter value (``alpha_init``, ``scale_init``): a finite real (Python or NumPy
-    int / float; not bool).  TypeError / ValueError naming the argument otherwise."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
-    v = float(value)
-    if not math.isfinite(v):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return v
-
-
 def deepseek_params(hc_fn, hc_scale, hc_base) -> tuple:
     """``(hc_fn, hc_scale, hc_base)`` as float32 JAX arrays, with DeepSeek-V4 layer shapes
     (:func:`mhc_cupy._layer_init.deepseek_sizes`) and n = 1..32, C >= 1.
@@ -128,7 +115,5 @@ def deepseek_params(hc_fn, hc_scale, hc_base) -> tuple:
             raise TypeError(f"{name} has type {type(a).__name__}; it needs an array") from exc
     shape = tuple(arrays[0].shape)
     C, n = deepseek_sizes(shape, arrays[1].shape, arrays[2].shape, head=False)
-    _checks.streams(n, f"hc_fn of shape {shape}")
-    if C < 1:
-        raise ValueError(f"hc_fn has shape {shape}; it needs [n*n + 2n, n*C] with C >= 1")
+    _checks.streams(n, f"hc_fn of shape {shape}")  # (deepseek_sizes refuses C < 1)
     return tuple(arrays)

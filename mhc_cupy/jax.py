@@ -87,7 +87,7 @@ require("jax", "jax", "mhc_cupy.jax")  # missing: an ImportError naming the extr
 import jax as _jax  # noqa: E402
 import jax.numpy as _jnp  # noqa: E402
 
-from . import _checks, _convention, _interop
+from . import _checks, _convention, _interop, _layer_init
 from ._convention import DEFAULT
 from . import _jax_layer as _layer
 from . import _jax_shard as _shard
@@ -809,7 +809,7 @@ def mhc_init(key, dim: int, n_streams: int = 4, alpha_init: float = 0.01, conven
 
     _convention.check(convention)
     dim, n_streams = _checks.layer_size(dim, n_streams)
-    alpha_init = _layer.init_value("alpha_init", alpha_init)
+    alpha_init = _layer_init.init_value("alpha_init", alpha_init)
     n, D = n_streams, n_streams * dim
     phi = _jax.random.normal(key, (D, n * n + 2 * n), _jnp.float32) * np.float32(1 / np.sqrt(D))  # f32 under x64 too
     return {"phi": phi, "alpha": _jnp.full((3,), alpha_init, _jnp.float32),
@@ -945,7 +945,7 @@ def mhc_head_init(key, dim: int, n_streams: int = 4, scale_init: float = 0.01) -
     from ._layer_init import logit
 
     dim, n = _checks.layer_size(dim, n_streams)
-    scale_init = _layer.init_value("scale_init", scale_init)
+    scale_init = _layer_init.init_value("scale_init", scale_init)
     D = n * dim
     return {"hc_fn": _jax.random.normal(key, (n, D), _jnp.float32) * np.float32(1 / np.sqrt(D)),
             "hc_scale": _jnp.full((1,), scale_init, _jnp.float32),
