@@ -493,7 +493,10 @@ def _run(args, device, use_gpu, dp) -> dict:
         print(f"data-parallel: {dp.world} ranks (DistributedDataParallel, {dp.backend}); global batch "
               f"{cfg.batch}, {cfg.batch // dp.world} sequences per rank")
 
-    data = load_text(args.text)
+    try:
+        data = load_text(args.text)
+    except OSError as e:  # missing, a folder, no permission: one line, not a traceback
+        raise SystemExit(f"python -m mhc_cupy.demo: --text {args.text}: cannot read it ({e.strerror or e})") from None
     train_data, held_out = split_data(data)
     if len(held_out) < cfg.seq + 2 or len(train_data) < cfg.seq + 2:
         raise SystemExit(f"text too short ({len(data)} bytes) for --seq {cfg.seq}")
