@@ -65,3 +65,34 @@ def test_merge_mismatch_is_one_clear_line(tmp_path, capsys, argv, message):
     assert err.startswith("python -m mhc_cupy.bench --merge: ") and len(err.strip().splitlines()) == 1, err
     assert re.search(message, err), err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("mode", ["layer", "block"])
+def test_cpu_rows_time_pytorch_on_one_thread(tmp_path, monkeypatch, mode):
+    """Without a GPU, --layer / --block time every row with PyTorch on one intra-op thread, restored
+    after the run, and say so.  Two PyTorch threads spinning against the NumPy reference's BLAS pool
+    and other busy processes made a CPU run report a forward slower than forward + backward (issue 41
+    item 17: 28.4 / 10.7 ms; plain torch's forward 292 ms against 6 ms on one thread, measured)."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("the CPU timing path")
+    from mhc_cupy.bench import layer, timing
+
+    seen = []
+
+    def spy(*args, **kw):
+        seen.append(torch.get_num_threads())
+        return timing._time_wall(*args, **kw)
+
+    monkeypatch.setattr(layer, "_time_wall", spy)
+    torch.set_num_threads(2)  # what a 2-core machine starts with
+    out = tmp_path / "o"
+    sizes = (["--layer", "--shapes", "8x4x2", "--sublayers", "identity", "--baselines", "torch"] if mode == "layer" else
+             ["--block", "--block-configs", "8:2:8", "--batch", "1", "--seq", "2", "--streams", "2", "--no-baselines"])
+    assert bench.main(sizes + ["--fused", "default", "--reps", "2", "--warmup", "1", "--dtype", "float32",
+                               "--out", str(out)]) == 0
+    assert seen and set(seen) == {1}, seen
+    assert torch.get_num_threads() == 2
+    res = json.loads((out / f"{mode}.json").read_text())
+    assert res["meta"]["settings"]["torch_threads"] == 1
+    assert "wall clock (no CUDA GPU), PyTorch on 1 thread" in (out / f"{mode}.md").read_text()

@@ -210,7 +210,11 @@ def _run_mode(cfg) -> int:
               f"with wall-clock timing.)", file=sys.stderr)
         return 2
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    return _write_mode(cfg, layer.run_layer(cfg) if cfg.mode == "layer" else block.run_block(cfg))
+    with env.cpu_torch_threads() as threads:  # on the CPU: one PyTorch thread (env.cpu_torch_threads says why)
+        result = layer.run_layer(cfg) if cfg.mode == "layer" else block.run_block(cfg)
+    if threads:
+        result["meta"]["settings"]["torch_threads"] = threads
+    return _write_mode(cfg, result)
 
 
 #: The ``schema`` each mode writes (``cases``, ``layer``, ``block``), and the flag that selects the mode.
