@@ -43,10 +43,10 @@ def test_merge_with_the_matching_flag_and_two_files(tmp_path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--layer", "--merge", "h200_block.json"], r"h200_block.json: a --block \(block.json\) result, to merge with --block, "
-                                                "not --layer"),
-    (["--block", "--merge", "h200.json"], r"h200.json: an op benchmark \(bench.json\) result, to merge with no --layer / "
-                                          "--block, not --block"),
+    (["--layer", "--merge", "h200_block.json"],
+     r"h200_block.json: a --block \(block.json\) result, to merge with --block, not --layer"),
+    (["--block", "--merge", "h200.json"],
+     r"h200.json: an op benchmark \(bench.json\) result, to merge with no --layer / --block, not --block"),
     (["--merge", "h200.json", "h200_layer.json"], "cannot merge results of different modes: .*h200.json needs no "
                                                   "--layer / --block; .*h200_layer.json needs --layer"),
     (["--merge", "README.md"], "cannot read .*README.md: Expecting value"),

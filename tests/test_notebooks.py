@@ -46,7 +46,8 @@ def test_notebook_is_saved_executed_from_one_clean_run(path):
     assert [c["execution_count"] for c in cells] == list(range(1, len(cells) + 1)), path.name
     printed = [c for c in cells if any(o["output_type"] in ("stream", "display_data", "execute_result")
                                        for o in c["outputs"])]
-    assert len(printed) >= len(cells) - 1, f"{path.name}: cells without outputs"  # a definitions-only cell may print nothing
+    # every cell prints something, but for one that only defines functions (05's ds_mixes, ...)
+    assert len(printed) >= len(cells) - 1, f"{path.name}: cells without outputs"
     outs = [o for c in cells for o in c["outputs"]]
     assert not [o for o in outs if o["output_type"] == "error"], path.name
     stderr = [_text(o) for o in outs if o["output_type"] == "stream" and o["name"] == "stderr"]
