@@ -1,4 +1,4 @@
-"""Execute notebooks top to bottom, without Jupyter or (``--write``) in a Jupyter kernel, saving the outputs.
+"""Execute notebooks top to bottom: without Jupyter, or (``--write``) in a kernel, saving the outputs.
 
 Without ``--write``: each notebook's code cells run in order in one namespace, as a kernel
 would run them; a line starting with ``!`` runs in the shell and ``%`` magics are skipped.
@@ -7,9 +7,9 @@ no Jupyter.  Usage: python scripts/run_notebooks.py notebooks/*.ipynb
 
 ``--write``: run each notebook in a Jupyter kernel (nbclient, ipykernel; what nbmake uses),
 in its own folder, importing mhc_cupy from this checkout, and save it with its outputs
-(plots as PNG, 72 dpi by default); no execution timestamps are stored.  The committed notebooks are saved this
-way, so that a reader of the repository sees what they print.  A notebook whose outputs
-exceed ``--max-kib`` is not written (an error): keep the saved files small.
+(plots as PNG, 72 dpi by default; no execution timestamps).  The committed notebooks are
+saved this way, so that a reader of the repository sees what they print.  A notebook whose
+outputs exceed ``--max-kib`` is not written (an error): keep the saved files small.
 Usage: python scripts/run_notebooks.py --write notebooks/*.ipynb
 """
 
@@ -96,7 +96,8 @@ def execute_and_save(path: str, timeout: int = 1800, max_kib: float = 400.0, dpi
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description="Execute notebooks top to bottom: in this process (no Jupyter "
+                                             "needed), or with --write in a Jupyter kernel, saving their outputs.")
     ap.add_argument("notebooks", nargs="+")
     ap.add_argument("--write", action="store_true", help="run in a Jupyter kernel and save the outputs in place")
     ap.add_argument("--max-kib", type=float, default=400.0, help="--write: largest outputs per notebook (KiB)")

@@ -131,7 +131,6 @@ def _error(e: BaseException) -> dict:
     return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
 
 
-
 @contextlib.contextmanager
 def cpu_torch_threads():
     """Within the block, when PyTorch sees no CUDA device: PyTorch on :data:`CPU_TORCH_THREADS`
