@@ -39,14 +39,40 @@ def info() -> dict:
     return rows
 
 
+_DESCRIPTION = """\
+mhc_cupy tools: versions for bug reports, and precompiling kernels.
+'python -m mhc_cupy COMMAND --help' describes a command.  The benchmarks
+and the training demo have their own commands: python -m mhc_cupy.bench
+and python -m mhc_cupy.demo."""
+
+_WARMUP = """\
+Compile (NVRTC) or load from the disk cache the common kernel specialisations:
+every op forward and backward, for the given activation dtypes and stream
+counts, for the architecture of this machine's GPU.  Later processes then load
+the compiled kernels instead of compiling them at their first call.
+
+Needs a CUDA GPU that CuPy can use (the kernels are compiled for it and loaded
+onto it); without one it prints why and exits with code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    raw = argparse.RawDescriptionHelpFormatter
+    ap = argparse.ArgumentParser(prog="python -m mhc_cupy", description=_DESCRIPTION, formatter_class=raw)
+    sub = ap.add_subparsers(dest="cmd", title="commands", metavar="COMMAND")
+    sub.add_parser("info", help="print versions and paths: mhc_cupy, Python, NumPy, torch, JAX, CuPy, NVRTC, "
+                                "CUDA driver, devices, kernel cache and include folders (no GPU needed)",
+                   description="Print versions and paths for bug reports; works without a GPU.")
+    w = sub.add_parser("warmup", help="precompile the common kernels into the disk cache (needs a CUDA GPU)",
+                       description=_WARMUP, formatter_class=raw)
+    w.add_argument("--dtypes", default="bfloat16,float32",
+                   help="comma-separated activation dtypes: bfloat16, float16, float32 (default: bfloat16,float32)")
+    w.add_argument("--n", default="4", help="comma-separated stream counts, 1 to 32 (default: 4)")
+    w.add_argument("-v", "--verbose", action="store_true", help="print each kernel as it is compiled or loaded")
+    return ap
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mhc_cupy", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd")
-    sub.add_parser("info", help="print versions (CuPy, CUDA, NVRTC, driver, device, cache dir)")
-    w = sub.add_parser("warmup", help="precompile the common kernel specialisations into the disk cache")
-    w.add_argument("--dtypes", default="bfloat16,float32", help="comma-separated activation dtypes")
-    w.add_argument("--n", default="4", help="comma-separated stream counts")
-    w.add_argument("-v", "--verbose", action="store_true")
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.cmd is None:  # no command: the help, listing the commands
         ap.print_help()
@@ -55,14 +81,17 @@ def main(argv=None) -> int:
         for k, v in info().items():
             print(f"{k:>15}: {v}")
         return 0
+    try:
+        ns = [int(v) for v in args.n.split(",")]
+    except ValueError:
+        ap.error(f"warmup --n: expected comma-separated integers, got {args.n!r}")
     import time
 
     from . import _jit, _kernels
 
     t = time.perf_counter()
     try:
-        count = _kernels.warmup(dtypes=args.dtypes.split(","), ns=[int(v) for v in args.n.split(",")],
-                                verbose=args.verbose)
+        count = _kernels.warmup(dtypes=args.dtypes.split(","), ns=ns, verbose=args.verbose)
     except RuntimeError as e:  # no GPU: one clear line, not a traceback
         print(f"python -m mhc_cupy warmup: {e}", file=sys.stderr)
         return 2

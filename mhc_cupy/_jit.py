@@ -19,8 +19,10 @@ write: the folder is created 0700 and is used only when it is a real folder
 (not a symlink) owned by the user and not writable by group or others (else a
 warning, once, and no disk cache); entries are opened without following
 symlinks and must pass the same ownership test.  Each entry stores the binary's
-size and SHA-256: a bad entry (truncated, empty, bad metadata, digest
-mismatch) is a miss, dropped and recompiled.  Writes go to a temporary file in
+size and SHA-256: a bad entry (truncated, empty, bad metadata, a header
+nested too deep to parse, digest mismatch, a folder or other non-file in its
+place) is a miss, dropped (an empty folder removed; a folder with files in it
+stays) and recompiled.  Writes go to a temporary file in
 the folder, renamed into place (removed if the write fails).
 """
 
@@ -133,15 +135,19 @@ def _usable_cache_dir() -> Path | None:
     return d
 
 
-def _drop(path: Path) -> None:
+def _drop(path: Path, folder: bool = False) -> str:
+    """Remove a bad entry (an empty folder in its place too); "" or why it stays."""
     try:
-        os.unlink(path)
-    except OSError:
+        (os.rmdir if folder else os.unlink)(path)
+    except FileNotFoundError:
         pass
+    except OSError as e:  # a folder with files in it, a read-only cache...
+        return f" (could not remove it: {e.strerror}; this kernel compiles on every first use)"
+    return ""
 
 
 def _read_cache(key: str):
-    """(mangled name, binary) of a good entry, else None (a bad entry is removed)."""
+    """(mangled name, binary) of a good entry, else None (a bad entry is removed where it can be)."""
     d = _usable_cache_dir()
     if d is None:
         return None
@@ -152,22 +158,26 @@ def _read_cache(key: str):
         if os.path.islink(path):
             _drop(path)
         return None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        why = None if stat.S_ISREG(st.st_mode) else "not a regular file"
+    try:
+        st = os.fstat(fd)
+        why = None if stat.S_ISREG(st.st_mode) else "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
         why = why or _trusted(st)
         if why:
-            _warn_once(f"mhc_cupy: dropping kernel cache entry {path}: {why}")
-            _drop(path)
+            os.close(fd)
+            kept = _drop(path, folder=stat.S_ISDIR(st.st_mode))
+            _warn_once(f"mhc_cupy: dropping kernel cache entry {path}: {why}{kept}")
             return None
-        data = f.read()
+        with os.fdopen(fd, "rb") as f:
+            data = f.read()
+    except OSError:  # unreadable (EIO, ...): a miss
+        return None
     try:
         head, code = data.split(b"\n", 1)
         meta = json.loads(head)
         good = (isinstance(meta, dict) and meta.get("format") == _ENTRY_FORMAT and isinstance(meta.get("mangled"), str)
                 and meta["mangled"] and meta.get("size") == len(code) > 0
                 and meta.get("sha256") == hashlib.sha256(code).hexdigest())
-    except ValueError:  # no header line, bad JSON or bad UTF-8
+    except (ValueError, RecursionError):  # no header line, bad JSON or UTF-8, JSON nested too deep to parse
         good = False
     if not good:
         _drop(path)

@@ -29,6 +29,8 @@ last 5% of the bytes are held out.
   and writes the outputs.
 
 Writes ``loss_curve.png`` and ``summary.json`` into ``--out`` (default ``demo_out/``).
+Progress: one line per held-out evaluation (stdout), and a progress bar on stderr when
+stderr is a terminal (not in a notebook, a log file or CI).
 """
 
 from __future__ import annotations
@@ -286,6 +288,13 @@ def gpu_available() -> bool:
         return False
 
 
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no isatty, or closed
+        return False
+
+
 def lr_at(step, cfg: Config):
     """Linear warm-up, then cosine decay to 10% of the peak."""
     if step < cfg.warmup:
@@ -330,7 +339,7 @@ def train(name, model, cfg: Config, train_data, eval_xy, device, autocast, log_e
     on its slice of every global batch; logged losses are averaged over the
     ranks and tokens/s counts the global batch.
     """
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     main = dp is None or dp.main
     net = getattr(model, "module", model)  # evaluation: the plain module (no DDP hooks)
@@ -345,7 +354,10 @@ def train(name, model, cfg: Config, train_data, eval_xy, device, autocast, log_e
     timed_tokens, timed_s, t_start = 0, 0.0, time.perf_counter()
     hist["eval_step"].append(0)
     hist["eval_loss"].append(evaluate(net, ex, ey, cfg.batch, autocast, dp))
-    bar = tqdm(range(cfg.steps), desc=name, dynamic_ncols=True, file=sys.stderr, disable=not main)
+    # The bar only on a terminal: in a notebook, a log file or CI each refresh would be one more chunk of
+    # output; the evaluation lines below report the progress there.
+    bar = tqdm(range(cfg.steps), desc=name, dynamic_ncols=True, file=sys.stderr,
+               disable=not (main and _is_terminal(sys.stderr)))
     _sync(device)
     t0 = time.perf_counter()
     for step in bar:
@@ -493,7 +505,10 @@ def _run(args, device, use_gpu, dp) -> dict:
         print(f"data-parallel: {dp.world} ranks (DistributedDataParallel, {dp.backend}); global batch "
               f"{cfg.batch}, {cfg.batch // dp.world} sequences per rank")
 
-    data = load_text(args.text)
+    try:
+        data = load_text(args.text)
+    except OSError as e:  # missing, a folder, no permission: one line, not a traceback
+        raise SystemExit(f"python -m mhc_cupy.demo: --text {args.text}: cannot read it ({e.strerror or e})") from None
     train_data, held_out = split_data(data)
     if len(held_out) < cfg.seq + 2 or len(train_data) < cfg.seq + 2:
         raise SystemExit(f"text too short ({len(data)} bytes) for --seq {cfg.seq}")

@@ -83,10 +83,12 @@ def _corrupt(path, how):
         path.write_bytes(json.dumps(dict(meta, mangled="")).encode() + b"\n" + code)
     elif how == "not utf-8":
         path.write_bytes(b"\xff\xfe\n" + code)
+    elif how == "deeply nested json":  # json.loads raises RecursionError, not ValueError
+        path.write_bytes(b"[" * 100_000 + b"]" * 100_000 + b"\n" + code)
 
 
 @pytest.mark.parametrize("how", ["empty", "truncated", "empty binary", "json list", "bad json", "no header",
-                                 "digest mismatch", "no mangled name", "not utf-8"])
+                                 "digest mismatch", "no mangled name", "not utf-8", "deeply nested json"])
 def test_bad_entry_is_a_miss_and_is_replaced(cache, how):
     d, calls = cache
     good = _get()
@@ -219,6 +221,23 @@ def test_target_arch(monkeypatch):
     assert _jit.target_arch("100") == "compute_90"
     with pytest.raises(RuntimeError, match="NVRTC 12.4 cannot compile for this GPU .sm_70.; it supports sm_75"):
         _jit.target_arch("70")
+
+
+@pytest.mark.parametrize("files", [0, 1])
+def test_folder_in_place_of_an_entry_is_a_miss(cache, files):
+    """A folder where the entry should be is a miss on every call (was IsADirectoryError); an empty
+    one is replaced by the entry, one with files in it is left alone (the kernel compiles each time)."""
+    d, calls = cache
+    good = _get()
+    (entry,) = _entries(d)
+    os.unlink(d / entry)
+    os.mkdir(d / entry, 0o700)
+    if files:
+        (d / entry / "keep").write_bytes(b"x")
+    with pytest.warns(RuntimeWarning, match="a folder" + (".*could not remove it" if files else "")):
+        assert _get() == good and len(calls) == 2
+    assert (d / entry).is_dir() == bool(files) and _entries(d) == [entry]  # no leaked temporary file
+    assert _get() == good and len(calls) == 2 + files  # rewritten: a hit; else another miss
 
 
 def test_fifo_entry_does_not_block(cache):

@@ -244,6 +244,28 @@ def test_cli_without_command_prints_the_help(capsys):
     assert "usage: python -m mhc_cupy" in out and "info" in out and "warmup" in out
 
 
+def test_cli_help_is_plain_text_and_warmup_says_it_needs_a_gpu(capsys):
+    """``python -m mhc_cupy --help`` had the module docstring's reST markup (double backquotes);
+    ``warmup --help`` did not say that it needs a GPU (issue 41 item 15)."""
+    from mhc_cupy.__main__ import main
+
+    helps = {}
+    for argv in (["--help"], ["info", "--help"], ["warmup", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        assert "``" not in out and "**" not in out and ":func:" not in out, out
+        helps[argv[0]] = " ".join(out.split())
+    assert "info" in helps["--help"] and "warmup" in helps["--help"] and "needs a CUDA GPU" in helps["--help"]
+    assert "without a GPU" in helps["info"]
+    warm = helps["warmup"]
+    assert "Needs a CUDA GPU" in warm and "exits with code 2" in warm and "(default: bfloat16,float32)" in warm
+    with pytest.raises(SystemExit) as e:
+        main(["warmup", "--n", "four"])
+    assert e.value.code == 2 and "warmup --n: expected comma-separated integers, got 'four'" in capsys.readouterr().err
+
+
 def test_notebooks_remove_their_temporary_folders():
     """Every temporary folder a notebook makes (NAME = tempfile.mkdtemp(...)) is removed
     (shutil.rmtree(NAME ...)): nbmake runs them in the test suite and the GPU check, and
@@ -258,3 +280,52 @@ def test_notebooks_remove_their_temporary_folders():
             made += 1
             assert re.search(rf"shutil\.rmtree\({name}\b", code), f"{nb.name}: {name} = tempfile.mkdtemp() not removed"
     assert made >= 2  # notebooks 03 (bench) and 04 (demo)
+
+
+def _usage_snippets():
+    """The ```python blocks of the README's Usage section (the ones it says run as written)."""
+    usage = (REPO / "README.md").read_text().split("## Usage", 1)[1].split("\n## ", 1)[0]
+    return [block.split("```", 1)[0] for block in usage.split("```python\n")[1:]]
+
+
+def _extras():
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    return {k: {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower() for r in v} for k, v in deps.items()}
+
+
+def test_readme_usage_snippets_name_what_they_need():
+    """Each Usage snippet's first line names the install it needs (issue 41 item 15: the JAX one
+    failed in command 1's venv, whose demo extra has no jax, though the README said they all ran),
+    that extra holds every framework the snippet imports, and what it says of command 1's venv
+    (the demo extra) is true."""
+    import ast
+
+    extras, snippets = _extras(), _usage_snippets()
+    assert len(snippets) >= 4
+    for code in snippets:
+        first = code.splitlines()[0]
+        m = re.fullmatch(r'# needs [^:]+: pip install -e (?:\.|"\.\[(\w+)\]")( .*)?', first)
+        assert m, f"the snippet's first line does not name its install: {first!r}"
+        have = extras[m.group(1)] if m.group(1) else set()
+        imported = {a.name.split(".")[0] for node in ast.walk(ast.parse(code))
+                    if isinstance(node, ast.Import) for a in node.names}
+        imported |= {node.module.split(".")[0] for node in ast.walk(ast.parse(code))
+                     if isinstance(node, ast.ImportFrom) and node.module}
+        frameworks = imported & {"torch", "jax", "cupy", "matplotlib", "tqdm"}
+        assert frameworks <= have, (first, frameworks - have)
+        in_demo = frameworks <= extras["demo"]
+        if "command 1's venv has it" in first:
+            assert in_demo, first
+        if "command 1's venv does not have it" in first:
+            assert not in_demo, first
+        assert frameworks <= extras["test"] or not frameworks, first  # command 2's venv runs them all
+
+
+def test_readme_usage_snippets_run_as_written():
+    """The Usage snippets, in order, on the CPU (each in a fresh namespace)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    for code in _usage_snippets():
+        exec(compile(code, "README.md snippet", "exec"), {"__name__": "readme_snippet"})

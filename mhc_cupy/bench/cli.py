@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="warn when a baseline differs from mhc_cupy by more than this (relative L2)")
     ap.add_argument("--out", default="bench_out", help="output directory (bench.json, bench.txt, bench.png)")
     ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
-                    help="no GPU needed: merge saved bench.json files and write the report, JSON and plot to --out")
+                    help="no GPU needed: merge saved results of one mode (bench.json, or layer.json / block.json, "
+                         "whose mode is read from the files) and write the report, JSON (and plot) to --out")
     mode = ap.add_argument_group("layer and block modes (benchmarks/README.md)")
     one = mode.add_mutually_exclusive_group()
     one.add_argument("--layer", action="store_true",
@@ -170,9 +171,15 @@ def main(argv=None) -> int:
     cfg = parse_args(argv)
     if cfg.merge:
         try:
-            results = [json.loads(Path(p).read_text()) for p in cfg.merge]
-        except (OSError, json.JSONDecodeError) as e:
-            print(f"python -m mhc_cupy.bench --merge: cannot read {e}", file=sys.stderr)
+            results = []
+            for p in cfg.merge:
+                try:
+                    results.append(json.loads(Path(p).read_text()))
+                except (OSError, ValueError) as e:  # missing, unreadable, not JSON
+                    raise ValueError(f"cannot read {p}: {e}") from None
+            cfg.mode = merge_mode(results, cfg.merge, cfg.mode if cfg.layer or cfg.block else None)
+        except ValueError as e:  # and: not a bench result, modes that do not match
+            print(f"python -m mhc_cupy.bench --merge: {e}", file=sys.stderr)
             return 2
         if cfg.mode != "ops":
             return _write_mode(cfg, merge_mode_results(results, cfg.mode))
@@ -203,7 +210,44 @@ def _run_mode(cfg) -> int:
               f"with wall-clock timing.)", file=sys.stderr)
         return 2
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    return _write_mode(cfg, layer.run_layer(cfg) if cfg.mode == "layer" else block.run_block(cfg))
+    with env.cpu_torch_threads() as threads:  # on the CPU: one PyTorch thread (env.cpu_torch_threads says why)
+        result = layer.run_layer(cfg) if cfg.mode == "layer" else block.run_block(cfg)
+    if threads:
+        result["meta"]["settings"]["torch_threads"] = threads
+    return _write_mode(cfg, result)
+
+
+#: The ``schema`` each mode writes (``cases``, ``layer``, ``block``), and the flag that selects the mode.
+_SCHEMAS = {"mhc_cupy.bench/1": "ops", "mhc_cupy.bench.layer/1": "layer", "mhc_cupy.bench.block/1": "block"}
+_FLAG = {"ops": "no --layer / --block", "layer": "--layer", "block": "--block"}
+_WHAT = {"ops": "an op benchmark (bench.json)", "layer": "a --layer (layer.json)", "block": "a --block (block.json)"}
+
+
+def merge_mode(results: list, paths: list, flag_mode: str | None) -> str:
+    """The mode ("ops", "layer" or "block") of saved results to merge, from their ``schema``.
+
+    ``flag_mode``: the mode --layer / --block asked for, or None (none given: the files' mode).
+
+    Raises:
+        ValueError: a file that is not a benchmark result, files of different modes, or files
+            of another mode than the flag asks for (the message names the flag they need).
+    """
+    modes = {}
+    for path, res in zip(paths, results):
+        schema = res.get("schema") if isinstance(res, dict) else None
+        if schema not in _SCHEMAS:
+            raise ValueError(f"{path} is not a result of python -m mhc_cupy.bench (its schema is {schema!r}; "
+                             f"expected one of {', '.join(_SCHEMAS)})")
+        modes[path] = _SCHEMAS[schema]
+    found = set(modes.values())
+    if len(found) > 1:
+        raise ValueError("cannot merge results of different modes: " + "; ".join(
+            f"{p} needs {_FLAG[m]}" for p, m in modes.items()))
+    (mode,) = found
+    if flag_mode is not None and flag_mode != mode:
+        raise ValueError(f"{', '.join(modes)}: {_WHAT[mode]} result, to merge with {_FLAG[mode]}, not --{flag_mode} "
+                         f"(without --layer / --block, --merge takes the mode from the files)")
+    return mode
 
 
 #: Per mode: the fields that name a result row (a later file's row replaces an earlier one's).

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
+
+#: PyTorch intra-op threads of a --layer / --block run without a CUDA GPU (see :func:`cpu_torch_threads`).
+CPU_TORCH_THREADS = 1
 
 
 def _import(module: str, label: str):
@@ -127,6 +131,30 @@ def _error(e: BaseException) -> dict:
     return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
 
 
+@contextlib.contextmanager
+def cpu_torch_threads():
+    """Within the block, when PyTorch sees no CUDA device: PyTorch on :data:`CPU_TORCH_THREADS`
+    intra-op thread(s), restored after; yields that number (None with a CUDA device: nothing changes).
+
+    Without a GPU the layer and block modes time wall clock, and mhc_cupy's rows run the NumPy
+    reference, whose BLAS keeps its own thread pool, between PyTorch ops.  A second (PyTorch)
+    pool on the same cores spins against it and against any other busy process, so a row's time
+    depended on the machine's load more than on its work: on 2 cores shared with other work,
+    plain torch's layer forward took 292 ms with 2 threads and 6 ms with one (forward + backward
+    271 / 38 ms), a forward "slower" than forward + backward (issue 41 item 17; the demo runs
+    its CPU configuration on one PyTorch thread for the same reason).
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        yield None
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(CPU_TORCH_THREADS)
+    try:
+        yield CPU_TORCH_THREADS
+    finally:
+        torch.set_num_threads(before)
 
 def torch_mode_result(cfg, mode: str, on_gpu: bool, **settings) -> dict:
     """The skeleton of a PyTorch mode's result (``--block``, ``--stack``): schema, meta (date, argv,

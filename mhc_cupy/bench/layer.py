@@ -662,7 +662,8 @@ def timing_words(result: dict) -> str:
     """How the PyTorch and JAX rows of a layer or block result were timed, in words."""
     meta = result.get("meta", {})
     if not meta.get("device", {}).get("sm"):
-        return "wall clock (no CUDA GPU)"
+        threads = meta.get("settings", {}).get("torch_threads")
+        return "wall clock (no CUDA GPU)" + (f", PyTorch on {threads} thread{'s' * (threads > 1)}" if threads else "")
     graph = meta.get("settings", {}).get("graph")
     return (f"{'CUDA graph replay' if graph else 'eager calls between CUDA events'} (PyTorch rows), "
             f"wall clock + block_until_ready (JAX rows)")
