@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 from . import __doc__ as _PACKAGE_DOC
-from . import block, cases, env, layer
+from . import block, cases, env, layer, stack
 from .block import BLOCK_BATCH, BLOCK_CONFIGS, BLOCK_N, BLOCK_SEQ
 from .layer import LAYER_BASELINES, LAYER_SHAPES, SUBLAYERS
+from .stack import STACK_CONFIGS
 from .report import format_report, merge_results, merged_from, write_json, write_outputs
 from .specs import BASELINES, DEFAULT_OPS, DTYPE_ALIASES, SPECS
 
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement (median; default 30)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up calls before capture (default 5)")
     ap.add_argument("--min-calls", type=int, default=None,
-                    help="at least this many calls per timed sample (default 10; 4 with --layer / --block)")
+                    help="at least this many calls per timed sample (default 10; 4 with --layer / --block / --stack)")
     ap.add_argument("--quick", action="store_true",
                     help=f"one shape ({QUICK['tokens']}x{QUICK['C']}x{QUICK['n']}), {QUICK['reps']} reps")
     ap.add_argument("--baselines", default=None,
@@ -62,13 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                     help="no GPU needed: merge saved results of one mode (bench.json, or layer.json / block.json, "
                          "whose mode is read from the files) and write the report, JSON (and plot) to --out")
-    mode = ap.add_argument_group("layer and block modes (benchmarks/README.md)")
+    mode = ap.add_argument_group("layer, block and stack modes (benchmarks/README.md)")
     one = mode.add_mutually_exclusive_group()
     one.add_argument("--layer", action="store_true",
                      help="the whole mHC layer, fwd and fwd+bwd, against torch / torch.compile of MHCReference, "
                           "jax.jit of plain jnp and TransformerEngine (writes layer.json, layer.md)")
     one.add_argument("--block", action="store_true",
                      help="a pre-norm transformer block, plain residual vs mHC, fwd+bwd (writes block.json, block.md)")
+    one.add_argument("--stack", action="store_true",
+                     help="a model of L pre-norm blocks: plain residual vs a chain of MHC vs MHCStack with recompute "
+                          "off / 'auto', fwd+bwd time and peak memory (writes stack.json, stack.md)")
     mode.add_argument("--shapes", default=None,
                       help="--layer: TxCxn shapes, comma-separated (default "
                            + ",".join("x".join(map(str, s)) for s in LAYER_SHAPES) + ")")
@@ -76,10 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--fused", default="both", choices=("both", "true", "false", "default"),
                       help="MHC(..., fused=...) variants to time when MHC takes that keyword (default: both)")
     mode.add_argument("--graph", action="store_true",
-                      help="--layer / --block: capture the PyTorch calls into a CUDA graph (default: eager calls)")
+                      help="--layer / --block / --stack: capture the PyTorch calls into a CUDA graph (default: eager calls)")
     mode.add_argument("--block-configs", default=None,
                       help="--block: C:heads:ffn, comma-separated (default "
                            + ",".join(":".join(map(str, c)) for c in BLOCK_CONFIGS) + ")")
+    mode.add_argument("--stack-configs", default=None,
+                      help="--stack: L:C:heads:ffn:batch:seq, comma-separated (default "
+                           + ",".join(":".join(map(str, c)) for c in STACK_CONFIGS) + ")")
     mode.add_argument("--batch", type=int, default=BLOCK_BATCH, help=f"--block: batch (default {BLOCK_BATCH})")
     mode.add_argument("--seq", type=int, default=BLOCK_SEQ, help=f"--block: sequence length (default {BLOCK_SEQ})")
     mode.add_argument("--streams", type=int, default=BLOCK_N, help=f"--block: mHC streams n (default {BLOCK_N})")
@@ -89,11 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
 _BASELINE_ALIASES = {"torch": "torch", "eager": "torch", "torch.compile": "torch.compile", "compile": "torch.compile",
                      "inductor": "torch.compile", "jax": "jax.jit", "jax.jit": "jax.jit",
                      "te": "transformer_engine", "transformer_engine": "transformer_engine"}
-_MODE_BASELINES = {"ops": BASELINES, "layer": LAYER_BASELINES, "block": ("torch.compile",)}
+_MODE_BASELINES = {"ops": BASELINES, "layer": LAYER_BASELINES, "block": ("torch.compile",),
+                   "stack": ("torch.compile",)}
+#: Per mode other than "ops": (run, evaluate targets, format the report, the flag of its sizes).
+_MODES = {"layer": (layer.run_layer, layer.evaluate_layer_targets, layer.format_layer_report, "--shapes"),
+          "block": (block.run_block, block.evaluate_block_targets, block.format_block_report, "--block-configs"),
+          "stack": (stack.run_stack, stack.evaluate_stack_targets, stack.format_stack_report, "--stack-configs")}
 
 
 def _shape_list(text: str, flag: str, ap, form: str = "TxCxn") -> list[tuple]:
-    """'AxBxC,...' (``form`` "TxCxn") or 'A:B:C,...' (``form`` "C:heads:ffn") -> [(A, B, C), ...]."""
+    """'AxBxC,...' (``form`` "TxCxn") or 'A:B:C,...' (``form`` "C:heads:ffn", as many numbers as ``form``
+    names) -> [(A, B, C), ...]."""
     sep = ":" if ":" in form else "x"
     out = []
     for item in (e.strip() for e in text.split(",") if e.strip()):
@@ -101,7 +114,7 @@ def _shape_list(text: str, flag: str, ap, form: str = "TxCxn") -> list[tuple]:
             vals = tuple(int(v) for v in item.lower().split(sep))
         except ValueError:
             vals = ()
-        if len(vals) != 3 or any(v <= 0 for v in vals):
+        if len(vals) != len(form.split(sep)) or any(v <= 0 for v in vals):
             ap.error(f"{flag}: expected {form} of positive integers, got {item!r}")
         out.append(vals)
     if not out:
@@ -110,7 +123,7 @@ def _shape_list(text: str, flag: str, ap, form: str = "TxCxn") -> list[tuple]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """Parse and resolve: adds ``mode`` ("ops", "layer" or "block"), ``shapes`` [(T, C, n)] (the op grid,
+    """Parse and resolve: adds ``mode`` ("ops", "layer", "block" or "stack"), ``shapes`` [(T, C, n)] (the op grid,
     or the layer shapes with --layer), ``ops``, ``baselines`` (of the mode), ``sublayers``,
     ``block_configs`` [(C, heads, ffn)], ``sizes_given`` and ``argv``."""
     ap = build_parser()
@@ -125,10 +138,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if dt is None:
         ap.error(f"--dtype: expected bfloat16, float16 or float32, got {args.dtype!r}")
     args.dtype = dt
-    args.mode = "layer" if args.layer else "block" if args.block else "ops"
+    args.mode = next((m for m in _MODES if getattr(args, m)), "ops")
     allowed = _MODE_BASELINES[args.mode]
     if args.convention != "paper" and args.mode != "ops":
-        ap.error("--convention: only the op benchmark (no --layer / --block) takes it")
+        ap.error("--convention: only the op benchmark (no --layer / --block / --stack) takes it")
     if args.no_baselines or args.convention != "paper":
         args.baselines = []
     elif args.baselines is None:
@@ -139,13 +152,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         if bad:
             ap.error(f"--baselines: unknown {bad}; choose from {', '.join(allowed)}")
         args.baselines = [b for b in allowed if b in {_BASELINE_ALIASES[x] for x in names}]
-    args.sizes_given = args.shapes is not None or args.block_configs is not None
+    args.sizes_given = any(v is not None for v in (args.shapes, args.block_configs, args.stack_configs))
     args.layer_shapes = _shape_list(args.shapes, "--shapes", ap) if args.shapes is not None else list(LAYER_SHAPES)
     args.sublayers = [s.strip() for s in args.sublayers.split(",") if s.strip()]
     if not args.sublayers or any(s not in SUBLAYERS for s in args.sublayers):
         ap.error(f"--sublayers: choose from {', '.join(SUBLAYERS)}, got {args.sublayers}")
     args.block_configs = (list(BLOCK_CONFIGS) if args.block_configs is None
                           else _shape_list(args.block_configs, "--block-configs", ap, "C:heads:ffn"))
+    args.stack_configs = (list(STACK_CONFIGS) if args.stack_configs is None
+                          else _shape_list(args.stack_configs, "--stack-configs", ap, "L:C:heads:ffn:batch:seq"))
     if min(args.batch, args.seq, args.streams) < 1:
         ap.error("--batch, --seq and --streams must be >= 1")
     q = args.quick
@@ -177,7 +192,7 @@ def main(argv=None) -> int:
                     results.append(json.loads(Path(p).read_text()))
                 except (OSError, ValueError) as e:  # missing, unreadable, not JSON
                     raise ValueError(f"cannot read {p}: {e}") from None
-            cfg.mode = merge_mode(results, cfg.merge, cfg.mode if cfg.layer or cfg.block else None)
+            cfg.mode = merge_mode(results, cfg.merge, cfg.mode if cfg.mode != "ops" else None)
         except ValueError as e:  # and: not a bench result, modes that do not match
             print(f"python -m mhc_cupy.bench --merge: {e}", file=sys.stderr)
             return 2
@@ -202,31 +217,31 @@ def main(argv=None) -> int:
 
 
 def _run_mode(cfg) -> int:
-    """``--layer`` / ``--block``: run, write ``<mode>.json`` and ``<mode>.md``, print the report."""
+    """``--layer`` / ``--block`` / ``--stack``: run, write ``<mode>.json`` and ``<mode>.md``, print the report."""
     why = env._torch_status()
     if why and (not cfg.sizes_given or "not importable" in why):
         print(f"python -m mhc_cupy.bench --{cfg.mode} needs a CUDA GPU for its default sizes: {why}.\n"
-              f"(Give {'--shapes' if cfg.mode == 'layer' else '--block-configs'} with tiny sizes to run it on the CPU "
+              f"(Give {_MODES[cfg.mode][3]} with tiny sizes to run it on the CPU "
               f"with wall-clock timing.)", file=sys.stderr)
         return 2
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     with env.cpu_torch_threads() as threads:  # on the CPU: one PyTorch thread (env.cpu_torch_threads says why)
-        result = layer.run_layer(cfg) if cfg.mode == "layer" else block.run_block(cfg)
+        result = _MODES[cfg.mode][0](cfg)
     if threads:
         result["meta"]["settings"]["torch_threads"] = threads
     return _write_mode(cfg, result)
 
 
 #: The ``schema`` each mode writes (``cases``, ``layer``, ``block``), and the flag that selects the mode.
-_SCHEMAS = {"mhc_cupy.bench/1": "ops", "mhc_cupy.bench.layer/1": "layer", "mhc_cupy.bench.block/1": "block"}
-_FLAG = {"ops": "no --layer / --block", "layer": "--layer", "block": "--block"}
-_WHAT = {"ops": "an op benchmark (bench.json)", "layer": "a --layer (layer.json)", "block": "a --block (block.json)"}
+_SCHEMAS = {"mhc_cupy.bench/1": "ops", **{f"mhc_cupy.bench.{m}/1": m for m in _MODES}}
+_FLAG = {"ops": "no --layer / --block / --stack", **{m: f"--{m}" for m in _MODES}}
+_WHAT = {"ops": "an op benchmark (bench.json)", **{m: f"a --{m} ({m}.json)" for m in _MODES}}
 
 
 def merge_mode(results: list, paths: list, flag_mode: str | None) -> str:
     """The mode ("ops", "layer" or "block") of saved results to merge, from their ``schema``.
 
-    ``flag_mode``: the mode --layer / --block asked for, or None (none given: the files' mode).
+    ``flag_mode``: the mode --layer / --block / --stack asked for, or None (none given: the files' mode).
 
     Raises:
         ValueError: a file that is not a benchmark result, files of different modes, or files
@@ -246,13 +261,14 @@ def merge_mode(results: list, paths: list, flag_mode: str | None) -> str:
     (mode,) = found
     if flag_mode is not None and flag_mode != mode:
         raise ValueError(f"{', '.join(modes)}: {_WHAT[mode]} result, to merge with {_FLAG[mode]}, not --{flag_mode} "
-                         f"(without --layer / --block, --merge takes the mode from the files)")
+                         f"(without --layer / --block / --stack, --merge takes the mode from the files)")
     return mode
 
 
 #: Per mode: the fields that name a result row (a later file's row replaces an earlier one's).
 _ROW_KEYS = {"layer": ("sublayer", "tokens", "C", "n", "dtype"),
-             "block": ("C", "heads", "ffn", "batch", "seq", "n", "dtype")}
+             "block": ("C", "heads", "ffn", "batch", "seq", "n", "dtype"),
+             "stack": ("L", "C", "heads", "ffn", "batch", "seq", "n", "dtype")}
 
 
 def merge_mode_results(results: list[dict], mode: str) -> dict:
@@ -266,14 +282,14 @@ def merge_mode_results(results: list[dict], mode: str) -> dict:
     merged["results"] = list(rows.values())
     merged["skipped"] = sorted({s for res in results for s in res.get("skipped", [])})
     merged["meta"]["merged_from"] = merged_from(results)
-    evaluate = layer.evaluate_layer_targets if mode == "layer" else block.evaluate_block_targets
+    evaluate = _MODES[mode][1]
     merged["targets"] = evaluate(merged)
     return merged
 
 
 def _write_mode(cfg, result: dict) -> int:
     """Write ``<mode>.json`` and ``<mode>.md`` to ``cfg.out`` and print the report."""
-    text = (layer.format_layer_report if cfg.mode == "layer" else block.format_block_report)(result)
+    text = _MODES[cfg.mode][2](result)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     write_json(result, out / f"{cfg.mode}.json")

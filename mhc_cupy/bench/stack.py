@@ -15,7 +15,8 @@ Timed: a training step of the model, ``torch.autograd.grad(model(x), [x, *weight
 around ``calls`` eager calls, median of ``reps`` after warm-up; wall clock on the CPU), and the peak of
 the memory PyTorch's allocator holds during one step beyond what it held before (weights and inputs
 excluded: activations saved for backward and the gradients).  Overhead = time / plain time - 1 and
-memory = peak / plain peak, eager against eager and compiled against compiled.
+memory = peak / plain peak, eager against eager and compiled against compiled.  Each MHCStack row also
+says whether its dx equals the chain's bitwise (``dx_equals_chain``: it must).
 """
 
 from __future__ import annotations
@@ -78,12 +79,17 @@ def stack_case(L: int, C: int, heads: int, ffn: int, batch: int, seq: int, cfg, 
         torch._dynamo.reset()
         models["plain compiled"] = torch.compile(models["plain"], dynamic=False)
         models["mhc chain compiled"] = torch.compile(models["mhc chain"], dynamic=False)
+    chain_dx = {}
     for name, model in models.items():
         shape = (batch, seq, C) if name.startswith("plain") else (batch, seq, n, C)
         xs, gs = [gen(shape, 0)], [gen(shape, 1)]
-        rows, _ = measure_torch(model, list(model.parameters()), xs, gs, cfg.min_calls, timer, on_gpu,
-                                dirs=("fwd+bwd",))
+        rows, firsts = measure_torch(model, list(model.parameters()), xs, gs, cfg.min_calls, timer, on_gpu,
+                                     dirs=("fwd+bwd",))
         v = row["impls"][name] = rows["fwd+bwd"]
+        if name.startswith("MHCStack") and "dx" in firsts and "dx" in chain_dx:  # the same maths, bitwise
+            v["dx_equals_chain"] = bool(torch.equal(firsts["dx"], chain_dx["dx"]))
+        elif name == "mhc chain" and "dx" in firsts:
+            chain_dx["dx"] = firsts["dx"]
         peak = v.get("peak_bytes")
         env._log(f"  {name}: " + (f"fwd+bwd {v['us'] / 1e3:.3f} ms" if "us" in v else v["error"])
                  + (f", peak {peak / 2**30:.2f} GiB" if peak else ""))

@@ -1,0 +1,51 @@
+"""``python -m mhc_cupy.bench --stack`` (issue 44's benchmark): arguments, a tiny end-to-end run on the
+CPU (every variant timed, the stacks' dx bitwise the chain's, the report written), merging its JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import mhc_cupy.bench as bench
+
+
+def test_parse_args_stack():
+    from mhc_cupy.bench.stack import STACK_CONFIGS
+
+    a = bench.parse_args(["--stack"])
+    assert (a.mode, a.stack_configs, a.baselines, a.sizes_given) == ("stack", list(STACK_CONFIGS),
+                                                                       ["torch.compile"], False)
+    a = bench.parse_args(["--stack", "--stack-configs", "2:16:2:24:1:4,3:8:2:8:2:2", "--no-baselines"])
+    assert a.stack_configs == [(2, 16, 2, 24, 1, 4), (3, 8, 2, 8, 2, 2)] and a.baselines == [] and a.sizes_given
+
+
+@pytest.mark.parametrize("argv", [["--stack", "--block"], ["--stack", "--stack-configs", "2:16:2:24"],
+                                  ["--stack", "--stack-configs", "2:16:2:24:1:0"]])
+def test_parse_args_stack_errors(argv):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv)
+    assert e.value.code != 0
+
+
+def test_stack_mode_runs_tiny_and_merges(tmp_path):
+    pytest.importorskip("torch")
+    out = tmp_path / "o"
+    argv = ["--stack", "--stack-configs", "4:16:2:24:1:4", "--streams", "2", "--reps", "2", "--warmup", "1",
+            "--min-calls", "1", "--dtype", "float32", "--no-baselines", "--out", str(out)]
+    assert bench.main(argv) == 0
+    res = json.loads((out / "stack.json").read_text())
+    assert res["schema"] == "mhc_cupy.bench.stack/1"
+    (row,) = res["results"]
+    assert (row["L"], row["C"], row["n"], row["recompute_blocks"]) == (4, 16, 2, 2)  # auto: sqrt(2 * 8 / 4) = 2
+    assert set(row["impls"]) == {"plain", "mhc chain", "MHCStack", "MHCStack recompute"}
+    for name, v in row["impls"].items():
+        assert v["us"] > 0, (name, v)
+    for name in ("MHCStack", "MHCStack recompute"):
+        assert row["impls"][name]["dx_equals_chain"] is True, name
+        assert row["overhead"][name] == pytest.approx(row["impls"][name]["us"] / row["impls"]["plain"]["us"] - 1)
+    text = (out / "stack.md").read_text()
+    assert "| 4 | 16 | 1 x 4 | MHCStack recompute |" in text and "targets:" in text
+    merged = tmp_path / "m"
+    assert bench.main(["--merge", str(out / "stack.json"), "--out", str(merged)]) == 0
+    assert json.loads((merged / "stack.json").read_text())["results"] == res["results"]
