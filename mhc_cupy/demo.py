@@ -2,7 +2,9 @@
 
 A decoder-only transformer (causal self-attention + MLP blocks, pre-norm
 inside each sublayer) whose every sublayer is wrapped by :class:`mhc_cupy.torch.MHC`
-with n = 4 residual streams (paper: arXiv 2512.24880), trained on real text:
+with n = 4 residual streams (paper: arXiv 2512.24880), all of them in one
+:class:`mhc_cupy.torch.MHCStack` with stream recompute (``--recompute``, default the paper's
+block size: the same losses as without, less activation memory), trained on real text:
 by default the documentation shipped with CPython (``pydoc_data.topics``,
 about 0.47 MB), byte-level tokens (vocabulary 256), so it runs offline.  The
 last 5% of the bytes are held out.
@@ -54,7 +56,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from .torch import MHC, collapse_streams, expand_streams
+from .torch import MHC, MHCStack, collapse_streams, expand_streams
+from .torch.stack import recompute_blocks
 
 GPU_PRESET = dict(dim=256, layers=6, heads=4, seq=256, batch=32, steps=1000, lr=2e-3, eval_every=100,
                   eval_batches=4, dropout=0.1)
@@ -79,6 +82,7 @@ class Config:
     weight_decay: float = 0.1
     warmup: int = 0
     grad_clip: float = 1.0
+    recompute: object = "auto"  # MHCStack's stream recompute: None, an int L_r or "auto"
 
 
 # ------------------------------------------------------------------- data
@@ -183,7 +187,7 @@ class TinyGPT(nn.Module):
                 std = 0.02 / math.sqrt(2 * cfg.layers) if name.endswith("proj.weight") else 0.02
                 nn.init.normal_(p, 0.0, std)
         if residual == "mhc":
-            self.blocks = nn.ModuleList(MHC(cfg.dim, cfg.streams, s) for s in subs)
+            self.blocks = MHCStack([MHC(cfg.dim, cfg.streams, s) for s in subs], recompute=cfg.recompute)
         elif residual == "plain":
             self.blocks = nn.ModuleList(Residual(s) for s in subs)
         else:
@@ -193,10 +197,7 @@ class TinyGPT(nn.Module):
         T = idx.shape[1]
         h = (self.tok(idx) + self.pos(torch.arange(T, device=idx.device))).to(self.stream_dtype)
         if self.residual == "mhc":
-            h = expand_streams(h, self.n)
-            for b in self.blocks:
-                h = b(h)
-            h = collapse_streams(h.float())
+            h = collapse_streams(self.blocks(expand_streams(h, self.n)).float())
         else:
             for b in self.blocks:
                 h = b(h)
@@ -450,6 +451,9 @@ def parse_args(argv=None):
     ap.add_argument("--dim", type=int, help="d_model, C (GPU 256, tiny 64)")
     ap.add_argument("--heads", type=int, help="attention heads (GPU 4, tiny 4); must divide --dim")
     ap.add_argument("--streams", type=int, default=4, help="mHC residual streams n (default 4)")
+    ap.add_argument("--recompute", default="auto",
+                    help="MHCStack's stream recompute: none, a block size L_r, or auto (default: the paper's "
+                         "sqrt(n L / (n + 2)) over the 2 x --layers mHC layers)")
     ap.add_argument("--lr", type=float, help="peak AdamW learning rate (GPU 2e-3, tiny 3e-3)")
     ap.add_argument("--eval-every", type=int, help="steps between held-out evaluations")
     ap.add_argument("--text", help="train on this file (bytes) instead of CPython's documentation")
@@ -468,7 +472,12 @@ def make_config(args, device) -> Config:
         v = getattr(args, k)
         if v is not None:
             preset[k] = v
-    cfg = Config(**preset, streams=args.streams, seed=args.seed)
+    recompute = {"none": None, "auto": "auto"}.get(args.recompute.lower(), args.recompute)
+    if isinstance(recompute, str) and recompute != "auto":
+        if not recompute.isdigit() or int(recompute) < 1:
+            raise SystemExit(f"--recompute must be none, auto or a positive int, got {args.recompute!r}")
+        recompute = int(recompute)
+    cfg = Config(**preset, streams=args.streams, seed=args.seed, recompute=recompute)
     cfg.warmup = min(50, cfg.steps // 10)
     cfg.eval_every = max(1, min(cfg.eval_every, cfg.steps))
     if cfg.dim % cfg.heads:
@@ -538,6 +547,10 @@ def _run(args, device, use_gpu, dp) -> dict:
     print(f"corpus: {src}, {len(data):,} bytes ({len(held_out):,} held out); config: "
           + ", ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
 
+    L_r = recompute_blocks(cfg.recompute, cfg.streams, 2 * cfg.layers)
+    print(f"mHC: one MHCStack of {2 * cfg.layers} MHC layers (each block's attention and MLP); stream recompute "
+          + (f"in blocks of {L_r} layers" if L_r else "off"))
+
     is_main = dp is None or dp.main  # only rank 0 writes the outputs
     if is_main:
         os.makedirs(args.out, exist_ok=True)
@@ -566,6 +579,7 @@ def _run(args, device, use_gpu, dp) -> dict:
         "stream_dtype": str(stream_dtype).replace("torch.", ""),
         "corpus": src, "corpus_bytes": len(data), "held_out_bytes": len(held_out),
         "steps": cfg.steps, "wall_s": wall, "ranks": dp.world if dp else 1,
+        "mhc_stack": {"layers": 2 * cfg.layers, "recompute": cfg.recompute, "recompute_blocks": L_r},
         "notes": {"final_train_loss": "mean over the last 20 training steps",
                   "final_eval_loss": "held-out loss after the last step",
                   "tokens_per_s": "training steps only (no evaluation), after the first 3 steps"},

@@ -171,7 +171,8 @@ def test_second_backward_with_retain_graph_rebuilds_again(rng):
 def test_parameters_are_the_layers_and_load_a_chain_checkpoint(rng):
     layers = make_layers(3, 4, 8, 5)
     stack = mt.MHCStack(layers, recompute="auto")
-    assert all(a is b for a, b in zip(stack.layers, layers))
+    assert all(a is b for a, b in zip(stack.layers, layers)) and len(stack) == 3 and stack[1] is layers[1]
+    assert list(stack) == layers
     assert {id(p) for p in stack.parameters()} == {id(p) for layer in layers for p in layer.parameters()}
     other = mt.MHCStack(make_layers(3, 4, 8, 6))
     other.load_state_dict(stack.state_dict())

@@ -123,7 +123,8 @@ class MHCStack(nn.Module):
     Args:
         layers: a non-empty sequence of :class:`MHC` (any convention; all of one n and C).  They
             become ``stack.layers`` (an ``nn.ModuleList``): their parameters are the stack's, so
-            ``MHC.from_deepseek`` layers and existing checkpoints load as they are.
+            ``MHC.from_deepseek`` layers and existing checkpoints load as they are.  ``len(stack)``,
+            ``stack[i]`` and iteration reach the layers too.
         recompute: None (default: every layer saves its input streams), an int L_r >= 1 (save the
             streams at every L_r-th layer only and rebuild the rest in backward), or "auto" (the
             paper's L_r* = sqrt(n L / (n + 2)), section 4.3).
@@ -171,6 +172,15 @@ class MHCStack(nn.Module):
             finally:
                 del layer._stack_slot
         return x
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, i: int) -> MHC:
+        return self.layers[i]
+
+    def __iter__(self):
+        return iter(self.layers)
 
     def extra_repr(self) -> str:
         return f"n_streams={self.n_streams}, dim={self.dim}, layers={len(self.layers)}, recompute={self.recompute!r}"
