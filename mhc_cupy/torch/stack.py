@@ -14,8 +14,10 @@ inputs), so gradients are bitwise those without recompute.
 
 Mechanism: the mHC pieces of each layer of a block (not its sublayer) run inside
 ``torch.autograd.graph.saved_tensors_hooks`` whose pack hook replaces a saved x_l of a
-non-boundary layer with a handle, and whose unpack hook rebuilds it (once per block: the first unpack in a block rebuilds all its streams, each is
-dropped after its last unpack).  Eager PyTorch only: under ``torch.compile`` the stack runs
+non-boundary layer with a handle, and whose unpack hook rebuilds it (the first unpack in a
+block rebuilds all its streams; each is dropped after its last unpack).  Inside a block the mHC
+pieces' saved tensors therefore bypass saved-tensor hooks of the caller's (e.g.
+``torch.autograd.graph.save_on_cpu``); the sublayers' do not.  Eager PyTorch only: under ``torch.compile`` the stack runs
 without recompute (the same values and gradients, with every layer's streams saved).
 """
 
