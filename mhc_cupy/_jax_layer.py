@@ -8,7 +8,9 @@ key or an int carried by ``lax.scan``, anything under ``jit`` / ``vmap`` / ``che
 must enter that ``custom_vjp`` as arguments: closed over, a traced value would be used outside
 the trace that made it (``UnexpectedTracerError``), and a weight would get no gradient.
 :func:`sublayer` traces ``f`` afresh at every call (no cache: a stateful sublayer, or one that
-reads globals, is used as it is at that call) and hoists every traced value it closes over.
+reads globals, is used as it is at that call) and hoists every traced value it closes over; for
+:func:`mhc_cupy.jax.mhc_stack` it traces ``f(f_params_l, layer_in)`` once for all layers, with one
+layer's ``f_params`` as explicit arguments.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ._layer_init import deepseek_sizes
 __all__ = ["sublayer", "check_x", "deepseek_params"]
 
 
-def sublayer(f, x, params) -> tuple:
+def sublayer(f, x, params, arg=None) -> tuple:
     """``(g, consts)`` with ``g(layer_in, *consts) == f(layer_in)``, traced now.
 
     Args:
@@ -33,6 +35,10 @@ def sublayer(f, x, params) -> tuple:
         x: the layer's input [..., n, C]; params: its phi, alpha and bias.  They give layer_in's
             type: x's dtype, shape [..., C], and under ``jax.shard_map`` the mesh axes over which
             one of them varies (f is traced for that type: JAX casts what it closes over to match).
+        arg: None, or a pytree of arrays (or ``jax.ShapeDtypeStruct``) giving the type of an
+            explicit first argument of f (one layer's ``f_params`` in :mod:`mhc_cupy._jax_stack`):
+            f is then traced as ``f(arg, layer_in)``, and ``g(layer_in, *leaves, *consts) ==
+            f(unflatten(leaves), layer_in)`` for the pytree leaves of a value of arg's type.
 
     Returns:
         g, and the traced values (``jax.core.Tracer``) that ``f`` closes over, in a list; concrete
@@ -48,9 +54,11 @@ def sublayer(f, x, params) -> tuple:
         raise TypeError(f"f (the sublayer) must be callable [..., C] -> [..., C] or None (the identity), got "
                         f"{type(f).__name__} {f!r}")
     example = jax.eval_shape(lambda x, *ps: _shard.vary((x[..., 0, :],), (x, *ps))[0], x, *params)
+    leaves, tree = jax.tree_util.tree_flatten(arg)
     # A new function object at every call: JAX's tracing caches key on the function, and a cached
     # trace would keep the values f closed over when it was first traced.
-    closed, out = jax.make_jaxpr(lambda li: f(li), return_shape=True)(example)
+    traced = (lambda li: f(li)) if arg is None else (lambda li, *a: f(jax.tree_util.tree_unflatten(tree, a), li))
+    closed, out = jax.make_jaxpr(traced, return_shape=True)(example, *leaves)
     if not isinstance(out, jax.ShapeDtypeStruct):
         raise TypeError(f"f (the sublayer) returned {_describe(out)}; mhc_layer needs one array [..., C] of its "
                         f"input's shape {tuple(example.shape)}")
@@ -59,12 +67,13 @@ def sublayer(f, x, params) -> tuple:
                          f"input's shape {tuple(example.shape)} ([..., C] -> [..., C])")
     jaxpr, consts = closed.jaxpr, list(closed.consts)
     hoisted = [i for i, c in enumerate(consts) if isinstance(c, jax.core.Tracer)]
+    n_args = len(leaves)
 
     def g(li, *values):
         full = list(consts)
-        for i, v in zip(hoisted, values):
+        for i, v in zip(hoisted, values[n_args:]):
             full[i] = v
-        return jax.core.eval_jaxpr(jaxpr, full, li)[0]
+        return jax.core.eval_jaxpr(jaxpr, full, li, *values[:n_args])[0]
 
     return g, [consts[i] for i in hoisted]
 

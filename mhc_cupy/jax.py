@@ -91,6 +91,7 @@ from . import _checks, _convention, _interop, _layer_init
 from ._convention import DEFAULT
 from . import _jax_layer as _layer
 from . import _jax_shard as _shard
+from ._jax_stack import mhc_stack, mhc_stack_init  # noqa: F401 - stacks of layers (OPS.md section 12)
 from ._interop import ArrayInfo
 from . import ops as _ops
 
@@ -102,7 +103,7 @@ except ImportError:  # pragma: no cover - depends on the installed jax
 __all__ = [
     "sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute",
     "mhc_post_op", "mhc_pre_op", "mhc_coeffs", "mhc_init", "mhc_layer", "mhc_from_deepseek", "mhc_to_deepseek",
-    "mhc_head", "mhc_head_init",
+    "mhc_head", "mhc_head_init", "mhc_stack", "mhc_stack_init",
 ]
 
 #: Placeholder device of the trace-time ArrayInfo: planners read only shapes

@@ -24,41 +24,16 @@ without recompute (the same values and gradients, with every layer's streams sav
 from __future__ import annotations
 
 import contextlib
-import math
-from typing import Optional, Sequence, Union
+from typing import Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
 from .. import mhc_post_op_fwd
+from .._stack import recompute_blocks
 from .layers import MHC
 
 __all__ = ["MHCStack", "recompute_blocks"]
-
-
-def recompute_blocks(recompute, n: int, L: int) -> Optional[int]:
-    """L_r, the layers per recompute block, for ``recompute`` None (no recompute), a positive
-    int, or "auto" (the paper's L_r* = sqrt(n L / (n + 2)) rounded, at least 1, section 4.3).
-
-    Returns None where nothing is recomputed (None, or L_r = 1: every layer is a boundary).
-
-    Raises:
-        ValueError / TypeError: ``recompute`` is none of those.
-    """
-    if recompute is None:
-        return None
-    if isinstance(recompute, str):
-        if recompute != "auto":
-            raise ValueError(f"recompute must be None, a positive int or 'auto', got {recompute!r}")
-        L_r = max(1, round(math.sqrt(n * L / (n + 2))))
-    elif isinstance(recompute, bool) or not isinstance(recompute, int):
-        raise TypeError(f"recompute must be None, a positive int or 'auto', got {type(recompute).__name__} "
-                        f"{recompute!r}")
-    elif recompute < 1:
-        raise ValueError(f"recompute must be None, a positive int or 'auto', got {recompute}")
-    else:
-        L_r = recompute
-    return L_r if L_r > 1 else None
 
 
 class _Block:

@@ -1,0 +1,255 @@
+"""``mhc_cupy.jax.mhc_stack``: L mHC layers over per-layer parameters stacked on a leading axis,
+with stream recompute (paper section 4.3, docs/OPS.md section 12).
+
+x_{l+1} = H_res,l x_l + H_post,l^T f_l(H_pre,l x_l) for l = 0 .. L-1 (paper Eq. 3): the values
+and gradients, bitwise on the CPU path, of ``mhc_layer(params_l, x, partial(f, f_params_l))``
+applied for l = 0 .. L-1.
+
+* Without recompute: a ``lax.scan`` over the layers of :func:`mhc_cupy.jax.mhc_layer`'s fused
+  ``custom_vjp`` (each layer saves its input streams x_l [..., n, C] for backward).
+* With ``recompute = L_r``: a ``lax.scan`` over blocks of L_r layers (then one block of the
+  L mod L_r last layers), each one ``custom_vjp`` (:func:`_block`) whose forward runs its layers
+  with the single layer's forward (``_fused_layer_fwd``) and keeps, of the streams, only its
+  input x_b; per layer it keeps what the layer saves anyway (the sublayer output y_j, the
+  coefficient tensors stats, H_pre, H_post, H_res, f's VJP residuals).  Its backward first
+  rebuilds x_{b+1} .. with the post op's forward (the same kernel on the same inputs as in the
+  forward: bitwise the same streams), then runs each layer's backward (``_fused_layer_bwd``)
+  in reverse.  Same kernels in the same order: gradients bitwise those without recompute.
+
+f is traced once per call as ``f(f_params_l, layer_in)`` with one layer's f_params as explicit
+arguments (:func:`mhc_cupy._jax_layer.sublayer`); traced values that it closes over (weights
+shared by all layers, keys) enter every layer as explicit arguments and get their gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _checks, _convention
+from . import _jax_layer as _layer
+from ._convention import DEFAULT
+from ._stack import recompute_blocks
+from .ops.layer import fold_post_dx
+
+__all__ = ["mhc_stack", "mhc_stack_init"]
+
+#: The per-layer parameters and their ranks once stacked: phi [L, n*C, m], alpha [L, 3], bias [L, m].
+_RANKS = {"phi": 3, "alpha": 2, "bias": 2}
+#: Where _fused_layer_fwd (mhc_cupy.jax) keeps x, y, H_post and H_res in its residuals
+#: (phi, alpha, bias, x, stats, H_pre, H_post, H_res, y, f_vjp).
+_X, _H_POST, _H_RES, _Y = 3, 6, 7, 8
+
+
+def _mj():
+    """mhc_cupy.jax (imported on use: it imports this module to re-export mhc_stack)."""
+    from . import jax as mj
+
+    return mj
+
+
+# ------------------------------------------------------------------ arguments
+def _layers(params) -> int:
+    """L of stacked layer parameters; TypeError / ValueError naming the argument otherwise."""
+    if not isinstance(params, dict) or any(k not in params for k in _RANKS):
+        raise TypeError(f"params must be the dict of mhc_stack_init (phi [L, n*C, m], alpha [L, 3], bias [L, m]), "
+                        f"got {type(params).__name__}")
+    for k, rank in _RANKS.items():
+        a = params[k]
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise TypeError(f"params['{k}'] has type {type(a).__name__}; it needs an array")
+        if len(a.shape) != rank:
+            raise ValueError(f"params['{k}'] has shape {tuple(a.shape)}; mhc_stack needs the layers' parameters "
+                             f"stacked on a leading axis L (rank {rank}: mhc_stack_init, or "
+                             f"jax.tree.map(lambda *a: jnp.stack(a), *layers))")
+    sizes = {k: params[k].shape[0] for k in _RANKS}
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"params hold different numbers of layers (leading axes {sizes}); they need one L")
+    L = sizes["phi"]
+    if L == 0:
+        raise ValueError("params hold L = 0 layers (leading axes of size 0); mhc_stack needs L >= 1")
+    return L
+
+
+def _f_params(f, f_params, L: int) -> tuple:
+    """(leaves [L, ...] of f_params, one layer's type as ShapeDtypeStructs or None)."""
+    if f_params is None:
+        return (), None
+    if f is None:
+        raise TypeError("f_params is given but f is None (the identity sublayer takes no parameters)")
+    for path, a in jax.tree_util.tree_flatten_with_path(f_params)[0]:
+        where = f"f_params{jax.tree_util.keystr(path)}"
+        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+            raise TypeError(f"{where} has type {type(a).__name__}; it needs an array [L, ...] = [{L}, ...]")
+        if len(a.shape) == 0 or a.shape[0] != L:
+            raise ValueError(f"{where} has shape {tuple(a.shape)}; it needs a leading axis of the L = {L} layers "
+                             f"[{L}, ...] (one slice per layer)")
+    one = jax.eval_shape(lambda t: jax.tree.map(lambda a: a[0], t), f_params)
+    return tuple(jax.tree_util.tree_leaves(f_params)), one
+
+
+# ------------------------------------------------------------ a recompute block
+def _add(acc, d):
+    """acc + d (a float0 cotangent, of an int or key input, stays as it is)."""
+    return acc if acc.dtype == jax.dtypes.float0 else acc + d
+
+
+def _stack(ds):
+    """Per-layer cotangents stacked on a leading axis (float0 ones as float0 zeros)."""
+    if ds[0].dtype == jax.dtypes.float0:
+        return np.zeros((len(ds),) + tuple(ds[0].shape), jax.dtypes.float0)
+    return jnp.stack(ds)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _block(f, settings, fold, phi, alpha, bias, leaves, x, consts, acc):
+    """L_r layers (phi [L_r, n*C, m], alpha [L_r, 3], bias [L_r, m], f's per-layer arguments
+    ``leaves`` [L_r, ...]) on x [..., n, C]; f(layer_in, *leaves_j, *consts) is the sublayer.
+
+    Returns (x_out, acc).  ``acc`` holds the values of ``consts`` (what f closes over, the same
+    for every layer) and passes through unchanged: its cotangent carries the sum of the later
+    layers' contributions to the consts' gradient, to which the backward adds this block's one
+    layer at a time, in the order of the layer-by-layer backward (a per-block sum added to it
+    would round differently); ``consts`` itself gets no cotangent from here.
+    """
+    return _block_fwd(f, settings, fold, phi, alpha, bias, leaves, x, consts, acc)[0]
+
+
+def _block_fwd(f, settings, fold, phi, alpha, bias, leaves, x, consts, acc):
+    mj, x0, saved = _mj(), x, []
+    for j in range(phi.shape[0]):
+        out, res = mj._fused_layer_fwd(f, settings, fold, phi[j], alpha[j], bias[j], x, *(a[j] for a in leaves),
+                                       *consts)
+        assert res[_X] is x, "mhc_cupy.jax._fused_layer_fwd's residuals changed: update mhc_cupy._jax_stack._X"
+        saved.append(res[:_X] + (None,) + res[_X + 1:])  # not the streams: rebuilt in backward
+        x = out
+    return (x, acc), (x0, saved)
+
+
+def _block_bwd(f, settings, fold, res, cts):
+    mj = _mj()
+    x0, saved = res
+    g, acc = cts
+    xs = [x0]  # the block's streams, rebuilt by the post op's forward as in _fused_layer_fwd
+    for r in saved[:-1]:
+        xs.append(mj._k("mhc_post_op_fwd", mj._conv(settings[4]), r[_Y], xs[-1], r[_H_POST], r[_H_RES])[0])
+    acc, per_layer = list(acc), []
+    for r, x in reversed(list(zip(saved, xs))):
+        dphi, dalpha, dbias, g, *d = mj._fused_layer_bwd(f, settings, fold, r[:_X] + (x,) + r[_X + 1:], g)
+        d_leaves, d_consts = d[:len(d) - len(acc)], d[len(d) - len(acc):]
+        acc = [_add(a, b) for a, b in zip(acc, d_consts)]
+        per_layer.append((dphi, dalpha, dbias, *d_leaves))
+    dphi, dalpha, dbias, *d_leaves = (_stack(ds[::-1]) for ds in zip(*per_layer))
+    return dphi, dalpha, dbias, tuple(d_leaves), g, None, tuple(acc)
+
+
+_block.defvjp(_block_fwd, _block_bwd)
+
+
+# ------------------------------------------------------------------ public API
+def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT,
+              grad_mode: str = "unrolled", convention: str = "paper", hc_eps=DEFAULT, post_mult=DEFAULT):
+    """L mHC layers applied in order, with optional stream recompute (JAX; paper section 4.3,
+    docs/OPS.md section 12): x_{l+1} = H_res,l x_l + H_post,l^T f_l(H_pre,l x_l), l = 0 .. L-1.
+
+    Equals ``for l in range(L): x = mhc_layer(params_l, x, partial(f, f_params_l), ...)`` with
+    ``params_l = jax.tree.map(lambda a: a[l], params)`` (and likewise ``f_params_l``), in value and
+    gradient, bitwise with or without recompute (the same kernels on the same inputs; f's own jnp
+    ops as XLA compiles them: compare with the loop under ``jax.jit``).  One exception: the
+    gradient of a value that f closes over, shared by all layers, is summed over the layers in
+    the same order, but XLA may fuse an addition of that sum with f's last gradient op (into an
+    FMA on the CPU) differently in another program: there it can differ by a rounding of the sum.
+    A ``lax.scan`` over the layers: one trace of the layer whatever L; usable under ``jax.jit``,
+    ``jax.grad``, ``jax.checkpoint``, inside an outer ``lax.scan``, and under ``jax.vmap`` (of x or
+    of the parameters; batched parameters run the kernels once per example).
+
+    Args:
+        params: {"phi" [L, n*C, n*n + 2n], "alpha" [L, 3], "bias" [L, n*n + 2n]}, float32: L layers'
+            :func:`mhc_cupy.jax.mhc_init` parameters stacked on a leading axis
+            (:func:`mhc_stack_init`, or ``jax.tree.map(lambda *a: jnp.stack(a), *layers)``).
+        x: [..., n, C] residual streams (bfloat16 / float16 / float32).
+        f: the sublayer: ``f(f_params_l, layer_in)`` -> [..., C] (layer_in [..., C], dtype of x; the
+            output is cast to x's dtype); with ``f_params=None``, ``f(layer_in)`` for every layer;
+            None: the identity.  Traced once per call, as it is then; traced values it closes over
+            (weights shared by all layers, keys) get their gradients.
+        f_params: None (default), or a pytree of arrays each with a leading axis L: layer l's
+            sublayer gets the slices [l].  Their gradients come back stacked the same way.
+        recompute: None (default: every layer saves its input streams for backward), an int
+            L_r >= 1 (keep the streams at every L_r-th layer only, rebuild the others in backward;
+            1: no recompute), or "auto" (the paper's L_r* = round(sqrt(n L / (n + 2))), at least
+            1).  L_r > L: one block.  Static, keyword only.  The sublayers are not recomputed
+            (wrap f in ``jax.checkpoint`` for that).
+        num_iters, eps, rms_eps, grad_mode, convention, hc_eps, post_mult: as
+            :func:`mhc_cupy.jax.mhc_layer` (the same for every layer), keyword only; left out, the
+            convention's defaults (paper: 20, 1e-8, 1e-5, "unrolled", hc_eps 0, post_mult 2).
+
+    Returns:
+        x_L: [..., n, C], dtype of x.
+
+    Raises:
+        TypeError: params not a dict of phi / alpha / bias arrays; f neither callable nor None;
+            f_params given with f None, or holding a non-array; recompute neither None, an int nor
+            a str.
+        ValueError: params not stacked (phi of rank 3, alpha and bias of rank 2) or of different
+            L, L = 0; x not [..., n, C] for phi; an f_params leaf without the leading L axis;
+            recompute < 1 or a str other than "auto"; f's output not of its input's shape; the
+            layer settings (as mhc_layer).  All at trace time.
+
+    Notes:
+        With recompute the stack saves ceil(L / L_r) copies of the streams instead of L (the
+        other per-layer residuals are [..., C] and per-token coefficients), at the cost of
+        L - ceil(L / L_r) post-op forwards in backward.
+    """
+    mj = _mj()
+    L = _layers(params)
+    settings = mj._layer_settings(num_iters, eps, rms_eps, grad_mode, _convention.check(convention), hc_eps,
+                                  post_mult)
+    _layer.check_x({"phi": jax.ShapeDtypeStruct(params["phi"].shape[1:], params["phi"].dtype)}, x)
+    n = x.shape[-2]
+    L_r = recompute_blocks(recompute, n, L)
+    leaves, one = _f_params(f, f_params, L)
+    stacked = (params["phi"], params["alpha"], params["bias"])
+    g, consts = _layer.sublayer(f, x, stacked, arg=one)
+    consts = tuple(consts)
+    fold = fold_post_dx(n)
+    if L_r is None:
+        def layer(x, p):
+            phi, alpha, bias, leaves_l = p
+            return mj._fused_layer(g, settings, fold, phi, alpha, bias, x, *leaves_l, *consts), None
+
+        return jax.lax.scan(layer, x, (*stacked, leaves))[0]
+
+    L_r = min(L_r, L)
+    full = L // L_r * L_r
+    per_layer = (*stacked, leaves)
+
+    def block(carry, p):
+        (x, acc), (phi, alpha, bias, leaves_b) = carry, p
+        return _block(g, settings, fold, phi, alpha, bias, leaves_b, x, consts, acc), None
+
+    blocks = jax.tree.map(lambda a: a[:full].reshape((L // L_r, L_r) + a.shape[1:]), per_layer)
+    x, acc = jax.lax.scan(block, (x, consts), blocks)[0]
+    if full < L:
+        phi, alpha, bias, leaves_b = jax.tree.map(lambda a: a[full:], per_layer)
+        x, _ = _block(g, settings, fold, phi, alpha, bias, leaves_b, x, consts, acc)
+    return x
+
+
+def mhc_stack_init(key, L: int, dim: int, n_streams: int = 4, alpha_init: float = 0.01,
+                   convention: str = "paper") -> dict:
+    """Parameters of L mHC layers for :func:`mhc_stack`: layer l is
+    ``mhc_init(jax.random.split(key, L)[l], dim, n_streams, alpha_init, convention)``, stacked:
+    {"phi" [L, n*C, n*n + 2n], "alpha" [L, 3], "bias" [L, n*n + 2n]}, float32.
+
+    Raises:
+        TypeError / ValueError: L not an int >= 1; as :func:`mhc_cupy.jax.mhc_init` for the rest.
+    """
+    L = _checks._int("L", L)
+    if L < 1:
+        raise ValueError(f"L must be >= 1, got {L}")
+    mj = _mj()
+    layers = [mj.mhc_init(k, dim, n_streams, alpha_init, convention) for k in jax.random.split(key, L)]
+    return jax.tree.map(lambda *a: jnp.stack(a), *layers)
