@@ -42,6 +42,21 @@ def torch_cuda_ok() -> bool:
 needs_torch = pytest.mark.skipif(not torch_cuda_ok(), reason="needs torch with CUDA")
 
 
+def jax_gpu_ok() -> bool:
+    """CuPy and JAX both see a CUDA device (the JAX adapter's GPU tests need both)."""
+    try:
+        import cupy
+        import jax
+
+        return bool(cupy.cuda.is_available()) and len(jax.devices("gpu")) > 0
+    except Exception:  # noqa: BLE001 - any import or driver failure means: skip
+        return False
+
+
+#: The marks of a JAX GPU test module (``pytestmark = JAX_GPU``).
+JAX_GPU = [pytest.mark.gpu, pytest.mark.skipif(not jax_gpu_ok(), reason="needs a CUDA GPU for both CuPy and JAX")]
+
+
 def rounded(rng, shape, dtype: str, scale=1.0):
     """Random normal data already rounded to ``dtype`` (float64 copy for the reference, typed copy)."""
     a = (rng.standard_normal(shape) * scale).astype(NP_DTYPES[dtype])

@@ -31,22 +31,12 @@ import pytest
 
 from harness import TOL, assert_close
 
-from .helpers import ACT_TOL
+from .helpers import ACT_TOL, JAX_GPU, jax_gpu_ok
 
 
-def _gpu_ok() -> bool:
-    try:
-        import cupy
-        import jax
+pytestmark = JAX_GPU
 
-        return bool(cupy.cuda.is_available()) and len(jax.devices("gpu")) > 0
-    except Exception:
-        return False
-
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_ok(), reason="needs a CUDA GPU for both CuPy and JAX")]
-
-if _gpu_ok():
+if jax_gpu_ok():
     import jax
     import jax.numpy as jnp
 

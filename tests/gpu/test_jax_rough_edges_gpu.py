@@ -8,20 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-
-def _gpu_ok() -> bool:
-    try:
-        import cupy
-        import jax
-
-        return bool(cupy.cuda.is_available()) and len(jax.devices("gpu")) > 0
-    except Exception:  # noqa: BLE001 - no driver / no CuPy / no JAX GPU: skip
-        return False
+from .helpers import JAX_GPU, jax_gpu_ok
 
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_ok(), reason="needs a CUDA GPU for both CuPy and JAX")]
+pytestmark = JAX_GPU
 
-if _gpu_ok():
+if jax_gpu_ok():
     import jax
 
     import test_jax_rough_edges as rough  # tests/ is on sys.path (tests/conftest.py)

@@ -15,18 +15,10 @@ import pytest
 
 from harness import TOL, assert_close
 
-
-def _gpu_ok() -> bool:
-    try:
-        import cupy
-        import jax
-
-        return bool(cupy.cuda.is_available()) and len(jax.devices("gpu")) > 0
-    except Exception:
-        return False
+from .helpers import JAX_GPU
 
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _gpu_ok(), reason="needs a CUDA GPU for both CuPy and JAX")]
+pytestmark = JAX_GPU
 
 
 @pytest.mark.parametrize("convention", ["paper", "deepseek"])
