@@ -29,7 +29,7 @@ from pathlib import Path
 
 from . import env
 from .layer import fused_options, layer_bytes, measure_torch, pin_fused, timing_words, torch_timer
-from .report import format_targets, write_json
+from .report import format_targets, run_rows
 
 #: Default blocks: (C, heads, SwiGLU hidden size).
 BLOCK_CONFIGS = ((4096, 32, 11008), (2048, 16, 5504))
@@ -178,13 +178,9 @@ def run_block(cfg) -> dict:
     result = env.torch_mode_result(cfg, "block", on_gpu, fused=cfg.fused, compile=compile_, batch=cfg.batch,
                                    seq=cfg.seq, n=cfg.streams, configs=[list(c) for c in cfg.block_configs])
     copy = result["copy"]
-    for C, heads, ffn in cfg.block_configs:
-        env._log(f"[{time.perf_counter() - t0:7.1f} s] block C {C}, {heads} heads, SwiGLU {ffn}")
-        result["results"].append(block_case(C, heads, ffn, cfg, copy["GBps"], on_gpu, fused, compile_))
-        write_json(result, out_dir / "block.json")
-    result["targets"] = evaluate_block_targets(result)
-    result["meta"]["wall_s"] = time.perf_counter() - t0
-    return result
+    return run_rows(result, out_dir / "block.json", cfg.block_configs,
+                    lambda c: f"block C {c[0]}, {c[1]} heads, SwiGLU {c[2]}",
+                    lambda c: block_case(*c, cfg, copy["GBps"], on_gpu, fused, compile_), evaluate_block_targets, t0)
 
 
 def evaluate_block_targets(result: dict) -> list[dict]:

@@ -267,3 +267,18 @@ def merge_results(results: list[dict]) -> dict:
     merged["targets"] = evaluate_targets(merged)
     return merged
 
+
+
+def run_rows(result: dict, path, items, label, case, evaluate, t0: float) -> dict:
+    """Fill ``result["results"]`` with ``case(item)`` per item (logging ``label(item)``, writing the JSON
+    to ``path`` after each row, so a cut-off run keeps what it measured), then its targets
+    (``evaluate(result)``) and the wall time since ``t0`` (``time.perf_counter()``)."""
+    import time
+
+    for item in items:
+        _log(f"[{time.perf_counter() - t0:7.1f} s] {label(item)}")
+        result["results"].append(case(item))
+        write_json(result, path)
+    result["targets"] = evaluate(result)
+    result["meta"]["wall_s"] = time.perf_counter() - t0
+    return result

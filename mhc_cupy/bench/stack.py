@@ -27,7 +27,7 @@ from pathlib import Path
 from . import env
 from .block import build_blocks
 from .layer import measure_torch, timing_words, torch_timer
-from .report import format_targets, write_json
+from .report import format_targets, run_rows
 
 #: Default models: (blocks L, C, heads, SwiGLU hidden size, batch, sequence) — the issue's two.
 STACK_CONFIGS = ((8, 2048, 16, 5504, 4, 2048), (4, 4096, 32, 11008, 1, 4096))
@@ -116,13 +116,9 @@ def run_stack(cfg) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     result = env.torch_mode_result(cfg, "stack", on_gpu, compile=compile_, n=cfg.streams,
                                    configs=[list(c) for c in cfg.stack_configs])
-    for L, C, heads, ffn, batch, seq in cfg.stack_configs:
-        env._log(f"[{time.perf_counter() - t0:7.1f} s] stack of {L} blocks, C {C}, {batch} x {seq} tokens")
-        result["results"].append(stack_case(L, C, heads, ffn, batch, seq, cfg, on_gpu, compile_))
-        write_json(result, out_dir / "stack.json")
-    result["targets"] = evaluate_stack_targets(result)
-    result["meta"]["wall_s"] = time.perf_counter() - t0
-    return result
+    return run_rows(result, out_dir / "stack.json", cfg.stack_configs,
+                    lambda c: f"stack of {c[0]} blocks, C {c[1]}, {c[4]} x {c[5]} tokens",
+                    lambda c: stack_case(*c, cfg, on_gpu, compile_), evaluate_stack_targets, t0)
 
 
 def evaluate_stack_targets(result: dict) -> list[dict]:
