@@ -3,7 +3,7 @@
 Usage (repo root, a CUDA GPU, CuPy):
     python scripts/hbm_row_pieces.py [--out hbm_row_pieces.json]
 
-``rows`` is the forward coefficient GEMM's read pattern (kernels_cu/coeffs.cu,
+``rows`` is the forward coefficient GEMM's read pattern (kernels_cu/coeffs_fwd.cu,
 mhc_coeffs_mma_fwd_kernel): a block of 128 threads owns 128 token rows of x [tokens, n*C] (bf16) and
 one D range of them, and reads ``piece`` bytes of each of its rows a step (4 steps of 16-byte loads in
 flight per thread); grid = token tiles x D ranges (``splits``), block index = tile * splits + range,

@@ -34,6 +34,7 @@ from mhc_cupy import _kernels
 from mhc_cupy import reference as R
 from mhc_cupy._interop import ArrayInfo
 from mhc_cupy.ops import coeffs
+from mhc_cupy.ops.coeffs import common, fwd, split_bwd
 from mhc_cupy.ops._launch import ITEMSIZE
 
 from gpu.helpers import ACT_TOL, COEF_TOL, f64, rounded, to_gpu, to_host
@@ -249,7 +250,7 @@ def test_mma_layout_covers_everything_once(tokens, n, C, dt):
     assert 1 <= L.splits <= 64 and L.ncc * L.tiles * L.splits <= 2**31 - 1
     if L.ncc * L.tiles >= 1024:
         assert L.splits == 1  # split D only to fill the GPU
-    if dt == "bfloat16" and K >= coeffs._WG_MIN_K:
+    if dt == "bfloat16" and K >= fwd._WG_MIN_K:
         # the wgmma kernel: its own column chunks (N <= 96), the same D ranges and token tiles
         assert L.wg_kc % 8 == 0 and 8 <= L.wg_kc <= 96 and L.wg_ncc * L.wg_kc >= K > (L.wg_ncc - 1) * L.wg_kc
         assert L.wg_ncc * L.wg_kc - K < 8 * L.wg_ncc and L.d_split % 64 == 0
@@ -267,7 +268,7 @@ def test_mma_token_splits(tokens, n, C):
     ranges = [b.dphi_splits] if K > 32 else [(b.splits, b.t_split)]
     if K > 32:  # the dx's token ranges (grid y): whole steps of its kernel (tile: BT tokens)
         ranges.append(b.dx_splits)
-        step = 16 * (4 // coeffs.dx_tile_layout(n, K, "bfloat16")[0]) * coeffs._DX_TILE_MT if b.dx_kind == "tile" else 16
+        step = 16 * (4 // coeffs.dx_tile_layout(n, K, "bfloat16")[0]) * split_bwd._DX_TILE_MT if b.dx_kind == "tile" else 16
         assert b.dx_splits[1] % step == 0 and b.dx_splits[0] <= 65535
     for splits, per in ranges:
         assert splits >= 1 and per >= 16 and per % 16 == 0
@@ -321,7 +322,7 @@ def test_forward_gemm_on_wgmma_only_where_it_can(dt, C, ptr, n):
     (vectorised where D % 8 == 0 and x is aligned); other dtypes, and every dtype on other GPUs,
     the mma.sync kernel; so do narrow GEMMs (K < _WG_MIN_K, n < 7).  N of each wgmma covers its chunk's columns."""
     D, K, T = n * C, coeffs.columns(n), 300
-    wg = dt == "bfloat16" and K >= coeffs._WG_MIN_K
+    wg = dt == "bfloat16" and K >= fwd._WG_MIN_K
     cx = {"x": _info((T, n, C), dt, ptr), "phi": _info((D, K)), "alpha": _info((3,)), "bias": _info((K,))}
     for device_has_wgmma in (False, True):
         _, calls = _record(coeffs._plan_fwd, cx, wgmma=device_has_wgmma, eps=1e-5)
@@ -382,7 +383,7 @@ def test_dx_on_wgmma_only_where_it_can(dt, C, ptr, n, layer):
         assert lay == ("true" if layer else "false")
         assert 16 * ks == K16 and nb == 128 and stages == 2 and block == (128, 1, 1)
         assert coeffs.wg_dx_layout(K) == (nb, stages, 4 * nb * K16 + stages * 256 * K16)
-        assert 4 * nb * K16 + stages * 256 * K16 <= coeffs._WG_DX_SMEM
+        assert 4 * nb * K16 + stages * 256 * K16 <= split_bwd._WG_DX_SMEM
         t_split = args[-2]
         assert grid[0] == -(-D // nb) and t_split % 64 == 0 and grid[1] * t_split >= T > (grid[1] - 1) * t_split
         splits = [c for c in calls if c[0] == "mhc_coeffs_split_rows_kernel"]
@@ -418,7 +419,7 @@ def test_split_bwd_launches(dt, n):
             ks, w, nt, stages = (int(v) for v in params[4:8])
             po = 3 if size == 4 else 2
             assert ks == -(-K // 16) and n % w == 0 and block[0] == 32 * w
-            assert nt == 4 and w * (2 * coeffs._SMEM_PORTABLE // smem) >= coeffs._DX_MIN_WARPS == 8
+            assert nt == 4 and w * (2 * common._SMEM_PORTABLE // smem) >= split_bwd._DX_MIN_WARPS == 8
             assert smem == (w * 8 * nt + stages * 16) * 16 * ks * po * 2 and stages >= 2
             assert grid[0] == -(-C // (8 * nt)) * (n // w)
         elif name == "mhc_coeffs_mma_dx_tile_kernel":
@@ -431,7 +432,7 @@ def test_split_bwd_launches(dt, n):
         else:
             continue
         seen.add(name)
-        assert smem <= coeffs._SMEM_PORTABLE, (expr, smem)
+        assert smem <= common._SMEM_PORTABLE, (expr, smem)
     assert ("mhc_coeffs_mma_dx_kernel" in seen) == (n in ((5, 6, 8) if size == 4 else (5, 6, 7, 8)))
     assert ("mhc_coeffs_mma_dx_tile_kernel" in seen) == ("mhc_coeffs_mma_dx_kernel" not in seen)
     assert "mhc_coeffs_mma_dphi_kernel" in seen
@@ -456,7 +457,7 @@ def test_missing_gradients_zero_fill_their_bias_slice():
 
 
 def test_registry_lists_coeffs_kernels():
-    specs = [e for f, e in _kernels.all_specialisations() if f == "coeffs.cu"]
+    specs = [e for f, e in _kernels.all_specialisations() if f.startswith("coeffs_")]
     for name in ("mhc_coeffs_mma_fwd_kernel<__nv_bfloat16,true,2,3,2,2>", "mhc_coeffs_fwd_finish_kernel",
                  "mhc_coeffs_bwd_prep_kernel", "mhc_coeffs_mma_bwd_kernel<__nv_bfloat16,__nv_bfloat16,true,false,4,2,3,3>",
                  "mhc_coeffs_zero_kernel", "mhc_coeffs_split_phi_fwd_kernel", "mhc_coeffs_split_rows_kernel",
@@ -669,9 +670,9 @@ def test_forward_gemm_wgmma_matches_mma_sync(rng, monkeypatch, n, T, C):
     x, phi, alpha, bias, _ = _case(rng, T, n, C, "bfloat16")
     args = [to_gpu(v) for v in (x, phi, alpha, bias)]
     got = {}
-    monkeypatch.setattr(coeffs, "_WG_MIN_K", 0)
+    monkeypatch.setattr(fwd, "_WG_MIN_K", 0)
     for on in (True, False):
-        monkeypatch.setattr(coeffs, "_WG_FWD", on)
+        monkeypatch.setattr(fwd, "_WG_FWD", on)
         monkeypatch.setattr(_dispatch, "_plans", {})
         monkeypatch.setattr(_dispatch, "_fast", {})
         got[on] = [to_host(a) for a in m.mhc_coeffs_fwd(*args)]
@@ -680,7 +681,7 @@ def test_forward_gemm_wgmma_matches_mma_sync(rng, monkeypatch, n, T, C):
         assert_close(a, r, COEF_TOL, what)
         assert_close(a, b, 2e-6, what, scale="max")
     # x one bf16 past an aligned address (the element-wise fills): the same sums, the same bits
-    monkeypatch.setattr(coeffs, "_WG_FWD", True)
+    monkeypatch.setattr(fwd, "_WG_FWD", True)
     flat = to_gpu(np.concatenate([np.zeros(1, x.dtype), x.reshape(-1)]))
     shifted = flat[1:].reshape(x.shape)
     for a, b in zip(got[True], (to_host(v) for v in m.mhc_coeffs_fwd(shifted, *args[1:]))):
@@ -706,20 +707,20 @@ def test_dx_wgmma_matches_mma_sync(rng, monkeypatch, n, T, C):
         pytest.skip("wgmma is an sm_90 (H100 / H200) instruction")
     assert _jit.uses_wgmma()
     seen = []
-    real_launch = coeffs.launch
+    real_launch = split_bwd.launch
 
     def counting(filename, expr, *a, **k):
         seen.append(expr.split("<")[0])
         return real_launch(filename, expr, *a, **k)
 
-    monkeypatch.setattr(coeffs, "launch", counting)
+    monkeypatch.setattr(split_bwd, "launch", counting)
     x, phi, alpha, bias, g = _case(rng, T, n, C, "bfloat16")
     gpu = [to_gpu(v) for v in (x, phi, alpha, bias)]
     gl = rounded(rng, (T, C), "bfloat16"), rounded(rng, (T, n, C), "bfloat16"), rounded(rng, (T, n, C), "bfloat16")
     gl_d = [to_gpu(v) for v in gl]
     got = {}
     for on in (True, False):
-        monkeypatch.setattr(coeffs, "_WG_DX", on)
+        monkeypatch.setattr(split_bwd, "_WG_DX", on)
         monkeypatch.setattr(_dispatch, "_plans", {})
         monkeypatch.setattr(_dispatch, "_fast", {})
         seen.clear()
@@ -755,10 +756,10 @@ def test_dx_column_tiles_bitwise(rng, monkeypatch, n, T, C, dt):
 
     x, phi, alpha, bias, g = _case(rng, T, n, C, dt)
     args = [to_gpu(v) for v in (*g, x, phi, alpha, bias)]
-    monkeypatch.setattr(coeffs, "_WG_DX", False)  # the mma.sync dx kernels (bf16 on sm_90a: the wgmma dx)
+    monkeypatch.setattr(split_bwd, "_WG_DX", False)  # the mma.sync dx kernels (bf16 on sm_90a: the wgmma dx)
     got = {}
     for nt in (4, 8):
-        monkeypatch.setattr(coeffs, "_DX_NT", nt)
+        monkeypatch.setattr(split_bwd, "_DX_NT", nt)
         monkeypatch.setattr(_dispatch, "_plans", {})
         monkeypatch.setattr(_dispatch, "_fast", {})
         got[nt] = [to_host(a) for a in m.mhc_coeffs_bwd(*args)]

@@ -456,10 +456,10 @@ def test_gpu_dx_tile_kernel_bitwise(rng, monkeypatch, lead, n, C, dt, convention
     from mhc_cupy import _dispatch
 
     (x, phi, alpha, bias), dev, (g_d, y_d, gli_d), _ = _gpu_layer(dt, lead, n, C, rng)
-    monkeypatch.setattr(coeffs, "_WG_DX", False)  # the mma.sync dx kernels (bf16 on sm_90a: the wgmma dx)
+    monkeypatch.setattr(coeffs.split_bwd, "_WG_DX", False)  # the mma.sync dx kernels (bf16 on sm_90a: the wgmma dx)
     got = {}
     for mode, min_warps in (("resident", 0), ("tile", 1 << 30)):
-        monkeypatch.setattr(coeffs, "_DX_MIN_WARPS", min_warps)
+        monkeypatch.setattr(coeffs.split_bwd, "_DX_MIN_WARPS", min_warps)
         monkeypatch.setattr(_dispatch, "_plans", {})
         monkeypatch.setattr(_dispatch, "_fast", {})
         layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(*dev, convention=convention)

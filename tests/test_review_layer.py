@@ -9,9 +9,9 @@ from mhc_cupy.ops import coeffs
 
 def _capture(monkeypatch):
     calls = []
-    monkeypatch.setattr(coeffs, "launch", lambda f, name, *a, **k: calls.append(name))
-    monkeypatch.setattr(coeffs, "launch_grid_stride", lambda f, name, *a, **k: calls.append(name))
-    monkeypatch.setattr(coeffs, "column_sum", lambda *a, **k: None)
+    monkeypatch.setattr(coeffs.bwd, "launch", lambda f, name, *a, **k: calls.append(name))
+    monkeypatch.setattr(coeffs.bwd, "launch_grid_stride", lambda f, name, *a, **k: calls.append(name))
+    monkeypatch.setattr(coeffs.bwd, "column_sum", lambda *a, **k: None)
     return calls
 
 
@@ -209,12 +209,12 @@ def test_coefficient_kernels_fit_99_kib_of_shared_memory(dt, n):
     stages, fwd = coeffs.mma_fwd_smem(dt, mma.ntile)
     assert fwd <= 101376 and stages >= 2
     if dt != "float32":
-        assert stages == coeffs._MMA_STAGES[dt]
-    if K <= coeffs._MMA_BWD_MAX_K:
+        assert stages == coeffs.fwd._MMA_STAGES[dt]
+    if K <= coeffs.plans._MMA_BWD_MAX_K:
         stages, bwd = coeffs.mma_bwd(4096, n, C, K).pipeline(dt)
         assert bwd <= 101376 and stages >= 2
         if dt != "float32":
-            assert stages == coeffs._MMA_BWD_STAGES
+            assert stages == coeffs.common._MMA_BWD_STAGES
             stages, bwd = coeffs.mma_bwd(4096, n, C, K).pipeline(dt, g_staged=True)  # never for float32 gradients
             assert bwd <= 101376 and stages >= 2
 

@@ -1,5 +1,6 @@
 """The mHC head: the n residual streams merged into one hidden state at the end of the
-network (OPS.md section 11; DeepSeek-V4's ``hc_head``), kernels in ``kernels_cu/coeffs.cu``.
+network (OPS.md section 11; DeepSeek-V4's ``hc_head``), kernels in ``kernels_cu/head.cu`` and
+``coeffs_dphi.cu``.
 
 Per token, with x~ = vec(x) (D = n*C values): H~ = x~ hc_fn^T, r = sqrt(mean(x~^2) + rms_eps),
 w = sigmoid(H~ / r * hc_scale + hc_base) + hc_eps, out = sum_i w_i x_i.  It is the coefficient
@@ -12,13 +13,13 @@ from __future__ import annotations
 
 from .. import _checks, reference
 from .._dispatch import Plan, run
-from . import coeffs
+from .coeffs import bwd as coeffs_bwd, common, fwd as coeffs_fwd
 from ._launch import (CTYPE, column_sum, f32, grid_for, i32, i64, launch, launch_grid_stride, threads_for, tokens_of,
                       vec_width)
 from .spec import X, Arg, Kernel
 from .stream import check_grad
 
-_FILE = "coeffs.cu"
+_FILE = "head.cu"
 _NT = 256
 #: DeepSeek-V4's defaults (its ``hc_head``): eps inside the square root, and the floor added to w.
 PARAMS = {"rms_eps": 1e-6, "hc_eps": 1e-6}
@@ -35,13 +36,13 @@ _TARGET_BLOCKS = 512
 def _dphi_layout(tokens: int, D: int, n: int) -> tuple[int, int, int, int]:
     """(columns per chunk, chunks, token splits, tokens per split) of the dphi reduction: n columns
     in ceil(n / _KC) nearly equal chunks; enough blocks to fill the GPU, partials [splits, D, n] of at
-    most coeffs._MAX_PARTIAL_FLOATS floats."""
-    cdiv = coeffs._cdiv
+    most common._MAX_PARTIAL_FLOATS floats."""
+    cdiv = common._cdiv
     kc = cdiv(n, cdiv(n, _KC))
     ncc = cdiv(n, kc)
     splits = cdiv(_TARGET_BLOCKS, cdiv(D, _NT * _DPHI_E) * ncc)
-    splits = max(1, min(splits, cdiv(tokens, coeffs._MIN_TOKENS_PER_SPLIT), coeffs._MAX_SPLITS,
-                        coeffs._MAX_PARTIAL_FLOATS // (D * n)))
+    splits = max(1, min(splits, cdiv(tokens, common._MIN_TOKENS_PER_SPLIT), common._MAX_SPLITS,
+                        common._MAX_PARTIAL_FLOATS // (D * n)))
     per = cdiv(max(tokens, 1), splits)
     return kc, ncc, cdiv(max(tokens, 1), per), per
 
@@ -52,7 +53,7 @@ def _slots(n: int) -> int:
 
 
 def _check(infos, rms_eps, hc_eps, with_grad: bool):
-    dt, lead, n, C, D = coeffs.check_vec_x(infos["x"], "mhc_head")
+    dt, lead, n, C, D = common.check_vec_x(infos["x"], "mhc_head")
     for name, shape, why in (("hc_fn", (n, D), "[n, n*C] with n, C of x (DeepSeek's layout: phi transposed)"),
                              ("hc_scale", (1,), "one scalar"), ("hc_base", (n,), "[n]")):
         _checks.coefficient(name, infos[name])
@@ -70,7 +71,7 @@ def _transpose(src, dst, rows: int, cols: int, stream) -> None:
 
 def _gemm_scratch(dt: str, tokens: int, D: int, n: int):
     """The forward GEMM's layout and its scratch: part [splits, T, n+1], phi [D, n], bf16 planes."""
-    mma = coeffs.mma_layout(tokens, D, n, dt)
+    mma = coeffs_fwd.mma_layout(tokens, D, n, dt)
     return mma, {"part": ((mma.splits, tokens, n + 1), "float32"), "phi": ((D, n), "float32"),
                  "planes": mma.planes_shape}
 
@@ -78,8 +79,8 @@ def _gemm_scratch(dt: str, tokens: int, D: int, n: int):
 def _launch_gemm(dt, D, n, tokens, x, hc_fn, sc: dict, mma, stream) -> None:
     """Raw H~ and sums of squares per D range into sc["part"] (the coefficient path's GEMM)."""
     _transpose(hc_fn, sc["phi"], n, D, stream)
-    coeffs.launch_mma_gemm(dt, D, n, tokens, x=x, phi=sc["phi"], part=sc["part"], planes=sc["planes"], mma=mma,
-                           stream=stream)
+    coeffs_fwd.launch_mma_gemm(dt, D, n, tokens, x=x, phi=sc["phi"], part=sc["part"], planes=sc["planes"], mma=mma,
+                               stream=stream)
 
 
 def _plan_fwd(infos, rms_eps, hc_eps):
@@ -103,7 +104,7 @@ def _plan_fwd(infos, rms_eps, hc_eps):
 def _plan_bwd(infos, rms_eps, hc_eps):
     dt, tg, lead, n, C, D, tokens, rms_eps, hc_eps = _check(infos, rms_eps, hc_eps, True)
     mma, scratch = _gemm_scratch(dt, tokens, D, n)
-    KP = coeffs.padded_row(n)
+    KP = common.padded_row(n)
     kc, ncc, t_splits, t_split = _dphi_layout(tokens, D, n)
     scratch.update({"dH": ((tokens, KP), "float32"),  # dH | c
                     "w": ((tokens, n), "float32"), "gz": ((tokens, n), "float32"),  # w; dbase terms
@@ -116,7 +117,7 @@ def _plan_bwd(infos, rms_eps, hc_eps):
         dx, dhc_fn, dscale, dbase = outs
         if tokens == 0:
             for ptr, count in ((dhc_fn, n * D), (dscale, 1), (dbase, n)):
-                coeffs._zero(ptr, count, stream)
+                coeffs_bwd.zero(ptr, count, stream)
             return
         x, g = p["x"], p["grad"]
         _launch_gemm(dt, D, n, tokens, x, p["hc_fn"], sc, mma, stream)
@@ -135,7 +136,7 @@ def _plan_bwd(infos, rms_eps, hc_eps):
         E = vec_width(1, D, [(x, dt)], budget=_DPHI_E)
         dblocks = -(-D // (_NT * E))
         out = sc.get("dphi_part", sc["dphi"])
-        launch(_FILE, f"mhc_coeffs_bwd_dphi_kernel<{CTYPE[dt]},{E},{kc}>", (ncc * dblocks * t_splits, 1, 1),
+        launch("coeffs_dphi.cu", f"mhc_coeffs_bwd_dphi_kernel<{CTYPE[dt]},{E},{kc}>", (ncc * dblocks * t_splits, 1, 1),
                (_NT, 1, 1), (x, sc["dH"], out, i64(tokens), i32(D), i32(n), i32(KP), i32(ncc), i32(dblocks),
                              i64(t_split)), stream)
         if t_splits > 1:

@@ -18,7 +18,7 @@ pass the post op's part as g for n <= FOLD_MAX_N and, above, as the post op's ow
 (``mhc_post_op_bwd``, ``grad_x=``), which is rounded to x's dtype before it is added: dx
 is then rounded twice (faster; see FOLD_MAX_N).  The forward
 keeps ``stats`` (raw x~ phi and the sum of squares, float32 [..., n*n + 2n + 1])
-so the backward does not redo the GEMM.  kernels_cu/coeffs.cu (tensor-core path)
+so the backward does not redo the GEMM.  kernels_cu/coeffs_*.cu (tensor-core path)
 and the pre / post op kernels.
 """
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 from .. import _checks, _convention, reference
 from .._convention import DEFAULT
 from .._dispatch import Plan, run
-from .coeffs import (_check as _check_coeffs, backward_layout, launch_finish, launch_mma_gemm, launch_param_bwd,
+from .coeffs import (backward_layout, check as _check_coeffs, launch_finish, launch_mma_gemm, launch_param_bwd,
                      launch_prep, mma_layout, padded_row, param_grad_plan)
 from .sinkhorn import bwd_history, launch_bwd, launch_fwd
 from .stream import check_grad, launch_aggregate_bwd, launch_aggregate_fwd, launch_mix_distribute_bwd

@@ -1,0 +1,167 @@
+// The coefficient path of mHC (OPS.md section 8, paper Eqs. 14-18): what its kernel units share.
+// Per token t, with x~ = vec(x_t) (D = n*C values) and phi [D, K], K = n*n + 2n (columns
+// pre | post | res):
+//   H~ = x~ phi,  r = sqrt(mean(x~^2) + eps),  h_k = alpha_grp(k) H~_k / r + bias_k.
+// Backward, with g'_k = alpha_grp(k) g_k:
+//   dH_k = g'_k / r,  c = sum_k g'_k H~_k / (D r^3),
+//   dx~ = dH phi^T - c x~,  dphi = sum_t x~^T dH,
+//   dalpha_j = sum_t sum_{k in group j} g_k H~_k / r,  dbias = sum_t g.
+//
+// The GEMMs run on tensor cores (mma.cuh); the units, each launched from its module of
+// mhc_cupy/ops/coeffs/:
+// * coeffs_fwd.cu: the forward GEMM and the sum of squares (mma.sync; on sm_90a for bf16 x from
+//   n = 7 on wgmma) into per-D-range sums part [splits, T, K+1], and h from them;
+// * coeffs_bwd.cu: dH and c from those sums, the bf16 planes of dH and phi, and dx and dphi in one
+//   kernel for K <= 32 (n <= 4);
+// * coeffs_dphi.cu: dphi for K > 32 on tensor cores, and the head's dphi on CUDA cores;
+// * coeffs_dx.cu: dx for K > 32, phi resident in shared memory or streamed beside dH, or on wgmma;
+// * head.cu: the head (OPS.md section 11) on the same forward GEMM.
+//
+// Determinism: every sum has a fixed order (per-lane sequential, fixed butterflies, the tensor
+// cores' fixed accumulation, partials summed in index order); no atomics.
+#pragma once
+#include "mma.cuh"
+
+using mhc::i64;
+
+namespace mhc_coeffs {
+
+using namespace mhc_mma;  // the tensor-core helpers, for the kernels' `using namespace mhc_coeffs`
+
+// Group of column k: 0 = pre [0, n), 1 = post [n, 2n), 2 = res [2n, K).
+__device__ __forceinline__ int group_of(int k, int n) { return k < n ? 0 : (k < 2 * n ? 1 : 2); }
+
+__device__ __forceinline__ float rms_inv(float sumsq, int D, float eps) {
+    return 1.f / sqrtf(sumsq / (float)D + eps);
+}
+
+// Sums of squares and float32 overflow (|x| above ~1.8e19 / sqrt(range)): the
+// forward GEMM writes for each D range the sum of x^2, or, when that overflowed,
+// minus the sum of (x mhc::STAT_SCALE)^2 (scaled_sumsq; rows that do not
+// overflow never pay for it).  SumSq adds the per-range values of one token and
+// gives 1/r: from the plain sum, or from the scaled one when a range overflowed
+// or the total did.
+template <typename T>
+__device__ float scaled_sumsq(const T* __restrict__ xt, int d_begin, int d_end) {
+    float s = 0.f;
+    for (int d = d_begin; d < d_end; ++d) {
+        const float v = mhc::to_float<T>(xt[d]) * mhc::STAT_SCALE;
+        s = fmaf(v, v, s);
+    }
+    return s;
+}
+
+struct SumSq {
+    float q = 0.f, qs = 0.f;  // plain sum; scaled sum (x STAT_SCALE)^2
+    bool scaled = false;
+
+    __device__ __forceinline__ void add(float v) {
+        if (v < 0.f) {
+            scaled = true;
+            qs -= v;
+        } else {
+            q += v;
+            qs = fmaf(v * mhc::STAT_SCALE, mhc::STAT_SCALE, qs);
+        }
+    }
+    __device__ __forceinline__ bool overflowed() const { return scaled || isinf(q); }
+    // the per-token value to save: the same convention as one D range
+    __device__ __forceinline__ float saved() const { return overflowed() ? -qs : q; }
+    __device__ __forceinline__ float rinv(int D, float eps) const {
+        return overflowed() ? mhc::rms_inv_scaled(qs, (float)D, eps) : rms_inv(q, D, eps);
+    }
+};
+
+// Steps ahead that the dx kernels ask L2 for the rows of x and the layer's gradients they read
+// straight from global memory (mhc::prefetch_l2).
+constexpr int DX_PREFETCH = 1;
+
+// ---- the dphi MMAs (x^T dH over 16 tokens), shared by mhc_coeffs_mma_bwd_kernel and
+// mhc_coeffs_mma_dphi_kernel.  A operand: 4 m tiles of 16 positions; row g of m tile m is
+// position 8 g8 + 2m (row g8 + 8: + 1) of the warp's 64; the reduction index is the token
+// (2tq, 2tq+1 | 2tq+8, 2tq+9).  xrow(u): the warp's 64 positions of token u, staged.
+template <typename T, typename XRow>
+__device__ __forceinline__ void xT_fragments(XRow xrow, int g8, int tq, unsigned (&afr)[4][XParts<T>::value][4]) {
+    constexpr int P = XParts<T>::value;
+    if constexpr (P == 1) {
+        // bf16: word m of a row holds columns 2m (low half) and 2m + 1; pair the halves of two tokens
+        unsigned xw[4][4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) mhc::load_words<4>(xrow(2 * tq + (u & 1) + 8 * (u >> 1)) + 8 * g8, xw[u]);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            afr[m][0][0] = __byte_perm(xw[0][m], xw[1][m], 0x5410);
+            afr[m][0][1] = __byte_perm(xw[0][m], xw[1][m], 0x7632);
+            afr[m][0][2] = __byte_perm(xw[2][m], xw[3][m], 0x5410);
+            afr[m][0][3] = __byte_perm(xw[2][m], xw[3][m], 0x7632);
+        }
+    } else {
+        float xv[4][8];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) mhc::load_vec<T, 8>(xrow(2 * tq + (u & 1) + 8 * (u >> 1)) + 8 * g8, xv[u]);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+            unsigned bits[4][2][P];  // [token u][h][part]
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) split_bits<P>(xv[u][2 * m + h], bits[u][h]);
+#pragma unroll
+            for (int pa = 0; pa < P; ++pa) {
+                afr[m][pa][0] = pack2(bits[0][0][pa], bits[1][0][pa]);
+                afr[m][pa][1] = pack2(bits[0][1][pa], bits[1][1][pa]);
+                afr[m][pa][2] = pack2(bits[2][0][pa], bits[3][0][pa]);
+                afr[m][pa][3] = pack2(bits[2][1][pa], bits[3][1][pa]);
+            }
+        }
+    }
+}
+
+// acc[m][q] += x^T dH for NQ column tiles; dhc: the staged dH_c [3][rows][16] (rows per plane).
+template <typename T, int NQ>
+__device__ __forceinline__ void dphi_mma(float (&acc)[4][NQ][4], const unsigned (&afr)[4][XParts<T>::value][4],
+                                         const __nv_bfloat16* dhc, int rows, int g8, int tq) {
+    constexpr int P = XParts<T>::value;
+    unsigned bp[NQ][3][2];
+#pragma unroll
+    for (int q = 0; q < NQ; ++q)
+#pragma unroll
+        for (int p = 0; p < 3; ++p) {
+            const __nv_bfloat16* col = dhc + (p * rows + 8 * q + g8) * 16 + 2 * tq;
+            bp[q][p][0] = *reinterpret_cast<const unsigned*>(col);
+            bp[q][p][1] = *reinterpret_cast<const unsigned*>(col + 8);
+        }
+#pragma unroll
+    for (int pa = 0; pa < P; ++pa)
+#pragma unroll
+        for (int pb = 0; pb + pa < 3; ++pb)
+#pragma unroll
+            for (int q = 0; q < NQ; ++q)
+#pragma unroll
+                for (int m = 0; m < 4; ++m)
+                    mhc::mma_m16n8k16<__nv_bfloat16>(acc[m][q], afr[m][pa], bp[q][pb][0], bp[q][pb][1]);
+}
+
+// out[(base + pos) * K + k] = acc for the warp's rows pos = pos0 + 8 g8 + 2m + h below lim and
+// columns k = k0 + 8q + 2tq + e below K.
+template <int NQ>
+__device__ __forceinline__ void store_dphi(float* __restrict__ out, const float (&acc)[4][NQ][4], i64 base, int pos0,
+                                           int lim, int K, int k0, int g8, int tq) {
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int pos = pos0 + 8 * g8 + 2 * m + h;
+            if (pos >= lim) continue;
+            const i64 d = base + pos;
+#pragma unroll
+            for (int q = 0; q < NQ; ++q)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int k = k0 + 8 * q + 2 * tq + e;
+                    if (k < K) out[d * K + k] = acc[m][q][2 * h + e];
+                }
+        }
+}
+
+}  // namespace mhc_coeffs

@@ -1,0 +1,128 @@
+"""The coefficient path's forward GEMM and finish (``kernels_cu/coeffs_fwd.cu``): its launch
+layout (column chunks, token tiles, D ranges, pipeline depth, mma.sync or wgmma) and launches.
+The measurements behind the layout constants: benchmarks/coeffs_layout.md, "Forward"."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from ..._jit import uses_wgmma
+from .._launch import CTYPE, ITEMSIZE, MAX_GRID, f32, i32, i64, launch, launch_grid_stride, vec8
+from .common import _MAX_SPLITS, _MMA_TARGET_BLOCKS, _NT, _cdiv, pipeline_stages
+
+_FILE = "coeffs_fwd.cu"
+_MIN_STEPS_PER_RANGE = 4  # a D range of the forward GEMM spans at least this many steps
+_MMA_MT = 2  # 16-token MMA tiles per warp of mhc_coeffs_mma_fwd_kernel
+_MMA_TOK = 4 * _MMA_MT * 16  # tokens per block (4 warps)
+_MMA_MAX_NTILE = 6  # 8-column tiles per block: accumulators 4 * MT * NTILE per thread
+_MMA_ROW_BYTES = 128  # bytes of each token row per pipeline stage of the forward GEMM (32 positions a sub-step)
+#: cp.async pipeline depth of the forward GEMM (at most): 16-bit x 2 stages of 128-byte row pieces.
+_MMA_STAGES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+# The forward GEMM on wgmma (mhc_coeffs_wg_fwd_kernel; bf16 x on devices that NVRTC targets as
+# sm_90a): the same D ranges and token tiles as the mma.sync kernel (128 tokens a block), its own
+# column chunks of at most _WG_MAX_KC columns.  Its sums are not the mma.sync kernel's (other MMA
+# shapes, sums of squares on CUDA cores), so H~ differs in the last bits between sm_90 and other
+# GPUs; on one GPU the bits depend on the values only (aligned or not, the same sums).  Only from
+# _WG_MIN_K columns, where it was measured faster.
+_WG_FWD = True
+_WG_MIN_K = 63  # n >= 7
+_WG_MT = 2  # m64 token tiles per block
+assert 64 * _WG_MT == _MMA_TOK, "the wgmma forward walks the mma.sync layout's token tiles"
+_WG_MAX_KC = 96  # columns per block (N of the wgmma)
+_WG_SMEM = 113 * 1024  # dynamic shared memory a block (two blocks an SM on sm_90)
+
+
+def mma_sub(dt: str) -> int:
+    """32-position sub-steps per stage of mhc_coeffs_mma_fwd_kernel: _MMA_ROW_BYTES of each token row
+    (HBM serves 128-byte pieces of many rows faster than 64-byte ones)."""
+    return max(1, _MMA_ROW_BYTES // (32 * ITEMSIZE[dt]))
+
+
+def mma_fwd_smem(dt: str, ntile: int) -> tuple[int, int]:
+    """(stages, dynamic shared bytes) of mhc_coeffs_mma_fwd_kernel: per stage, x [128 tokens][32 sub]
+    and phi [3 planes][ntile * 8][32 sub bf16]."""
+    per_stage = mma_sub(dt) * (_MMA_TOK * 32 * ITEMSIZE[dt] + 3 * ntile * 8 * 64)
+    stages = pipeline_stages(0, per_stage, _MMA_STAGES[dt])
+    return stages, stages * per_stage
+
+
+class MmaLayout(NamedTuple):
+    """Launch layout of mhc_coeffs_mma_fwd_kernel (depends on shapes and the dtype of x only)."""
+
+    ntile: int  # 8-column tiles per column chunk
+    ncc: int  # column chunks
+    Kp: int  # padded columns of the phi planes: ncc * ntile * 8
+    Dp: int  # padded positions of the phi planes: a multiple of 32 * mma_sub(dt)
+    tiles: int  # token tiles of _MMA_TOK tokens
+    splits: int  # D ranges (part's leading dim)
+    d_split: int  # positions per D range, a multiple of 32 * mma_sub(dt)
+    wg_kc: int = 0  # columns per chunk of mhc_coeffs_wg_fwd_kernel (0: not used; bf16, K >= _WG_MIN_K only)
+    wg_ncc: int = 0  # its column chunks
+
+    @property
+    def planes_shape(self):
+        return (3, max(self.Kp, self.wg_ncc * self.wg_kc), self.Dp), "bfloat16"
+
+    def wg_smem(self) -> tuple[int, int]:
+        """(stages, dynamic shared bytes) of mhc_coeffs_wg_fwd_kernel: per stage x [128 tokens][64
+        positions] and phi [3][wg_kc][64] bf16."""
+        per_stage = _WG_MT * 64 * 128 + 3 * self.wg_kc * 128
+        stages = max(2, min(4, _WG_SMEM // per_stage))
+        return stages, stages * per_stage
+
+
+def mma_layout(tokens: int, D: int, K: int, dt: str) -> MmaLayout:
+    """Column chunks, token tiles and D ranges of the tensor-core forward GEMM.
+
+    D is split only when token tiles x column chunks give fewer than
+    _MMA_TARGET_BLOCKS blocks, and never below _MIN_STEPS_PER_RANGE steps per range.
+    """
+    nt_total = _cdiv(K, 8)
+    ncc = _cdiv(nt_total, _MMA_MAX_NTILE)
+    ntile = _cdiv(nt_total, ncc)
+    tiles = max(1, _cdiv(tokens, _MMA_TOK))
+    step = 32 * mma_sub(dt)
+    units = _cdiv(D, step)
+    want = _cdiv(_MMA_TARGET_BLOCKS, ncc * tiles)
+    splits = max(1, min(want, units // _MIN_STEPS_PER_RANGE, _MAX_SPLITS))
+    per = _cdiv(units, splits)
+    splits = _cdiv(units, per)  # no empty range
+    if ncc * tiles * splits > MAX_GRID:
+        raise ValueError(f"x has {tokens} tokens; mhc_coeffs supports at most "
+                         f"{MAX_GRID // (ncc * splits) * _MMA_TOK} tokens at this n")
+    wg_kc = wg_ncc = 0
+    if dt == "bfloat16" and K >= _WG_MIN_K:  # (step = 64 positions: the wgmma kernel's stage)
+        wg_ncc = _cdiv(K, _WG_MAX_KC)
+        wg_kc = 8 * _cdiv(_cdiv(K, 8), wg_ncc)
+    return MmaLayout(ntile, ncc, ncc * ntile * 8, units * step, tiles, splits, per * step, wg_kc, wg_ncc)
+
+
+def launch_mma_gemm(dt, D, K, tokens, *, x, phi, part, planes, mma: MmaLayout, stream):
+    """Raw H~ and sums of squares per D range into part [splits, T, K+1], on tensor cores
+    (phi split into three bf16 planes first): bf16 x on a device with wgmma (sm_90a)
+    mhc_coeffs_wg_fwd_kernel, else mhc_coeffs_mma_fwd_kernel."""
+    vec = "true" if vec8(D, x) else "false"
+    if _WG_FWD and mma.wg_kc and uses_wgmma():
+        launch_grid_stride(_FILE, "mhc_coeffs_split_phi_wg_kernel", 3 * mma.wg_ncc * mma.wg_kc * mma.Dp,
+                           (phi, planes, i32(D), i32(K), i32(mma.Dp), i32(mma.wg_kc), i32(mma.wg_ncc)), stream)
+        stages, smem = mma.wg_smem()
+        launch(_FILE, f"mhc_coeffs_wg_fwd_kernel<{vec},{mma.wg_kc},{_WG_MT},{stages}>",
+               (mma.wg_ncc * mma.tiles * mma.splits, 1, 1), (128, 1, 1),
+               (x, planes, part, i64(tokens), i32(D), i32(mma.Dp), i32(K), i32(mma.wg_ncc), i64(mma.tiles),
+                i32(mma.d_split)), stream, smem)
+        return
+    launch_grid_stride(_FILE, "mhc_coeffs_split_phi_fwd_kernel", mma.Kp * mma.Dp,
+                       (phi, planes, i32(D), i32(K), i32(mma.Dp), i32(mma.Kp)), stream)
+    stages, smem = mma_fwd_smem(dt, mma.ntile)
+    launch(_FILE, f"mhc_coeffs_mma_fwd_kernel<{CTYPE[dt]},{vec},{_MMA_MT},{mma.ntile},{stages},{mma_sub(dt)}>",
+           (mma.ncc * mma.tiles * mma.splits, 1, 1), (128, 1, 1),
+           (x, planes, part, i64(tokens), i32(D), i32(mma.Dp), i32(K), i32(mma.Kp), i32(mma.ncc),
+            i64(mma.tiles), i32(mma.d_split)), stream, smem)
+
+
+def launch_finish(tokens, D, n, K, eps, *, part, splits: int, alpha, bias, h_pre, h_post, h_res, stats, stream):
+    """h (and stats, unless None) from the per-D-range sums part [splits, T, K+1]."""
+    launch(_FILE, "mhc_coeffs_fwd_finish_kernel", (min(_cdiv(tokens * K, _NT), MAX_GRID), 1, 1), (_NT, 1, 1),
+           (part, alpha, bias, h_pre, h_post, h_res, stats, i64(tokens), i32(D), i32(n), i32(K), i32(splits),
+            f32(eps)), stream)

@@ -1,0 +1,245 @@
+"""The coefficient path's backward for K > 32 (n > 4): dphi (``kernels_cu/coeffs_dphi.cu``) and dx
+(``kernels_cu/coeffs_dx.cu``) on tensor cores as two kernels, with their layout (SplitBwd: column
+chunks, token splits, which dx kernel for which n / dtype / device) and launches.  The
+measurements behind the layout: benchmarks/coeffs_layout.md, "Backward, n > 4"."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from ..._jit import uses_wgmma
+from .._launch import CTYPE, ITEMSIZE, column_sum, i32, i64, launch, vec8
+from .bwd import TensorCoreBwd, split_cols, split_rows
+from .common import (_MAX_PARTIAL_FLOATS, _MAX_SPLITS, _MMA_BWD_STAGES, _SMEM_PORTABLE, _cdiv, mma_token_splits,
+                     pipeline_stages, planes)
+
+_DPHI_FILE, _DX_FILE = "coeffs_dphi.cu", "coeffs_dx.cu"
+_MMA_DPHI_NQ = 5  # 8-column tiles per block of mhc_coeffs_mma_dphi_kernel: 16 * NQ accumulators per thread
+#: 8-column MMA tiles per warp of mhc_coeffs_mma_dx_kernel (32 columns).  The kernel also takes 8
+#: (64 columns, the same dx bit for bit), measured slower: its larger phi tile fits fewer blocks per SM.
+_DX_NT = 4
+#: Least warps per 2 x 99 KiB of shared memory (about an SM's) for the dx with phi resident
+#: (mhc_coeffs_mma_dx_kernel); below it the dx streams phi beside dH (mhc_coeffs_mma_dx_tile_kernel):
+#: resident for n 5-8 at 16 bits and 5, 6, 8 in float32.
+_DX_MIN_WARPS = 8
+
+
+def dx_smem(w: int, nt: int, K16: int, dt: str) -> tuple[int, int]:
+    """(stages, dynamic shared bytes) of mhc_coeffs_mma_dx_kernel with W = w, NT = nt: the phi rows
+    of its streams, then per stage dH_r [planes][16][K16]."""
+    fixed, stage = w * 8 * nt * K16 * 2 * planes(dt), 16 * K16 * 2 * planes(dt)
+    stages = pipeline_stages(fixed, stage, _MMA_BWD_STAGES)
+    return stages, fixed + stages * stage
+
+
+def _dx_tiles(n: int, K16: int, dt: str, min_warps: int) -> tuple[int, int] | None:
+    """(W warps (streams) per block, NT column tiles per warp) of mhc_coeffs_mma_dx_kernel: NT =
+    _DX_NT and the most W of 4, 2, 1 dividing n whose shared memory fits the portable limit with
+    at least min_warps warps per twice that; None: the tile dx (phi streamed)."""
+    for w in (4, 2, 1):
+        if n % w:
+            continue
+        smem = dx_smem(w, _DX_NT, K16, dt)[1]
+        if smem <= _SMEM_PORTABLE and w * (2 * _SMEM_PORTABLE // smem) >= min_warps:
+            return w, _DX_NT
+    return None
+
+
+_DX_TILE_MT = 2  # 16-token m tiles per warp of the tile kernel (accumulators 16 MT per thread)
+
+
+def dx_tile_layout(n: int, K: int, dt: str) -> tuple[int, int, int, int, int]:
+    """(W streams per block, MT, KS (even), stages, dynamic shared bytes) of
+    mhc_coeffs_mma_dx_tile_kernel: 4 warps, W = 2 for even n else 1, a stage dH_r [PO][BT][32] and
+    phi_r [PO][32 W][32] bf16, BT = 16 (4 / W) MT tokens."""
+    w = 2 if n % 2 == 0 else 1
+    bt = 16 * (4 // w) * _DX_TILE_MT
+    stage = planes(dt) * (bt + 32 * w) * 64
+    stages = pipeline_stages(0, stage, _MMA_BWD_STAGES)
+    return w, _DX_TILE_MT, _cdiv(K, 32) * 2, stages, stages * stage
+
+
+# The dx on wgmma (mhc_coeffs_wg_dx_kernel; bf16 x with C % 8 == 0, 16-byte aligned x, dx and layer
+# gradients, the layer gradients bf16, on devices that NVRTC targets as sm_90a): a block keeps the phi
+# rows of _WG_DX_NB positions (two bf16 planes) resident and walks 64 tokens a step, _WG_DX_STAGES
+# stages of dH; only where two blocks fit an SM (_WG_DX_SMEM each), which with K >= _WG_DX_MIN_K is
+# n = 5 .. 9, where it was measured faster.  The tensor core sums the same products in the same k-step
+# order as the mma.sync kernels; the tests hold the two to one bf16 rounding.
+_WG_DX = True
+_WG_DX_MIN_K = 35  # n >= 5
+_WG_DX_NB = 128
+_WG_DX_STAGES = 2
+_WG_DX_SMEM = 113 * 1024
+
+
+def wg_dx_layout(K: int) -> tuple[int, int, int] | None:
+    """(NB positions a block, stages, dynamic shared bytes) of mhc_coeffs_wg_dx_kernel: phi [2][NB][K16]
+    and per stage dH [2][64][K16] bf16 (K16 = K rounded up to 16); None where that exceeds _WG_DX_SMEM
+    (K > 112: n > 9) or K < _WG_DX_MIN_K."""
+    K16 = _cdiv(K, 16) * 16
+    smem = 4 * _WG_DX_NB * K16 + _WG_DX_STAGES * 256 * K16
+    return (_WG_DX_NB, _WG_DX_STAGES, smem) if K >= _WG_DX_MIN_K and smem <= _WG_DX_SMEM else None
+
+
+@dataclass(frozen=True)
+class SplitBwd(TensorCoreBwd):
+    """Layout and scratch of the backward for K > 32 (n > 4): dphi on tensor cores
+    (mhc_coeffs_mma_dphi_kernel, columns in chunks of 8 * nq), dx on tensor cores
+    (mhc_coeffs_mma_dx_kernel) where its phi rows leave _DX_MIN_WARPS warps per SM, else with phi
+    streamed beside dH (mhc_coeffs_mma_dx_tile_kernel); on wgmma (mhc_coeffs_wg_dx_kernel) where
+    wg_dx_runs."""
+
+    dt: str
+    # _DX_MIN_WARPS when the layout is made: a plan keeps the scratch it sized for its dx kernel.
+    # The derived layout below is cached per instance (cached_property): the launch reads it on
+    # every call.
+    min_warps: int = field(default_factory=lambda: _DX_MIN_WARPS)
+
+    @cached_property
+    def ncc(self) -> int:  # column chunks of dphi
+        return _cdiv(_cdiv(self.K, 8), _MMA_DPHI_NQ)
+
+    @cached_property
+    def nq(self) -> int:  # 8-column tiles per chunk
+        return _cdiv(_cdiv(self.K, 8), self.ncc)
+
+    @cached_property
+    def pblocks(self) -> int:
+        return _cdiv(self.n * self.C, 256)
+
+    @cached_property
+    def dphi_splits(self) -> tuple[int, int]:
+        """(splits, tokens per split) of the dphi reduction (partials as MmaBwd's)."""
+        most = min(_MAX_SPLITS, _MAX_PARTIAL_FLOATS // (self.n * self.C * self.K))
+        return mma_token_splits(self.tokens, self.pblocks * self.ncc, most)
+
+    @cached_property
+    def dx_kind(self) -> str:
+        """"resident" (mhc_coeffs_mma_dx_kernel) or "tile" (mhc_coeffs_mma_dx_tile_kernel), as
+        _dx_tiles chooses."""
+        return "tile" if self.dx_tiles is None else "resident"
+
+    @cached_property
+    def dx_tiles(self) -> tuple[int, int] | None:
+        """(W, NT) of mhc_coeffs_mma_dx_kernel where it runs, else None."""
+        return _dx_tiles(self.n, self.K16, self.dt, self.min_warps)
+
+    @cached_property
+    def tile_layout(self) -> tuple[int, int, int, int, int] | None:
+        """dx_tile_layout of the tile dx where it runs, else None."""
+        return dx_tile_layout(self.n, self.K, self.dt) if self.dx_kind == "tile" else None
+
+    @cached_property
+    def dx_K16(self) -> int:
+        """Columns of the bf16 planes of phi and dH that the tensor-core dx reads (tile: K16 rounded
+        up to an even number of k-steps)."""
+        return 16 * self.tile_layout[2] if self.dx_kind == "tile" else self.K16
+
+    @cached_property
+    def dx_splits(self) -> tuple[int, int]:
+        """(token ranges, tokens per range) of the tensor-core dx (no reduction; grid y <= 65535;
+        tile: tokens per range a multiple of its tokens a step)."""
+        if self.dx_kind == "tile":
+            w, mt = self.tile_layout[:2]
+            bt = 16 * (4 // w) * mt
+            splits, _ = mma_token_splits(self.tokens, _cdiv(self.C, 32) * (self.n // w), 65535)
+            per = _cdiv(_cdiv(max(self.tokens, 1), splits), bt) * bt
+            return _cdiv(max(self.tokens, 1), per), per
+        w, nt = self.dx_tiles
+        return mma_token_splits(self.tokens, _cdiv(self.C, 8 * nt) * (self.n // w), 65535)
+
+    @cached_property
+    def wg_dx(self) -> tuple[int, int, int] | None:
+        """wg_dx_layout for bf16 x (else None): where the wgmma dx may run; whether it does is decided
+        at launch (the device, dtypes, alignment: wg_dx_runs)."""
+        return wg_dx_layout(self.K) if self.dt == "bfloat16" else None
+
+    @cached_property
+    def wg_splits(self) -> tuple[int, int]:
+        """(token ranges, tokens per range, a multiple of 64) of the wgmma dx."""
+        splits, _ = mma_token_splits(self.tokens, _cdiv(self.n * self.C, self.wg_dx[0]), 65535)
+        per = _cdiv(_cdiv(max(self.tokens, 1), splits), 64) * 64
+        return _cdiv(max(self.tokens, 1), per), per
+
+    def wg_dx_runs(self, tg: str, *ptrs) -> bool:
+        """Whether launch_split_bwd runs the wgmma dx: a layout, layer gradients (if any) of dtype tg
+        bf16, C % 8 == 0, every given pointer (x, dx, layer gradients) 16-byte aligned, a device with
+        wgmma."""
+        return _WG_DX and self.wg_dx is not None and tg == "bfloat16" and vec8(self.C, *ptrs) and uses_wgmma()
+
+    @cached_property
+    def dphi_pipeline(self) -> tuple[int, int]:
+        """(stages, dynamic shared bytes) of mhc_coeffs_mma_dphi_kernel: per stage x [16][256]
+        (token rows padded by 16 bytes) and dH_c [3][8 nq][16]."""
+        stage = 16 * (256 * ITEMSIZE[self.dt] + 16) + 3 * self.nq * 8 * 32
+        stages = pipeline_stages(0, stage, _MMA_BWD_STAGES)
+        return stages, stages * stage
+
+    @cached_property
+    def dx_pipeline(self) -> tuple[int, int]:
+        """(stages, dynamic shared bytes) of the tensor-core dx (dx_smem)."""
+        return dx_smem(*self.dx_tiles, self.K16, self.dt)
+
+    def scratch(self) -> dict:
+        """name -> (shape, dtype): what the launches need besides dH (bf16 planes of dH and phi)."""
+        D = self.n * self.C
+        out = {"dH_c": ((3, self.ncc * self.nq * 8, self.tokens_p), "bfloat16"),
+               "phi_r": ((3, D, self.dx_K16), "bfloat16"), "dH_r": ((3, self.tokens_p, self.dx_K16), "bfloat16")}
+        if self.dphi_splits[0] > 1:
+            out["dphi_part"] = ((self.dphi_splits[0], D, self.K), "float32")
+        return out
+
+
+def launch_split_bwd(b: SplitBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc: dict, stream, tg: str | None = None,
+                     g=None, g_li=None, H_pre=None, H_res=None, gx=None, res_t=False):
+    """dx = dH phi^T - c x (+ H_pre_i g_li + sum_j H_res[j, i] g_j + gx_i for those given; with
+    ``res_t``, convention="deepseek", sum_j H_res[i, j] g_j) and dphi for K > 32; sc holds the
+    buffers named by b.scratch() (dphi partials summed here)."""
+    D, K = b.n * b.C, b.K
+    layer = g is not None or g_li is not None or gx is not None
+    tg = tg or dt
+    Kc = b.ncc * b.nq * 8
+    split_cols(dH, sc["dH_c"], b.tokens, K, KP, b.tokens_p, Kc, stream)
+    splits, t_split = b.dphi_splits
+    out = sc["dphi_part"] if splits > 1 else dphi
+    stages, smem = b.dphi_pipeline
+    launch(_DPHI_FILE, f"mhc_coeffs_mma_dphi_kernel<{CTYPE[dt]},{'true' if vec8(D, x) else 'false'},{b.nq},{stages}>",
+           (b.pblocks * b.ncc, splits, 1), (128, 1, 1),
+           (x, sc["dH_c"], out, i64(b.tokens), i64(b.tokens_p), i32(D), i32(K), i32(Kc), i32(b.ncc), i64(t_split)),
+           stream, smem)
+    if splits > 1:
+        column_sum(out, dphi, splits, D * K, stream)
+    lay = "true" if layer else "false"
+    dx_args = (x, sc["phi_r"], sc["dH_r"], dH, g, g_li, H_pre, H_res, gx, dx, i64(b.tokens), i64(b.tokens_p),
+               i32(b.n), i32(b.C), i32(K), i32(KP))
+    if b.wg_dx_runs(tg, x, dx, g, g_li, gx):
+        _split_rows(b, phi, dH, KP, b.K16, 0, sc, stream)
+        (nb, stages, smem), (dsplits, dt_split) = b.wg_dx, b.wg_splits
+        launch(_DX_FILE, f"mhc_coeffs_wg_dx_kernel<{lay},{b.K16 // 16},{nb},{stages}>", (_cdiv(D, nb), dsplits, 1),
+               (128, 1, 1), (*dx_args, i64(dt_split), i32(res_t)), stream, smem)
+        return
+    K16 = b.dx_K16
+    kc = 0 if b.dx_kind == "tile" else K16 // 16  # k-steps per chunk of the planes' fragment order (0: none)
+    _split_rows(b, phi, dH, KP, K16, kc, sc, stream)
+    vec = "true" if vec8(b.C, x, dx, g, g_li, gx) else "false"
+    dsplits, dt_split = b.dx_splits
+    head = f"{CTYPE[dt]},{CTYPE[tg]},{vec},{lay},{K16 // 16}"
+    if b.dx_kind == "tile":
+        w, mt, _, stages, smem = b.tile_layout
+        expr, grid, block = f"mhc_coeffs_mma_dx_tile_kernel<{head},{w},{mt},{stages}>", _cdiv(b.C, 32), 128
+    else:
+        (w, nt), (stages, smem) = b.dx_tiles, b.dx_pipeline
+        expr, grid, block = f"mhc_coeffs_mma_dx_kernel<{head},{w},{nt},{stages}>", _cdiv(b.C, 8 * nt), 32 * w
+    launch(_DX_FILE, expr, (grid * (b.n // w), dsplits, 1), (block, 1, 1),
+           (*dx_args, i32(b.n // w), i64(dt_split), i32(res_t)), stream, smem)
+
+
+def _split_rows(b: SplitBwd, phi, dH, KP: int, K16: int, kc: int, sc: dict, stream) -> None:
+    """phi and dH into the bf16 planes phi_r [3, D, K16] and dH_r [3, tokens_p, K16] of the tensor-core
+    dx: columns in fragment order of kc k-steps a chunk (kc = 0: their own order); dH with rows g, g + 8
+    interleaved where kc != 0 (mhc_coeffs_mma_dx_kernel's A operand)."""
+    D = b.n * b.C
+    split_rows(phi, sc["phi_r"], D, b.K, b.K, D, K16, kc, False, stream)
+    split_rows(dH, sc["dH_r"], b.tokens, b.K, KP, b.tokens_p, K16, kc, kc != 0, stream)
+
