@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 from . import __doc__ as _PACKAGE_DOC
-from . import block, cases, env, layer, stack
+from . import block, cases, env, layer, small, stack
 from .block import BLOCK_BATCH, BLOCK_CONFIGS, BLOCK_N, BLOCK_SEQ
 from .layer import LAYER_BASELINES, LAYER_SHAPES, SUBLAYERS
+from .small import SMALL_C, SMALL_TOKENS
 from .stack import STACK_CONFIGS
 from .report import format_report, merge_results, merged_from, write_json, write_outputs
 from .specs import BASELINES, DEFAULT_OPS, DTYPE_ALIASES, SPECS
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per measurement (median; default 30)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up calls before capture (default 5)")
     ap.add_argument("--min-calls", type=int, default=None,
-                    help="at least this many calls per timed sample (default 10; 4 with --layer / --block / --stack)")
+                    help="at least this many calls per timed sample (default 10; 4 in the other modes)")
     ap.add_argument("--quick", action="store_true",
                     help=f"one shape ({QUICK['tokens']}x{QUICK['C']}x{QUICK['n']}), {QUICK['reps']} reps")
     ap.add_argument("--baselines", default=None,
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                     help="no GPU needed: merge saved results of one mode (bench.json, or layer.json / block.json, "
                          "whose mode is read from the files) and write the report, JSON (and plot) to --out")
-    mode = ap.add_argument_group("layer, block and stack modes (benchmarks/README.md)")
+    mode = ap.add_argument_group("layer, block, stack and small modes (benchmarks/README.md)")
     one = mode.add_mutually_exclusive_group()
     one.add_argument("--layer", action="store_true",
                      help="the whole mHC layer, fwd and fwd+bwd, against torch / torch.compile of MHCReference, "
@@ -73,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("--stack", action="store_true",
                      help="a model of L pre-norm blocks: plain residual vs a chain of MHC vs MHCStack with recompute "
                           "off / 'auto', fwd+bwd time and peak memory (writes stack.json, stack.md)")
+    one.add_argument("--small", action="store_true",
+                     help="the layer forward at decode-sized token counts: eager wall time per call and CUDA-graph "
+                          "replay, against torch / torch.compile of MHCReference (writes small.json, small.md)")
     mode.add_argument("--shapes", default=None,
                       help="--layer: TxCxn shapes, comma-separated (default "
                            + ",".join("x".join(map(str, s)) for s in LAYER_SHAPES) + ")")
@@ -80,13 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--fused", default="both", choices=("both", "true", "false", "default"),
                       help="MHC(..., fused=...) variants to time when MHC takes that keyword (default: both)")
     mode.add_argument("--graph", action="store_true",
-                      help="--layer / --block / --stack: capture the PyTorch calls into a CUDA graph (default: eager calls)")
+                      help="--layer / --block / --stack: capture the PyTorch calls into a CUDA graph (default: eager "
+                           "calls; --small times both)")
     mode.add_argument("--block-configs", default=None,
                       help="--block: C:heads:ffn, comma-separated (default "
                            + ",".join(":".join(map(str, c)) for c in BLOCK_CONFIGS) + ")")
     mode.add_argument("--stack-configs", default=None,
                       help="--stack: L:C:heads:ffn:batch:seq, comma-separated (default "
                            + ",".join(":".join(map(str, c)) for c in STACK_CONFIGS) + ")")
+    mode.add_argument("--small-tokens", default=None,
+                      help=f"--small: token counts, comma-separated (default {','.join(map(str, SMALL_TOKENS))})")
+    mode.add_argument("--small-C", type=int, default=SMALL_C, help=f"--small: hidden size C (default {SMALL_C})")
     mode.add_argument("--batch", type=int, default=BLOCK_BATCH, help=f"--block: batch (default {BLOCK_BATCH})")
     mode.add_argument("--seq", type=int, default=BLOCK_SEQ, help=f"--block: sequence length (default {BLOCK_SEQ})")
     mode.add_argument("--streams", type=int, default=BLOCK_N, help=f"--block: mHC streams n (default {BLOCK_N})")
@@ -97,11 +105,12 @@ _BASELINE_ALIASES = {"torch": "torch", "eager": "torch", "torch.compile": "torch
                      "inductor": "torch.compile", "jax": "jax.jit", "jax.jit": "jax.jit",
                      "te": "transformer_engine", "transformer_engine": "transformer_engine"}
 _MODE_BASELINES = {"ops": BASELINES, "layer": LAYER_BASELINES, "block": ("torch.compile",),
-                   "stack": ("torch.compile",)}
+                   "stack": ("torch.compile",), "small": ("torch", "torch.compile")}
 #: Per mode other than "ops": (run, evaluate targets, format the report, the flag of its sizes).
 _MODES = {"layer": (layer.run_layer, layer.evaluate_layer_targets, layer.format_layer_report, "--shapes"),
           "block": (block.run_block, block.evaluate_block_targets, block.format_block_report, "--block-configs"),
-          "stack": (stack.run_stack, stack.evaluate_stack_targets, stack.format_stack_report, "--stack-configs")}
+          "stack": (stack.run_stack, stack.evaluate_stack_targets, stack.format_stack_report, "--stack-configs"),
+          "small": (small.run_small, small.evaluate_small_targets, small.format_small_report, "--small-tokens")}
 
 
 def _shape_list(text: str, flag: str, ap, form: str = "TxCxn") -> list[tuple]:
@@ -123,7 +132,7 @@ def _shape_list(text: str, flag: str, ap, form: str = "TxCxn") -> list[tuple]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """Parse and resolve: adds ``mode`` ("ops", "layer", "block" or "stack"), ``shapes`` [(T, C, n)] (the op grid,
+    """Parse and resolve: adds ``mode`` ("ops" or a key of ``_MODES``), ``shapes`` [(T, C, n)] (the op grid,
     or the layer shapes with --layer), ``ops``, ``baselines`` (of the mode), ``sublayers``,
     ``block_configs`` [(C, heads, ffn)], ``sizes_given`` and ``argv``."""
     ap = build_parser()
@@ -141,7 +150,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.mode = next((m for m in _MODES if getattr(args, m)), "ops")
     allowed = _MODE_BASELINES[args.mode]
     if args.convention != "paper" and args.mode != "ops":
-        ap.error("--convention: only the op benchmark (no --layer / --block / --stack) takes it")
+        ap.error(f"--convention: only the op benchmark (no {' / '.join('--' + m for m in _MODES)}) takes it")
     if args.no_baselines or args.convention != "paper":
         args.baselines = []
     elif args.baselines is None:
@@ -152,7 +161,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if bad:
             ap.error(f"--baselines: unknown {bad}; choose from {', '.join(allowed)}")
         args.baselines = [b for b in allowed if b in {_BASELINE_ALIASES[x] for x in names}]
-    args.sizes_given = any(v is not None for v in (args.shapes, args.block_configs, args.stack_configs))
+    args.sizes_given = any(v is not None for v in (args.shapes, args.block_configs, args.stack_configs,
+                                                   args.small_tokens))
     args.layer_shapes = _shape_list(args.shapes, "--shapes", ap) if args.shapes is not None else list(LAYER_SHAPES)
     args.sublayers = [s.strip() for s in args.sublayers.split(",") if s.strip()]
     if not args.sublayers or any(s not in SUBLAYERS for s in args.sublayers):
@@ -161,8 +171,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                           else _shape_list(args.block_configs, "--block-configs", ap, "C:heads:ffn"))
     args.stack_configs = (list(STACK_CONFIGS) if args.stack_configs is None
                           else _shape_list(args.stack_configs, "--stack-configs", ap, "L:C:heads:ffn:batch:seq"))
-    if min(args.batch, args.seq, args.streams) < 1:
-        ap.error("--batch, --seq and --streams must be >= 1")
+    args.small_tokens = (list(SMALL_TOKENS) if args.small_tokens is None
+                         else _ints(args.small_tokens, "--small-tokens"))
+    if min(args.batch, args.seq, args.streams, args.small_C) < 1:
+        ap.error("--batch, --seq, --streams and --small-C must be >= 1")
     q = args.quick
     tokens = _ints(args.tokens or (QUICK["tokens"] if q else "4096,16384,32768"), "--tokens")
     Cs = _ints(args.C or (QUICK["C"] if q else "2560,4096,7168"), "--C")
@@ -217,7 +229,7 @@ def main(argv=None) -> int:
 
 
 def _run_mode(cfg) -> int:
-    """``--layer`` / ``--block`` / ``--stack``: run, write ``<mode>.json`` and ``<mode>.md``, print the report."""
+    """A mode of ``_MODES``: run, write ``<mode>.json`` and ``<mode>.md``, print the report."""
     why = env._torch_status()
     if why and (not cfg.sizes_given or "not importable" in why):
         print(f"python -m mhc_cupy.bench --{cfg.mode} needs a CUDA GPU for its default sizes: {why}.\n"
@@ -234,14 +246,14 @@ def _run_mode(cfg) -> int:
 
 #: The ``schema`` each mode writes (``cases``, ``layer``, ``block``), and the flag that selects the mode.
 _SCHEMAS = {"mhc_cupy.bench/1": "ops", **{f"mhc_cupy.bench.{m}/1": m for m in _MODES}}
-_FLAG = {"ops": "no --layer / --block / --stack", **{m: f"--{m}" for m in _MODES}}
+_FLAG = {"ops": "no mode flag", **{m: f"--{m}" for m in _MODES}}
 _WHAT = {"ops": "an op benchmark (bench.json)", **{m: f"a --{m} ({m}.json)" for m in _MODES}}
 
 
 def merge_mode(results: list, paths: list, flag_mode: str | None) -> str:
     """The mode ("ops", "layer" or "block") of saved results to merge, from their ``schema``.
 
-    ``flag_mode``: the mode --layer / --block / --stack asked for, or None (none given: the files' mode).
+    ``flag_mode``: the mode a flag (--layer, --block, ...) asked for, or None (none given: the files' mode).
 
     Raises:
         ValueError: a file that is not a benchmark result, files of different modes, or files
@@ -261,14 +273,15 @@ def merge_mode(results: list, paths: list, flag_mode: str | None) -> str:
     (mode,) = found
     if flag_mode is not None and flag_mode != mode:
         raise ValueError(f"{', '.join(modes)}: {_WHAT[mode]} result, to merge with {_FLAG[mode]}, not --{flag_mode} "
-                         f"(without --layer / --block / --stack, --merge takes the mode from the files)")
+                         f"(without a mode flag, --merge takes the mode from the files)")
     return mode
 
 
 #: Per mode: the fields that name a result row (a later file's row replaces an earlier one's).
 _ROW_KEYS = {"layer": ("sublayer", "tokens", "C", "n", "dtype"),
              "block": ("C", "heads", "ffn", "batch", "seq", "n", "dtype"),
-             "stack": ("L", "C", "heads", "ffn", "batch", "seq", "n", "dtype")}
+             "stack": ("L", "C", "heads", "ffn", "batch", "seq", "n", "dtype"),
+             "small": ("tokens", "C", "n", "dtype")}
 
 
 def merge_mode_results(results: list[dict], mode: str) -> dict:

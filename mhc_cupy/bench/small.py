@@ -1,0 +1,116 @@
+"""Small mode: the mHC layer forward at decode-sized token counts (``python -m mhc_cupy.bench --small``).
+
+Inference runs mHC on 1-256 tokens a step, where launches and host time, not bandwidth, decide
+the cost.  Per token count T (default 1, 8, 64, 256, 4096) at one C and n (default 7168, 4): the
+forward of one layer with an identity sublayer, without autograd (``torch.no_grad``), on
+``x [T, n, C]``, for
+
+* ``mhc_cupy``: ``mhc_cupy.torch.MHC(C, n)``;
+* ``torch`` / ``torch.compile``: ``mhc_cupy.torch.reference.MHCReference`` (the same maths and
+  parameters in plain torch ops), eager and ``torch.compile(dynamic=False)``.
+
+Two times per row: ``eager us``, the wall clock per call of back-to-back calls (host dispatch
+included: what an eager decode loop pays), and ``graph us``, the CUDA-event time per replayed call
+of a CUDA graph of ``calls`` calls (host excluded: what a captured decode step pays; GPU only).
+Targets (issue 43): T <= 64 at C 7168 graph replay <= 8 us, eager <= 30 us and <= torch.compile's.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from . import env
+from .report import format_targets, run_rows
+
+#: Default token counts, hidden size and streams.
+SMALL_TOKENS, SMALL_C, SMALL_N = (1, 8, 64, 256, 4096), 7168, 4
+#: Targets at T <= 64 (C 7168): graph replay and eager wall time per call of mhc_cupy, microseconds.
+SMALL_TARGETS = {"graph": 8.0, "eager": 30.0}
+
+
+def small_case(T: int, C: int, n: int, cfg, on_gpu: bool, compile_: bool) -> dict:
+    """Time every implementation at T tokens; returns the result row."""
+    import torch
+
+    import mhc_cupy.torch as mt
+    from mhc_cupy.torch.reference import MHCReference
+
+    from .timing import _time_torch, per_call_us
+
+    dev = torch.device("cuda" if on_gpu else "cpu")
+    dt = getattr(torch, cfg.dtype)
+    torch.manual_seed(0)
+    layer = mt.MHC(C, n, device=dev)
+    impls = {"mhc_cupy": layer, "torch": MHCReference.from_layer(layer)}
+    if compile_:
+        torch._dynamo.reset()
+        impls["torch.compile"] = torch.compile(MHCReference.from_layer(layer), dynamic=False)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    x = torch.randn((T, n, C), generator=gen, device=dev, dtype=torch.float32).to(dt)
+    sync = (lambda _: torch.cuda.synchronize()) if on_gpu else (lambda _: None)
+    row = {"tokens": T, "C": C, "n": n, "dtype": cfg.dtype, "impls": {}}
+    for name, fn in impls.items():
+        v = row["impls"][name] = {}
+        try:
+            with torch.no_grad():
+                v["eager_us"] = per_call_us(lambda: fn(x), sync, calls=max(cfg.reps * cfg.min_calls, 10),
+                                            warmup=max(cfg.warmup, 1), repeats=min(cfg.reps, 5))
+                if on_gpu:
+                    v["graph_us"] = _time_torch(lambda: lambda k: fn(x), 1, cfg.min_calls, cfg.warmup, cfg.reps,
+                                                graph=True)["us"]
+        except Exception as e:  # noqa: BLE001 - report and go on
+            v.update(env._error(e))
+        env._log(f"  {name}: " + ", ".join(f"{k} {v[k]:.1f}" for k in ("eager_us", "graph_us") if k in v)
+                 + (f" {v['error']}" if "error" in v else ""))
+        env._free_gpu_memory()
+    return row
+
+
+def run_small(cfg) -> dict:
+    """Run the small mode ``cfg`` asks for (parsed arguments); returns the result dict."""
+    import torch
+
+    t0 = time.perf_counter()
+    on_gpu = torch.cuda.is_available()
+    compile_ = "torch.compile" in cfg.baselines
+    out_dir = Path(cfg.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = env.torch_mode_result(cfg, "small", on_gpu, compile=compile_, tokens=list(cfg.small_tokens),
+                                   C=cfg.small_C, n=cfg.streams)
+    return run_rows(result, out_dir / "small.json", cfg.small_tokens, lambda T: f"small: {T} tokens",
+                    lambda T: small_case(T, cfg.small_C, cfg.streams, cfg, on_gpu, compile_),
+                    evaluate_small_targets, t0)
+
+
+def evaluate_small_targets(result: dict) -> list[dict]:
+    """mhc_cupy's graph replay and eager time per call at T <= 64, C 7168, against issue 43's targets."""
+    out = []
+    rows = [r for r in result.get("results", []) if r["tokens"] <= 64 and r["C"] == SMALL_C]
+    for kind, goal in SMALL_TARGETS.items():
+        name = f"layer forward, T <= 64, C {SMALL_C}, {kind} per call <= {goal:g} us"
+        got = [r["impls"]["mhc_cupy"].get(f"{kind}_us") for r in rows]
+        if not got or any(v is None for v in got):
+            out.append({"name": name, "status": "not measured", "measured": None, "detail": ""})
+            continue
+        worst = max(got)
+        out.append({"name": name, "status": "met" if worst <= goal else "missed", "measured": worst,
+                    "detail": f"worst {worst:.1f} us"})
+    return out
+
+
+def format_small_report(result: dict) -> str:
+    """The small mode's report (markdown): header, targets, table."""
+    meta = result.get("meta", {})
+    st = meta.get("settings", {})
+    lines = [f"# mhc_cupy.bench --small  {meta.get('date', '')}  {meta.get('device', {}).get('name', '?')}  "
+             f"dtype {st.get('dtype', '?')}", "",
+             f"one mHC layer forward (identity sublayer, no autograd), C {st.get('C')}, n {st.get('n')}; eager = wall "
+             "clock per back-to-back call (host included); graph = CUDA-event time per replayed call (GPU only)", "",
+             "```", format_targets(result.get("targets") or evaluate_small_targets(result)), "```", "",
+             "| tokens | impl | eager us | graph us |", "|---|---|---|---|"]
+    for r in result.get("results", []):
+        for name, v in r["impls"].items():
+            cells = [f"{v[k]:.1f}" if k in v else ("err" if "error" in v else "") for k in ("eager_us", "graph_us")]
+            lines.append(f"| {r['tokens']} | {name} | {cells[0]} | {cells[1]} |")
+    return "\n".join(lines)

@@ -1,0 +1,40 @@
+"""``python -m mhc_cupy.bench --small`` (issue 43's benchmark): arguments and a tiny end-to-end run on the
+CPU (every implementation timed eagerly; no graph replay without a GPU; targets not measured)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import mhc_cupy.bench as bench
+
+
+def test_parse_args_small():
+    from mhc_cupy.bench.small import SMALL_C, SMALL_TOKENS
+
+    a = bench.parse_args(["--small"])
+    assert (a.mode, a.small_tokens, a.small_C, a.baselines, a.sizes_given) == (
+        "small", list(SMALL_TOKENS), SMALL_C, ["torch", "torch.compile"], False)
+    a = bench.parse_args(["--small", "--small-tokens", "1,3", "--small-C", "40", "--no-baselines"])
+    assert (a.small_tokens, a.small_C, a.baselines, a.sizes_given) == ([1, 3], 40, [], True)
+    for bad in (["--small", "--small-tokens", "0"], ["--small", "--small-C", "0"], ["--small", "--stack"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_small_mode_runs_tiny(tmp_path):
+    pytest.importorskip("torch")
+    out = tmp_path / "o"
+    argv = ["--small", "--small-tokens", "1,3", "--small-C", "24", "--streams", "2", "--reps", "2", "--warmup", "1",
+            "--min-calls", "2", "--baselines", "torch", "--out", str(out)]
+    assert bench.main(argv) == 0
+    res = json.loads((out / "small.json").read_text())
+    assert res["schema"] == "mhc_cupy.bench.small/1" and [r["tokens"] for r in res["results"]] == [1, 3]
+    for row in res["results"]:
+        assert set(row["impls"]) == {"mhc_cupy", "torch"} and (row["C"], row["n"]) == (24, 2)
+        for v in row["impls"].values():
+            assert v["eager_us"] > 0 and "graph_us" not in v  # no GPU: no graph replay
+    assert all(t["status"] == "not measured" for t in res["targets"])  # C 24, not 7168
+    text = (out / "small.md").read_text()
+    assert "| 3 | mhc_cupy |" in text and "eager us" in text
