@@ -40,6 +40,21 @@ __device__ __forceinline__ i64 pair_slot(i64 r, int c, int K16) {
     return q * 2 * K16 + (c >> 1) * 4 + ((r >> 3) & 1) * 2 + (c & 1);
 }
 
+// Dynamic shared memory of the kernels of this unit that take some, in bytes: what a launch must
+// allocate.  Each kernel static_asserts that its layout fills exactly this; the launch computes the
+// same number from its KernelSpec (mhc_cupy/ops/coeffs/), and tests/test_launch_layout.py compiles
+// these functions against the size of every planned launch.
+// mhc_coeffs_mma_bwd_kernel: the block's phi rows [PO][64 N][16 KS] bf16, then per stage x [16][64 N]
+// T (token rows padded by 16 bytes), dH_r [PO][16][16 KS] and dH_c [3][8 NQ][16] bf16, and where the
+// layer's g is staged (LAYER, VEC, 16-bit TG) g [N][16][64] TG; PO = 2 planes for 16-bit T, 3 for float32.
+template <typename T, typename TG, bool VEC, bool LAYER, int N, int KS, int NQ, int STAGES>
+__host__ __device__ constexpr int mma_bwd_smem() {
+    constexpr int PO = sizeof(T) == 4 ? 3 : 2, K16 = 16 * KS;
+    constexpr bool GS = LAYER && VEC && sizeof(TG) == 2;
+    return PO * 64 * N * K16 * 2 + STAGES * (16 * (64 * N * (int)sizeof(T) + 16) + PO * 16 * K16 * 2 + 3 * 8 * NQ * 32 +
+                                             (GS ? N * 16 * 64 * (int)sizeof(TG) : 0));
+}
+
 }  // namespace mhc_coeffs
 
 // One warp per token (grid-stride): from the raw sums part [splits, T, K+1]
@@ -157,8 +172,7 @@ __global__ void mhc_coeffs_split_cols_kernel(const float* __restrict__ src, __nv
 //   gradient of x, e.g. the post op's dx).
 //   dphi: partials [splits, D, K] (the output with one split).
 // VEC: C % 8 == 0 and x, dx (and g, g_li, gx) 16-byte aligned.  KS = K16 / 16, NQ = Kp8 / 8.
-// Dynamic shared memory: MmaBwd.pipeline (ops/coeffs/bwd.py; phi and dH_r in PO planes: 2 for 16-bit x, 3 for
-// float32).
+// Dynamic shared memory: mhc_coeffs::mma_bwd_smem (phi and dH_r in PO planes: 2 for 16-bit x, 3 for float32).
 // 3 blocks of 4 warps per SM need at most 168 registers a thread; the launch bound asks ptxas for
 // them with 16-bit x (NVRTC 12.9, sm_90, n = 4: bf16 164 with the layer's g staged, 151 without,
 // no spills; fp16 168 with 12 bytes spilled, where unbounded it took 171 / 178 and 2 blocks fit:
@@ -214,6 +228,8 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
     constexpr int XB = 16 * XR, RB = PO * 16 * K16 * 2, CB = 3 * Kp8 * 16 * 2;
     constexpr int SB = XB + RB + CB + (GS ? n * 16 * GR : 0);
     unsigned char* stages = smem + PO * nw * K16 * 2;
+    static_assert(PO * nw * K16 * 2 + STAGES * SB == mma_bwd_smem<T, TG, VEC, LAYER, N, KS, NQ, STAGES>(),
+                  "the launch's shared memory");
 
     // phi rows of the block's positions (zero where the column is past C)
     for (int c = threadIdx.x; c < PO * nw * (K16 / 8); c += blockDim.x) {

@@ -40,13 +40,23 @@ __device__ __forceinline__ void load_token_rows(const T* __restrict__ x, i64 row
     }
 }
 
+// Dynamic shared memory of the kernels of this unit that take some, in bytes: what a launch must
+// allocate.  Each kernel static_asserts that its layout fills exactly this; the launch computes the
+// same number from its KernelSpec (mhc_cupy/ops/coeffs/), and tests/test_launch_layout.py compiles
+// these functions against the size of every planned launch.
+// mhc_coeffs_mma_dphi_kernel: per stage x [16][256] T (token rows padded by 16 bytes) and dH_c
+// [3][8 NQ][16] bf16.
+template <typename T, bool VEC, int NQ, int STAGES>
+__host__ __device__ constexpr int mma_dphi_smem() {
+    return STAGES * (16 * (256 * (int)sizeof(T) + 16) + 3 * 8 * NQ * 32);
+}
+
 }  // namespace mhc_coeffs
 
-// mhc_coeffs_bwd_dphi_kernel<T, E, KC> (CUDA cores): dphi for any K.  Flattened grid: blockIdx.x = (split * dblocks + bx) * ncc + cc;
-// a thread owns positions d = (bx * 256 + tid) * E .. + E and columns
-// [cc * KC, cc * KC + KC) and walks tokens [split * t_split, ...), with dH
-// rows staged in shared memory.  dphi: the output (one split) or partials
-// [splits, D, K].
+// mhc_coeffs_bwd_dphi_kernel<T, E, KC> (CUDA cores): dphi for any K.  Flattened grid:
+// blockIdx.x = (split * dblocks + bx) * ncc + cc; a thread owns positions d = (bx * 256 + tid) * E .. + E
+// and columns [cc * KC, cc * KC + KC) and walks tokens [split * t_split, ...), with dH rows staged in
+// shared memory.  dphi: the output (one split) or partials [splits, D, K].
 template <typename T, int E, int KC>
 __global__ void __launch_bounds__(256)
 mhc_coeffs_bwd_dphi_kernel(const T* __restrict__ x, const float* __restrict__ dH, float* __restrict__ dphi,
@@ -125,8 +135,7 @@ mhc_coeffs_bwd_dphi_kernel(const T* __restrict__ x, const float* __restrict__ dH
 // fragments as the dphi part of mhc_coeffs_mma_bwd_kernel.
 //   dH_c: [3, Kc, tokens_p] (split_cols of dH, Kc = ncc * 8 NQ columns, zero past K).
 //   dphi: partials [splits, D, K] (the output with one split).
-// VEC: D % 8 == 0 and x 16-byte aligned.  Dynamic shared memory: STAGES * (16 * (256 *
-// sizeof(T) + 16) + 3 * 8 NQ * 32) bytes.
+// VEC: D % 8 == 0 and x 16-byte aligned.  Dynamic shared memory: mhc_coeffs::mma_dphi_smem.
 template <typename T, bool VEC, int NQ, int STAGES>
 __global__ void __launch_bounds__(128)
 mhc_coeffs_mma_dphi_kernel(const T* __restrict__ x, const __nv_bfloat16* __restrict__ dH_c, float* __restrict__ dphi,
@@ -135,6 +144,7 @@ mhc_coeffs_mma_dphi_kernel(const T* __restrict__ x, const __nv_bfloat16* __restr
     constexpr int P = XParts<T>::value;
     constexpr int XR = 256 * (int)sizeof(T) + 16;  // token row bytes (padded: no bank conflicts between tokens)
     constexpr int XB = 16 * XR, SB = XB + 3 * NQ * 8 * 32;
+    static_assert(STAGES * SB == mma_dphi_smem<T, VEC, NQ, STAGES>(), "the launch's shared memory");
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g8 = lane >> 2, tq = lane & 3;

@@ -47,6 +47,28 @@ __device__ __forceinline__ float bf16_of(const uint4& w, int e8) {
     return mhc::word_elem<__nv_bfloat16>(v, e8 & 1);
 }
 
+// Dynamic shared memory of the kernels of this unit that take some, in bytes: what a launch must
+// allocate.  Each kernel static_asserts that its layout fills exactly this; the launch computes the
+// same number from its KernelSpec (mhc_cupy/ops/coeffs/), and tests/test_launch_layout.py compiles
+// these functions against the size of every planned launch.
+// mhc_coeffs_mma_dx_kernel: the phi rows of its W streams' 8 NT columns [PO][8 NT W][16 KS], then per
+// stage dH_r [PO][16][16 KS], bf16; PO = 2 planes for 16-bit T, 3 for float32.
+template <typename T, typename TG, bool VEC, bool LAYER, int KS, int W, int NT, int STAGES>
+__host__ __device__ constexpr int mma_dx_smem() {
+    return (8 * NT * W + STAGES * 16) * 16 * KS * 2 * (sizeof(T) == 4 ? 3 : 2);
+}
+// mhc_coeffs_mma_dx_tile_kernel: per stage dH_r [PO][BT][32] and phi_r [PO][32 W][32] bf16,
+// BT = 16 (4 / W) MT tokens.
+template <typename T, typename TG, bool VEC, bool LAYER, int KS, int W, int MT, int STAGES>
+__host__ __device__ constexpr int mma_dx_tile_smem() {
+    return STAGES * (sizeof(T) == 4 ? 3 : 2) * (16 * (4 / W) * MT + 32 * W) * 64;
+}
+// mhc_coeffs_wg_dx_kernel: phi's two planes [2][NB][16 KS], then per stage dH [2][64][16 KS], bf16.
+template <bool LAYER, int KS, int NB, int STAGES>
+__host__ __device__ constexpr int wg_dx_smem() {
+    return 4 * NB * 16 * KS + STAGES * 256 * 16 * KS;
+}
+
 }  // namespace mhc_coeffs
 
 // mhc_coeffs_mma_dx_kernel<T, TG, VEC, LAYER, KS, W, NT, STAGES>: dx = dH phi^T - c x (+ with
@@ -60,8 +82,7 @@ __device__ __forceinline__ float bf16_of(const uint4& w, int e8) {
 // planes of each for 16-bit T: the dropped products are 2^-16 of the result, below its ulp; 3
 // for float32).  Each dx value is the same sum in the same order for either NT; the library runs
 // NT = 4 (ops/coeffs/split_bwd.py _DX_NT: half the phi rows, more blocks per SM, measured faster).
-// VEC: C % 8 == 0 and x, dx (and g, g_li, gx) 16-byte aligned.  Dynamic shared memory:
-// (W * CW * K16 + STAGES * 16 * K16) * PO * 2 bytes.
+// VEC: C % 8 == 0 and x, dx (and g, g_li, gx) 16-byte aligned.  Dynamic shared memory: mhc_coeffs::mma_dx_smem.
 template <typename T, typename TG, bool VEC, bool LAYER, int KS, int W, int NT, int STAGES>
 __global__ void __launch_bounds__(32 * W)
 mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restrict__ phi_r,
@@ -86,6 +107,8 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
     const i64 plane_r = tokens_p * K16, plane_phi = (i64)D * K16;
     __nv_bfloat16* s_phi = reinterpret_cast<__nv_bfloat16*>(smem);  // [PO][NW][K16]
     unsigned char* stages = smem + PO * NW * K16 * 2;
+    static_assert(PO * NW * K16 * 2 + STAGES * SB == mma_dx_smem<T, TG, VEC, LAYER, KS, W, NT, STAGES>(),
+                  "the launch's shared memory");
 
     // phi rows of the block's positions (zero where the column is past C)
     for (int c = threadIdx.x; c < PO * NW * (K16 / 8); c += 32 * W) {
@@ -204,7 +227,7 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
 //   phi_r: [3, D, K16], dH_r: [3, tokens_p, K16] (split_rows with KC = 0: columns in their own
 //   order), K16 = 16 KS, KS even.
 // VEC: C % 8 == 0 and x, dx (and g, g_li, gx) 16-byte aligned.  Dynamic shared memory:
-// STAGES * PO * (BT + 32 W) * 64 bytes.
+// mhc_coeffs::mma_dx_tile_smem.
 template <typename T, typename TG, bool VEC, bool LAYER, int KS, int W, int MT, int STAGES>
 __global__ void __launch_bounds__(128)
 mhc_coeffs_mma_dx_tile_kernel(const T* __restrict__ x, const __nv_bfloat16* __restrict__ phi_r,
@@ -219,6 +242,8 @@ mhc_coeffs_mma_dx_tile_kernel(const T* __restrict__ x, const __nv_bfloat16* __re
     constexpr int WM = 4 / W, BT = 16 * WM * MT, NW = 32 * W, KCN = KS / 2, K16 = 16 * KS;
     constexpr int ROW = 64;                       // bytes of a row's chunk (32 bf16)
     constexpr int AB = PO * BT * ROW, SB = AB + PO * NW * ROW;
+    static_assert(STAGES * SB == mma_dx_tile_smem<T, TG, VEC, LAYER, KS, W, MT, STAGES>(),
+                  "the launch's shared memory");
     extern __shared__ __align__(16) unsigned char smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g8 = lane >> 2, tq = lane & 3, wm = warp / W, w = warp - wm * W;
@@ -382,7 +407,7 @@ mhc_coeffs_mma_dx_tile_kernel(const T* __restrict__ x, const __nv_bfloat16* __re
 // (Issuing the next step's wgmmas into a second accumulator set before this step's epilogue made
 // ptxas serialise them: C7514, accumulators read while another wgmma group is in flight.)
 //   phi_r: [2+, D, K16] bf16, dH_r: [2+, tokens_p, K16] (split_rows with KC = 0, pairs = 0).
-// Dynamic shared memory: 4 NB K16 + STAGES 256 K16 bytes (phi's two planes, then per stage dH's).
+// Dynamic shared memory: mhc_coeffs::wg_dx_smem (phi's two planes, then per stage dH's).
 template <bool LAYER, int KS, int NB, int STAGES>
 __global__ void __launch_bounds__(128)
 mhc_coeffs_wg_dx_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ phi_r,
@@ -399,6 +424,7 @@ mhc_coeffs_wg_dx_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16
     constexpr int SB = 2 * AB;                 // stage bytes
     constexpr int R = NB / 2;                  // accumulators a thread
     constexpr int QC = NB / 32;                // 8-position groups of a thread's row
+    static_assert(2 * PB + STAGES * SB == wg_dx_smem<LAYER, KS, NB, STAGES>(), "the launch's shared memory");
     extern __shared__ __align__(128) unsigned char smem[];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g8 = lane >> 2, tq = lane & 3;

@@ -26,6 +26,21 @@ __device__ __forceinline__ void finish_column(const float* __restrict__ alpha, c
     else h_res[t * (i64)(n * n) + (k - 2 * n)] = v;
 }
 
+// Dynamic shared memory of the kernels of this unit that take some, in bytes: what a launch must
+// allocate.  Each kernel static_asserts that its layout fills exactly this; the launch computes the
+// same number from its KernelSpec (mhc_cupy/ops/coeffs/), and tests/test_launch_layout.py compiles
+// these functions against the size of every planned launch.
+// mhc_coeffs_mma_fwd_kernel: per stage x [4 MT 16 tokens][32 SUB positions] T and phi [3][8 NTILE][32 SUB] bf16.
+template <typename T, bool VEC, int MT, int NTILE, int STAGES, int SUB>
+__host__ __device__ constexpr int mma_fwd_smem() {
+    return STAGES * SUB * (4 * MT * 16 * 32 * (int)sizeof(T) + 3 * NTILE * 8 * 64);
+}
+// mhc_coeffs_wg_fwd_kernel: per stage x [64 MT tokens][64 positions] and phi [3][KC][64] bf16.
+template <bool VEC, int KC, int MT, int STAGES>
+__host__ __device__ constexpr int wg_fwd_smem() {
+    return STAGES * (64 * MT * 128 + 3 * KC * 128);
+}
+
 }  // namespace mhc_coeffs
 
 // Forward with several D ranges: h[t, k] from the raw partials, summed in
@@ -80,7 +95,7 @@ __global__ void mhc_coeffs_split_phi_fwd_kernel(const float* __restrict__ phi, _
 // Rows of x and phi are then 128 bytes (16-bit x): the 16-byte chunks of odd rows are stored
 // swapped by halves (chunk c at c ^ 4), so that the 8 lanes of a quarter warp (rows g and g + 1,
 // 4 chunks each) read distinct banks.
-// Dynamic shared memory: STAGES * SUB * (4 * MT * 16 * 32 * sizeof(T) + 3 * NTILE * 8 * 64) bytes.
+// Dynamic shared memory: mhc_coeffs::mma_fwd_smem.
 template <typename T, bool VEC, int MT, int NTILE, int STAGES, int SUB>
 __global__ void __launch_bounds__(128)
 mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restrict__ planes,
@@ -96,6 +111,7 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
     constexpr int KC = NTILE * 8;                    // columns per block
     constexpr int SB = XB + 3 * KC * PROW;           // stage bytes
     constexpr int SWZ = (XROW == 128 && PROW == 128) ? 4 : 0;  // chunk c of an odd row sits at c ^ SWZ
+    static_assert(STAGES * SB == mma_fwd_smem<T, VEC, MT, NTILE, STAGES, SUB>(), "the launch's shared memory");
     extern __shared__ __align__(16) unsigned char smem[];
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -282,7 +298,7 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
 // [ncc][Dp / 64][3][KC / 8][8][8][8], one stage of a column chunk contiguous (a linear copy).
 // The sums of squares (stored by column chunk 0): thread r of 128 (of 64 with MT = 1: two threads a row,
 // added in order) sums its row's bf16 values in float32 from shared memory while the tensor cores work.
-// Dynamic shared memory: STAGES * (64 MT * 128 + 3 * KC * 128) bytes.
+// Dynamic shared memory: mhc_coeffs::wg_fwd_smem.
 template <bool VEC, int KC, int MT, int STAGES>
 __global__ void __launch_bounds__(128)
 mhc_coeffs_wg_fwd_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ planes,
@@ -295,6 +311,7 @@ mhc_coeffs_wg_fwd_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat1
     constexpr int R = KC / 2;              // accumulators per thread and m tile
     constexpr int RS = 128 / TOK;          // threads per row in the sums of squares
     static_assert(KC % 8 == 0 && KC <= 256 && (MT == 1 || MT == 2), "m64nNk16 tiles");
+    static_assert(STAGES * SB == wg_fwd_smem<VEC, KC, MT, STAGES>(), "the launch's shared memory");
     extern __shared__ __align__(128) unsigned char smem[];
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

@@ -44,14 +44,14 @@ __device__ __forceinline__ void add_rows(float (&acc)[E], const T* __restrict__ 
 
 }  // namespace mhc_coeffs
 
-// out[c, r] = in[r, c] for a row-major [rows, cols] float32 matrix with few rows (hc_fn
-// [n, D] -> phi [D, n] for the forward GEMM), grid-stride over out.
-__global__ void mhc_head_transpose_kernel(const float* __restrict__ in, float* __restrict__ out, int rows, i64 cols) {
+// dst[c, r] = src[r, c] for a row-major [rows, cols] float32 matrix with few rows (hc_fn
+// [n, D] -> phi [D, n] for the forward GEMM), grid-stride over dst.
+__global__ void mhc_head_transpose_kernel(const float* __restrict__ src, float* __restrict__ dst, int rows, i64 cols) {
     const i64 total = cols * rows;
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
         const i64 c = i / rows;
         const int r = (int)(i - c * rows);
-        out[i] = in[r * cols + c];
+        dst[i] = src[r * cols + c];
     }
 }
 

@@ -1,5 +1,6 @@
 """Launch layouts chosen on the host (no GPU needed): RMSNorm's kernel and block per row
-width (register-cached or two-pass) and the Sinkhorn backward's shared-memory history."""
+width (register-cached or two-pass), the Sinkhorn backward's shared-memory history, and the
+typed launch descriptions (ops._launch.KernelSpec) against the kernels they describe."""
 
 from __future__ import annotations
 
@@ -151,3 +152,101 @@ def test_rmsnorm_blocks_within_the_compiled_kernels_limit(monkeypatch, kind, typ
     monkeypatch.setattr(_jit, "max_threads", lambda f, expr: 1024)
     assert rmsnorm._kernel(kind, types, E, C, False, layout)[1] == (
         layout[0] if layout else rmsnorm.two_pass_threads(kind, C, E))
+
+
+# ------------------------------------------------------------------ typed launch descriptions
+_GLOBAL = (r"(?:template\s*<([^>]*)>\s*)?__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s+)?"
+           r"(\w+)\s*\(([^)]*)\)")
+
+
+def _kernels_declared() -> dict:
+    """{kernel name: (file, template declarations, parameter declarations)} of every __global__
+    function in kernels_cu/, as KernelSpec normalises declarations."""
+    import re
+
+    from mhc_cupy import _sources
+    from mhc_cupy.ops._launch import _decls
+
+    out = {}
+    for f in _sources.kernel_files():
+        text = re.sub(r"//[^\n]*", "", (_sources.kernel_dir() / f).read_text())
+        for template, name, params in re.findall(_GLOBAL, text):
+            out[name] = (f, _decls(template), _decls(params))
+    return out
+
+
+def test_kernel_specs_are_the_kernels_declarations():
+    """Every kernel of the coefficient path's units (coeffs_*.cu, head.cu) has a KernelSpec whose file,
+    template parameters (kinds, names, order) and parameters (C types, names, order) are the
+    kernel's own: a launch packs its arguments in the kernel's order with the kernel's widths."""
+    import mhc_cupy.ops  # noqa: F401 - declares every KernelSpec
+    from mhc_cupy.ops._launch import KERNEL_SPECS
+
+    declared = _kernels_declared()
+    units = {k for k, (f, *_) in declared.items() if f.startswith("coeffs_") or f == "head.cu"}
+    assert len(units) == 19 and units <= set(KERNEL_SPECS), sorted(units - set(KERNEL_SPECS))
+    for name, spec in KERNEL_SPECS.items():
+        assert (spec.file, spec.template, spec.params) == declared[name], name
+
+
+def test_kernel_spec_refuses_bad_launches():
+    """Arguments by name: a missing, unknown or mis-typed one (or template parameter) is a Python
+    error naming it, before anything reaches the GPU."""
+    from mhc_cupy import _jit
+    from mhc_cupy.ops.coeffs import bwd, fwd
+
+    k = fwd.MMA_FWD.bind(T="bfloat16", VEC=True, MT=2, NTILE=3, STAGES=2, SUB=2)
+    assert k.expr == "mhc_coeffs_mma_fwd_kernel<__nv_bfloat16,true,2,3,2,2>" and k.smem == 2 * 2 * (8192 + 4608)
+    args = dict(x=1 << 20, planes=1 << 21, part=1 << 22, tokens=5, D=64, Dp=64, K=24, Kp=24, ncc=1, tiles=1, d_split=64)
+    with _jit.dry_run() as launches:
+        k.launch((1, 1, 1), (128, 1, 1), 0, **args)
+    assert launches[0][1] == k.expr and launches[0][5] == k.smem
+    assert [type(a).__name__ for a in launches[0][4]][3:6] == ["int64", "int32", "int32"]
+    missing = {a: v for a, v in args.items() if a != "d_split"}
+    for bad, exc, match in [(missing, TypeError, r"missing \['d_split'\]"),
+                            ({**args, "extra": 1}, TypeError, r"unknown \['extra'\]"),
+                            ({**args, "K": 24.0}, TypeError, "argument K is 24.0"),
+                            ({**args, "K": True}, TypeError, "argument K is True"),
+                            ({**args, "x": None}, TypeError, "argument x is None"),
+                            ({**args, "D": 2**31}, ValueError, "D = 2147483648 does not fit"),
+                            ({**args, "planes": -1}, TypeError, "argument planes is -1")]:
+        with pytest.raises(exc, match=match):
+            k.launch((1, 1, 1), (128, 1, 1), 0, **bad)
+    with pytest.raises(TypeError, match="missing .'SUB'."):
+        fwd.MMA_FWD.bind(T="bfloat16", VEC=True, MT=2, NTILE=3, STAGES=2)
+    with pytest.raises(TypeError, match="template parameter VEC is 1; it needs a bool"):
+        fwd.MMA_FWD.bind(T="bfloat16", VEC=1, MT=2, NTILE=3, STAGES=2, SUB=2)
+    with pytest.raises(TypeError, match="template parameter T is 'float64'"):
+        fwd.MMA_FWD.bind(T="float64", VEC=True, MT=2, NTILE=3, STAGES=2, SUB=2)
+    with _jit.dry_run() as launches:  # nullable pointers may be None; a kernel argument may be called count
+        bwd.PREP.launch((1, 1, 1), (256, 1, 1), 0, part=1 << 20, g_pre=None, g_post=None, g_res=None, alpha=1 << 21,
+                        dH=1 << 22, qa=1 << 23, tokens=3, D=8, n=2, K=8, KP=12, splits=1, eps=1e-5)
+        bwd.ZERO.launch_grid_stride(10, 0, out=1 << 20, count=10)
+    assert launches[0][4][1] is None and type(launches[0][4][-1]).__name__ == "float32"
+    assert launches[1][1:4] == ("mhc_coeffs_zero_kernel", (1, 1, 1), (256, 1, 1))
+
+
+def test_launch_shared_memory_is_what_the_kernels_lay_out():
+    """For every launch with dynamic shared memory that the op plans make over n 1-32 (dtypes,
+    alignments, gradient dtypes, with and without wgmma), the bytes allocated (KernelSpec.smem) equal
+    the kernel's own constexpr size (mhc_coeffs::*_smem, which each kernel static_asserts its layout
+    against), checked by compiling one static_assert per specialisation with NVRTC."""
+    from mhc_cupy import _jit, _kernels, _nvrtc, _sources
+    from mhc_cupy.ops._launch import KERNEL_SPECS
+
+    try:
+        _nvrtc.version()
+    except _nvrtc.NVRTCNotFoundError as exc:
+        pytest.skip(f"libnvrtc not available: {exc}")
+    checks: dict = {}
+    for f, expr, _, _, _, smem in _kernels.dry_launches(ns=(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 16, 17, 32)):
+        spec = KERNEL_SPECS.get(expr.split("<")[0])
+        if spec is None or spec.smem_cxx is None:
+            assert smem == 0 or spec is None, expr
+            continue
+        checks.setdefault(f, {})[f"{spec.smem_cxx}{expr[len(spec.name):]}()"] = smem
+    assert sum(map(len, checks.values())) > 150, checks.keys()
+    for f, sizes in checks.items():
+        asserts = "\n".join(f'static_assert({e} == {v}, "{e}: the launch allocates {v} bytes");'
+                            for e, v in sizes.items())
+        _nvrtc.compile(_sources.load_source(f) + asserts, f, [], arch="sm_80", options=_jit.NVRTC_OPTIONS)

@@ -14,8 +14,8 @@ from __future__ import annotations
 from .. import _checks, reference
 from .._dispatch import Plan, run
 from .coeffs import bwd as coeffs_bwd, common, fwd as coeffs_fwd
-from ._launch import (CTYPE, column_sum, f32, grid_for, i32, i64, launch, launch_grid_stride, threads_for, tokens_of,
-                      vec_width)
+from .coeffs.split_bwd import BWD_DPHI
+from ._launch import KernelSpec, column_sum, grid_for, threads_for, tokens_of, vec_width
 from .spec import X, Arg, Kernel
 from .stream import check_grad
 
@@ -31,6 +31,19 @@ PARAMS = {"rms_eps": 1e-6, "hc_eps": 1e-6}
 _KC = 24
 _DPHI_E = 2
 _TARGET_BLOCKS = 512
+
+TRANSPOSE = KernelSpec(_FILE, "mhc_head_transpose_kernel", "", "const float* src, float* dst, int rows, i64 cols")
+HEAD_FWD = KernelSpec(_FILE, "mhc_head_fwd_kernel", "typename T, int E",
+                      "const T* x, const float* part, const float* hc_scale, const float* hc_base, T* out, i64 tokens, "
+                      "int n, int C, int splits, float rms_eps, float hc_eps")
+HEAD_BWD_PREP = KernelSpec(
+    _FILE, "mhc_head_bwd_prep_kernel", "typename T, typename TG, int E, int NB",
+    "const TG* g, const T* x, const float* part, const float* hc_scale, const float* hc_base, float* dH, "
+    "float* w_out, float* gz_out, float* qs_out, i64 tokens, int n, int C, int KP, int splits, float rms_eps, "
+    "float hc_eps")
+HEAD_BWD_DX = KernelSpec(_FILE, "mhc_head_bwd_dx_kernel", "typename T, typename TG, int E",
+                         "const TG* g, const T* x, const float* hc_fn, const float* dH, const float* w, T* dx, "
+                         "i64 tokens, int n, int C, int KP")
 
 
 def _dphi_layout(tokens: int, D: int, n: int) -> tuple[int, int, int, int]:
@@ -65,8 +78,7 @@ def _check(infos, rms_eps, hc_eps, with_grad: bool):
 
 def _transpose(src, dst, rows: int, cols: int, stream) -> None:
     """dst [cols, rows] = src [rows, cols]^T (float32; rows = n is small)."""
-    launch_grid_stride(_FILE, "mhc_head_transpose_kernel", rows * cols,
-                       (src, dst, i32(rows), i64(cols)), stream)
+    TRANSPOSE.launch_grid_stride(rows * cols, stream, src=src, dst=dst, rows=rows, cols=cols)
 
 
 def _gemm_scratch(dt: str, tokens: int, D: int, n: int):
@@ -90,9 +102,9 @@ def _plan_fwd(infos, rms_eps, hc_eps):
     def run_kernels(p, outs, sc, stream):
         _launch_gemm(dt, D, n, tokens, p["x"], p["hc_fn"], sc, mma, stream)
         E = vec_width(n, C, [(p["x"], dt), (outs[0], dt)])
-        launch(_FILE, f"mhc_head_fwd_kernel<{CTYPE[dt]},{E}>", grid_for(tokens), (threads_for(C, E), 1, 1),
-               (p["x"], sc["part"], p["hc_scale"], p["hc_base"], outs[0], i64(tokens), i32(n), i32(C),
-                i32(mma.splits), f32(rms_eps), f32(hc_eps)), stream)
+        HEAD_FWD.bind(T=dt, E=E).launch(grid_for(tokens), (threads_for(C, E), 1, 1), stream, x=p["x"],
+                                        part=sc["part"], hc_scale=p["hc_scale"], hc_base=p["hc_base"], out=outs[0],
+                                        tokens=tokens, n=n, C=C, splits=mma.splits, rms_eps=rms_eps, hc_eps=hc_eps)
 
     def ref(a):
         return (reference.mhc_head_fwd(a["x"], a["hc_fn"], a["hc_scale"], a["hc_base"], rms_eps, hc_eps),)
@@ -122,23 +134,23 @@ def _plan_bwd(infos, rms_eps, hc_eps):
         x, g = p["x"], p["grad"]
         _launch_gemm(dt, D, n, tokens, x, p["hc_fn"], sc, mma, stream)
         E = vec_width(n, C, [(x, dt), (g, tg)])
-        launch(_FILE, f"mhc_head_bwd_prep_kernel<{CTYPE[dt]},{CTYPE[tg]},{E},{_slots(n)}>", grid_for(tokens),
-               (threads_for(C, E), 1, 1),
-               (g, x, sc["part"], p["hc_scale"], p["hc_base"], sc["dH"], sc["w"], sc["gz"], sc["qs"], i64(tokens),
-                i32(n), i32(C), i32(KP), i32(mma.splits), f32(rms_eps), f32(hc_eps)), stream)
+        HEAD_BWD_PREP.bind(T=dt, TG=tg, E=E, NB=_slots(n)).launch(
+            grid_for(tokens), (threads_for(C, E), 1, 1), stream, g=g, x=x, part=sc["part"], hc_scale=p["hc_scale"],
+            hc_base=p["hc_base"], dH=sc["dH"], w_out=sc["w"], gz_out=sc["gz"], qs_out=sc["qs"], tokens=tokens, n=n,
+            C=C, KP=KP, splits=mma.splits, rms_eps=rms_eps, hc_eps=hc_eps)
         column_sum(sc["qs"], dscale, tokens, 1, stream)
         column_sum(sc["gz"], dbase, tokens, n, stream)
         E = vec_width(1, C, [(x, dt), (dx, dt), (g, tg), (p["hc_fn"], "float32")])
-        launch(_FILE, f"mhc_head_bwd_dx_kernel<{CTYPE[dt]},{CTYPE[tg]},{E}>", grid_for(tokens),
-               (threads_for(D, E), 1, 1), (g, x, p["hc_fn"], sc["dH"], sc["w"], dx, i64(tokens), i32(n), i32(C),
-                                           i32(KP)), stream)
+        HEAD_BWD_DX.bind(T=dt, TG=tg, E=E).launch(grid_for(tokens), (threads_for(D, E), 1, 1), stream, g=g, x=x,
+                                                  hc_fn=p["hc_fn"], dH=sc["dH"], w=sc["w"], dx=dx, tokens=tokens, n=n,
+                                                  C=C, KP=KP)
         # dhc_fn^T = sum_t x~^T dH: the coefficient path's CUDA-core dphi kernel with K = n
         E = vec_width(1, D, [(x, dt)], budget=_DPHI_E)
         dblocks = -(-D // (_NT * E))
         out = sc.get("dphi_part", sc["dphi"])
-        launch("coeffs_dphi.cu", f"mhc_coeffs_bwd_dphi_kernel<{CTYPE[dt]},{E},{kc}>", (ncc * dblocks * t_splits, 1, 1),
-               (_NT, 1, 1), (x, sc["dH"], out, i64(tokens), i32(D), i32(n), i32(KP), i32(ncc), i32(dblocks),
-                             i64(t_split)), stream)
+        BWD_DPHI.bind(T=dt, E=E, KC=kc).launch((ncc * dblocks * t_splits, 1, 1), (_NT, 1, 1), stream, x=x,
+                                               dH=sc["dH"], dphi=out, tokens=tokens, D=D, K=n, KP=KP, ncc=ncc,
+                                               dblocks=dblocks, t_split=t_split)
         if t_splits > 1:
             column_sum(out, sc["dphi"], t_splits, D * n, stream)
         _transpose(sc["dphi"], dhc_fn, D, n, stream)

@@ -6,7 +6,8 @@ split into h_pre_raw [n], h_post_raw [n], h_res_raw [n, n].  The launch layout
 (column chunks, D ranges, token splits) depends only on shapes and dtypes and is the same
 on every device, so results are bitwise reproducible for given shapes.
 
-One module per kernel family, each with its layout choice and launches: ``fwd`` (the forward
+One module per kernel family, each with its kernels' typed launch descriptions
+(:class:`mhc_cupy.ops._launch.KernelSpec`), its layout choice and launches: ``fwd`` (the forward
 GEMM and finish, ``kernels_cu/coeffs_fwd.cu``), ``bwd`` (the backward's prep and bf16 planes, and
 dx and dphi in one kernel for n <= 4, ``coeffs_bwd.cu``), ``split_bwd`` (dphi and dx as two kernels
 for n > 4, ``coeffs_dphi.cu``, ``coeffs_dx.cu``); ``common`` (checks, limits) and ``plans`` (the

@@ -1,25 +1,55 @@
 """The coefficient path's backward up to the tensor-core GEMMs, and those GEMMs for K <= 32
 (``kernels_cu/coeffs_bwd.cu``): dH | c from the forward's sums (prep), zero-filled gradients, the
-bf16 planes of dH and phi, and dx and dphi in one kernel (MmaBwd: its layout and launch).
-The measurements behind the layout: benchmarks/coeffs_layout.md, "Backward, n <= 4"."""
+bf16 planes of dH and phi, and dx and dphi in one kernel (MmaBwd: its layout and launch); the
+kernels' launch descriptions.  The measurements behind the layout: benchmarks/coeffs_layout.md,
+"Backward, n <= 4"."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._launch import CTYPE, ITEMSIZE, MAX_GRID, column_sum, f32, i32, i64, launch, launch_grid_stride, vec8
+from .._launch import ITEMSIZE, MAX_GRID, KernelSpec, column_sum, vec8
 from .common import (_MAX_PARTIAL_FLOATS, _MAX_SPLITS, _MMA_BWD_STAGES, _NT, _cdiv, mma_token_splits,
                      pipeline_stages, planes)
 
 _FILE = "coeffs_bwd.cu"
 _WARPS = _NT // 32
 
+PREP = KernelSpec(
+    _FILE, "mhc_coeffs_bwd_prep_kernel", "",
+    "const float* part, const float* g_pre, const float* g_post, const float* g_res, const float* alpha, float* dH, "
+    "float* qa, i64 tokens, int D, int n, int K, int KP, int splits, float eps", nullable=("g_pre", "g_post", "g_res"))
+ZERO = KernelSpec(_FILE, "mhc_coeffs_zero_kernel", "", "float* out, i64 count")
+SPLIT_ROWS = KernelSpec(_FILE, "mhc_coeffs_split_rows_kernel", "",
+                        "const float* src, __nv_bfloat16* planes, i64 rows, int K, int ld, i64 rows_p, int K16, "
+                        "int KC, int pairs")
+SPLIT_COLS = KernelSpec(_FILE, "mhc_coeffs_split_cols_kernel", "",
+                        "const float* src, __nv_bfloat16* planes, i64 tokens, int K, int ld, i64 tokens_p, int Kp8")
+
+
+def _mma_bwd_smem(T, TG, VEC, LAYER, N, KS, NQ, STAGES):
+    """The block's phi rows [PO][64 N][16 KS] bf16, then per stage x [16][64 N] T (token rows padded by
+    16 bytes), dH_r [PO][16][16 KS] and dH_c [3][8 NQ][16] bf16, and where the layer's g is staged
+    (LAYER, VEC, 16-bit TG) g [N][16][64] TG."""
+    PO, K16, staged = planes(T), 16 * KS, LAYER and VEC and ITEMSIZE[TG] == 2
+    stage = 16 * (64 * N * ITEMSIZE[T] + 16) + PO * 16 * K16 * 2 + 3 * 8 * NQ * 32 + (
+        N * 16 * 64 * ITEMSIZE[TG] if staged else 0)
+    return PO * 64 * N * K16 * 2 + STAGES * stage
+
+
+MMA_BWD = KernelSpec(
+    _FILE, "mhc_coeffs_mma_bwd_kernel",
+    "typename T, typename TG, bool VEC, bool LAYER, int N, int KS, int NQ, int STAGES",
+    "const T* x, const __nv_bfloat16* phi_r, const __nv_bfloat16* dH_r, const __nv_bfloat16* dH_c, const float* dH, "
+    "const TG* g, const TG* g_li, const float* H_pre, const float* H_res, const TG* gx, T* dx, float* dphi, "
+    "i64 tokens, i64 tokens_p, int C, int K, int KP, i64 t_split, int res_t",
+    nullable=("g", "g_li", "H_pre", "H_res", "gx"), smem=(_mma_bwd_smem, "mhc_coeffs::mma_bwd_smem"))
+
 
 def zero(ptr, count: int, stream, offset: int = 0) -> None:
     """float32 zeros over ptr[offset : offset + count]."""
     if count:
-        launch(_FILE, "mhc_coeffs_zero_kernel", (min(_cdiv(count, _NT), 1024), 1, 1), (_NT, 1, 1),
-               (ptr + 4 * offset, i64(count)), stream)
+        ZERO.launch((min(_cdiv(count, _NT), 1024), 1, 1), (_NT, 1, 1), stream, out=ptr + 4 * offset, count=count)
 
 
 def zero_param_grads(dphi, dalpha, dbias, D: int, K: int, stream) -> None:
@@ -31,8 +61,10 @@ def zero_param_grads(dphi, dalpha, dbias, D: int, K: int, stream) -> None:
 def launch_prep(tokens, D, n, K, KP, eps, *, part, splits: int, grads: tuple, alpha, dH, qa, dalpha, dbias, stream):
     """dH | c and the per-token dalpha terms from the sums and the raw-coefficient gradients
     ``grads`` = (pre, post, res) pointers (None = zero), then dalpha and dbias summed over tokens."""
-    launch(_FILE, "mhc_coeffs_bwd_prep_kernel", (min(_cdiv(tokens, _WARPS), MAX_GRID), 1, 1), (_NT, 1, 1),
-           (part, *grads, alpha, dH, qa, i64(tokens), i32(D), i32(n), i32(K), i32(KP), i32(splits), f32(eps)), stream)
+    g_pre, g_post, g_res = grads
+    PREP.launch((min(_cdiv(tokens, _WARPS), MAX_GRID), 1, 1), (_NT, 1, 1), stream, part=part, g_pre=g_pre,
+                g_post=g_post, g_res=g_res, alpha=alpha, dH=dH, qa=qa, tokens=tokens, D=D, n=n, K=K, KP=KP,
+                splits=splits, eps=eps)
     column_sum(qa, dalpha, tokens, 3, stream)
     for ptr, offset, cols in zip(grads, (0, n, 2 * n), (n, n, n * n)):
         if ptr is None:
@@ -45,15 +77,15 @@ def split_rows(src, dst, rows: int, K: int, ld: int, rows_p: int, K16: int, kc: 
     """src [rows, K] float32 (row stride ld) into the bf16 planes dst [3, rows_p, K16]: columns in
     fragment order of kc k-steps a chunk (0: their own order), rows g, g + 8 interleaved with
     ``pairs`` (mhc_coeffs_split_rows_kernel)."""
-    launch_grid_stride(_FILE, "mhc_coeffs_split_rows_kernel", rows_p * K16,
-                       (src, dst, i64(rows), i32(K), i32(ld), i64(rows_p), i32(K16), i32(kc), i32(pairs)), stream)
+    SPLIT_ROWS.launch_grid_stride(rows_p * K16, stream, src=src, planes=dst, rows=rows, K=K, ld=ld, rows_p=rows_p,
+                                  K16=K16, KC=kc, pairs=int(pairs))
 
 
 def split_cols(dH, dst, tokens: int, K: int, KP: int, tokens_p: int, Kc: int, stream) -> None:
     """The first K columns of dH [tokens, KP] into the bf16 planes dst [3, Kc, tokens_p], transposed
     (mhc_coeffs_split_cols_kernel)."""
-    launch_grid_stride(_FILE, "mhc_coeffs_split_cols_kernel", tokens_p * Kc,
-                       (dH, dst, i64(tokens), i32(K), i32(KP), i64(tokens_p), i32(Kc)), stream)
+    SPLIT_COLS.launch_grid_stride(tokens_p * Kc, stream, src=dH, planes=dst, tokens=tokens, K=K, ld=KP,
+                                  tokens_p=tokens_p, Kp8=Kc)
 
 
 @dataclass(frozen=True)
@@ -99,15 +131,14 @@ class MmaBwd(TensorCoreBwd):
         """(stages, dynamic shared bytes): the block's phi rows (PO planes: 2 for 16-bit x, 3 for
         float32), then per stage x [16][n][64] (token rows padded by 16 bytes), dH_r [PO][16][K16]
         and dH_c [3][Kp8][16], and with ``g_staged`` (the layer's 16-bit output gradient, vector
-        path) g [n][16][64].  With g staged at n = 4, 2 stages (3 blocks per SM where an SM has
-        228 KiB; with 3 stages 2 blocks fit)."""
-        nw, K16, Kp8, PO = 64 * self.n, self.K16, self.Kp8, planes(dt)
-        fixed = PO * nw * K16 * 2
-        stage = 16 * (nw * ITEMSIZE[dt] + 16) + PO * 16 * K16 * 2 + 3 * Kp8 * 32
-        if g_staged:
-            stage += self.n * 16 * 64 * 2
-        stages = pipeline_stages(fixed, stage, 2 if g_staged and self.n == 4 else _MMA_BWD_STAGES)
-        return stages, fixed + stages * stage
+        path) g [n][16][64] (MMA_BWD).  With g staged at n = 4, 2 stages (3 blocks per SM where an SM
+        has 228 KiB; with 3 stages 2 blocks fit)."""
+        def size(stages):  # (g staged: LAYER and VEC with a 16-bit TG; else neither)
+            return MMA_BWD.smem(T=dt, TG="bfloat16" if g_staged else dt, VEC=g_staged, LAYER=g_staged, N=self.n,
+                                KS=self.K16 // 16, NQ=self.Kp8 // 8, STAGES=stages)
+
+        stages = pipeline_stages(size, 2 if g_staged and self.n == 4 else _MMA_BWD_STAGES)
+        return stages, size(stages)
 
 
 def mma_bwd(tokens: int, n: int, C: int, K: int) -> MmaBwd:
@@ -128,14 +159,12 @@ def launch_mma_bwd(b: MmaBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc: dic
     split_rows(phi, sc["phi_r"], D, b.K, b.K, D, b.K16, b.K16 // 16, False, stream)
     split_rows(dH, sc["dH_r"], b.tokens, b.K, KP, b.tokens_p, b.K16, b.K16 // 16, False, stream)
     split_cols(dH, sc["dH_c"], b.tokens, b.K, KP, b.tokens_p, b.Kp8, stream)
-    vec = "true" if vec8(b.C, x, dx, g, g_li, gx) else "false"
+    vec = vec8(b.C, x, dx, g, g_li, gx)
     out = sc["dphi_part"] if b.splits > 1 else dphi
-    stages, smem = b.pipeline(dt, g_staged=layer and vec == "true" and ITEMSIZE[tg] == 2)  # the kernel's GS
-    launch(_FILE, f"mhc_coeffs_mma_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{vec},{'true' if layer else 'false'},"
-                  f"{b.n},{b.K16 // 16},{b.Kp8 // 8},{stages}>",
-           (_cdiv(b.C, 64), b.splits, 1), (32 * b.n, 1, 1),
-           (x, sc["phi_r"], sc["dH_r"], sc["dH_c"], dH, g, g_li, H_pre, H_res, gx, dx, out, i64(b.tokens),
-            i64(b.tokens_p), i32(b.C), i32(b.K), i32(KP), i64(b.t_split), i32(res_t)),
-           stream, smem)
+    stages = b.pipeline(dt, g_staged=layer and vec and ITEMSIZE[tg] == 2)[0]  # the kernel's GS
+    MMA_BWD.bind(T=dt, TG=tg, VEC=vec, LAYER=layer, N=b.n, KS=b.K16 // 16, NQ=b.Kp8 // 8, STAGES=stages).launch(
+        (_cdiv(b.C, 64), b.splits, 1), (32 * b.n, 1, 1), stream, x=x, phi_r=sc["phi_r"], dH_r=sc["dH_r"],
+        dH_c=sc["dH_c"], dH=dH, g=g, g_li=g_li, H_pre=H_pre, H_res=H_res, gx=gx, dx=dx, dphi=out, tokens=b.tokens,
+        tokens_p=b.tokens_p, C=b.C, K=b.K, KP=KP, t_split=b.t_split, res_t=int(res_t))
     if b.splits > 1:
         column_sum(out, dphi, b.splits, D * b.K, stream)

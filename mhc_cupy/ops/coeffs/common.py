@@ -78,10 +78,10 @@ def check(infos, eps, with_grads: bool, eps_name: str = "eps"):
 
 
 # ------------------------------------------------------------------ layout rules
-def pipeline_stages(fixed: int, per_stage: int, most: int) -> int:
-    """The deepest pipeline (<= most, >= 2 stages) whose shared memory fits _SMEM_PORTABLE."""
+def pipeline_stages(size, most: int) -> int:
+    """The deepest pipeline (<= most, >= 2 stages) whose shared memory ``size(stages)`` fits _SMEM_PORTABLE."""
     for stages in range(most, 2, -1):
-        if fixed + stages * per_stage <= _SMEM_PORTABLE:
+        if size(stages) <= _SMEM_PORTABLE:
             return stages
     return 2
 

@@ -1,13 +1,14 @@
-"""The coefficient path's forward GEMM and finish (``kernels_cu/coeffs_fwd.cu``): its launch
-layout (column chunks, token tiles, D ranges, pipeline depth, mma.sync or wgmma) and launches.
-The measurements behind the layout constants: benchmarks/coeffs_layout.md, "Forward"."""
+"""The coefficient path's forward GEMM and finish (``kernels_cu/coeffs_fwd.cu``): the kernels'
+launch descriptions, their layout (column chunks, token tiles, D ranges, pipeline depth, mma.sync
+or wgmma) and launches.  The measurements behind the layout constants:
+benchmarks/coeffs_layout.md, "Forward"."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
 from ..._jit import uses_wgmma
-from .._launch import CTYPE, ITEMSIZE, MAX_GRID, f32, i32, i64, launch, launch_grid_stride, vec8
+from .._launch import ITEMSIZE, MAX_GRID, KernelSpec, vec8
 from .common import _MAX_SPLITS, _MMA_TARGET_BLOCKS, _NT, _cdiv, pipeline_stages
 
 _FILE = "coeffs_fwd.cu"
@@ -32,6 +33,28 @@ assert 64 * _WG_MT == _MMA_TOK, "the wgmma forward walks the mma.sync layout's t
 _WG_MAX_KC = 96  # columns per block (N of the wgmma)
 _WG_SMEM = 113 * 1024  # dynamic shared memory a block (two blocks an SM on sm_90)
 
+SPLIT_PHI_FWD = KernelSpec(_FILE, "mhc_coeffs_split_phi_fwd_kernel", "",
+                           "const float* phi, __nv_bfloat16* planes, int D, int K, int Dp, int Kp")
+#: x [4 MT 16 tokens][32 SUB positions] and phi [3][8 NTILE][32 SUB] bf16 a stage
+MMA_FWD = KernelSpec(
+    _FILE, "mhc_coeffs_mma_fwd_kernel", "typename T, bool VEC, int MT, int NTILE, int STAGES, int SUB",
+    "const T* x, const __nv_bfloat16* planes, float* part, i64 tokens, int D, int Dp, int K, int Kp, int ncc, "
+    "i64 tiles, int d_split",
+    smem=(lambda T, MT, NTILE, STAGES, SUB: STAGES * SUB * (4 * MT * 16 * 32 * ITEMSIZE[T] + 3 * NTILE * 8 * 64),
+          "mhc_coeffs::mma_fwd_smem"))
+SPLIT_PHI_WG = KernelSpec(_FILE, "mhc_coeffs_split_phi_wg_kernel", "",
+                          "const float* phi, __nv_bfloat16* planes, int D, int K, int Dp, int KC, int ncc")
+#: x [64 MT tokens][64 positions] and phi [3][KC][64] bf16 a stage
+WG_FWD = KernelSpec(
+    _FILE, "mhc_coeffs_wg_fwd_kernel", "bool VEC, int KC, int MT, int STAGES",
+    "const __nv_bfloat16* x, const __nv_bfloat16* planes, float* part, i64 tokens, int D, int Dp, int K, int ncc, "
+    "i64 tiles, int d_split",
+    smem=(lambda KC, MT, STAGES: STAGES * (64 * MT * 128 + 3 * KC * 128), "mhc_coeffs::wg_fwd_smem"))
+FINISH = KernelSpec(
+    _FILE, "mhc_coeffs_fwd_finish_kernel", "",
+    "const float* part, const float* alpha, const float* bias, float* h_pre, float* h_post, float* h_res, "
+    "float* stats, i64 tokens, int D, int n, int K, int splits, float eps", nullable=("stats",))
+
 
 def mma_sub(dt: str) -> int:
     """32-position sub-steps per stage of mhc_coeffs_mma_fwd_kernel: _MMA_ROW_BYTES of each token row
@@ -40,11 +63,12 @@ def mma_sub(dt: str) -> int:
 
 
 def mma_fwd_smem(dt: str, ntile: int) -> tuple[int, int]:
-    """(stages, dynamic shared bytes) of mhc_coeffs_mma_fwd_kernel: per stage, x [128 tokens][32 sub]
-    and phi [3 planes][ntile * 8][32 sub bf16]."""
-    per_stage = mma_sub(dt) * (_MMA_TOK * 32 * ITEMSIZE[dt] + 3 * ntile * 8 * 64)
-    stages = pipeline_stages(0, per_stage, _MMA_STAGES[dt])
-    return stages, stages * per_stage
+    """(stages, dynamic shared bytes) of mhc_coeffs_mma_fwd_kernel (MMA_FWD) with NTILE = ntile."""
+    def size(stages):
+        return MMA_FWD.smem(T=dt, MT=_MMA_MT, NTILE=ntile, STAGES=stages, SUB=mma_sub(dt))
+
+    stages = pipeline_stages(size, _MMA_STAGES[dt])
+    return stages, size(stages)
 
 
 class MmaLayout(NamedTuple):
@@ -65,11 +89,10 @@ class MmaLayout(NamedTuple):
         return (3, max(self.Kp, self.wg_ncc * self.wg_kc), self.Dp), "bfloat16"
 
     def wg_smem(self) -> tuple[int, int]:
-        """(stages, dynamic shared bytes) of mhc_coeffs_wg_fwd_kernel: per stage x [128 tokens][64
-        positions] and phi [3][wg_kc][64] bf16."""
-        per_stage = _WG_MT * 64 * 128 + 3 * self.wg_kc * 128
-        stages = max(2, min(4, _WG_SMEM // per_stage))
-        return stages, stages * per_stage
+        """(stages, dynamic shared bytes) of mhc_coeffs_wg_fwd_kernel (WG_FWD): as many stages (2 to 4)
+        as fit _WG_SMEM."""
+        stages = max(2, min(4, _WG_SMEM // WG_FWD.smem(KC=self.wg_kc, MT=_WG_MT, STAGES=1)))
+        return stages, WG_FWD.smem(KC=self.wg_kc, MT=_WG_MT, STAGES=stages)
 
 
 def mma_layout(tokens: int, D: int, K: int, dt: str) -> MmaLayout:
@@ -102,27 +125,23 @@ def launch_mma_gemm(dt, D, K, tokens, *, x, phi, part, planes, mma: MmaLayout, s
     """Raw H~ and sums of squares per D range into part [splits, T, K+1], on tensor cores
     (phi split into three bf16 planes first): bf16 x on a device with wgmma (sm_90a)
     mhc_coeffs_wg_fwd_kernel, else mhc_coeffs_mma_fwd_kernel."""
-    vec = "true" if vec8(D, x) else "false"
+    vec = vec8(D, x)
     if _WG_FWD and mma.wg_kc and uses_wgmma():
-        launch_grid_stride(_FILE, "mhc_coeffs_split_phi_wg_kernel", 3 * mma.wg_ncc * mma.wg_kc * mma.Dp,
-                           (phi, planes, i32(D), i32(K), i32(mma.Dp), i32(mma.wg_kc), i32(mma.wg_ncc)), stream)
-        stages, smem = mma.wg_smem()
-        launch(_FILE, f"mhc_coeffs_wg_fwd_kernel<{vec},{mma.wg_kc},{_WG_MT},{stages}>",
-               (mma.wg_ncc * mma.tiles * mma.splits, 1, 1), (128, 1, 1),
-               (x, planes, part, i64(tokens), i32(D), i32(mma.Dp), i32(K), i32(mma.wg_ncc), i64(mma.tiles),
-                i32(mma.d_split)), stream, smem)
+        SPLIT_PHI_WG.launch_grid_stride(3 * mma.wg_ncc * mma.wg_kc * mma.Dp, stream, phi=phi, planes=planes, D=D, K=K,
+                                        Dp=mma.Dp, KC=mma.wg_kc, ncc=mma.wg_ncc)
+        WG_FWD.bind(VEC=vec, KC=mma.wg_kc, MT=_WG_MT, STAGES=mma.wg_smem()[0]).launch(
+            (mma.wg_ncc * mma.tiles * mma.splits, 1, 1), (128, 1, 1), stream, x=x, planes=planes, part=part,
+            tokens=tokens, D=D, Dp=mma.Dp, K=K, ncc=mma.wg_ncc, tiles=mma.tiles, d_split=mma.d_split)
         return
-    launch_grid_stride(_FILE, "mhc_coeffs_split_phi_fwd_kernel", mma.Kp * mma.Dp,
-                       (phi, planes, i32(D), i32(K), i32(mma.Dp), i32(mma.Kp)), stream)
-    stages, smem = mma_fwd_smem(dt, mma.ntile)
-    launch(_FILE, f"mhc_coeffs_mma_fwd_kernel<{CTYPE[dt]},{vec},{_MMA_MT},{mma.ntile},{stages},{mma_sub(dt)}>",
-           (mma.ncc * mma.tiles * mma.splits, 1, 1), (128, 1, 1),
-           (x, planes, part, i64(tokens), i32(D), i32(mma.Dp), i32(K), i32(mma.Kp), i32(mma.ncc),
-            i64(mma.tiles), i32(mma.d_split)), stream, smem)
+    SPLIT_PHI_FWD.launch_grid_stride(mma.Kp * mma.Dp, stream, phi=phi, planes=planes, D=D, K=K, Dp=mma.Dp, Kp=mma.Kp)
+    MMA_FWD.bind(T=dt, VEC=vec, MT=_MMA_MT, NTILE=mma.ntile, STAGES=mma_fwd_smem(dt, mma.ntile)[0],
+                 SUB=mma_sub(dt)).launch(
+        (mma.ncc * mma.tiles * mma.splits, 1, 1), (128, 1, 1), stream, x=x, planes=planes, part=part, tokens=tokens,
+        D=D, Dp=mma.Dp, K=K, Kp=mma.Kp, ncc=mma.ncc, tiles=mma.tiles, d_split=mma.d_split)
 
 
 def launch_finish(tokens, D, n, K, eps, *, part, splits: int, alpha, bias, h_pre, h_post, h_res, stats, stream):
     """h (and stats, unless None) from the per-D-range sums part [splits, T, K+1]."""
-    launch(_FILE, "mhc_coeffs_fwd_finish_kernel", (min(_cdiv(tokens * K, _NT), MAX_GRID), 1, 1), (_NT, 1, 1),
-           (part, alpha, bias, h_pre, h_post, h_res, stats, i64(tokens), i32(D), i32(n), i32(K), i32(splits),
-            f32(eps)), stream)
+    FINISH.launch((min(_cdiv(tokens * K, _NT), MAX_GRID), 1, 1), (_NT, 1, 1), stream, part=part, alpha=alpha,
+                  bias=bias, h_pre=h_pre, h_post=h_post, h_res=h_res, stats=stats, tokens=tokens, D=D, n=n, K=K,
+                  splits=splits, eps=eps)

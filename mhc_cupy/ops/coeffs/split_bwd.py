@@ -1,7 +1,8 @@
 """The coefficient path's backward for K > 32 (n > 4): dphi (``kernels_cu/coeffs_dphi.cu``) and dx
 (``kernels_cu/coeffs_dx.cu``) on tensor cores as two kernels, with their layout (SplitBwd: column
-chunks, token splits, which dx kernel for which n / dtype / device) and launches.  The
-measurements behind the layout: benchmarks/coeffs_layout.md, "Backward, n > 4"."""
+chunks, token splits, which dx kernel for which n / dtype / device), launches and the kernels'
+launch descriptions.  The measurements behind the layout: benchmarks/coeffs_layout.md,
+"Backward, n > 4"."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from ..._jit import uses_wgmma
-from .._launch import CTYPE, ITEMSIZE, column_sum, i32, i64, launch, vec8
+from .._launch import ITEMSIZE, KernelSpec, column_sum, vec8
 from .bwd import TensorCoreBwd, split_cols, split_rows
 from .common import (_MAX_PARTIAL_FLOATS, _MAX_SPLITS, _MMA_BWD_STAGES, _SMEM_PORTABLE, _cdiv, mma_token_splits,
                      pipeline_stages, planes)
@@ -24,13 +25,51 @@ _DX_NT = 4
 #: resident for n 5-8 at 16 bits and 5, 6, 8 in float32.
 _DX_MIN_WARPS = 8
 
+#: per stage x [16][256] T (token rows padded by 16 bytes) and dH_c [3][8 NQ][16] bf16
+MMA_DPHI = KernelSpec(
+    _DPHI_FILE, "mhc_coeffs_mma_dphi_kernel", "typename T, bool VEC, int NQ, int STAGES",
+    "const T* x, const __nv_bfloat16* dH_c, float* dphi, i64 tokens, i64 tokens_p, int D, int K, int Kc, int ncc, "
+    "i64 t_split",
+    smem=(lambda T, NQ, STAGES: STAGES * (16 * (256 * ITEMSIZE[T] + 16) + 3 * 8 * NQ * 32),
+          "mhc_coeffs::mma_dphi_smem"))
+#: the CUDA-core dphi (any K; the head's, ops/head.py)
+BWD_DPHI = KernelSpec(_DPHI_FILE, "mhc_coeffs_bwd_dphi_kernel", "typename T, int E, int KC",
+                      "const T* x, const float* dH, float* dphi, i64 tokens, int D, int K, int KP, int ncc, "
+                      "int dblocks, i64 t_split")
+_DX_PARAMS = ("const T* x, const __nv_bfloat16* phi_r, const __nv_bfloat16* dH_r, const float* dH, const TG* g, "
+              "const TG* g_li, const float* H_pre, const float* H_res, const TG* gx, T* dx, i64 tokens, i64 tokens_p, "
+              "int n, int C, int K, int KP, int groups, i64 t_split, int res_t")
+_LAYER_GRADS = ("g", "g_li", "H_pre", "H_res", "gx")  # absent: None
+#: the phi rows of its W streams' 8 NT columns [PO][8 NT W][16 KS], then per stage dH_r [PO][16][16 KS], bf16
+MMA_DX = KernelSpec(
+    _DX_FILE, "mhc_coeffs_mma_dx_kernel",
+    "typename T, typename TG, bool VEC, bool LAYER, int KS, int W, int NT, int STAGES", _DX_PARAMS,
+    nullable=_LAYER_GRADS,
+    smem=(lambda T, KS, W, NT, STAGES: (8 * NT * W + STAGES * 16) * 16 * KS * 2 * planes(T), "mhc_coeffs::mma_dx_smem"))
+#: per stage dH_r [PO][BT][32] and phi_r [PO][32 W][32] bf16, BT = 16 (4 / W) MT tokens
+MMA_DX_TILE = KernelSpec(
+    _DX_FILE, "mhc_coeffs_mma_dx_tile_kernel",
+    "typename T, typename TG, bool VEC, bool LAYER, int KS, int W, int MT, int STAGES", _DX_PARAMS,
+    nullable=_LAYER_GRADS,
+    smem=(lambda T, W, MT, STAGES: STAGES * planes(T) * (16 * (4 // W) * MT + 32 * W) * 64,
+          "mhc_coeffs::mma_dx_tile_smem"))
+#: phi's two planes [2][NB][16 KS], then per stage dH [2][64][16 KS], bf16
+WG_DX = KernelSpec(
+    _DX_FILE, "mhc_coeffs_wg_dx_kernel", "bool LAYER, int KS, int NB, int STAGES",
+    "const __nv_bfloat16* x, const __nv_bfloat16* phi_r, const __nv_bfloat16* dH_r, const float* dH, "
+    "const __nv_bfloat16* g, const __nv_bfloat16* g_li, const float* H_pre, const float* H_res, "
+    "const __nv_bfloat16* gx, __nv_bfloat16* dx, i64 tokens, i64 tokens_p, int n, int C, int K, int KP, i64 t_split, "
+    "int res_t", nullable=_LAYER_GRADS,
+    smem=(lambda KS, NB, STAGES: 4 * NB * 16 * KS + STAGES * 256 * 16 * KS, "mhc_coeffs::wg_dx_smem"))
+
 
 def dx_smem(w: int, nt: int, K16: int, dt: str) -> tuple[int, int]:
-    """(stages, dynamic shared bytes) of mhc_coeffs_mma_dx_kernel with W = w, NT = nt: the phi rows
-    of its streams, then per stage dH_r [planes][16][K16]."""
-    fixed, stage = w * 8 * nt * K16 * 2 * planes(dt), 16 * K16 * 2 * planes(dt)
-    stages = pipeline_stages(fixed, stage, _MMA_BWD_STAGES)
-    return stages, fixed + stages * stage
+    """(stages, dynamic shared bytes) of mhc_coeffs_mma_dx_kernel (MMA_DX) with W = w, NT = nt."""
+    def size(stages):
+        return MMA_DX.smem(T=dt, KS=K16 // 16, W=w, NT=nt, STAGES=stages)
+
+    stages = pipeline_stages(size, _MMA_BWD_STAGES)
+    return stages, size(stages)
 
 
 def _dx_tiles(n: int, K16: int, dt: str, min_warps: int) -> tuple[int, int] | None:
@@ -51,13 +90,14 @@ _DX_TILE_MT = 2  # 16-token m tiles per warp of the tile kernel (accumulators 16
 
 def dx_tile_layout(n: int, K: int, dt: str) -> tuple[int, int, int, int, int]:
     """(W streams per block, MT, KS (even), stages, dynamic shared bytes) of
-    mhc_coeffs_mma_dx_tile_kernel: 4 warps, W = 2 for even n else 1, a stage dH_r [PO][BT][32] and
-    phi_r [PO][32 W][32] bf16, BT = 16 (4 / W) MT tokens."""
+    mhc_coeffs_mma_dx_tile_kernel (MMA_DX_TILE): 4 warps, W = 2 for even n else 1."""
     w = 2 if n % 2 == 0 else 1
-    bt = 16 * (4 // w) * _DX_TILE_MT
-    stage = planes(dt) * (bt + 32 * w) * 64
-    stages = pipeline_stages(0, stage, _MMA_BWD_STAGES)
-    return w, _DX_TILE_MT, _cdiv(K, 32) * 2, stages, stages * stage
+
+    def size(stages):
+        return MMA_DX_TILE.smem(T=dt, W=w, MT=_DX_TILE_MT, STAGES=stages)
+
+    stages = pipeline_stages(size, _MMA_BWD_STAGES)
+    return w, _DX_TILE_MT, _cdiv(K, 32) * 2, stages, size(stages)
 
 
 # The dx on wgmma (mhc_coeffs_wg_dx_kernel; bf16 x with C % 8 == 0, 16-byte aligned x, dx and layer
@@ -74,11 +114,9 @@ _WG_DX_SMEM = 113 * 1024
 
 
 def wg_dx_layout(K: int) -> tuple[int, int, int] | None:
-    """(NB positions a block, stages, dynamic shared bytes) of mhc_coeffs_wg_dx_kernel: phi [2][NB][K16]
-    and per stage dH [2][64][K16] bf16 (K16 = K rounded up to 16); None where that exceeds _WG_DX_SMEM
-    (K > 112: n > 9) or K < _WG_DX_MIN_K."""
-    K16 = _cdiv(K, 16) * 16
-    smem = 4 * _WG_DX_NB * K16 + _WG_DX_STAGES * 256 * K16
+    """(NB positions a block, stages, dynamic shared bytes) of mhc_coeffs_wg_dx_kernel (WG_DX); None
+    where that exceeds _WG_DX_SMEM (K > 112: n > 9) or K < _WG_DX_MIN_K."""
+    smem = WG_DX.smem(KS=_cdiv(K, 16), NB=_WG_DX_NB, STAGES=_WG_DX_STAGES)
     return (_WG_DX_NB, _WG_DX_STAGES, smem) if K >= _WG_DX_MIN_K and smem <= _WG_DX_SMEM else None
 
 
@@ -170,11 +208,12 @@ class SplitBwd(TensorCoreBwd):
 
     @cached_property
     def dphi_pipeline(self) -> tuple[int, int]:
-        """(stages, dynamic shared bytes) of mhc_coeffs_mma_dphi_kernel: per stage x [16][256]
-        (token rows padded by 16 bytes) and dH_c [3][8 nq][16]."""
-        stage = 16 * (256 * ITEMSIZE[self.dt] + 16) + 3 * self.nq * 8 * 32
-        stages = pipeline_stages(0, stage, _MMA_BWD_STAGES)
-        return stages, stages * stage
+        """(stages, dynamic shared bytes) of mhc_coeffs_mma_dphi_kernel (MMA_DPHI)."""
+        def size(stages):
+            return MMA_DPHI.smem(T=self.dt, NQ=self.nq, STAGES=stages)
+
+        stages = pipeline_stages(size, _MMA_BWD_STAGES)
+        return stages, size(stages)
 
     @cached_property
     def dx_pipeline(self) -> tuple[int, int]:
@@ -203,36 +242,32 @@ def launch_split_bwd(b: SplitBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc:
     split_cols(dH, sc["dH_c"], b.tokens, K, KP, b.tokens_p, Kc, stream)
     splits, t_split = b.dphi_splits
     out = sc["dphi_part"] if splits > 1 else dphi
-    stages, smem = b.dphi_pipeline
-    launch(_DPHI_FILE, f"mhc_coeffs_mma_dphi_kernel<{CTYPE[dt]},{'true' if vec8(D, x) else 'false'},{b.nq},{stages}>",
-           (b.pblocks * b.ncc, splits, 1), (128, 1, 1),
-           (x, sc["dH_c"], out, i64(b.tokens), i64(b.tokens_p), i32(D), i32(K), i32(Kc), i32(b.ncc), i64(t_split)),
-           stream, smem)
+    MMA_DPHI.bind(T=dt, VEC=vec8(D, x), NQ=b.nq, STAGES=b.dphi_pipeline[0]).launch(
+        (b.pblocks * b.ncc, splits, 1), (128, 1, 1), stream, x=x, dH_c=sc["dH_c"], dphi=out, tokens=b.tokens,
+        tokens_p=b.tokens_p, D=D, K=K, Kc=Kc, ncc=b.ncc, t_split=t_split)
     if splits > 1:
         column_sum(out, dphi, splits, D * K, stream)
-    lay = "true" if layer else "false"
-    dx_args = (x, sc["phi_r"], sc["dH_r"], dH, g, g_li, H_pre, H_res, gx, dx, i64(b.tokens), i64(b.tokens_p),
-               i32(b.n), i32(b.C), i32(K), i32(KP))
+    dx_args = dict(x=x, phi_r=sc["phi_r"], dH_r=sc["dH_r"], dH=dH, g=g, g_li=g_li, H_pre=H_pre, H_res=H_res, gx=gx,
+                   dx=dx, tokens=b.tokens, tokens_p=b.tokens_p, n=b.n, C=b.C, K=K, KP=KP, res_t=int(res_t))
     if b.wg_dx_runs(tg, x, dx, g, g_li, gx):
         _split_rows(b, phi, dH, KP, b.K16, 0, sc, stream)
-        (nb, stages, smem), (dsplits, dt_split) = b.wg_dx, b.wg_splits
-        launch(_DX_FILE, f"mhc_coeffs_wg_dx_kernel<{lay},{b.K16 // 16},{nb},{stages}>", (_cdiv(D, nb), dsplits, 1),
-               (128, 1, 1), (*dx_args, i64(dt_split), i32(res_t)), stream, smem)
+        (nb, stages, _), (dsplits, dt_split) = b.wg_dx, b.wg_splits
+        WG_DX.bind(LAYER=layer, KS=b.K16 // 16, NB=nb, STAGES=stages).launch(
+            (_cdiv(D, nb), dsplits, 1), (128, 1, 1), stream, **dx_args, t_split=dt_split)
         return
     K16 = b.dx_K16
     kc = 0 if b.dx_kind == "tile" else K16 // 16  # k-steps per chunk of the planes' fragment order (0: none)
     _split_rows(b, phi, dH, KP, K16, kc, sc, stream)
-    vec = "true" if vec8(b.C, x, dx, g, g_li, gx) else "false"
     dsplits, dt_split = b.dx_splits
-    head = f"{CTYPE[dt]},{CTYPE[tg]},{vec},{lay},{K16 // 16}"
+    common = dict(T=dt, TG=tg, VEC=vec8(b.C, x, dx, g, g_li, gx), LAYER=layer, KS=K16 // 16)
     if b.dx_kind == "tile":
-        w, mt, _, stages, smem = b.tile_layout
-        expr, grid, block = f"mhc_coeffs_mma_dx_tile_kernel<{head},{w},{mt},{stages}>", _cdiv(b.C, 32), 128
+        w, mt, _, stages, _ = b.tile_layout
+        kernel, grid, block = MMA_DX_TILE.bind(**common, W=w, MT=mt, STAGES=stages), _cdiv(b.C, 32), 128
     else:
-        (w, nt), (stages, smem) = b.dx_tiles, b.dx_pipeline
-        expr, grid, block = f"mhc_coeffs_mma_dx_kernel<{head},{w},{nt},{stages}>", _cdiv(b.C, 8 * nt), 32 * w
-    launch(_DX_FILE, expr, (grid * (b.n // w), dsplits, 1), (block, 1, 1),
-           (*dx_args, i32(b.n // w), i64(dt_split), i32(res_t)), stream, smem)
+        (w, nt), stages = b.dx_tiles, b.dx_pipeline[0]
+        kernel, grid, block = MMA_DX.bind(**common, W=w, NT=nt, STAGES=stages), _cdiv(b.C, 8 * nt), 32 * w
+    kernel.launch((grid * (b.n // w), dsplits, 1), (block, 1, 1), stream, **dx_args, groups=b.n // w,
+                  t_split=dt_split)
 
 
 def _split_rows(b: SplitBwd, phi, dH, KP: int, K16: int, kc: int, sc: dict, stream) -> None:
