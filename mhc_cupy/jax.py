@@ -93,6 +93,7 @@ from . import _jax_layer as _layer
 from . import _jax_shard as _shard
 from ._jax_stack import mhc_stack, mhc_stack_init  # noqa: F401 - stacks of layers (OPS.md section 12)
 from ._interop import ArrayInfo
+from ._settings import LayerSettings
 from . import ops as _ops
 
 try:  # jax >= 0.6.1 (an experimental API)
@@ -839,18 +840,10 @@ def mhc_to_deepseek(params: dict) -> tuple:
 
 # ------------------------------------------------------- fused layer (OPS.md section 9)
 def _layer_settings(num_iters, eps, rms_eps, grad_mode, convention="paper", hc_eps=DEFAULT,
-                    post_mult=DEFAULT) -> tuple:
-    """The fused layer's static settings (num_iters, eps, rms_eps, grad_mode, convention, hc_eps,
-    post_mult): DEFAULT resolved per convention, all checked."""
-    iters, eps, grad_mode, convention = _static_sinkhorn(num_iters, eps, grad_mode, convention)
-    return (iters, eps, _convention.rms_eps(convention, rms_eps), grad_mode, convention,
-            *_static_activations(convention, hc_eps, post_mult))
-
-
-def _layer_params(settings):
-    num_iters, eps, rms_eps, _, convention, hc_eps, post_mult = settings
-    return (("num_iters", num_iters), ("eps", eps), ("rms_eps", rms_eps), ("convention", convention),
-            ("hc_eps", hc_eps), ("post_mult", post_mult))
+                    post_mult=DEFAULT) -> LayerSettings:
+    """The fused layer's static settings, resolved (DEFAULT: the convention's) and checked."""
+    return LayerSettings.resolve(convention, num_iters=num_iters, eps=eps, rms_eps=rms_eps, grad_mode=grad_mode,
+                                 hc_eps=hc_eps, post_mult=post_mult)
 
 
 @functools.partial(_jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -859,9 +852,9 @@ def _fused_layer(f, settings, fold, phi, alpha, bias, x, *consts):
 
 
 def _fused_layer_fwd(f, settings, fold, phi, alpha, bias, x, *consts):
-    layer_in, H_pre, H_post, H_res, stats = _k("mhc_layer_pre_fwd", _layer_params(settings), x, phi, alpha, bias)
+    layer_in, H_pre, H_post, H_res, stats = _k("mhc_layer_pre_fwd", (("settings", settings),), x, phi, alpha, bias)
     y, f_vjp = _jax.vjp(lambda li, *c: f(li, *c).astype(x.dtype), layer_in, *consts)
-    (out,) = _k("mhc_post_op_fwd", _conv(settings[4]), y, x, H_post, H_res)
+    (out,) = _k("mhc_post_op_fwd", _conv(settings.convention), y, x, H_post, H_res)
     return out, (phi, alpha, bias, x, stats, H_pre, H_post, H_res, y, f_vjp)
 
 
@@ -871,14 +864,13 @@ def _fused_layer_bwd(f, settings, fold, res, g):
     mhc_cupy.ops.layer.fold_post_dx)."""
     phi, alpha, bias, x, stats, H_pre, H_post, H_res, y, f_vjp = res
     if fold:
-        dy, dH_post, dH_res = _k("mhc_layer_post_bwd", _conv(settings[4]), g, y, x, H_post, H_res)
+        dy, dH_post, dH_res = _k("mhc_layer_post_bwd", _conv(settings.convention), g, y, x, H_post, H_res)
     else:
-        dy, dx_post, dH_post, dH_res = _k("mhc_post_op_bwd", _conv(settings[4]), g, y, x, H_post, H_res)
+        dy, dx_post, dH_post, dH_res = _k("mhc_post_op_bwd", _conv(settings.convention), g, y, x, H_post, H_res)
     g_li, *d_consts = f_vjp(dy)
     if g_li.dtype != g.dtype:
         g_li = g_li.astype(g.dtype)
-    params = _layer_params(settings) + (("grad_mode", settings[3]),)
-    dx, dphi, dalpha, dbias = _k("mhc_layer_pre_bwd", params, g_li, g if fold else None, dH_post, dH_res,
+    dx, dphi, dalpha, dbias = _k("mhc_layer_pre_bwd", (("settings", settings),), g_li, g if fold else None, dH_post, dH_res,
                                  None if fold else dx_post, x, phi, alpha, bias, stats, H_pre, H_res)
     return (*_shard.like((dphi, dalpha, dbias, dx), (phi, alpha, bias, x)), *d_consts)
 
@@ -922,7 +914,7 @@ def mhc_layer(params: dict, x, f, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAUL
     """
     if not isinstance(params, dict) or any(k not in params for k in ("phi", "alpha", "bias")):
         raise TypeError(f"params must be the dict of mhc_init (phi, alpha, bias), got {type(params).__name__}")
-    settings = _layer_settings(num_iters, eps, rms_eps, grad_mode, _convention.check(convention), hc_eps, post_mult)
+    settings = _layer_settings(num_iters, eps, rms_eps, grad_mode, convention, hc_eps, post_mult)
     _layer.check_x(params, x)
     # the fused pieces (OPS.md section 9), one custom_vjp around the whole layer with f's VJP inside
     # (f's closed-over traced values become explicit arguments: they get their gradients, and no

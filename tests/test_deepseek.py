@@ -24,6 +24,7 @@ import torch
 
 import mhc_cupy as m
 from mhc_cupy import _convention, reference as R
+from mhc_cupy._settings import LayerSettings
 
 import deepseek_oracle as O
 from deepseek_oracle import LEADS, NS, layer_params
@@ -375,7 +376,7 @@ def test_jax_fused_layer_settings(rng, fold):
     x, phi, alpha, bias = make_inputs(rng, "mhc_coeffs", (3,), 4, 33, "float32")
     D = _convention.DEFAULT
     settings = mj._layer_settings(D, D, D, "unrolled", "deepseek")
-    assert settings == (20, 1e-6, 1e-6, "unrolled", "deepseek", 1e-6, 2.0)
+    assert settings == LayerSettings(20, 1e-6, 1e-6, "unrolled", "deepseek", 1e-6, 2.0)  # one resolved value
     out, vjp = jax.vjp(lambda *a: mj._fused_layer(jax.numpy.tanh, settings, fold, *a), phi, alpha, bias, x)
     g = rng.normal(size=x.shape).astype(np.float32)
     (want,), dwant = torch_vjp(lambda p, a, b, xx: O.layer(xx, p.T, a, b, torch.tanh),

@@ -25,8 +25,9 @@ and the pre / post op kernels.
 from __future__ import annotations
 
 
-from .. import _checks, _convention, reference
+from .. import _checks, reference
 from .._convention import DEFAULT
+from .._settings import LayerSettings, takes_settings
 from .._dispatch import Plan, run
 from .coeffs import (backward_layout, check as _check_coeffs, launch_finish, launch_mma_gemm, launch_param_bwd,
                      launch_prep, mma_layout, padded_row, param_grad_plan)
@@ -51,21 +52,10 @@ def fold_post_dx(n: int) -> bool:
     return n <= FOLD_MAX_N
 
 
-def _check_common(infos, num_iters, eps, rms_eps, convention, hc_eps, post_mult):
-    """(dt, lead, n, C, D, K, tokens, settings): settings = (iters, eps, rms_eps, ds, hc_eps, post_mult),
-    DEFAULT resolved per convention."""
-    dt, lead, n, C, D, K, tokens, rms_eps = _check_coeffs(infos, _convention.resolve(convention, rms_eps=rms_eps),
-                                                          False, eps_name="rms_eps")
-    iters, eps, ds = _convention.sinkhorn(convention, num_iters, eps)
-    hc_eps, post_mult = _convention.activations(convention, hc_eps, post_mult)
-    return dt, lead, n, C, D, K, tokens, (iters, eps, rms_eps, ds, hc_eps, post_mult)
-
-
-# ------------------------------------------------------------------ forward
-def _plan_pre_fwd(infos, num_iters, eps, rms_eps, convention, hc_eps, post_mult):
-    dt, lead, n, C, D, K, tokens, settings = _check_common(infos, num_iters, eps, rms_eps, convention, hc_eps,
-                                                           post_mult)
-    iters, eps, rms_eps, ds, hc_eps, post_mult = settings
+@takes_settings
+def _plan_pre_fwd(infos, s: LayerSettings):
+    dt, lead, n, C, D, K, tokens, rms_eps = _check_coeffs(infos, s.rms_eps, False, eps_name="rms_eps")
+    iters, eps, ds, hc_eps, post_mult = s.num_iters, s.eps, s.deepseek, s.hc_eps, s.post_mult
     mma = mma_layout(tokens, D, K, dt)
     scratch = {"part": ((mma.splits, tokens, K + 1), "float32"), "planes": mma.planes_shape,
                "h_pre": ((tokens, n), "float32"), "h_post": ((tokens, n), "float32"),
@@ -84,7 +74,7 @@ def _plan_pre_fwd(infos, num_iters, eps, rms_eps, convention, hc_eps, post_mult)
     return Plan([(lead + (C,), dt), (lead + (n,), "float32"), (lead + (n,), "float32"), (lead + (n, n), "float32"),
                  (lead + (K + 1,), "float32")], run_kernels,
                 lambda a: reference.mhc_layer_pre_fwd(a["x"], a["phi"], a["alpha"], a["bias"], iters, eps, rms_eps,
-                                                      convention, hc_eps, post_mult),
+                                                      s.convention, hc_eps, post_mult),
                 scratch=scratch, empty=tokens == 0)
 
 
@@ -161,11 +151,10 @@ def mhc_layer_post_bwd(grad, layer_out, x, H_post, H_res, *, convention="paper")
 
 
 # ----------------------------------------------------------- pre backward
-def _plan_pre_bwd(infos, num_iters, eps, rms_eps, grad_mode, convention, hc_eps, post_mult):
-    dt, lead, n, C, D, K, tokens, settings = _check_common(infos, num_iters, eps, rms_eps, convention, hc_eps,
-                                                           post_mult)
-    iters, eps, rms_eps, ds, hc_eps, post_mult = settings
-    mode = _checks.grad_mode(grad_mode)
+@takes_settings
+def _plan_pre_bwd(infos, s: LayerSettings):
+    dt, lead, n, C, D, K, tokens, rms_eps = _check_coeffs(infos, s.rms_eps, False, eps_name="rms_eps")
+    iters, eps, ds, hc_eps, post_mult, mode = s.num_iters, s.eps, s.deepseek, s.hc_eps, s.post_mult, s.grad_mode
     tgs = []
     for name, shape, what in (("grad_layer_in", lead + (C,), "the shape of layer_in"),
                               ("grad_out", lead + (n, C), "the shape of the layer's output"),
@@ -214,7 +203,7 @@ def _plan_pre_bwd(infos, num_iters, eps, rms_eps, grad_mode, convention, hc_eps,
     def ref(a):
         return reference.mhc_layer_pre_bwd(a["grad_layer_in"], a["grad_out"], a["grad_H_post"], a["grad_H_res"],
                                            a["x"], a["phi"], a["alpha"], a["bias"], a["stats"], a["H_pre"], a["H_res"],
-                                           iters, eps, rms_eps, mode, convention, hc_eps, post_mult, a["grad_x"])
+                                           iters, eps, rms_eps, mode, s.convention, hc_eps, post_mult, a["grad_x"])
 
     return param_grad_plan(infos["x"].shape, dt, tokens, D, K, scratch, body, ref)
 

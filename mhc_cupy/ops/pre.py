@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from .. import _checks, _convention, reference
+from .. import _checks, reference
 from .._convention import DEFAULT
+from .._settings import LayerSettings, takes_settings
 from .._dispatch import Plan, run
 from ._launch import tokens_of
 from .sinkhorn import bwd_history, launch_bwd, launch_fwd
@@ -12,19 +13,18 @@ from .spec import (ACTIVATION_PARAMS, GRAD_MODE, H_POST, H_POST_RAW, H_PRE, H_PR
                    SINKHORN_PARAMS, X, Kernel, optional_grads)
 
 
-def _check(infos, num_iters, eps, convention, hc_eps, post_mult):
+def _check(infos):
     dt, lead, n, C = check_x("x", infos["x"])
     check_h("h_pre_raw", infos["h_pre_raw"], lead, n, False, infos["x"].shape)
     check_h("h_post_raw", infos["h_post_raw"], lead, n, False, infos["x"].shape)
     check_matrix("h_res_raw", infos["h_res_raw"], lead, n, infos["x"].shape)
-    iters, eps, ds = _convention.sinkhorn(convention, num_iters, eps)
-    hc_eps, post_mult = _convention.activations(convention, hc_eps, post_mult)
-    return dt, lead, n, C, tokens_of(lead), (iters, eps, ds, hc_eps, post_mult)
+    return dt, lead, n, C, tokens_of(lead)
 
 
-def _plan_fwd(infos, num_iters, eps, convention, hc_eps, post_mult):
-    dt, lead, n, C, tokens, (iters, eps, ds, hc_eps, post_mult) = _check(infos, num_iters, eps, convention, hc_eps,
-                                                                         post_mult)
+@takes_settings
+def _plan_fwd(infos, s: LayerSettings):
+    dt, lead, n, C, tokens = _check(infos)
+    iters, eps, ds, hc_eps, post_mult = s.num_iters, s.eps, s.deepseek, s.hc_eps, s.post_mult
 
     def run_kernels(p, outs, sc, stream):
         layer_in, H_pre, H_post, H_res = outs
@@ -36,14 +36,14 @@ def _plan_fwd(infos, num_iters, eps, convention, hc_eps, post_mult):
     return Plan([(lead + (C,), dt), (lead + (n,), "float32"), (lead + (n,), "float32"), (lead + (n, n), "float32")],
                 run_kernels,
                 lambda a: reference.mhc_pre_op_fwd(a["x"], a["h_pre_raw"], a["h_post_raw"], a["h_res_raw"], iters, eps,
-                                                   convention, hc_eps, post_mult),
+                                                   s.convention, hc_eps, post_mult),
                 empty=tokens == 0)
 
 
-def _plan_bwd(infos, num_iters, eps, grad_mode, convention, hc_eps, post_mult):
-    dt, lead, n, C, tokens, (iters, eps, ds, hc_eps, post_mult) = _check(infos, num_iters, eps, convention, hc_eps,
-                                                                         post_mult)
-    mode = _checks.grad_mode(grad_mode)
+@takes_settings
+def _plan_bwd(infos, s: LayerSettings):
+    dt, lead, n, C, tokens = _check(infos)
+    iters, eps, ds, hc_eps, post_mult, mode = s.num_iters, s.eps, s.deepseek, s.hc_eps, s.post_mult, s.grad_mode
     g = infos["grad_layer_in"]
     tg = check_grad("grad_layer_in", g, lead + (C,), dt) if g is not None else dt
     for name, shape in (("grad_H_pre", lead + (n,)), ("grad_H_post", lead + (n,)), ("grad_H_res", lead + (n, n))):
@@ -64,7 +64,7 @@ def _plan_bwd(infos, num_iters, eps, grad_mode, convention, hc_eps, post_mult):
     def ref(a):
         return reference.mhc_pre_op_bwd(a["grad_layer_in"], a["grad_H_pre"], a["grad_H_post"], a["grad_H_res"],
                                         a["x"], a["h_pre_raw"], a["h_post_raw"], a["h_res_raw"], iters, eps, mode,
-                                        convention, hc_eps, post_mult)
+                                        s.convention, hc_eps, post_mult)
 
     return Plan([(infos["x"].shape, dt), (lead + (n,), "float32"), (lead + (n,), "float32"),
                  (lead + (n, n), "float32")], run_kernels, ref, scratch=scratch, empty=tokens == 0)

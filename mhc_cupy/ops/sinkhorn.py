@@ -8,8 +8,9 @@ convention").
 
 from __future__ import annotations
 
-from .. import _checks, _convention, reference
+from .. import _checks, reference
 from .._convention import DEFAULT
+from .._settings import LayerSettings, takes_settings
 from .._dispatch import Plan, run
 from ._launch import f32, i32, i64, launch, tokens_of
 from .spec import GRAD_MODE, SINKHORN_PARAMS, Arg, Kernel
@@ -113,27 +114,28 @@ def launch_bwd(n, tokens, iters, eps, grad_mode, *, grad_P, logits, d_logits, hi
                              i64(tokens), i32(iters), f32(eps), f32(post_mult)), stream, shared_mem=smem)
 
 
-def _plan_fwd(infos, num_iters, eps, convention):
+@takes_settings
+def _plan_fwd(infos, s: LayerSettings):
     L = infos["logits"]
     n = check_logits("logits", L)
-    iters, eps, ds = _convention.sinkhorn(convention, num_iters, eps)
+    iters, eps, ds = s.num_iters, s.eps, s.deepseek
     tokens = tokens_of(L.shape[:-2])
 
     def run_kernels(p, outs, sc, stream):
         launch_fwd(n, tokens, iters, eps, logits=p["logits"], P=outs[0], stream=stream, ds=ds)
 
     return Plan([(L.shape, "float32")], run_kernels,
-                lambda a: (reference.sinkhorn_knopp_fwd(a["logits"], iters, eps, convention),),
+                lambda a: (reference.sinkhorn_knopp_fwd(a["logits"], iters, eps, s.convention),),
                 single=True, empty=tokens == 0)
 
 
-def _plan_bwd(infos, num_iters, eps, grad_mode, convention):
+@takes_settings
+def _plan_bwd(infos, s: LayerSettings):
     L, G = infos["logits"], infos["grad_P"]
     n = check_logits("logits", L)
     _checks.coefficient("grad_P", G)
     _checks.same_shape("grad_P", G.shape, "logits", L.shape)
-    iters, eps, ds = _convention.sinkhorn(convention, num_iters, eps)
-    mode = _checks.grad_mode(grad_mode)
+    iters, eps, ds, mode = s.num_iters, s.eps, s.deepseek, s.grad_mode
     tokens = tokens_of(L.shape[:-2])
     hist = bwd_history(n, tokens, iters, mode)[2]
 
@@ -142,7 +144,7 @@ def _plan_bwd(infos, num_iters, eps, grad_mode, convention):
                    hist=sc.get("hist"), stream=stream, ds=ds)
 
     return Plan([(L.shape, "float32")], run_kernels,
-                lambda a: (reference.sinkhorn_knopp_bwd(a["grad_P"], a["logits"], iters, eps, mode, convention),),
+                lambda a: (reference.sinkhorn_knopp_bwd(a["grad_P"], a["logits"], iters, eps, mode, s.convention),),
                 scratch={"hist": ((hist,), "float32")} if hist else {}, single=True, empty=tokens == 0)
 
 

@@ -14,6 +14,8 @@ from torch import Tensor
 
 from .. import _checks, _convention
 from .._convention import DEFAULT
+from .._dispatch import run as _run
+from .._settings import NAMES as _SETTINGS, LayerSettings
 from ._link import autograd_pre as _autograd_pre, check_convention as _check_convention, tag as _tag
 from ._link import tensor_key as _tensor_key
 from ._transforms import active as _transform_active, refuse as _refuse_transform
@@ -93,6 +95,12 @@ def _validate(planner, tensors: dict, **params) -> None:
 
 def _op(name: str):
     return getattr(getattr(torch.ops, NAMESPACE), name).default
+
+
+def _flat(name: str, settings: LayerSettings) -> dict:
+    """The arguments of custom operator ``name`` that are settings, from ``settings``."""
+    names = _SETTINGS_ARGS[name]
+    return dict(zip(names, settings.values(names)))
 
 
 #: Custom ops that run another kernel's spec (``mhc_cupy.ops.SPECS``) than their own name.
@@ -728,25 +736,29 @@ def _layer_post_bwd_impl(grad: Tensor, layer_out: Tensor, x: Tensor, H_post: Ten
     return _ops.mhc_layer_post_bwd(grad, layer_out, x, H_post, H_res, convention=convention)
 
 
-_LAYER_OPS = {name: (impl, _register(name, impl)) for name, impl in (
-    ("mhc_layer_pre_fwd", _layer_pre_fwd_impl),
-    ("mhc_layer_pre_bwd", _layer_pre_bwd_impl),
-    ("mhc_layer_post_bwd", _layer_post_bwd_impl))}
+_SETTINGS_ARGS = {}
+for _name, _impl in (("mhc_layer_pre_fwd", _layer_pre_fwd_impl), ("mhc_layer_pre_bwd", _layer_pre_bwd_impl),
+                     ("mhc_layer_post_bwd", _layer_post_bwd_impl)):
+    _register(_name, _impl)
+    _SETTINGS_ARGS[_name] = tuple(p for p in inspect.signature(_impl).parameters if p in _SETTINGS)
 
 
-def _layer_call(name: str, custom: bool, *args):
-    """The functional API (eager) or the custom operator (torch.compile, tensor subclasses)."""
-    impl, op = _LAYER_OPS[name]
-    return op(*args) if custom else impl(*args)
+def _layer_call(name: str, custom: bool, settings: LayerSettings, arrays: dict):
+    """Fused layer piece ``name`` on ``arrays`` (by the op spec's names) with ``settings``: the custom
+    operator (torch.compile, tensor subclasses: the settings flattened to its arguments) or the
+    functional API's planner (eager)."""
+    if custom:
+        return _op(name)(**arrays, **_flat(name, settings))
+    return _run(_ops.SPECS[name].planner, arrays, settings=settings)
 
 
 class _LayerPreFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, phi, alpha, bias, num_iters, eps, rms_eps, grad_mode, convention, hc_eps, post_mult, custom):
-        layer_in, H_pre, H_post, H_res, stats = _layer_call("mhc_layer_pre_fwd", custom, x, phi, alpha, bias,
-                                                            num_iters, eps, rms_eps, convention, hc_eps, post_mult)
+    def forward(ctx, x, phi, alpha, bias, settings, custom):
+        layer_in, H_pre, H_post, H_res, stats = _layer_call("mhc_layer_pre_fwd", custom, settings,
+                                                            {"x": x, "phi": phi, "alpha": alpha, "bias": bias})
         ctx.save_for_backward(x, phi, alpha, bias, stats, H_pre, H_res)
-        ctx.params, ctx.custom = (num_iters, eps, rms_eps, grad_mode, convention, hc_eps, post_mult), custom
+        ctx.settings, ctx.custom = settings, custom
         # which H_res this backward folds in (H_res^T g): mhc_layer_post must get this one
         ctx.h_res_key = None if custom else _tensor_key(H_res)
         ctx.set_materialize_grads(False)
@@ -768,10 +780,11 @@ class _LayerPreFn(torch.autograd.Function):
         if g_layer_in is not None and g_out is not None and g_layer_in.dtype != g_out.dtype:
             g_layer_in = g_layer_in.to(g_out.dtype)
         fold = fold_post_dx(x.shape[-2])  # g_out: the output gradient (fold), else the post op's dx
-        dx, dphi, dalpha, dbias = _layer_call("mhc_layer_pre_bwd", ctx.custom, g_layer_in, g_out if fold else None,
-                                              g_H_post, g_H_res, x, phi, alpha, bias, stats, H_pre, H_res,
-                                              *ctx.params, None if fold else g_out)
-        return (dx, dphi, dalpha, dbias) + (None,) * 8
+        dx, dphi, dalpha, dbias = _layer_call("mhc_layer_pre_bwd", ctx.custom, ctx.settings, {
+            "grad_layer_in": g_layer_in, "grad_out": g_out if fold else None, "grad_H_post": g_H_post,
+            "grad_H_res": g_H_res, "grad_x": None if fold else g_out, "x": x, "phi": phi, "alpha": alpha, "bias": bias,
+            "stats": stats, "H_pre": H_pre, "H_res": H_res})
+        return dx, dphi, dalpha, dbias, None, None
 
 
 class _LayerPostFn(torch.autograd.Function):
@@ -789,7 +802,8 @@ class _LayerPostFn(torch.autograd.Function):
         args = (g, layer_out, x_link, H_post, H_res, ctx.convention)
         fold = fold_post_dx(x_link.shape[-2])
         if fold or not ctx.needs_input_grad[1]:  # g itself (the pre piece adds H_res^T g), or no dx wanted
-            (dy, dH_post, dH_res), sent = _layer_call("mhc_layer_post_bwd", ctx.custom, *args), g if fold else None
+            (dy, dH_post, dH_res), sent = _op("mhc_layer_post_bwd")(*args) if ctx.custom else \
+                _ops.mhc_layer_post_bwd(*args[:-1], convention=ctx.convention), g if fold else None
         else:  # the post op's dx, which the pre piece's backward adds
             dy, sent, dH_post, dH_res = _op("mhc_post_op_bwd")(*args) if ctx.custom else _post_bwd_impl(*args)
         if ctx.pre is not None:  # the pre piece checks that x_link's gradient is this and nothing else
@@ -822,18 +836,21 @@ def mhc_layer_pre(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_eps=D
         TypeError / ValueError: as the functional ``mhc_layer_pre_fwd``.  RuntimeError (in
         backward): x_link got a gradient other than one mhc_layer_post call's (see there).
     """
-    _checks.grad_mode(grad_mode)
-    num_iters, eps, rms_eps, hc_eps, post_mult = _convention.resolve(
-        convention, num_iters=num_iters, eps=eps, rms_eps=rms_eps, hc_eps=hc_eps, post_mult=post_mult)
+    return layer_pre(x, phi, alpha, bias, LayerSettings.resolve(
+        convention, num_iters=num_iters, eps=eps, rms_eps=rms_eps, grad_mode=grad_mode, hc_eps=hc_eps,
+        post_mult=post_mult))
+
+
+def layer_pre(x, phi, alpha, bias, settings: LayerSettings):
+    """:func:`mhc_layer_pre` with its settings resolved (``MHC`` holds them so)."""
     custom = _use_custom_op(x, phi, alpha, bias)
     if _needs_autograd(x, phi, alpha, bias):
-        out = _LayerPreFn.apply(x, phi, alpha, bias, num_iters, eps, rms_eps, grad_mode, convention, hc_eps,
-                                post_mult, custom)
+        out = _LayerPreFn.apply(x, phi, alpha, bias, settings, custom)
     else:
-        layer_in, _, H_post, H_res, _ = _layer_call("mhc_layer_pre_fwd", custom, x, phi, alpha, bias, num_iters, eps,
-                                                    rms_eps, convention, hc_eps, post_mult)
+        layer_in, _, H_post, H_res, _ = _layer_call("mhc_layer_pre_fwd", custom, settings,
+                                                    {"x": x, "phi": phi, "alpha": alpha, "bias": bias})
         out = layer_in, x, H_post, H_res
-    return (*out[:3], _tag(out[3], convention))  # mhc_layer_post checks the mark in every mode
+    return (*out[:3], _tag(out[3], settings.convention))  # mhc_layer_post checks the mark in every mode
 
 
 def mhc_layer_post(layer_out, x_link, H_post, H_res, *, convention="paper"):

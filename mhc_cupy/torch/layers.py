@@ -58,8 +58,9 @@ from torch import Tensor, nn
 
 from .. import _checks, _convention, _layer_init
 from .._convention import DEFAULT
+from .._settings import LayerSettings
 from ._float32 import Float32Parameters
-from .functions import mhc_coeffs, mhc_head, mhc_layer_post, mhc_layer_pre, mhc_post_op, mhc_pre_op
+from .functions import layer_pre, mhc_coeffs, mhc_head, mhc_layer_post, mhc_post_op, mhc_pre_op
 
 
 __all__ = [
@@ -254,12 +255,10 @@ class MHC(Float32Parameters):
         if sublayer is not None and not callable(sublayer):
             raise TypeError(f"sublayer must be a module (or callable) [..., C] -> [..., C] or None, got "
                             f"{type(sublayer).__name__} {sublayer!r}")
-        self.convention = _convention.check(convention)
-        num_iters, eps, _ = _convention.sinkhorn(convention, num_iters, eps)  # DEFAULT: the convention's
-        rms_eps, grad_mode = _convention.rms_eps(convention, rms_eps), _checks.grad_mode(grad_mode)
-        self.hc_eps, self.post_mult = _convention.activations(convention, hc_eps, post_mult)
+        #: the layer's settings, resolved once (DEFAULT: the convention's); read-only attributes below
+        self.settings = LayerSettings.resolve(convention, num_iters=num_iters, eps=eps, rms_eps=rms_eps,
+                                              grad_mode=grad_mode, hc_eps=hc_eps, post_mult=post_mult)
         self.dim, self.n_streams = dim, n_streams
-        self.num_iters, self.eps, self.rms_eps, self.grad_mode = num_iters, eps, rms_eps, grad_mode
         self.alpha_init = _layer_init.init_value("alpha_init", alpha_init)
         self.phi_init_std = _layer_init.init_std("phi_init_std", phi_init_std, n_streams * dim)
         if post_init is not None and self.post_mult > 0 and not 0 < post_init < self.post_mult:
@@ -273,6 +272,14 @@ class MHC(Float32Parameters):
         self.bias = nn.Parameter(torch.empty(m, **kw))
         self.sublayer = sublayer if sublayer is not None else nn.Identity()
         self.reset_parameters()
+
+    num_iters = property(lambda self: self.settings.num_iters)
+    eps = property(lambda self: self.settings.eps)
+    rms_eps = property(lambda self: self.settings.rms_eps)
+    grad_mode = property(lambda self: self.settings.grad_mode)
+    convention = property(lambda self: self.settings.convention)
+    hc_eps = property(lambda self: self.settings.hc_eps)
+    post_mult = property(lambda self: self.settings.post_mult)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -342,20 +349,20 @@ class MHC(Float32Parameters):
     _stack_slot = None
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
-        pre_kw = {"convention": self.convention, "hc_eps": self.hc_eps, "post_mult": self.post_mult}
+        s = self.settings
         slot = self._stack_slot
         with slot.saving() if slot is not None else contextlib.nullcontext():
             if self.fused(x):
                 self._check(x)
-                layer_in, x_in, H_post, H_res = mhc_layer_pre(x, _as_f32(self.phi), _as_f32(self.alpha),
-                                                                 _as_f32(self.bias), self.num_iters, self.eps,
-                                                                 self.rms_eps, self.grad_mode, **pre_kw)
+                layer_in, x_in, H_post, H_res = layer_pre(x, _as_f32(self.phi), _as_f32(self.alpha),
+                                                          _as_f32(self.bias), s)
                 post = mhc_layer_post
             else:
                 h_pre_raw, h_post_raw, h_res_raw = self.coefficients(x)
                 layer_in, _, H_post, H_res = mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw,
-                                                        num_iters=self.num_iters, eps=self.eps,
-                                                        grad_mode=self.grad_mode, **pre_kw)
+                                                        num_iters=s.num_iters, eps=s.eps, grad_mode=s.grad_mode,
+                                                        convention=s.convention, hc_eps=s.hc_eps,
+                                                        post_mult=s.post_mult)
                 x_in, post = x, mhc_post_op
         y = self.sublayer(layer_in, *args, **kwargs)
         if y.shape != layer_in.shape:
