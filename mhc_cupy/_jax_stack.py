@@ -135,7 +135,7 @@ def _block_bwd(f, settings, fold, res, cts):
     g, acc = cts
     xs = [x0]  # the block's streams, rebuilt by the post op's forward as in _fused_layer_fwd
     for r in saved[:-1]:
-        xs.append(mj._k("mhc_post_op_fwd", mj._conv(settings[4]), r[_Y], xs[-1], r[_H_POST], r[_H_RES])[0])
+        xs.append(mj._k("mhc_post_op_fwd", mj._conv(settings.convention), r[_Y], xs[-1], r[_H_POST], r[_H_RES])[0])
     acc, per_layer = list(acc), []
     for r, x in reversed(list(zip(saved, xs))):
         dphi, dalpha, dbias, g, *d = mj._fused_layer_bwd(f, settings, fold, r[:_X] + (x,) + r[_X + 1:], g)
