@@ -18,7 +18,7 @@ primitives back.  No framework is imported here.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from . import _checks, _convention
 from ._convention import DEFAULT
@@ -77,10 +77,6 @@ class LayerSettings:
         return tuple(getattr(self, k) for k in names)
 
 
-#: The names of the settings, in :class:`LayerSettings` order.
-NAMES = tuple(f.name for f in fields(LayerSettings))
-
-
 def _resolve(convention, num_iters, eps, rms_eps, grad_mode, hc_eps, post_mult) -> LayerSettings:
     iters, eps, _ = _convention.sinkhorn(convention, num_iters, eps)  # checks the convention first
     rms_eps = _convention.rms_eps(convention, rms_eps)
@@ -91,6 +87,15 @@ def _resolve(convention, num_iters, eps, rms_eps, grad_mode, hc_eps, post_mult) 
 
 # typed: num_iters=True must not hit the entry of num_iters=1 (nor eps=1 that of eps=1.0)
 _resolved = functools.lru_cache(maxsize=1024, typed=True)(_resolve)
+
+
+def filled(convention="paper", **given) -> dict:
+    """The settings given (and the convention), each DEFAULT replaced by the convention's default,
+    otherwise unchecked (the convention is: ValueError): for a caller whose values may not be
+    concrete (a function traced by torch.compile), with the checks to come (a custom operator's
+    fake function resolves them)."""
+    defaults = _convention.DEFAULTS[_convention.check(convention)]
+    return {"convention": convention, **{k: defaults[k] if v is DEFAULT else v for k, v in given.items()}}
 
 
 def takes_settings(plan):

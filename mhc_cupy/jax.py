@@ -58,8 +58,27 @@ gradient of an input that does not vary over a mesh axis is summed over it
 Gradients: the forward saves its inputs; the backward calls the op's ``_bwd``
 kernels (statistics and Sinkhorn iterations are recomputed on chip).
 Cotangents of unused outputs (symbolic zeros) give zero gradients; for
-``mhc_pre_op`` they are passed to the kernel as "absent" (None) and cost
-nothing.
+``mhc_pre_op`` and ``mhc_coeffs`` they are passed to the kernel as "absent"
+(None) and cost nothing.
+
+From the op table: every op's ``custom_vjp`` (forward, VJP, its jit with the
+static parameters) comes from its ``<op>_fwd`` / ``<op>_bwd`` pair in
+``mhc_cupy.ops.SPECS``, and its public function's signature is the functional
+``<op>_bwd``'s less its gradients (:mod:`mhc_cupy._adapter`); Sinkhorn's and the
+pre op's settings are resolved into one ``mhc_cupy._settings.LayerSettings``.
+Written here by hand, only what an op needs beyond that:
+
+===============  ==============================================================
+op               by hand
+===============  ==============================================================
+``rmsnorm``      ``eps`` checked before the jit (a static argument)
+``mhc_coeffs``   ``eps`` resolved per ``convention`` (not a kernel parameter)
+``mhc_post_op``  ``convention`` checked
+``mhc_head``     its parameters as one dict (DeepSeek-V4's names), the defaults
+                 of its convention ("deepseek")
+``mhc_layer``    the fused layer: one ``custom_vjp`` around the fused pieces and
+                 the sublayer's VJP (OPS.md section 9)
+===============  ==============================================================
 
 Notes:
     Reverse mode only, first order: forward mode (``jax.jvp``,
@@ -87,7 +106,7 @@ require("jax", "jax", "mhc_cupy.jax")  # missing: an ImportError naming the extr
 import jax as _jax  # noqa: E402
 import jax.numpy as _jnp  # noqa: E402
 
-from . import _checks, _convention, _interop, _layer_init
+from . import _adapter, _checks, _convention, _interop, _layer_init
 from ._convention import DEFAULT
 from . import _jax_layer as _layer
 from . import _jax_shard as _shard
@@ -422,168 +441,69 @@ def _k(name: str, params: tuple, *arrays) -> tuple:
 
 
 # ------------------------------------------------------- custom_vjp ops
-def _sk_params(num_iters, eps, convention="paper"):
-    return (("num_iters", num_iters), ("eps", eps), ("convention", convention))
+def _value(p):
+    """The value of a ``CustomVJPPrimal`` (symbolic-zeros mode), or p itself."""
+    return getattr(p, "value", p)
 
 
-@functools.partial(_jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _sinkhorn(logits, num_iters, eps, grad_mode, convention):
-    return _k("sinkhorn_knopp_fwd", _sk_params(num_iters, eps, convention), logits)[0]
+def _differentiable(op: str):
+    """Op ``op`` (``<op>_fwd`` with ``<op>_bwd`` as its VJP) as a jitted ``custom_vjp`` function
+    ``f(*arrays, params)`` of the forward's arrays, with ``params`` (the planner's keyword arguments
+    as a tuple of pairs) static.  The backward gets the saved inputs and the output cotangents (an
+    unused output's, of a multi-output op, as absent: a symbolic zero the kernel counts as zero) and
+    returns the gradient of each input (None for an absent optional one)."""
+    fwd, bwd = _ops.SPECS[f"{op}_fwd"], _ops.SPECS[f"{op}_bwd"]
+    n, single = len(fwd.inputs), len(fwd.outputs) == 1
+    names = tuple(a.name for a in fwd.inputs)
 
+    @functools.partial(_jax.custom_vjp, nondiff_argnums=(n,))
+    def f(*args):
+        outs = _k(fwd.name, args[n], *args[:n])
+        return outs[0] if single else outs
 
-def _sinkhorn_fwd(logits, num_iters, eps, grad_mode, convention):
-    return _sinkhorn(logits, num_iters, eps, grad_mode, convention), (logits,)
+    def f_fwd(*args):
+        args = tuple(_value(a) for a in args)
+        return f(*args), args[:n]
 
+    def f_bwd(params, res, cts):
+        grads = (cts,) if single else tuple(None if isinstance(g, _jax.custom_derivatives.SymbolicZero) else g
+                                            for g in cts)
+        given = dict(zip(names, res))
+        outs = _k(bwd.name, params, *grads, *res)
+        got = dict(zip((o.name for o in bwd.outputs if given[o.name] is not None), outs))
+        return _shard.like(tuple(got.get(k) for k in names), res)
 
-def _sinkhorn_bwd(num_iters, eps, grad_mode, convention, res, g):
-    (logits,) = res
-    return _shard.like(_k("sinkhorn_knopp_bwd", _sk_params(num_iters, eps, convention) + (("grad_mode", grad_mode),),
-                          g, logits), res)
-
-
-_sinkhorn.defvjp(_sinkhorn_fwd, _sinkhorn_bwd)
-
-
-@functools.partial(_jax.custom_vjp, nondiff_argnums=(2,))
-def _rmsnorm(x, weight, eps):
-    return _k("rmsnorm_fwd", (("eps", eps),), x, weight)[0]
-
-
-def _rmsnorm_fwd(x, weight, eps):
-    return _rmsnorm(x, weight, eps), (x, weight)
-
-
-def _rmsnorm_bwd(eps, res, g):
-    x, weight = res
-    outs = _k("rmsnorm_bwd", (("eps", eps),), g, x, weight)
-    return _shard.like((outs[0], outs[1] if weight is not None else None), res)
-
-
-_rmsnorm.defvjp(_rmsnorm_fwd, _rmsnorm_bwd)
-
-
-def _simple_vjp(fwd_name: str, bwd_name: str, params: tuple = ()):
-    """custom_vjp of a single-output op with static ``params`` whose backward
-    takes (grad, *inputs) and returns one gradient per input."""
-
-    @_jax.custom_vjp
-    def op(*args):
-        return _k(fwd_name, params, *args)[0]
-
-    def fwd(*args):
-        return op(*args), args
-
-    def bwd(res, g):
-        return _shard.like(_k(bwd_name, params, g, *res), res)
-
-    op.defvjp(fwd, bwd)
-    return op
+    f.__name__ = op
+    f.defvjp(f_fwd, f_bwd, symbolic_zeros=not single)
+    # jitted: eager calls hit a compiled-program cache; inside an outer jit / grad / vmap they are
+    # ordinary nested calls
+    return _jax.jit(f, static_argnums=(n,))
 
 
 def _conv(convention) -> tuple:
     return (("convention", convention),)
 
 
-_mix = _simple_vjp("stream_mix_fwd", "stream_mix_bwd")
-_aggregate = _simple_vjp("stream_aggregate_fwd", "stream_aggregate_bwd")
-_distribute = _simple_vjp("stream_distribute_fwd", "stream_distribute_bwd")
-#: The post op of each convention (static: H_res or its transpose).
-_post_ops = {c: _simple_vjp("mhc_post_op_fwd", "mhc_post_op_bwd", _conv(c)) for c in _convention.CONVENTIONS}
+# ------------------------------------------------------------ what ops need by hand
+def _rmsnorm_kw(x, eps, weight) -> dict:
+    return {"eps": _checks.eps("eps", eps)}
 
 
-def _pre_params(num_iters, eps, convention, hc_eps, post_mult):
-    return _sk_params(num_iters, eps, convention) + (("hc_eps", hc_eps), ("post_mult", post_mult))
+def _coeffs_kw(x, phi, alpha, bias, eps, convention) -> dict:
+    return {"eps": _convention.rms_eps(convention, eps, "eps")}
 
 
-@functools.partial(_jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters, eps, grad_mode, convention, hc_eps, post_mult):
-    return _k("mhc_pre_op_fwd", _pre_params(num_iters, eps, convention, hc_eps, post_mult), x, h_pre_raw, h_post_raw,
-              h_res_raw)
+def _post_kw(layer_out, x, H_post, H_res, convention) -> dict:
+    return {"convention": _convention.check(convention)}
 
 
-def _value(p):
-    """The value of a ``CustomVJPPrimal`` (symbolic-zeros mode), or p itself."""
-    return getattr(p, "value", p)
-
-
-def _pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, *settings):
-    args = tuple(_value(a) for a in (x, h_pre_raw, h_post_raw, h_res_raw))
-    return _pre_op(*args, *(_value(p) for p in settings)), args
-
-
-def _pre_op_bwd(num_iters, eps, grad_mode, convention, hc_eps, post_mult, res, cts):
-    grads = tuple(None if isinstance(g, _jax.custom_derivatives.SymbolicZero) else g for g in cts)
-    params = _pre_params(num_iters, eps, convention, hc_eps, post_mult) + (("grad_mode", grad_mode),)
-    return _shard.like(_k("mhc_pre_op_bwd", params, *grads, *res), res)
-
-
-_pre_op.defvjp(_pre_op_fwd, _pre_op_bwd, symbolic_zeros=True)
-
-
-@functools.partial(_jax.custom_vjp, nondiff_argnums=(4,))
-def _coeffs_op(x, phi, alpha, bias, eps):
-    return _k("mhc_coeffs_fwd", (("eps", eps),), x, phi, alpha, bias)
-
-
-def _coeffs_op_fwd(x, phi, alpha, bias, eps):
-    args = tuple(_value(a) for a in (x, phi, alpha, bias))
-    return _coeffs_op(*args, _value(eps)), args
-
-
-def _coeffs_op_bwd(eps, res, cts):
-    grads = tuple(None if isinstance(g, _jax.custom_derivatives.SymbolicZero) else g for g in cts)
-    return _shard.like(_k("mhc_coeffs_bwd", (("eps", eps),), *grads, *res), res)
-
-
-_coeffs_op.defvjp(_coeffs_op_fwd, _coeffs_op_bwd, symbolic_zeros=True)
-
-
-def _head_params(rms_eps, hc_eps):
-    return (("rms_eps", rms_eps), ("hc_eps", hc_eps))
-
-
-@functools.partial(_jax.custom_vjp, nondiff_argnums=(4, 5))
-def _head_op(x, hc_fn, hc_scale, hc_base, rms_eps, hc_eps):
-    return _k("mhc_head_fwd", _head_params(rms_eps, hc_eps), x, hc_fn, hc_scale, hc_base)[0]
-
-
-def _head_op_fwd(x, hc_fn, hc_scale, hc_base, rms_eps, hc_eps):
-    return _head_op(x, hc_fn, hc_scale, hc_base, rms_eps, hc_eps), (x, hc_fn, hc_scale, hc_base)
-
-
-def _head_op_bwd(rms_eps, hc_eps, res, g):
-    return _shard.like(_k("mhc_head_bwd", _head_params(rms_eps, hc_eps), g, *res), res)
-
-
-_head_op.defvjp(_head_op_fwd, _head_op_bwd)
-
-
-# Jitted entry points: eager calls hit a compiled-program cache; inside an
-# outer jit / grad / vmap they are ordinary nested calls.
-_sinkhorn_jit = _jax.jit(_sinkhorn, static_argnums=(1, 2, 3, 4))
-_rmsnorm_jit = _jax.jit(_rmsnorm, static_argnums=(2,))
-_mix_jit = _jax.jit(_mix)
-_aggregate_jit = _jax.jit(_aggregate)
-_distribute_jit = _jax.jit(_distribute)
-_post_op_jits = {c: _jax.jit(op) for c, op in _post_ops.items()}
-_pre_op_jit = _jax.jit(_pre_op, static_argnums=(4, 5, 6, 7, 8, 9))
-_coeffs_jit = _jax.jit(_coeffs_op, static_argnums=(4,))
-_head_jit = _jax.jit(_head_op, static_argnums=(4, 5))
-
-
-def _static_sinkhorn(num_iters, eps, grad_mode, convention="paper"):
-    """(num_iters, eps, grad_mode, convention): DEFAULT resolved per convention, all checked."""
-    iters, eps, _ = _convention.sinkhorn(convention, num_iters, eps)
-    return iters, eps, _checks.grad_mode(grad_mode), convention
-
-
-def _static_activations(convention, hc_eps, post_mult):
-    return _convention.activations(convention, hc_eps, post_mult)
+def _public(op: str, doc: str, prepare=None):
+    return _adapter.public(op, doc, __name__, lambda arrays, kw: f"    return _f({''.join(a + ', ' for a in arrays)}"
+                           f"tuple({kw}.items()))\n", {"_f": _differentiable(op)}, prepare)
 
 
 # ------------------------------------------------------------ public API
-def sinkhorn_knopp(logits, num_iters=DEFAULT, eps=DEFAULT, grad_mode="unrolled", *, convention="paper"):
-    """Project each n x n matrix of logits onto the doubly-stochastic matrices (JAX).
+sinkhorn_knopp = _public("sinkhorn_knopp", """Project each n x n matrix of logits onto the doubly-stochastic matrices (JAX).
 
     K = exp(L - rowmax(L)); then ``num_iters`` times a row normalisation
     P <- P / (rowsum + eps) followed by a column normalisation
@@ -613,12 +533,9 @@ def sinkhorn_knopp(logits, num_iters=DEFAULT, eps=DEFAULT, grad_mode="unrolled",
         GPU: one buffer_callback custom call launching the kernel on XLA's
         stream, in place in XLA's buffers.  Backward recomputes the forward
         from the saved logits.  jit / grad / vjp / vmap supported.
-    """
-    return _sinkhorn_jit(logits, *_static_sinkhorn(num_iters, eps, grad_mode, convention))
+    """)
 
-
-def rmsnorm(x, eps=1e-5, weight=None):
-    """RMSNorm over the last dim: y = x / sqrt(mean(x^2) + eps) (* weight) (JAX; OPS.md section 2).
+rmsnorm = _public("rmsnorm", """RMSNorm over the last dim: y = x / sqrt(mean(x^2) + eps) (* weight) (JAX; OPS.md section 2).
 
     For the mHC coefficient path normalise vec(x): pass x reshaped to [..., n*C].
 
@@ -637,12 +554,9 @@ def rmsnorm(x, eps=1e-5, weight=None):
         Backward recomputes the statistics from x; d_weight is summed over
         tokens in a fixed order.  Under vmap with a weight, the per-example
         weight gradient is computed one example at a time.
-    """
-    return _rmsnorm_jit(x, weight, _checks.eps("eps", eps))
+    """, _rmsnorm_kw)
 
-
-def stream_mix(x, M):
-    """Mix the n residual streams of each token: out_i = sum_j M_ij x_j (JAX; OPS.md section 3).
+stream_mix = _public("stream_mix", """Mix the n residual streams of each token: out_i = sum_j M_ij x_j (JAX; OPS.md section 3).
 
     Args:
         x: [..., n, C] activations (bfloat16 / float16 / float32), 1 <= n <= 32.
@@ -657,12 +571,9 @@ def stream_mix(x, M):
     Notes:
         Backward: dx_j = sum_i M_ij g_i, dM_ij = sum_c g_ic x_jc (float32,
         bitwise reproducible).
-    """
-    return _mix_jit(x, M)
+    """)
 
-
-def stream_aggregate(x, h):
-    """Weighted sum of the streams: out = sum_i h_i x_i (JAX; OPS.md section 4).
+stream_aggregate = _public("stream_aggregate", """Weighted sum of the streams: out = sum_i h_i x_i (JAX; OPS.md section 4).
 
     Args:
         x: [..., n, C] activations (bfloat16 / float16 / float32).
@@ -678,12 +589,9 @@ def stream_aggregate(x, h):
         Backward: dx_i = h_i g; dh_i = sum_c g_c x_ic, for a shared h summed
         over all tokens (deterministically).  Under vmap a shared h stays
         shared per example: its gradient is per example.
-    """
-    return _aggregate_jit(x, h)
+    """)
 
-
-def stream_distribute(y, h):
-    """Write one layer output to every stream, scaled: out_i = h_i y (JAX; OPS.md section 5).
+stream_distribute = _public("stream_distribute", """Write one layer output to every stream, scaled: out_i = h_i y (JAX; OPS.md section 5).
 
     Args:
         y: [..., C] activations (bfloat16 / float16 / float32).
@@ -698,12 +606,9 @@ def stream_distribute(y, h):
     Notes:
         Backward: dy = sum_i h_i g_i; dh_i = sum_c g_ic y_c (summed over tokens
         for a shared h).
-    """
-    return _distribute_jit(y, h)
+    """)
 
-
-def mhc_post_op(layer_out, x, H_post, H_res, *, convention="paper"):
-    """mHC residual update: out_i = sum_j H_res_ij x_j + H_post_i y (JAX; OPS.md section 6, Eq. 3).
+mhc_post_op = _public("mhc_post_op", """mHC residual update: out_i = sum_j H_res_ij x_j + H_post_i y (JAX; OPS.md section 6, Eq. 3).
 
     ``convention="deepseek"`` (OPS.md "DeepSeek-V4 convention"): H_res transposed,
     out_j = sum_i H_res_ij x_i + H_post_j y.
@@ -724,13 +629,9 @@ def mhc_post_op(layer_out, x, H_post, H_res, *, convention="paper"):
     Notes:
         Backward (dy, dx, dH_post, dH_res) in one kernel, no atomics: bitwise
         reproducible.
-    """
-    return _post_op_jits[_convention.check(convention)](layer_out, x, H_post, H_res)
+    """, _post_kw)
 
-
-def mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=DEFAULT, eps=DEFAULT, grad_mode="unrolled", *,
-               convention="paper", hc_eps=DEFAULT, post_mult=DEFAULT):
-    """mHC coefficient activations and layer input (JAX; OPS.md section 7, paper Eq. 8).
+mhc_pre_op = _public("mhc_pre_op", """mHC coefficient activations and layer input (JAX; OPS.md section 7, paper Eq. 8).
 
     H_pre = sigmoid(h_pre_raw) + hc_eps;  H_post = post_mult sigmoid(h_post_raw);
     H_res = sinkhorn_knopp(h_res_raw, num_iters, eps, convention=convention);  layer_in = sum_i H_pre_i x_i.
@@ -757,13 +658,9 @@ def mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=DEFAULT, eps=DEFAU
         The cotangent of an output that is not used is a symbolic zero and is
         passed to the backward kernel as absent (it contributes nothing and
         costs nothing); everything else is recomputed from the saved inputs.
-    """
-    return _pre_op_jit(x, h_pre_raw, h_post_raw, h_res_raw, *_static_sinkhorn(num_iters, eps, grad_mode, convention),
-                       *_static_activations(convention, hc_eps, post_mult))
+    """)
 
-
-def mhc_coeffs(x, phi, alpha, bias, eps=DEFAULT, *, convention="paper"):
-    """Per-token mHC coefficients from the residual stream (JAX; OPS.md section 8, paper Eqs. 14-18).
+mhc_coeffs = _public("mhc_coeffs", """Per-token mHC coefficients from the residual stream (JAX; OPS.md section 8, paper Eqs. 14-18).
 
     With x~ = vec(x) (length n*C), r = sqrt(mean(x~^2) + eps) and Ht = x~ phi:
     h_pre_raw = alpha[0] Ht_pre / r + bias_pre, h_post_raw = alpha[1] Ht_post / r + bias_post,
@@ -787,8 +684,9 @@ def mhc_coeffs(x, phi, alpha, bias, eps=DEFAULT, *, convention="paper"):
         Differentiable in x, phi, alpha and bias (custom_vjp; unused outputs
         are symbolic zeros); jit / grad / vmap supported (a batched phi, alpha
         or bias, or their per-example gradients, run once per example).
-    """
-    return _coeffs_jit(x, phi, alpha, bias, _convention.rms_eps(convention, eps, "eps"))
+    """, _coeffs_kw)
+
+_head = _differentiable("mhc_head")
 
 
 # ------------------------------------------------------------ the mHC layer
@@ -971,5 +869,6 @@ def mhc_head(params: dict, x, rms_eps=DEFAULT, hc_eps=DEFAULT, *, convention: st
     if not isinstance(params, dict) or any(k not in params for k in ("hc_fn", "hc_scale", "hc_base")):
         raise TypeError(f"params must be the dict of mhc_head_init (hc_fn, hc_scale, hc_base), "
                         f"got {type(params).__name__}")
-    return _head_jit(x, params["hc_fn"], params["hc_scale"], params["hc_base"], _convention.rms_eps(convention, rms_eps),
-                     _checks.eps("hc_eps", _convention.resolve(convention, hc_eps=hc_eps)))
+    return _head(x, params["hc_fn"], params["hc_scale"], params["hc_base"], (
+        ("rms_eps", _convention.rms_eps(convention, rms_eps)),
+        ("hc_eps", _checks.eps("hc_eps", _convention.resolve(convention, hc_eps=hc_eps)))))

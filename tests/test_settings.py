@@ -95,3 +95,16 @@ def test_the_module_settings_reach_the_plan_key(monkeypatch, rng):
     assert {name for name, p in seen if "settings" in p} == {"_plan_pre_fwd", "_plan_pre_bwd"}, seen
     assert all(s is layer.settings for s in settings), settings
 
+
+
+def test_the_adapter_settings_reach_the_plan_key(monkeypatch, rng):
+    """mhc_cupy.torch.mhc_pre_op / sinkhorn_knopp resolve their keywords once; the forward and the
+    backward plans key on that value."""
+    torch = pytest.importorskip("torch")
+    import mhc_cupy.torch as mt
+
+    seen = _spy_plans(monkeypatch)
+    logits = torch.randn(3, 4, 4, requires_grad=True)
+    mt.sinkhorn_knopp(logits, 5, grad_mode="implicit", convention="deepseek").sum().backward()
+    want = LayerSettings.resolve("deepseek", num_iters=5, grad_mode="implicit")
+    assert [p for _, p in seen] == [{"settings": want}] * 2, seen

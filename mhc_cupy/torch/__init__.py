@@ -24,9 +24,10 @@ Two routes, same kernels, identical results:
   ``torch.compile(fullgraph=True)`` traces forward and backward without a
   graph break.
 
-Both routes share one ``setup_context`` (saves only the op's *inputs*:
-backward recomputes statistics and the Sinkhorn iteration, OPS.md) and one
-backward formula; only the callee differs (functional API vs custom op).
+Both routes save only the op's *inputs* (backward recomputes statistics and
+the Sinkhorn iteration, OPS.md) and share one backward; only the callee
+differs (the kernel's planner, as the functional API runs it, vs the custom
+op).  Both are generated from the op table (:mod:`mhc_cupy.torch._factory`).
 
 Device and stream: CUDA tensors run on torch's current stream of their own
 device (entered when it is not the current one); outputs are ``torch.empty``
@@ -47,7 +48,8 @@ eagerly; under ``torch.compile`` the custom op's missing double backward).
 The package (no module imports another in a circle):
 
 * :mod:`mhc_cupy.torch.functions`: the differentiable ops above and the fused
-  layer pieces ``mhc_layer_pre`` / ``mhc_layer_post`` (OPS.md section 9);
+  layer pieces ``mhc_layer_pre`` / ``mhc_layer_post`` (OPS.md section 9), on
+  :mod:`mhc_cupy.torch._factory` (what every op's adapter derives from the op table);
 * :mod:`mhc_cupy.torch.layers`: the ``nn.Module`` :class:`MHC` and the
   stream helpers (``expand_streams``, ``collapse_streams``, ``identity_bias``,
   ``ExpandStreams``, ``CollapseStreams``), built on ``functions``;

@@ -59,7 +59,7 @@ def autograd_pre(x_link: Tensor, H_res: Tensor, convention: str):
     if type(pre).__name__ != "_LayerPreFnBackward":
         raise ValueError("x_link must be the x_link output of mhc_layer_pre (its backward receives this "
                          f"op's output gradient); got a tensor whose grad_fn is {type(pre).__name__}")
-    pre_convention = pre.settings.convention
+    pre_convention = pre.convention
     if pre_convention != convention:  # the pre half's backward folds this op's dx in its convention
         raise _mismatch(convention, pre_convention)
     if pre.h_res_key is not None and tensor_key(H_res) != pre.h_res_key:

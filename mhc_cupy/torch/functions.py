@@ -1,221 +1,83 @@
 """The mHC operators as differentiable torch functions (``mhc_cupy.torch``'s op half).
 
-Autograd Functions and ``torch.library`` custom operators around the
-functional ``*_fwd`` / ``*_bwd`` API; the routes (eager / compiled), devices,
-streams and gradient order are described in :mod:`mhc_cupy.torch`.  Imported
-through the package, which checks that torch is installed first.
-"""
+Each op runs its functional ``*_fwd`` / ``*_bwd`` kernels; the routes (eager / compiled), devices,
+streams and gradient order are described in :mod:`mhc_cupy.torch`.  Everything an op shares with
+the others is generated from the op table (``mhc_cupy.ops.SPECS``): its ``torch.library`` custom
+operators (schema, fake function), its autograd (the eager ``autograd.Function`` and the custom
+operator's registration, one backward for both) and its public function's signature (that of the
+functional ``*_bwd`` less its incoming gradients), by :mod:`mhc_cupy.torch._factory` and
+:mod:`mhc_cupy._adapter`; Sinkhorn's and the pre op's settings are resolved there into one
+:class:`mhc_cupy._settings.LayerSettings`.  Written here by hand, only what an op needs beyond that:
 
-import inspect
-from typing import Optional
+==================================  ===========================================================
+op                                  by hand
+==================================  ===========================================================
+``rmsnorm``                         with a weight, on a GPU, while autograd records: C checked
+                                    against the weighted backward's limit now, not in backward
+                                    (its two backward operators, with and without the weight,
+                                    are generated: the weight is an optional input with a gradient)
+``mhc_coeffs``                      ``eps`` resolved per ``convention`` (not a kernel parameter)
+``mhc_post_op``                     ``convention`` checked before anything runs
+``mhc_layer_pre``, ``mhc_layer_post``  the fused layer pieces: x_link carries the post op's part of
+                                    dx into the pre piece's backward (two autograd Functions);
+                                    their custom operators are generated
+==================================  ===========================================================
+
+Each public function's docstring is written here.  Imported through the package, which checks
+that torch is installed first.
+"""
 
 import torch
 from torch import Tensor
 
-from .. import _checks, _convention
+from .. import _adapter, _convention, _settings
 from .._convention import DEFAULT
-from .._dispatch import run as _run
-from .._settings import NAMES as _SETTINGS, LayerSettings
-from ._link import autograd_pre as _autograd_pre, check_convention as _check_convention, tag as _tag
-from ._link import tensor_key as _tensor_key
-from ._transforms import active as _transform_active, refuse as _refuse_transform
-from .._interop import ArrayInfo
+from .._settings import LayerSettings
 from .. import ops as _ops
 from ..ops.layer import fold_post_dx
-from ..ops.spec import shape_of as _shape_of
+from ._factory import NAMESPACE, REGISTERED as _REGISTERED, Op as _Op, call as _call, is_compiling as _is_compiling
+from ._factory import register as _register
+from ._factory import needs_autograd as _needs_autograd, use_custom_op as _use_custom_op
+from ._link import autograd_pre as _autograd_pre, check_convention as _check_convention, tag as _tag
+from ._link import tensor_key as _tensor_key
 
 __all__ = [
     "sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute",
     "mhc_post_op", "mhc_pre_op", "mhc_coeffs", "mhc_layer_pre", "mhc_layer_post", "mhc_head",
 ]
 
-#: Namespace of the custom operators: ``torch.ops.mhc_cupy.<name>``.
-NAMESPACE = "mhc_cupy"
 
-_F32 = torch.float32
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-_DTYPE_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-               torch.float64: "float64"}
-
-
-# ------------------------------------------------------------------ helpers
-_is_compiling = torch.compiler.is_compiling
-
-
-# Both run on every eager call: plain loops (a generator in any() costs more).
-def _use_custom_op(*tensors) -> bool:
-    """True inside torch.compile / export, or for tensor subclasses (fake, functional, ...).  Every
-    public op calls it before any autograd Function or kernel: under a torch.func transform it raises
-    NotImplementedError (:mod:`mhc_cupy.torch._transforms`)."""
+def _settings_kw(**given) -> dict:
+    """The planner's keyword arguments of an op that takes the layer's settings: resolved once
+    (:class:`LayerSettings`); traced by torch.compile, where they may be symbolic values, the
+    given values with the convention's defaults, which the custom operator's fake checks."""
     if _is_compiling():
-        return True
-    if _transform_active():
-        _refuse_transform()
-    for t in tensors:
-        if t is not None and type(t) not in _PLAIN and isinstance(t, Tensor):
-            return True
-    return False  # non-tensors (a list, None for a tensor) go on to the functional API, which names them
+        return _settings.filled(**given)
+    return {"settings": LayerSettings.resolve(**given)}
 
 
-def _same_tensor(a: Tensor, b) -> bool:
-    """a is b's data (same address, shape and strides), b a tensor or None."""
-    return b is not None and _tensor_key(a) == _tensor_key(b)
+def _public(op: str, doc: str, prepare=None):
+    op_ = _Op(op)
+    return _adapter.public(op, doc, __name__, op_.body, op_.namespace(), prepare, _settings_kw)
 
 
-def _needs_autograd(*tensors) -> bool:
-    if not torch.is_grad_enabled():
-        return False
-    try:
-        for t in tensors:
-            if t is not None and t.requires_grad:
-                return True
-    except AttributeError:  # not a tensor: the functional API raises a TypeError naming it
-        return False
-    return False
+# ------------------------------------------------------------ what ops need by hand
+def _rmsnorm_kw(x, eps, weight) -> dict:
+    if weight is not None and isinstance(x, Tensor) and x.is_cuda and x.ndim and _needs_autograd(x, weight):
+        _ops.rmsnorm.check_weighted_c(x.shape[-1], ("cuda", x.device.index))
+    return {"eps": eps}
 
 
-def _validate(planner, tensors: dict, **params) -> None:
-    """Run the functional API's own checks on fake tensors (static shapes only).
-
-    Gives the same TypeError / ValueError at trace time as the eager call.
-    With symbolic (dynamic) shapes the check is left to the real op at run time.
-    """
-    infos = {}
-    for name, t in tensors.items():
-        if t is None:
-            infos[name] = None
-            continue
-        shape = tuple(t.shape)
-        if not all(type(s) is int for s in shape):
-            return
-        dtype = _DTYPE_NAME.get(t.dtype) or str(t.dtype).replace("torch.", "")
-        infos[name] = ArrayInfo(shape, dtype, ("cpu", 0))
-    planner(infos, **params)
+def _coeffs_kw(x, phi, alpha, bias, eps, convention) -> dict:
+    return {"eps": _convention.resolve(convention, rms_eps=eps)}
 
 
-def _op(name: str):
-    return getattr(getattr(torch.ops, NAMESPACE), name).default
+def _post_kw(layer_out, x, H_post, H_res, convention) -> dict:
+    return {"convention": _convention.check(convention)}
 
 
-def _flat(name: str, settings: LayerSettings) -> dict:
-    """The arguments of custom operator ``name`` that are settings, from ``settings``."""
-    names = _SETTINGS_ARGS[name]
-    return dict(zip(names, settings.values(names)))
-
-
-#: Custom ops that run another kernel's spec (``mhc_cupy.ops.SPECS``) than their own name.
-_SPEC_OF = {"rmsnorm_weight_bwd": "rmsnorm_bwd"}
-
-
-def _fake(name: str, impl):
-    """The fake (meta) function of custom op ``name``, derived from its op spec.
-
-    Runs the functional API's checks (:func:`_validate`), then returns empty
-    outputs of the spec's shapes and dtypes: the gradient of an input shaped
-    like that input (its dtype for an activation, else float32; none for an
-    absent optional input), a new output over the token dims of the spec's
-    reference input (x's dtype for an activation, else float32).
-    """
-    spec = _ops.SPECS[_SPEC_OF.get(name, name)]
-    signature = inspect.signature(impl)
-
-    def fake(*args, **kwargs):
-        call = signature.bind(*args, **kwargs)
-        call.apply_defaults()  # the dispatcher may leave out trailing arguments at their defaults
-        bound = call.arguments
-        tensors = {k: bound.get(k) for k in spec.names}
-        _validate(spec.planner, tensors, **{p: bound[p] for p in spec.params})
-        ref = tensors[spec.ref.name]
-        lead = tuple(ref.shape[:ref.dim() - spec.ref.rank])
-        sizes = spec.sizes({k: None if t is None else tuple(t.shape) for k, t in tensors.items()})
-        outs = []
-        for o in spec.outputs:
-            t = tensors[o.name] if spec.is_grad(o) else ref
-            if t is None:
-                continue
-            shape = tuple(t.shape) if spec.is_grad(o) else _shape_of(o, lead, sizes)
-            outs.append(t.new_empty(shape, dtype=t.dtype if o.kind == "activation" else _F32))
-        return outs[0] if len(outs) == 1 else tuple(outs)
-
-    return fake
-
-
-def _register(name: str, impl):
-    op = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=())
-    op.register_fake(_fake(name, impl))
-    return op
-
-
-def _function(name: str, forward, setup_context, backward):
-    """An eager ``autograd.Function`` around the functional API.
-
-    Written in the classic ``forward(ctx, *args)`` style, which calls the same
-    ``setup_context``: its ``apply`` costs about a third of the
-    ``setup_context``-style one (5.9 vs 18.7 us per call measured on a 2-core
-    CPU host), and this route exists to keep per-call host overhead low.
-    """
-
-    def fwd(ctx, *args):
-        out = forward(*args)
-        setup_context(ctx, args, out)
-        return out
-
-    # The backward runs the functional API on raw pointers: it records no graph,
-    # so a second-order gradient through it would silently treat it as a
-    # constant.  once_differentiable makes double backward raise instead.
-    return type(name, (torch.autograd.Function,), {
-        "forward": staticmethod(fwd),
-        "backward": staticmethod(torch.autograd.function.once_differentiable(backward)),
-    })
-
-
-def _wire(name: str, fwd_impl, bwd_ops: dict, setup_context, backward):
-    """Register ``<name>_fwd`` (+ autograd) and return the eager Function.
-
-    ``backward(bwd, ctx, *grads)`` is written once; ``bwd`` maps a backward
-    name to its callee: the functional wrapper (eager) or the custom op.
-    """
-    fwd_op = _register(f"{name}_fwd", fwd_impl)
-    for k, impl in bwd_ops.items():
-        _register(k, impl)
-    op_bwd = {k: _op(k) for k in bwd_ops}
-    fwd_op.register_autograd(lambda ctx, *g: backward(op_bwd, ctx, *g), setup_context=setup_context)
-    return _function(f"_{name}_function", fwd_impl, setup_context,
-                     lambda ctx, *g: backward(bwd_ops, ctx, *g))
-
-
-# ----------------------------------------------------------------- Sinkhorn
-def _sinkhorn_fwd_impl(logits: Tensor, num_iters: int, eps: float, grad_mode: str, convention: str = "paper") -> Tensor:
-    # grad_mode is used by the backward only; it is an input so that
-    # setup_context sees it.
-    return _ops.sinkhorn_knopp_fwd(logits, num_iters=num_iters, eps=eps, convention=convention)
-
-
-def _sinkhorn_bwd_impl(grad_P: Tensor, logits: Tensor, num_iters: int, eps: float, grad_mode: str,
-                       convention: str = "paper") -> Tensor:
-    return _ops.sinkhorn_knopp_bwd(grad_P, logits, num_iters=num_iters, eps=eps, grad_mode=grad_mode,
-                                   convention=convention)
-
-
-def _sinkhorn_setup(ctx, inputs, output):
-    logits, *ctx.params = inputs
-    ctx.save_for_backward(logits)
-
-
-def _sinkhorn_backward(bwd, ctx, grad_P):
-    (logits,) = ctx.saved_tensors
-    if grad_P is None:
-        return (None,) * 5
-    return bwd["sinkhorn_knopp_bwd"](grad_P, logits, *ctx.params), None, None, None, None
-
-
-_SinkhornFn = _wire("sinkhorn_knopp", _sinkhorn_fwd_impl,
-                    {"sinkhorn_knopp_bwd": _sinkhorn_bwd_impl},
-                    _sinkhorn_setup, _sinkhorn_backward)
-
-
-def sinkhorn_knopp(logits, num_iters=DEFAULT, eps=DEFAULT, grad_mode="unrolled", *, convention="paper"):
-    """Differentiable Sinkhorn-Knopp projection onto doubly-stochastic matrices (OPS.md section 1).
+# ------------------------------------------------------------------ the ops
+sinkhorn_knopp = _public("sinkhorn_knopp", """Differentiable Sinkhorn-Knopp projection onto doubly-stochastic matrices (OPS.md section 1).
 
     K = exp(L - rowmax(L)); then ``num_iters`` times a row step
     P <- P / (rowsum + eps) and a column step P <- P / (colsum + eps)
@@ -243,52 +105,9 @@ def sinkhorn_knopp(logits, num_iters=DEFAULT, eps=DEFAULT, grad_mode="unrolled",
     Notes:
         Backward saves only ``logits`` and recomputes the iteration on chip;
         d_logits is float32 and each of its rows sums to 0.
-    """
-    _checks.grad_mode(grad_mode)  # fail now, not at backward
-    params = (*_convention.resolve(convention, num_iters=num_iters, eps=eps), grad_mode, convention)
-    if _use_custom_op(logits):
-        return _op("sinkhorn_knopp_fwd")(logits, *params)
-    if _needs_autograd(logits):
-        return _SinkhornFn.apply(logits, *params)
-    return _sinkhorn_fwd_impl(logits, *params)
+    """)
 
-
-# ------------------------------------------------------------------ RMSNorm
-def _rmsnorm_fwd_impl(x: Tensor, eps: float, weight: Optional[Tensor]) -> Tensor:
-    return _ops.rmsnorm_fwd(x, eps=eps, weight=weight)
-
-
-def _rmsnorm_bwd_impl(grad: Tensor, x: Tensor, eps: float) -> Tensor:
-    return _ops.rmsnorm_bwd(grad, x, eps=eps)
-
-
-def _rmsnorm_weight_bwd_impl(grad: Tensor, x: Tensor, eps: float, weight: Tensor) -> tuple[Tensor, Tensor]:
-    return _ops.rmsnorm_bwd(grad, x, eps=eps, weight=weight)
-
-
-def _rmsnorm_setup(ctx, inputs, output):
-    x, ctx.eps, weight = inputs
-    ctx.save_for_backward(x, weight)
-
-
-def _rmsnorm_backward(bwd, ctx, grad):
-    x, weight = ctx.saved_tensors
-    if grad is None:
-        return None, None, None
-    if weight is None:
-        return bwd["rmsnorm_bwd"](grad, x, ctx.eps), None, None
-    dx, dw = bwd["rmsnorm_weight_bwd"](grad, x, ctx.eps, weight)
-    return dx, None, dw
-
-
-_RMSNormFn = _wire("rmsnorm", _rmsnorm_fwd_impl,
-                   {"rmsnorm_bwd": _rmsnorm_bwd_impl,
-                    "rmsnorm_weight_bwd": _rmsnorm_weight_bwd_impl},
-                   _rmsnorm_setup, _rmsnorm_backward)
-
-
-def rmsnorm(x, eps=1e-5, weight=None):
-    """Differentiable RMSNorm over the last dim (OPS.md section 2).
+rmsnorm = _public("rmsnorm", """Differentiable RMSNorm over the last dim (OPS.md section 2).
 
     r = 1 / sqrt(mean_c x_c^2 + eps);  out_c = x_c r (* weight_c).
     For mHC's vec(x) normalisation pass x viewed as [..., n*C].
@@ -311,59 +130,9 @@ def rmsnorm(x, eps=1e-5, weight=None):
         Backward saves x (and weight) only and recomputes r.  dx has the dtype
         of x; d_weight is float32 [C], summed over tokens in a fixed order
         (deterministic).
-    """
-    if weight is not None and isinstance(x, Tensor) and x.is_cuda and x.ndim and _needs_autograd(x, weight):
-        _ops.rmsnorm.check_weighted_c(x.shape[-1], ("cuda", x.device.index))
-    if _use_custom_op(x, weight):
-        return _op("rmsnorm_fwd")(x, eps, weight)
-    if _needs_autograd(x, weight):
-        return _RMSNormFn.apply(x, eps, weight)
-    return _rmsnorm_fwd_impl(x, eps, weight)
+    """, _rmsnorm_kw)
 
-
-# --------------------------------------------------------------- stream mix
-def _mix_fwd_impl(x: Tensor, M: Tensor) -> Tensor:
-    return _ops.stream_mix_fwd(x, M)
-
-
-def _mix_bwd_impl(grad: Tensor, x: Tensor, M: Tensor) -> tuple[Tensor, Tensor]:
-    return _ops.stream_mix_bwd(grad, x, M)
-
-
-def _save_inputs(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _pair_op(name: str, fwd_impl, bwd_impl):
-    """The eager Function of a two-input stream op (mix, aggregate, distribute), whose backward
-    is ``<name>_bwd(grad, a, b) -> (da, db)`` of the saved inputs.  The ``_impl`` functions
-    stay written out: their parameter names are the custom ops' schemas."""
-    bwd_name = f"{name}_bwd"
-
-    def backward(bwd, ctx, grad):
-        a, b = ctx.saved_tensors
-        if grad is None:
-            return None, None
-        return bwd[bwd_name](grad, a, b)
-
-    return _wire(name, fwd_impl, {bwd_name: bwd_impl}, _save_inputs, backward)
-
-
-def _call_pair(name: str, fn, fwd_impl, a, b):
-    """A two-input stream op: the custom op (torch.compile), the eager Function (autograd) or
-    the functional API."""
-    if _use_custom_op(a, b):
-        return _op(f"{name}_fwd")(a, b)
-    if _needs_autograd(a, b):
-        return fn.apply(a, b)
-    return fwd_impl(a, b)
-
-
-_MixFn = _pair_op("stream_mix", _mix_fwd_impl, _mix_bwd_impl)
-
-
-def stream_mix(x, M):
-    """Differentiable stream mix: out_i = sum_j M_ij x_j per token (OPS.md section 3).
+stream_mix = _public("stream_mix", """Differentiable stream mix: out_i = sum_j M_ij x_j per token (OPS.md section 3).
 
     Args:
         x: [..., n, C] tensor, bfloat16 / float16 / float32, 1 <= n <= 32.
@@ -379,24 +148,9 @@ def stream_mix(x, M):
     Notes:
         Backward saves x and M.  dx has the dtype of x; dM is float32
         (fixed-order sums over C: bitwise reproducible).
-    """
-    return _call_pair("stream_mix", _MixFn, _mix_fwd_impl, x, M)
+    """)
 
-
-# --------------------------------------------------------- stream aggregate
-def _aggregate_fwd_impl(x: Tensor, h: Tensor) -> Tensor:
-    return _ops.stream_aggregate_fwd(x, h)
-
-
-def _aggregate_bwd_impl(grad: Tensor, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
-    return _ops.stream_aggregate_bwd(grad, x, h)
-
-
-_AggregateFn = _pair_op("stream_aggregate", _aggregate_fwd_impl, _aggregate_bwd_impl)
-
-
-def stream_aggregate(x, h):
-    """Differentiable weighted stream sum: out = sum_i h_i x_i (OPS.md section 4).
+stream_aggregate = _public("stream_aggregate", """Differentiable weighted stream sum: out = sum_i h_i x_i (OPS.md section 4).
 
     Args:
         x: [..., n, C] tensor, bfloat16 / float16 / float32.
@@ -411,24 +165,9 @@ def stream_aggregate(x, h):
     Notes:
         Backward saves x and h.  dh has h's shape (float32); for a shared h it
         is summed over all tokens in a fixed order (deterministic).
-    """
-    return _call_pair("stream_aggregate", _AggregateFn, _aggregate_fwd_impl, x, h)
+    """)
 
-
-# -------------------------------------------------------- stream distribute
-def _distribute_fwd_impl(y: Tensor, h: Tensor) -> Tensor:
-    return _ops.stream_distribute_fwd(y, h)
-
-
-def _distribute_bwd_impl(grad: Tensor, y: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
-    return _ops.stream_distribute_bwd(grad, y, h)
-
-
-_DistributeFn = _pair_op("stream_distribute", _distribute_fwd_impl, _distribute_bwd_impl)
-
-
-def stream_distribute(y, h):
-    """Differentiable stream distribute: out_i = h_i y (OPS.md section 5).
+stream_distribute = _public("stream_distribute", """Differentiable stream distribute: out_i = h_i y (OPS.md section 5).
 
     Args:
         y: [..., C] tensor, bfloat16 / float16 / float32.
@@ -443,38 +182,9 @@ def stream_distribute(y, h):
     Notes:
         Backward saves y and h.  dh has h's shape (float32), summed over
         tokens for a shared h in a fixed order (deterministic).
-    """
-    return _call_pair("stream_distribute", _DistributeFn, _distribute_fwd_impl, y, h)
+    """)
 
-
-# ------------------------------------------------------------------ post op
-def _post_fwd_impl(layer_out: Tensor, x: Tensor, H_post: Tensor, H_res: Tensor, convention: str = "paper") -> Tensor:
-    return _ops.mhc_post_op_fwd(layer_out, x, H_post, H_res, convention=convention)
-
-
-def _post_bwd_impl(grad: Tensor, layer_out: Tensor, x: Tensor, H_post: Tensor, H_res: Tensor,
-                   convention: str = "paper") -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _ops.mhc_post_op_bwd(grad, layer_out, x, H_post, H_res, convention=convention)
-
-
-def _post_setup(ctx, inputs, output):
-    *tensors, ctx.convention = inputs
-    ctx.save_for_backward(*tensors)
-
-
-def _post_backward(bwd, ctx, grad):
-    layer_out, x, H_post, H_res = ctx.saved_tensors
-    if grad is None:
-        return (None,) * 5
-    return (*bwd["mhc_post_op_bwd"](grad, layer_out, x, H_post, H_res, ctx.convention), None)
-
-
-_PostFn = _wire("mhc_post_op", _post_fwd_impl, {"mhc_post_op_bwd": _post_bwd_impl},
-                _post_setup, _post_backward)
-
-
-def mhc_post_op(layer_out, x, H_post, H_res, *, convention="paper"):
-    """Differentiable mHC residual update (OPS.md section 6, paper Eq. 3).
+mhc_post_op = _public("mhc_post_op", """Differentiable mHC residual update (OPS.md section 6, paper Eq. 3).
 
     out_i = sum_j H_res_ij x_j + H_post_i y, one rounding per output element.
     ``convention="deepseek"`` (OPS.md "DeepSeek-V4 convention"): H_res transposed,
@@ -497,56 +207,9 @@ def mhc_post_op(layer_out, x, H_post, H_res, *, convention="paper"):
         Backward saves the four inputs.  It returns (d_layer_out, dx) in the
         activation dtype and (dH_post, dH_res) in float32, without atomics:
         bitwise reproducible.
-    """
-    _convention.check(convention)
-    if _use_custom_op(layer_out, x, H_post, H_res):
-        return _op("mhc_post_op_fwd")(layer_out, x, H_post, H_res, convention)
-    if _needs_autograd(layer_out, x, H_post, H_res):
-        return _PostFn.apply(layer_out, x, H_post, H_res, convention)
-    return _post_fwd_impl(layer_out, x, H_post, H_res, convention)
+    """, _post_kw)
 
-
-# ------------------------------------------------------------------- pre op
-def _pre_fwd_impl(x: Tensor, h_pre_raw: Tensor, h_post_raw: Tensor, h_res_raw: Tensor, num_iters: int, eps: float,
-                  grad_mode: str, convention: str = "paper", hc_eps: float = 0.0,
-                  post_mult: float = 2.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _ops.mhc_pre_op_fwd(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=num_iters, eps=eps,
-                               convention=convention, hc_eps=hc_eps, post_mult=post_mult)
-
-
-def _pre_bwd_impl(grad_layer_in: Optional[Tensor], grad_H_pre: Optional[Tensor], grad_H_post: Optional[Tensor],
-                  grad_H_res: Optional[Tensor], x: Tensor, h_pre_raw: Tensor, h_post_raw: Tensor, h_res_raw: Tensor,
-                  num_iters: int, eps: float, grad_mode: str, convention: str = "paper", hc_eps: float = 0.0,
-                  post_mult: float = 2.0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _ops.mhc_pre_op_bwd(grad_layer_in, grad_H_pre, grad_H_post, grad_H_res, x, h_pre_raw, h_post_raw,
-                               h_res_raw, num_iters=num_iters, eps=eps, grad_mode=grad_mode, convention=convention,
-                               hc_eps=hc_eps, post_mult=post_mult)
-
-
-def _pre_setup(ctx, inputs, output):
-    x, h_pre_raw, h_post_raw, h_res_raw, *ctx.params = inputs
-    ctx.save_for_backward(x, h_pre_raw, h_post_raw, h_res_raw)
-    # Gradients of unused outputs arrive as None (not zero tensors): the
-    # backward skips their work (OPS.md section 7: None counts as zero).
-    ctx.set_materialize_grads(False)
-
-
-def _pre_backward(bwd, ctx, g_layer_in, g_H_pre, g_H_post, g_H_res):
-    x, h_pre_raw, h_post_raw, h_res_raw = ctx.saved_tensors
-    if g_layer_in is None and g_H_pre is None and g_H_post is None and g_H_res is None:
-        return (None,) * 10
-    dx, d_pre, d_post, d_res = bwd["mhc_pre_op_bwd"](g_layer_in, g_H_pre, g_H_post, g_H_res, x, h_pre_raw,
-                                                     h_post_raw, h_res_raw, *ctx.params)
-    return (dx, d_pre, d_post, d_res) + (None,) * 6
-
-
-_PreFn = _wire("mhc_pre_op", _pre_fwd_impl, {"mhc_pre_op_bwd": _pre_bwd_impl},
-               _pre_setup, _pre_backward)
-
-
-def mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=DEFAULT, eps=DEFAULT, grad_mode="unrolled", *,
-               convention="paper", hc_eps=DEFAULT, post_mult=DEFAULT):
-    """Differentiable mHC pre op: coefficient activations and layer input (OPS.md section 7, paper Eq. 8).
+mhc_pre_op = _public("mhc_pre_op", """Differentiable mHC pre op: coefficient activations and layer input (OPS.md section 7, paper Eq. 8).
 
     H_pre = sigmoid(h_pre_raw) + hc_eps;  H_post = post_mult sigmoid(h_post_raw);
     H_res = sinkhorn_knopp(h_res_raw, num_iters, eps, convention=convention);  layer_in = sum_i H_pre_i x_i.
@@ -576,50 +239,9 @@ def mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw, num_iters=DEFAULT, eps=DEFAU
         Backward saves the four inputs only; the sigmoids and the Sinkhorn
         iteration are recomputed.  Outputs that the loss does not use get no
         gradient (None, counted as zero; no work for H_res's Sinkhorn backward).
-    """
-    _checks.grad_mode(grad_mode)  # fail now, not at backward
-    num_iters, eps, hc_eps, post_mult = _convention.resolve(convention, num_iters=num_iters, eps=eps, hc_eps=hc_eps,
-                                                            post_mult=post_mult)
-    params = (num_iters, eps, grad_mode, convention, hc_eps, post_mult)
-    if _use_custom_op(x, h_pre_raw, h_post_raw, h_res_raw):
-        return _op("mhc_pre_op_fwd")(x, h_pre_raw, h_post_raw, h_res_raw, *params)
-    if _needs_autograd(x, h_pre_raw, h_post_raw, h_res_raw):
-        return _PreFn.apply(x, h_pre_raw, h_post_raw, h_res_raw, *params)
-    return _pre_fwd_impl(x, h_pre_raw, h_post_raw, h_res_raw, *params)
+    """)
 
-
-# ------------------------------------------------------------ coefficients
-def _coeffs_fwd_impl(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor,
-                     eps: float) -> tuple[Tensor, Tensor, Tensor]:
-    return _ops.mhc_coeffs_fwd(x, phi, alpha, bias, eps=eps)
-
-
-def _coeffs_bwd_impl(grad_h_pre_raw: Optional[Tensor], grad_h_post_raw: Optional[Tensor],
-                     grad_h_res_raw: Optional[Tensor], x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor,
-                     eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _ops.mhc_coeffs_bwd(grad_h_pre_raw, grad_h_post_raw, grad_h_res_raw, x, phi, alpha, bias, eps=eps)
-
-
-def _coeffs_setup(ctx, inputs, output):
-    x, phi, alpha, bias, ctx.eps = inputs
-    ctx.save_for_backward(x, phi, alpha, bias)
-    ctx.set_materialize_grads(False)  # unused outputs: None, counted as zero
-
-
-def _coeffs_backward(bwd, ctx, g_pre, g_post, g_res):
-    x, phi, alpha, bias = ctx.saved_tensors
-    if g_pre is None and g_post is None and g_res is None:
-        return (None,) * 5
-    dx, dphi, dalpha, dbias = bwd["mhc_coeffs_bwd"](g_pre, g_post, g_res, x, phi, alpha, bias, ctx.eps)
-    return dx, dphi, dalpha, dbias, None
-
-
-_CoeffsFn = _wire("mhc_coeffs", _coeffs_fwd_impl,
-                  {"mhc_coeffs_bwd": _coeffs_bwd_impl}, _coeffs_setup, _coeffs_backward)
-
-
-def mhc_coeffs(x, phi, alpha, bias, eps=DEFAULT, *, convention="paper"):
-    """Differentiable per-token mHC coefficients (OPS.md section 8, paper Eqs. 14-18).
+mhc_coeffs = _public("mhc_coeffs", """Differentiable per-token mHC coefficients (OPS.md section 8, paper Eqs. 14-18).
 
     With x~ = vec(x) (length n*C), r = sqrt(mean(x~^2) + eps) and Ht = x~ phi:
     h_pre_raw = alpha[0] Ht_pre / r + bias_pre, h_post_raw = alpha[1] Ht_post / r + bias_post,
@@ -644,43 +266,9 @@ def mhc_coeffs(x, phi, alpha, bias, eps=DEFAULT, *, convention="paper"):
         One read of x computes the GEMM and the sum of squares; the backward
         recomputes them and sums the parameter gradients over tokens in a fixed
         order (deterministic).
-    """
-    eps = _convention.resolve(convention, rms_eps=eps)
-    if _use_custom_op(x, phi, alpha, bias):
-        return _op("mhc_coeffs_fwd")(x, phi, alpha, bias, eps)
-    if _needs_autograd(x, phi, alpha, bias):
-        return _CoeffsFn.apply(x, phi, alpha, bias, eps)
-    return _coeffs_fwd_impl(x, phi, alpha, bias, eps)
+    """, _coeffs_kw)
 
-
-# ------------------------------------------------------------------- head
-def _head_fwd_impl(x: Tensor, hc_fn: Tensor, hc_scale: Tensor, hc_base: Tensor, rms_eps: float,
-                   hc_eps: float) -> Tensor:
-    return _ops.mhc_head_fwd(x, hc_fn, hc_scale, hc_base, rms_eps=rms_eps, hc_eps=hc_eps)
-
-
-def _head_bwd_impl(grad: Tensor, x: Tensor, hc_fn: Tensor, hc_scale: Tensor, hc_base: Tensor, rms_eps: float,
-                   hc_eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _ops.mhc_head_bwd(grad, x, hc_fn, hc_scale, hc_base, rms_eps=rms_eps, hc_eps=hc_eps)
-
-
-def _head_setup(ctx, inputs, output):
-    x, hc_fn, hc_scale, hc_base, ctx.rms_eps, ctx.hc_eps = inputs
-    ctx.save_for_backward(x, hc_fn, hc_scale, hc_base)
-
-
-def _head_backward(bwd, ctx, grad):
-    x, hc_fn, hc_scale, hc_base = ctx.saved_tensors
-    if grad is None:
-        return (None,) * 6
-    return (*bwd["mhc_head_bwd"](grad, x, hc_fn, hc_scale, hc_base, ctx.rms_eps, ctx.hc_eps), None, None)
-
-
-_HeadFn = _wire("mhc_head", _head_fwd_impl, {"mhc_head_bwd": _head_bwd_impl}, _head_setup, _head_backward)
-
-
-def mhc_head(x, hc_fn, hc_scale, hc_base, rms_eps=1e-6, hc_eps=1e-6):
-    """Differentiable mHC head: n streams -> one hidden state (OPS.md section 11, DeepSeek-V4 ``hc_head``).
+mhc_head = _public("mhc_head", """Differentiable mHC head: n streams -> one hidden state (OPS.md section 11, DeepSeek-V4 ``hc_head``).
 
     Per token, with x~ = vec(x): w = sigmoid((x~ hc_fn^T) / sqrt(mean(x~^2) + rms_eps) * hc_scale
     + hc_base) + hc_eps, out = sum_i w_i x_i.
@@ -699,12 +287,10 @@ def mhc_head(x, hc_fn, hc_scale, hc_base, rms_eps=1e-6, hc_eps=1e-6):
     Notes:
         Saves the inputs; the backward recomputes the GEMM and sums the parameter
         gradients over tokens in a fixed order (deterministic).
-    """
-    if _use_custom_op(x, hc_fn, hc_scale, hc_base):
-        return _op("mhc_head_fwd")(x, hc_fn, hc_scale, hc_base, rms_eps, hc_eps)
-    if _needs_autograd(x, hc_fn, hc_scale, hc_base):
-        return _HeadFn.apply(x, hc_fn, hc_scale, hc_base, rms_eps, hc_eps)
-    return _head_fwd_impl(x, hc_fn, hc_scale, hc_base, rms_eps, hc_eps)
+    """)
+
+#: Custom operators that run another kernel's spec (``mhc_cupy.ops.SPECS``) than their own name.
+_SPEC_OF = {name: r.kernel.name for name, r in _REGISTERED.items() if name != r.kernel.name}
 
 
 # ----------------------------------------------------- fused layer pieces
@@ -714,51 +300,22 @@ def mhc_head(x, hc_fn, hc_scale, hc_base, rms_eps=1e-6, hc_eps=1e-6):
 # post op's part of dx back along it: for n <= 4 g, the gradient of the layer's output, from
 # which the pre piece's backward computes H_res^T g itself (grad_out); above, the post op's dx
 # from its own backward, which the pre piece's backward adds (grad_x; ops.layer.fold_post_dx).
-def _layer_pre_fwd_impl(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, num_iters: int, eps: float,
-                        rms_eps: float, convention: str = "paper", hc_eps: float = 0.0,
-                        post_mult: float = 2.0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _ops.mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=num_iters, eps=eps, rms_eps=rms_eps,
-                                  convention=convention, hc_eps=hc_eps, post_mult=post_mult)
+for _name in ("mhc_layer_pre_fwd", "mhc_layer_pre_bwd", "mhc_layer_post_bwd"):
+    _register(_name, _ops.SPECS[_name])
 
 
-def _layer_pre_bwd_impl(grad_layer_in: Optional[Tensor], grad_out: Optional[Tensor], grad_H_post: Optional[Tensor],
-                        grad_H_res: Optional[Tensor], x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor,
-                        stats: Tensor, H_pre: Tensor, H_res: Tensor, num_iters: int, eps: float, rms_eps: float,
-                        grad_mode: str, convention: str = "paper", hc_eps: float = 0.0,
-                        post_mult: float = 2.0, grad_x: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _ops.mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats,
-                                  H_pre, H_res, num_iters=num_iters, eps=eps, rms_eps=rms_eps, grad_mode=grad_mode,
-                                  convention=convention, hc_eps=hc_eps, post_mult=post_mult, grad_x=grad_x)
-
-
-def _layer_post_bwd_impl(grad: Tensor, layer_out: Tensor, x: Tensor, H_post: Tensor, H_res: Tensor,
-                         convention: str = "paper") -> tuple[Tensor, Tensor, Tensor]:
-    return _ops.mhc_layer_post_bwd(grad, layer_out, x, H_post, H_res, convention=convention)
-
-
-_SETTINGS_ARGS = {}
-for _name, _impl in (("mhc_layer_pre_fwd", _layer_pre_fwd_impl), ("mhc_layer_pre_bwd", _layer_pre_bwd_impl),
-                     ("mhc_layer_post_bwd", _layer_post_bwd_impl)):
-    _register(_name, _impl)
-    _SETTINGS_ARGS[_name] = tuple(p for p in inspect.signature(_impl).parameters if p in _SETTINGS)
-
-
-def _layer_call(name: str, custom: bool, settings: LayerSettings, arrays: dict):
-    """Fused layer piece ``name`` on ``arrays`` (by the op spec's names) with ``settings``: the custom
-    operator (torch.compile, tensor subclasses: the settings flattened to its arguments) or the
-    functional API's planner (eager)."""
-    if custom:
-        return _op(name)(**arrays, **_flat(name, settings))
-    return _run(_ops.SPECS[name].planner, arrays, settings=settings)
+def _same_tensor(a: Tensor, b) -> bool:
+    """a is b's data (same address, shape and strides), b a tensor or None."""
+    return b is not None and _tensor_key(a) == _tensor_key(b)
 
 
 class _LayerPreFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, phi, alpha, bias, settings, custom):
-        layer_in, H_pre, H_post, H_res, stats = _layer_call("mhc_layer_pre_fwd", custom, settings,
-                                                            {"x": x, "phi": phi, "alpha": alpha, "bias": bias})
+    def forward(ctx, x, phi, alpha, bias, kw, custom):
+        layer_in, H_pre, H_post, H_res, stats = _call("mhc_layer_pre_fwd", custom, {
+            "x": x, "phi": phi, "alpha": alpha, "bias": bias}, kw)
         ctx.save_for_backward(x, phi, alpha, bias, stats, H_pre, H_res)
-        ctx.settings, ctx.custom = settings, custom
+        ctx.kw, ctx.custom, ctx.convention = kw, custom, _adapter.flat(("convention",), kw)[0]
         # which H_res this backward folds in (H_res^T g): mhc_layer_post must get this one
         ctx.h_res_key = None if custom else _tensor_key(H_res)
         ctx.set_materialize_grads(False)
@@ -780,10 +337,10 @@ class _LayerPreFn(torch.autograd.Function):
         if g_layer_in is not None and g_out is not None and g_layer_in.dtype != g_out.dtype:
             g_layer_in = g_layer_in.to(g_out.dtype)
         fold = fold_post_dx(x.shape[-2])  # g_out: the output gradient (fold), else the post op's dx
-        dx, dphi, dalpha, dbias = _layer_call("mhc_layer_pre_bwd", ctx.custom, ctx.settings, {
+        dx, dphi, dalpha, dbias = _call("mhc_layer_pre_bwd", ctx.custom, {
             "grad_layer_in": g_layer_in, "grad_out": g_out if fold else None, "grad_H_post": g_H_post,
             "grad_H_res": g_H_res, "grad_x": None if fold else g_out, "x": x, "phi": phi, "alpha": alpha, "bias": bias,
-            "stats": stats, "H_pre": H_pre, "H_res": H_res})
+            "stats": stats, "H_pre": H_pre, "H_res": H_res}, ctx.kw)
         return dx, dphi, dalpha, dbias, None, None
 
 
@@ -792,20 +349,20 @@ class _LayerPostFn(torch.autograd.Function):
     def forward(ctx, layer_out, x_link, H_post, H_res, convention, pre, custom):
         ctx.save_for_backward(layer_out, x_link, H_post, H_res)
         ctx.custom, ctx.convention, ctx.pre = custom, convention, pre
-        return _op("mhc_post_op_fwd")(layer_out, x_link, H_post, H_res, convention) if custom else \
-            _post_fwd_impl(layer_out, x_link, H_post, H_res, convention)
+        return _call("mhc_post_op_fwd", custom, {"layer_out": layer_out, "x": x_link, "H_post": H_post,
+                                                 "H_res": H_res}, {"convention": convention})
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, g):
         layer_out, x_link, H_post, H_res = ctx.saved_tensors
-        args = (g, layer_out, x_link, H_post, H_res, ctx.convention)
+        arrays = {"grad": g, "layer_out": layer_out, "x": x_link, "H_post": H_post, "H_res": H_res}
+        kw = {"convention": ctx.convention}
         fold = fold_post_dx(x_link.shape[-2])
         if fold or not ctx.needs_input_grad[1]:  # g itself (the pre piece adds H_res^T g), or no dx wanted
-            (dy, dH_post, dH_res), sent = _op("mhc_layer_post_bwd")(*args) if ctx.custom else \
-                _ops.mhc_layer_post_bwd(*args[:-1], convention=ctx.convention), g if fold else None
+            (dy, dH_post, dH_res), sent = _call("mhc_layer_post_bwd", ctx.custom, arrays, kw), g if fold else None
         else:  # the post op's dx, which the pre piece's backward adds
-            dy, sent, dH_post, dH_res = _op("mhc_post_op_bwd")(*args) if ctx.custom else _post_bwd_impl(*args)
+            dy, sent, dH_post, dH_res = _call("mhc_post_op_bwd", ctx.custom, arrays, kw)
         if ctx.pre is not None:  # the pre piece checks that x_link's gradient is this and nothing else
             ctx.pre.g_sent = sent  # (the reference also keeps autograd from summing into it in place)
         return dy, sent, dH_post, dH_res, None, None, None  # travels to _LayerPreFn.backward along x_link
@@ -836,21 +393,23 @@ def mhc_layer_pre(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_eps=D
         TypeError / ValueError: as the functional ``mhc_layer_pre_fwd``.  RuntimeError (in
         backward): x_link got a gradient other than one mhc_layer_post call's (see there).
     """
-    return layer_pre(x, phi, alpha, bias, LayerSettings.resolve(
-        convention, num_iters=num_iters, eps=eps, rms_eps=rms_eps, grad_mode=grad_mode, hc_eps=hc_eps,
-        post_mult=post_mult))
+    return layer_pre(x, phi, alpha, bias, _settings_kw(convention=convention, num_iters=num_iters, eps=eps,
+                                                       rms_eps=rms_eps, grad_mode=grad_mode, hc_eps=hc_eps,
+                                                       post_mult=post_mult))
 
 
-def layer_pre(x, phi, alpha, bias, settings: LayerSettings):
-    """:func:`mhc_layer_pre` with its settings resolved (``MHC`` holds them so)."""
+def layer_pre(x, phi, alpha, bias, kw: dict):
+    """:func:`mhc_layer_pre` with its settings resolved: ``kw`` = ``{"settings": LayerSettings}`` (``MHC``
+    holds its settings so), or under torch.compile the values (:func:`_settings_kw`)."""
     custom = _use_custom_op(x, phi, alpha, bias)
     if _needs_autograd(x, phi, alpha, bias):
-        out = _LayerPreFn.apply(x, phi, alpha, bias, settings, custom)
+        out = _LayerPreFn.apply(x, phi, alpha, bias, kw, custom)
     else:
-        layer_in, _, H_post, H_res, _ = _layer_call("mhc_layer_pre_fwd", custom, settings,
-                                                    {"x": x, "phi": phi, "alpha": alpha, "bias": bias})
+        layer_in, _, H_post, H_res, _ = _call("mhc_layer_pre_fwd", custom, {
+            "x": x, "phi": phi, "alpha": alpha, "bias": bias}, kw)
         out = layer_in, x, H_post, H_res
-    return (*out[:3], _tag(out[3], settings.convention))  # mhc_layer_post checks the mark in every mode
+    # mhc_layer_post checks the mark in every mode
+    return (*out[:3], _tag(out[3], _adapter.flat(("convention",), kw)[0]))
 
 
 def mhc_layer_post(layer_out, x_link, H_post, H_res, *, convention="paper"):

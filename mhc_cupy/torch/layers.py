@@ -355,7 +355,7 @@ class MHC(Float32Parameters):
             if self.fused(x):
                 self._check(x)
                 layer_in, x_in, H_post, H_res = layer_pre(x, _as_f32(self.phi), _as_f32(self.alpha),
-                                                          _as_f32(self.bias), s)
+                                                          _as_f32(self.bias), {"settings": s})
                 post = mhc_layer_post
             else:
                 h_pre_raw, h_post_raw, h_res_raw = self.coefficients(x)
