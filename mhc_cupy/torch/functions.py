@@ -35,7 +35,8 @@ from .._convention import DEFAULT
 from .._settings import LayerSettings
 from .. import ops as _ops
 from ..ops.layer import fold_post_dx
-from ._factory import NAMESPACE, REGISTERED as _REGISTERED, Op as _Op, call as _call, is_compiling as _is_compiling
+from ._factory import NAMESPACE  # noqa: F401 - re-exported: mhc_cupy.torch.NAMESPACE
+from ._factory import REGISTERED as _REGISTERED, Op as _Op, call as _call, is_compiling as _is_compiling
 from ._factory import register as _register
 from ._factory import needs_autograd as _needs_autograd, use_custom_op as _use_custom_op
 from ._link import autograd_pre as _autograd_pre, check_convention as _check_convention, tag as _tag
