@@ -2,14 +2,15 @@
 
 A differentiable op ``<op>`` of an adapter is the pair of kernel entry points ``<op>_fwd`` /
 ``<op>_bwd`` of ``mhc_cupy.ops.SPECS``.  Its public function takes what the functional backward
-``mhc_cupy.<op>_bwd`` takes, less the incoming gradients: the op's arrays, then its parameters
-with their defaults (e.g. Sinkhorn's ``grad_mode``, used by the backward only).  :func:`public`
-writes that function (a ``def`` with exactly that signature, so a parameter added to the
-functional API reaches both adapters) around the adapter's ``call(arrays, kw)``, where ``kw``
-is the planner's keyword arguments: the parameters as given, or, where the op's planner takes
-the layer's settings (:func:`mhc_cupy._settings.takes_settings`), ``{"settings":
-LayerSettings.resolve(**parameters)}``, resolved once here.  An op that needs something else
-(a check before the call, a parameter that is not the kernel's) gives its own ``prepare``.
+``mhc_cupy.<op>_bwd`` takes, less the incoming gradients: the op's arrays and parameters, in its
+order and with its defaults (e.g. Sinkhorn's ``grad_mode``, used by the backward only).
+:func:`public` writes that function (a ``def`` with exactly that signature, so a parameter added
+to an op's functional API and spec entry reaches both adapters) around the adapter's body (its
+routes), which gets ``kw``, the planner's keyword arguments: the parameters as given, or, where
+the op's planner takes the layer's settings (:func:`mhc_cupy._settings.takes_settings`),
+``{"settings": LayerSettings.resolve(**parameters)}``, resolved once here.  An op that needs
+something else (a check before the call, a parameter that is not the kernel's) gives its own
+``prepare``; each adapter lists those in its module docstring.
 
 :func:`flat` is where a ``kw`` becomes the primitive values of a ``torch.library`` custom
 operator's arguments (the settings flattened), in one place.  No framework is imported here.

@@ -10,9 +10,11 @@ returns is what the modules (``mhc_cupy.torch.MHC``), the adapters (``mhc_cupy.t
 ``mhc_cupy.jax``), the planners (``ops.sinkhorn``, ``ops.pre``, ``ops.layer``) and the plan
 caches take.  Hashable, so it is a plan-cache key and a static JAX argument as it is.
 
-Where primitives are needed (a ``torch.library`` custom operator's schema, the functional API's
-keywords), :meth:`LayerSettings.values` flattens it and :func:`takes_settings` resolves the
-primitives back.  No framework is imported here.
+Where primitives are needed (a ``torch.library`` custom operator's arguments: the one place is
+:func:`mhc_cupy._adapter.flat`), :meth:`LayerSettings.values` flattens it; :func:`takes_settings`
+lets a planner take the primitives back (the functional API's keywords, a custom operator), and
+:func:`filled` gives them, unchecked, to a caller that cannot check yet (code traced by
+torch.compile).  No framework is imported here.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from . import _checks, _convention
 from ._convention import DEFAULT
 
-__all__ = ["LayerSettings", "takes_settings"]
+__all__ = ["LayerSettings", "takes_settings", "filled"]
 
 
 @dataclass(frozen=True)

@@ -124,11 +124,11 @@ import importlib.util, json, sys
 import mhc_cupy.torch.layers as L
 
 seen, phase = [], ["?"]
-pre = L.mhc_layer_pre
+pre = L.layer_pre  # the fused pre piece, with the settings MHC resolved
 def spy(x, *args, **kwargs):  # what reaches the kernels: the streams MHC hands to the fused pre piece
     seen.append((phase[0], str(x.dtype)))
     return pre(x, *args, **kwargs)
-L.mhc_layer_pre = spy
+L.layer_pre = spy
 
 spec = importlib.util.spec_from_file_location("distributed_example", sys.argv[1])
 ex = importlib.util.module_from_spec(spec)

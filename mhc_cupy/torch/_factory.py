@@ -1,16 +1,16 @@
 """The torch side of the op table (``mhc_cupy.ops.SPECS``), generated.
 
 * :func:`register`: a kernel entry point as the ``torch.library`` custom operator
-  ``torch.ops.mhc_cupy.<name>``: its schema (the spec's arrays, then its parameters with their
-  defaults), its implementation (the functional API) and its fake function (the planner's
-  checks, then outputs of the spec's shapes and dtypes).
+  ``torch.ops.mhc_cupy.<name>``: its schema (the spec's arrays and parameters, in the functional
+  API's order, with the spec's defaults), its implementation (the functional API) and its fake
+  function (the planner's checks, then outputs of the spec's shapes and dtypes).
 * :func:`call`: one kernel, through that custom operator (torch.compile, tensor subclasses) or
   straight through its planner (eager: the dispatcher's per-call cost bypassed).
 * :class:`Op`: a differentiable op ``<op>`` from its ``<op>_fwd`` / ``<op>_bwd`` pair: the
   custom operators with their autograd registration (compiled), an eager ``autograd.Function``
-  and the call that picks the route (``Op.__call__``), all from the spec.  The backward gets
-  the saved inputs and the incoming gradients (None for an unused output of a multi-output op,
-  whose backward kernel counts it as zero) and returns the gradient of each input.
+  and the body of the public function, which picks the route (:meth:`Op.body`).  The backward
+  gets the saved inputs and the incoming gradients (None for an unused output of a multi-output
+  op, whose backward kernel counts it as zero) and returns the gradient of each input.
 
 The routes are described in :mod:`mhc_cupy.torch`; what an op needs beyond this is in
 :mod:`mhc_cupy.torch.functions`.

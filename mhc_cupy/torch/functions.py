@@ -9,19 +9,21 @@ functional ``*_bwd`` less its incoming gradients), by :mod:`mhc_cupy.torch._fact
 :mod:`mhc_cupy._adapter`; Sinkhorn's and the pre op's settings are resolved there into one
 :class:`mhc_cupy._settings.LayerSettings`.  Written here by hand, only what an op needs beyond that:
 
-==================================  ===========================================================
-op                                  by hand
-==================================  ===========================================================
-``rmsnorm``                         with a weight, on a GPU, while autograd records: C checked
-                                    against the weighted backward's limit now, not in backward
-                                    (its two backward operators, with and without the weight,
-                                    are generated: the weight is an optional input with a gradient)
-``mhc_coeffs``                      ``eps`` resolved per ``convention`` (not a kernel parameter)
-``mhc_post_op``                     ``convention`` checked before anything runs
-``mhc_layer_pre``, ``mhc_layer_post``  the fused layer pieces: x_link carries the post op's part of
-                                    dx into the pre piece's backward (two autograd Functions);
-                                    their custom operators are generated
-==================================  ===========================================================
+======================================  ======================================================
+op                                      by hand
+======================================  ======================================================
+``rmsnorm``                             with a weight, on a GPU, while autograd records: C
+                                        checked against the weighted backward's limit now, not
+                                        in backward (its backward operators with and without
+                                        the weight are generated: an optional input with a
+                                        gradient)
+``mhc_coeffs``                          ``eps`` resolved per ``convention`` (not a kernel
+                                        parameter)
+``mhc_post_op``                         ``convention`` checked before anything runs
+``mhc_layer_pre``, ``mhc_layer_post``   the fused layer pieces: x_link carries the post op's
+                                        part of dx into the pre piece's backward (two autograd
+                                        Functions, below); their custom operators are generated
+======================================  ======================================================
 
 Each public function's docstring is written here.  Imported through the package, which checks
 that torch is installed first.
@@ -35,7 +37,8 @@ from .._convention import DEFAULT
 from .._settings import LayerSettings
 from .. import ops as _ops
 from ..ops.layer import fold_post_dx
-from ._factory import NAMESPACE, REGISTERED as _REGISTERED, Op as _Op, call as _call, is_compiling as _is_compiling
+from ._factory import NAMESPACE  # noqa: F401 - re-exported: mhc_cupy.torch.NAMESPACE
+from ._factory import REGISTERED as _REGISTERED, Op as _Op, call as _call, is_compiling as _is_compiling
 from ._factory import register as _register
 from ._factory import needs_autograd as _needs_autograd, use_custom_op as _use_custom_op
 from ._link import autograd_pre as _autograd_pre, check_convention as _check_convention, tag as _tag

@@ -1,0 +1,75 @@
+"""The adapters from the op table (issue 42 item 4): every differentiable op of ``mhc_cupy.torch`` and
+``mhc_cupy.jax`` takes what the functional ``*_bwd`` takes less its incoming gradients, and every
+custom operator's arguments are its spec's arrays and parameters, so a parameter added to an op's
+functional API and spec entry reaches both adapters with nothing else to edit."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+import mhc_cupy as m
+from mhc_cupy import _adapter
+from mhc_cupy.ops import SPECS
+
+#: The ops whose adapters are generated whole (mhc_cupy.jax.mhc_head takes a parameter dict, by hand).
+OPS = ["sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute", "mhc_post_op",
+       "mhc_pre_op", "mhc_coeffs"]
+
+
+def _functional(op):
+    """mhc_cupy.<op>_bwd's signature without the incoming gradients."""
+    grads = {a.name for a in SPECS[f"{op}_bwd"].grads}
+    sig = inspect.signature(getattr(m, f"{op}_bwd"))
+    return sig.replace(parameters=[p for p in sig.parameters.values() if p.name not in grads])
+
+
+@pytest.mark.parametrize("op", OPS + ["mhc_head"])
+def test_torch_signatures_are_the_functional_apis(op):
+    mt = pytest.importorskip("mhc_cupy.torch")
+    fn = getattr(mt, op)
+    assert inspect.signature(fn) == _functional(op), op
+    assert fn.__module__ == "mhc_cupy.torch.functions" and fn.__name__ == op and fn.__doc__.strip()
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_jax_signatures_are_the_functional_apis(op):
+    mj = pytest.importorskip("mhc_cupy.jax")
+    fn = getattr(mj, op)
+    assert inspect.signature(fn) == _functional(op), op
+    assert fn.__module__ == "mhc_cupy.jax" and fn.__name__ == op and fn.__doc__.strip()
+
+
+def test_a_wrong_call_is_pythons_own_type_error():
+    mt = pytest.importorskip("mhc_cupy.torch")
+    with pytest.raises(TypeError, match=r"stream_mix\(\) got an unexpected keyword argument 'scale'"):
+        mt.stream_mix(None, None, scale=2.0)
+    with pytest.raises(TypeError, match=r"sinkhorn_knopp\(\) takes from 1 to 4 positional arguments but 5"):
+        mt.sinkhorn_knopp(None, 20, 1e-8, "unrolled", "paper")
+
+
+def test_custom_operators_take_the_spec_arrays_and_parameters():
+    """Each torch.ops.mhc_cupy.<name>'s arguments: its kernel's arrays (less the one a variant leaves
+    out) and parameters, the forward's with its backward's, in the functional API's order."""
+    pytest.importorskip("mhc_cupy.torch")
+    from mhc_cupy.torch._factory import REGISTERED
+
+    assert {"mhc_layer_pre_fwd", "mhc_layer_pre_bwd", "mhc_layer_post_bwd", "rmsnorm_weight_bwd"} < set(REGISTERED)
+    for name, r in REGISTERED.items():
+        k, op = r.kernel, name[:-4]
+        public = name.endswith("_fwd") and op in OPS + ["mhc_head"]  # a differentiable op's forward
+        params = {**k.params, **(SPECS[f"{op}_bwd"].params if public else {})}
+        names = [a.name for a in r.op._schema.arguments]
+        assert set(names) - set(params) <= set(k.names) and set(params) <= set(names), name
+        assert r.params == tuple(n for n in names if n in params) and r.arrays == frozenset(names) - set(params)
+        order = _adapter.parameters(op)[1] if public else inspect.signature(getattr(m, k.name)).parameters.values()
+        assert names == [p.name for p in order if p.name in names], name
+
+
+def test_flat_is_the_one_place_settings_become_primitives():
+    from mhc_cupy._settings import LayerSettings
+
+    s = LayerSettings.resolve("deepseek", num_iters=3)
+    assert _adapter.flat(("num_iters", "convention", "eps"), {"settings": s}) == (3, "deepseek", 1e-6)
+    assert _adapter.flat(("eps",), {"eps": 0.5}) == (0.5,)
