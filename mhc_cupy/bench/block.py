@@ -24,12 +24,11 @@ plain block's time: the least overhead a layer at the copy roofline could add.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from . import env
 from .layer import fused_options, layer_bytes, measure_torch, pin_fused, timing_words, torch_timer
-from .report import format_targets, run_rows
+from .report import mode_report_head, run_rows, target
 
 #: Default blocks: (C, heads, SwiGLU hidden size).
 BLOCK_CONFIGS = ((4096, 32, 11008), (2048, 16, 5504))
@@ -165,20 +164,14 @@ def block_case(C: int, heads: int, ffn: int, cfg, copy_GBps, on_gpu: bool, fused
 
 def run_block(cfg) -> dict:
     """Run the block mode ``cfg`` asks for (parsed arguments); returns the result dict."""
-    import torch
-
     import mhc_cupy.torch as mt
 
-    t0 = time.perf_counter()
-    on_gpu = torch.cuda.is_available()
     fused = fused_options(mt.MHC, cfg.fused)
-    compile_ = "torch.compile" in cfg.baselines
-    out_dir = Path(cfg.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result = env.torch_mode_result(cfg, "block", on_gpu, fused=cfg.fused, compile=compile_, batch=cfg.batch,
-                                   seq=cfg.seq, n=cfg.streams, configs=[list(c) for c in cfg.block_configs])
+    result, on_gpu, compile_, t0 = env.torch_mode_start(cfg, "block", fused=cfg.fused, batch=cfg.batch,
+                                                         seq=cfg.seq, n=cfg.streams,
+                                                         configs=[list(c) for c in cfg.block_configs])
     copy = result["copy"]
-    return run_rows(result, out_dir / "block.json", cfg.block_configs,
+    return run_rows(result, Path(cfg.out) / "block.json", cfg.block_configs,
                     lambda c: f"block C {c[0]}, {c[1]} heads, SwiGLU {c[2]}",
                     lambda c: block_case(*c, cfg, copy["GBps"], on_gpu, fused, compile_), evaluate_block_targets, t0)
 
@@ -190,26 +183,20 @@ def evaluate_block_targets(result: dict) -> list[dict]:
         name = f"mHC block overhead over plain residual, C {C} <= +{goal:.0%}"
         rows = [r for r in result.get("results", []) if r["C"] == C]
         ov = next((v for r in rows for k, v in r.get("overhead", {}).items() if not k.endswith("compiled")), None)
-        if ov is None:
-            out.append({"name": name, "status": "not measured", "measured": None, "detail": ""})
-        else:
-            out.append({"name": name, "status": "met" if ov <= goal else "missed", "measured": ov,
-                        "detail": f"+{ov:.1%}"})
+        out.append(target(name, ov, goal, "" if ov is None else f"+{ov:.1%}"))
     return out
 
 
 def format_block_report(result: dict) -> str:
     """The block mode's report (markdown): header, targets, table."""
-    meta, copy = result.get("meta", {}), result.get("copy", {})
-    st = meta.get("settings", {})
-    lines = [f"# mhc_cupy.bench --block  {meta.get('date', '')}  {meta.get('device', {}).get('name', '?')}  "
-             f"dtype {st.get('dtype', '?')}", "",
-             f"pre-norm block, {st.get('batch')} x {st.get('seq')} tokens, mHC n = {st.get('n')}; fwd+bwd of one "
-             f"block ({timing_words(result)}, median of {st.get('reps')}); overhead = mHC time / plain time - 1; "
-             f"floor share = byte floor of the two mHC "
-             f"layers at the copy bandwidth ({copy.get('GBps', 0):.0f} GB/s) / plain block time", "",
-             "```", format_targets(result.get("targets") or evaluate_block_targets(result)), "```", "",
-             "| C | heads | SwiGLU | impl | fwd+bwd ms | overhead | floor share |", "|---|---|---|---|---|---|---|"]
+    st, copy = result.get("meta", {}).get("settings", {}), result.get("copy", {})
+    lines = mode_report_head(
+        result, "block",
+        f"pre-norm block, {st.get('batch')} x {st.get('seq')} tokens, mHC n = {st.get('n')}; fwd+bwd of one block "
+        f"({timing_words(result)}, median of {st.get('reps')}); overhead = mHC time / plain time - 1; floor share = "
+        f"byte floor of the two mHC layers at the copy bandwidth ({copy.get('GBps', 0):.0f} GB/s) / plain block time",
+        result.get("targets") or evaluate_block_targets(result),
+        ("C", "heads", "SwiGLU", "impl", "fwd+bwd ms", "overhead", "floor share"))
     for r in result.get("results", []):
         for name, v in r["impls"].items():
             t = f"{v['us'] / 1e3:.3f}" if "us" in v else "err"

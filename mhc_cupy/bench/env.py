@@ -156,19 +156,30 @@ def cpu_torch_threads():
     finally:
         torch.set_num_threads(before)
 
-def torch_mode_result(cfg, mode: str, on_gpu: bool, **settings) -> dict:
-    """The skeleton of a PyTorch mode's result (``--block``, ``--stack``): schema, meta (date, argv,
-    device, versions, the timing settings and ``settings``), the copy bandwidth, empty lists."""
+def torch_mode_start(cfg, mode: str, **settings) -> tuple:
+    """Start a PyTorch mode's run (``--block``, ``--stack``, ``--small``): ``(result, on_gpu, compile_, t0)``
+    with the result's skeleton (schema, meta: date, argv, device, versions, the timing settings, whether
+    torch.compile is among the baselines and ``settings``; the copy bandwidth; empty lists), whether
+    a CUDA GPU runs it, whether to compile, and the start time; ``cfg.out`` made."""
     import datetime
+    import time
+    from pathlib import Path
+
+    import torch
 
     from .timing import copy_bandwidth, host_copy_bandwidth
 
+    t0 = time.perf_counter()
+    on_gpu = torch.cuda.is_available()
+    compile_ = "torch.compile" in cfg.baselines
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
     device = _device_meta() if on_gpu else {"name": "CPU (no CUDA GPU: wall clock)", "sm": None}
-    return {
+    result = {
         "schema": f"mhc_cupy.bench.{mode}/1",
         "meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                  "argv": list(cfg.argv), "device": device, "versions": _versions(),
                  "settings": {"mode": mode, "dtype": cfg.dtype, "reps": cfg.reps, "warmup": cfg.warmup,
-                              "calls": cfg.min_calls, "graph": cfg.graph, **settings}},
+                              "calls": cfg.min_calls, "graph": cfg.graph, "compile": compile_, **settings}},
         "copy": copy_bandwidth() if on_gpu else host_copy_bandwidth(), "results": [], "targets": [], "skipped": [],
     }
+    return result, on_gpu, compile_, t0

@@ -282,3 +282,20 @@ def run_rows(result: dict, path, items, label, case, evaluate, t0: float) -> dic
     result["targets"] = evaluate(result)
     result["meta"]["wall_s"] = time.perf_counter() - t0
     return result
+
+
+def target(name: str, measured, goal, detail: str = "") -> dict:
+    """A target's row: ``measured`` (None: not measured) against an upper bound ``goal``."""
+    if measured is None:
+        return {"name": name, "status": "not measured", "measured": None, "detail": ""}
+    return {"name": name, "status": "met" if measured <= goal else "missed", "measured": measured, "detail": detail}
+
+
+def mode_report_head(result: dict, mode: str, description: str, targets, columns) -> list:
+    """The first lines of a mode's markdown report: title (date, device, dtype), ``description``,
+    the targets, and the header of the table with ``columns``."""
+    meta = result.get("meta", {})
+    return [f"# mhc_cupy.bench --{mode}  {meta.get('date', '')}  {meta.get('device', {}).get('name', '?')}  "
+            f"dtype {meta.get('settings', {}).get('dtype', '?')}", "", description, "",
+            "```", format_targets(targets), "```", "",
+            "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]

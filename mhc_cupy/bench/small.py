@@ -17,11 +17,10 @@ Targets (issue 43): T <= 64 at C 7168 graph replay <= 8 us, eager <= 30 us and <
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from . import env
-from .report import format_targets, run_rows
+from .report import mode_report_head, run_rows, target
 
 #: Default token counts, hidden size and streams.
 SMALL_TOKENS, SMALL_C, SMALL_N = (1, 8, 64, 256, 4096), 7168, 4
@@ -69,16 +68,8 @@ def small_case(T: int, C: int, n: int, cfg, on_gpu: bool, compile_: bool) -> dic
 
 def run_small(cfg) -> dict:
     """Run the small mode ``cfg`` asks for (parsed arguments); returns the result dict."""
-    import torch
-
-    t0 = time.perf_counter()
-    on_gpu = torch.cuda.is_available()
-    compile_ = "torch.compile" in cfg.baselines
-    out_dir = Path(cfg.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result = env.torch_mode_result(cfg, "small", on_gpu, compile=compile_, tokens=list(cfg.small_tokens),
-                                   C=cfg.small_C, n=cfg.streams)
-    return run_rows(result, out_dir / "small.json", cfg.small_tokens, lambda T: f"small: {T} tokens",
+    result, on_gpu, compile_, t0 = env.torch_mode_start(cfg, "small", tokens=list(cfg.small_tokens), C=cfg.small_C, n=cfg.streams)
+    return run_rows(result, Path(cfg.out) / "small.json", cfg.small_tokens, lambda T: f"small: {T} tokens",
                     lambda T: small_case(T, cfg.small_C, cfg.streams, cfg, on_gpu, compile_),
                     evaluate_small_targets, t0)
 
@@ -90,25 +81,19 @@ def evaluate_small_targets(result: dict) -> list[dict]:
     for kind, goal in SMALL_TARGETS.items():
         name = f"layer forward, T <= 64, C {SMALL_C}, {kind} per call <= {goal:g} us"
         got = [r["impls"]["mhc_cupy"].get(f"{kind}_us") for r in rows]
-        if not got or any(v is None for v in got):
-            out.append({"name": name, "status": "not measured", "measured": None, "detail": ""})
-            continue
-        worst = max(got)
-        out.append({"name": name, "status": "met" if worst <= goal else "missed", "measured": worst,
-                    "detail": f"worst {worst:.1f} us"})
+        worst = None if not got or None in got else max(got)
+        out.append(target(name, worst, goal, "" if worst is None else f"worst {worst:.1f} us"))
     return out
 
 
 def format_small_report(result: dict) -> str:
     """The small mode's report (markdown): header, targets, table."""
-    meta = result.get("meta", {})
-    st = meta.get("settings", {})
-    lines = [f"# mhc_cupy.bench --small  {meta.get('date', '')}  {meta.get('device', {}).get('name', '?')}  "
-             f"dtype {st.get('dtype', '?')}", "",
-             f"one mHC layer forward (identity sublayer, no autograd), C {st.get('C')}, n {st.get('n')}; eager = wall "
-             "clock per back-to-back call (host included); graph = CUDA-event time per replayed call (GPU only)", "",
-             "```", format_targets(result.get("targets") or evaluate_small_targets(result)), "```", "",
-             "| tokens | impl | eager us | graph us |", "|---|---|---|---|"]
+    st = result.get("meta", {}).get("settings", {})
+    lines = mode_report_head(
+        result, "small",
+        f"one mHC layer forward (identity sublayer, no autograd), C {st.get('C')}, n {st.get('n')}; eager = wall clock "
+        "per back-to-back call (host included); graph = CUDA-event time per replayed call (GPU only)",
+        result.get("targets") or evaluate_small_targets(result), ("tokens", "impl", "eager us", "graph us"))
     for r in result.get("results", []):
         for name, v in r["impls"].items():
             cells = [f"{v[k]:.1f}" if k in v else ("err" if "error" in v else "") for k in ("eager_us", "graph_us")]

@@ -21,13 +21,12 @@ says whether its dx equals the chain's bitwise (``dx_equals_chain``: it must).
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from . import env
 from .block import build_blocks
 from .layer import measure_torch, timing_words, torch_timer
-from .report import format_targets, run_rows
+from .report import mode_report_head, run_rows, target
 
 #: Default models: (blocks L, C, heads, SwiGLU hidden size, batch, sequence) — the issue's two.
 STACK_CONFIGS = ((8, 2048, 16, 5504, 4, 2048), (4, 4096, 32, 11008, 1, 4096))
@@ -107,16 +106,8 @@ def stack_case(L: int, C: int, heads: int, ffn: int, batch: int, seq: int, cfg, 
 
 def run_stack(cfg) -> dict:
     """Run the stack mode ``cfg`` asks for (parsed arguments); returns the result dict."""
-    import torch
-
-    t0 = time.perf_counter()
-    on_gpu = torch.cuda.is_available()
-    compile_ = "torch.compile" in cfg.baselines
-    out_dir = Path(cfg.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result = env.torch_mode_result(cfg, "stack", on_gpu, compile=compile_, n=cfg.streams,
-                                   configs=[list(c) for c in cfg.stack_configs])
-    return run_rows(result, out_dir / "stack.json", cfg.stack_configs,
+    result, on_gpu, compile_, t0 = env.torch_mode_start(cfg, "stack", n=cfg.streams, configs=[list(c) for c in cfg.stack_configs])
+    return run_rows(result, Path(cfg.out) / "stack.json", cfg.stack_configs,
                     lambda c: f"stack of {c[0]} blocks, C {c[1]}, {c[4]} x {c[5]} tokens",
                     lambda c: stack_case(*c, cfg, on_gpu, compile_), evaluate_stack_targets, t0)
 
@@ -134,25 +125,21 @@ def evaluate_stack_targets(result: dict) -> list[dict]:
                 continue
             name = f"{L} blocks, C {C}: {what} <= " + (f"+{goal:.0%}" if kind == "overhead" else f"{goal:.2f}x")
             got = None if row is None else row[kind].get(impl)
-            if got is None:
-                out.append({"name": name, "status": "not measured", "measured": None, "detail": ""})
-            else:
-                out.append({"name": name, "status": "met" if got <= goal else "missed", "measured": got,
-                            "detail": f"{got:+.1%}" if kind == "overhead" else f"{got:.2f}x"})
+            out.append(target(name, got, goal, "" if got is None else f"{got:+.1%}" if kind == "overhead"
+                              else f"{got:.2f}x"))
     return out
 
 
 def format_stack_report(result: dict) -> str:
     """The stack mode's report (markdown): header, targets, table."""
-    meta = result.get("meta", {})
-    st = meta.get("settings", {})
-    lines = [f"# mhc_cupy.bench --stack  {meta.get('date', '')}  {meta.get('device', {}).get('name', '?')}  "
-             f"dtype {st.get('dtype', '?')}", "",
-             f"L pre-norm blocks (attention + SwiGLU), mHC n = {st.get('n')} around every sublayer; fwd+bwd of the "
-             f"model ({timing_words(result)}, median of {st.get('reps')}); overhead = time / plain time - 1; memory "
-             "= peak allocator bytes of a step beyond weights and inputs / plain's", "",
-             "```", format_targets(result.get("targets") or evaluate_stack_targets(result)), "```", "",
-             "| L | C | tokens | impl | fwd+bwd ms | overhead | peak GiB | memory |", "|---|---|---|---|---|---|---|---|"]
+    st = result.get("meta", {}).get("settings", {})
+    lines = mode_report_head(
+        result, "stack",
+        f"L pre-norm blocks (attention + SwiGLU), mHC n = {st.get('n')} around every sublayer; fwd+bwd of the model "
+        f"({timing_words(result)}, median of {st.get('reps')}); overhead = time / plain time - 1; memory = peak "
+        "allocator bytes of a step beyond weights and inputs / plain's",
+        result.get("targets") or evaluate_stack_targets(result),
+        ("L", "C", "tokens", "impl", "fwd+bwd ms", "overhead", "peak GiB", "memory"))
     for r in result.get("results", []):
         for name, v in r["impls"].items():
             t = f"{v['us'] / 1e3:.3f}" if "us" in v else "err"
