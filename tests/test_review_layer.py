@@ -235,3 +235,19 @@ def test_layer_post_refuses_x_in_place_of_x_link():
         mhc_layer_post(torch.tanh(layer_in), x_link * 1.0, H_post, H_res)
     mhc_layer_post(torch.tanh(layer_in), x_link, H_post, H_res).sum().backward()  # the intended use
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("change", ["view", "copy"])
+def test_x_link_must_be_the_pre_halfs_output_as_returned(change):
+    """mhc_layer_post knows mhc_layer_pre's x_link by the mark it carries (its own backward node),
+    not by a node's type name: a view or a copy of it is refused, naming what it needs."""
+    pytest.importorskip("torch")
+    from mhc_cupy.torch import mhc_layer_post, mhc_layer_pre
+
+    x, phi, alpha, bias = _leaves()
+    layer_in, x_link, H_post, H_res = mhc_layer_pre(x, phi, alpha, bias)
+    bad = x_link.view_as(x_link) if change == "view" else x_link.clone()
+    with pytest.raises(ValueError, match="x_link must be the x_link output of mhc_layer_pre, as it returned it"):
+        mhc_layer_post(layer_in.tanh(), bad, H_post, H_res)
+    mhc_layer_post(layer_in.tanh(), x_link, H_post, H_res).sum().backward()  # the output itself: accepted
+    assert x.grad is not None

@@ -10,8 +10,8 @@ completes (the fused layer's two halves, OPS.md section 9), and the checks it ru
   differ: H_res or its transpose).  An H_res that is not the pre half's output as returned (a copy,
   a slice, ``detach()``) carries no mark and is not checked.
 * While autograd records: :func:`autograd_pre`, the pre half's backward node behind ``x_link``
-  (checked to be one, with the same convention and the same H_res), which receives the post op's
-  part of dx.
+  (checked to be one by the mark :func:`link` puts on x_link, not by the node's type name, with the
+  same convention and the same H_res), which receives the post op's part of dx.
 """
 
 from __future__ import annotations
@@ -50,18 +50,27 @@ def check_convention(H_res, convention: str) -> None:
         raise _mismatch(convention, made)
 
 
+def link(x_link: Tensor) -> Tensor:
+    """``x_link`` (mhc_layer_pre's output while autograd records) marked with its own backward node, so
+    that :func:`autograd_pre` can tell it is that output, unchanged: a view, a copy or an in-place
+    change of it (which gives it another node) carries no or another mark.  Eager mode only (Dynamo
+    does not trace the attribute; under torch.compile the check is skipped)."""
+    if not torch.compiler.is_compiling():
+        x_link._mhc_pre_node = x_link.grad_fn
+    return x_link
+
+
 def autograd_pre(x_link: Tensor, H_res: Tensor, convention: str):
     """The autograd node of the mhc_layer_pre call that made ``x_link`` (its ctx), checked: ValueError
-    if x_link is not such an output, that call ran under another convention, or ``H_res`` is not
-    that call's H_res (its backward folds that H_res^T g into dx)."""
-    # autograd names a Function's backward node "<Function name>Backward"; the node is its ctx
+    if x_link is not such an output as returned (:func:`link`), that call ran under another convention,
+    or ``H_res`` is not that call's H_res (its backward folds that H_res^T g into dx)."""
     pre = x_link.grad_fn
-    if type(pre).__name__ != "_LayerPreFnBackward":
-        raise ValueError("x_link must be the x_link output of mhc_layer_pre (its backward receives this "
-                         f"op's output gradient); got a tensor whose grad_fn is {type(pre).__name__}")
-    pre_convention = pre.convention
-    if pre_convention != convention:  # the pre half's backward folds this op's dx in its convention
-        raise _mismatch(convention, pre_convention)
+    if pre is None or getattr(x_link, "_mhc_pre_node", None) is not pre:
+        raise ValueError("x_link must be the x_link output of mhc_layer_pre, as it returned it (its backward "
+                         "receives this op's output gradient); got a tensor whose grad_fn is "
+                         f"{type(pre).__name__}")
+    if pre.convention != convention:  # the pre half's backward folds this op's dx in its convention
+        raise _mismatch(convention, pre.convention)
     if pre.h_res_key is not None and tensor_key(H_res) != pre.h_res_key:
         raise ValueError("H_res must be the H_res output of the mhc_layer_pre call that made x_link (its "
                          "backward folds that H_res^T g into dx); for another H_res use mhc_post_op")
