@@ -64,7 +64,13 @@ def test_custom_operators_take_the_spec_arrays_and_parameters():
         assert set(names) - set(params) <= set(k.names) and set(params) <= set(names), name
         assert r.params == tuple(n for n in names if n in params) and r.arrays == frozenset(names) - set(params)
         order = _adapter.parameters(op)[1] if public else inspect.signature(getattr(m, k.name)).parameters.values()
-        assert names == [p.name for p in order if p.name in names], name
+        order = [p for p in order if p.name in names]
+        assert names == [p.name for p in order], name
+        # defaults where the functional API's arguments are keyword-only (the schemas as written by hand before)
+        defaults = [a.has_default_value() for a in r.op._schema.arguments]
+        assert defaults == [p.kind is p.KEYWORD_ONLY for p in order], name
+    weight = REGISTERED["rmsnorm_weight_bwd"].op._schema.arguments[-1]
+    assert (weight.name, str(weight.type)) == ("weight", "Tensor")  # required where its gradient is returned
 
 
 def test_flat_is_the_one_place_settings_become_primitives():

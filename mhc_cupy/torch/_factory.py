@@ -2,8 +2,8 @@
 
 * :func:`register`: a kernel entry point as the ``torch.library`` custom operator
   ``torch.ops.mhc_cupy.<name>``: its schema (the spec's arrays and parameters, in the functional
-  API's order, with the spec's defaults), its implementation (the functional API) and its fake
-  function (the planner's checks, then outputs of the spec's shapes and dtypes).
+  API's order, its keyword-only ones defaulted), its implementation (the functional API) and its
+  fake function (the planner's checks, then outputs of the spec's shapes and dtypes).
 * :func:`call`: one kernel, through that custom operator (torch.compile, tensor subclasses) or
   straight through its planner (eager: the dispatcher's per-call cost bypassed).
 * :class:`Op`: a differentiable op ``<op>`` from its ``<op>_fwd`` / ``<op>_bwd`` pair: the
@@ -105,37 +105,42 @@ class Registered(NamedTuple):
 #: Every registered custom operator, by name.
 REGISTERED: dict = {}
 
-_TYPES = {bool: "bool", int: "int", float: "float", str: "str"}
+_TYPES = {bool: "bool", int: "SymInt", float: "float", str: "str"}  # as torch.library infers them
 
 
-def register(name: str, kernel, signature=None, params: dict | None = None, without: str | None = None) -> Registered:
+def register(name: str, kernel, signature=None, params: dict | None = None, without: str | None = None,
+             given: str | None = None) -> Registered:
     """Register kernel ``kernel`` (an op spec) as the custom operator ``mhc_cupy::<name>``.
 
     Its schema: the arguments of ``signature`` (``inspect.Parameter``; default the functional
     API's, ``mhc_cupy.<kernel>``) that are the kernel's arrays (``Tensor`` / ``Tensor?``) or
-    parameters (typed and defaulted by ``params``, default the spec's), in that order.  Its
-    implementation runs the functional API with the kernel's own.
+    parameters (typed by ``params``, default the spec's), in that order; the keyword-only ones
+    with a default (the spec's; None for an array).  Its implementation runs the functional API
+    with the kernel's own.
 
     Args:
         without: an optional input left out (None for the kernel), with the output that is its
-            gradient: a custom operator returns a fixed number of tensors.
+            gradient: a custom operator returns a fixed number of tensors.  given: an optional
+            input that this operator requires (its variant with that gradient).
     """
     functional = getattr(_ops, kernel.name)
     if signature is None:
         signature = inspect.signature(functional).parameters.values()
     params = dict(kernel.params if params is None else params)
-    given = {a.name: a for a in kernel.args if a.name != without}
+    arrays = {a.name: a for a in kernel.args if a.name != without}
     args, names = [], []
     for p in signature:
-        if p.name in given:
-            opt = given[p.name].optional
-            args.append(f"Tensor{'?' if opt else ''} {p.name}" + ("=None" if opt and p.default is None else ""))
+        default = p.kind is p.KEYWORD_ONLY  # the functional API's keyword-only ones: defaulted
+        if p.name in arrays:
+            opt = arrays[p.name].optional and p.name != given
+            args.append(f"Tensor{'?' if opt else ''} {p.name}" + ("=None" if opt and default else ""))
         elif p.name in params:
-            args.append(f"{_TYPES[type(params[p.name])]} {p.name}={json.dumps(params[p.name])}")
+            v = params[p.name]
+            args.append(f"{_TYPES[type(v)]} {p.name}" + (f"={json.dumps(v)}" if default else ""))
         else:
             continue  # not the kernel's (mhc_coeffs' convention: it resolves eps)
         names.append(p.name)
-    assert set(given) | set(params) == set(names), (name, names)
+    assert set(arrays) | set(params) == set(names), (name, names)
     outputs = tuple(o for o in kernel.outputs if o.name != without or not kernel.is_grad(o))
     own = set(kernel.params)
 
@@ -146,7 +151,7 @@ def register(name: str, kernel, signature=None, params: dict | None = None, with
 
     def impl(*args):
         kw = bound(args)
-        return functional(**{k: kw.get(k) for k in given}, **{k: kw[k] for k in params if k in own})
+        return functional(**{k: kw.get(k) for k in arrays}, **{k: kw[k] for k in params if k in own})
 
     def fake(*args):
         """Run the functional API's checks (:func:`_validate`), then return empty outputs of the spec's
@@ -173,7 +178,7 @@ def register(name: str, kernel, signature=None, params: dict | None = None, with
                                  schema=f"({', '.join(args)}) -> {returns}")
     op.register_fake(fake)
     REGISTERED[name] = r = Registered(getattr(getattr(torch.ops, NAMESPACE), name).default, kernel, tuple(names),
-                                      frozenset(given), tuple(n for n in names if n not in given), op)
+                                      frozenset(arrays), tuple(n for n in names if n not in arrays), op)
     return r
 
 
@@ -212,7 +217,7 @@ class Op:
         self.varies = varies[0] if varies else None
         register(bwd.name, bwd, without=self.varies)
         if self.varies:
-            register(f"{name}_{self.varies}_bwd", bwd)
+            register(f"{name}_{self.varies}_bwd", bwd, given=self.varies)
         # unused outputs' gradients arrive as None where the backward takes them as optional
         self.materialize = not all(g.optional for g in bwd.grads)
         self.bwd_names = tuple(a.name for a in bwd.args)
