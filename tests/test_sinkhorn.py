@@ -7,7 +7,7 @@ random logits seeded per test.
 GPU (``gpu_test``: skipped without a GPU, CuPy allocations NaN-poisoned): the kernels against
 the float64 reference on the same float32 logits; what is left is float32 arithmetic through
 the normalisation steps (``SINKHORN_TOL``, relative to the scale).  The DeepSeek-V4 convention's
-Sinkhorn (softmax start) is in tests/test_deepseek.py.
+Sinkhorn (softmax start) is in tests/test_deepseek.py (CPU) and tests/test_deepseek_gpu.py (GPU).
 """
 
 from __future__ import annotations
