@@ -41,9 +41,8 @@ from ._factory import NAMESPACE  # noqa: F401 - re-exported: mhc_cupy.torch.NAME
 from ._factory import REGISTERED as _REGISTERED, Op as _Op, call as _call, is_compiling as _is_compiling
 from ._factory import register as _register
 from ._factory import needs_autograd as _needs_autograd, use_custom_op as _use_custom_op
-from . import _link
 from ._link import autograd_pre as _autograd_pre, check_convention as _check_convention, tag as _tag
-from ._link import tensor_key as _tensor_key
+from ._link import link as _mark_link, tensor_key as _tensor_key
 
 __all__ = [
     "sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute",
@@ -408,7 +407,7 @@ def layer_pre(x, phi, alpha, bias, kw: dict):
     custom = _use_custom_op(x, phi, alpha, bias)
     if _needs_autograd(x, phi, alpha, bias):
         layer_in, x_link, H_post, H_res = _LayerPreFn.apply(x, phi, alpha, bias, kw, custom)
-        out = layer_in, _link.link(x_link), H_post, H_res
+        out = layer_in, _mark_link(x_link), H_post, H_res
     else:
         layer_in, _, H_post, H_res, _ = _call("mhc_layer_pre_fwd", custom, {
             "x": x, "phi": phi, "alpha": alpha, "bias": bias}, kw)
