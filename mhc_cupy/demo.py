@@ -57,7 +57,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from .torch import MHC, MHCStack, collapse_streams, expand_streams
-from .torch.stack import recompute_blocks
+from ._stack import recompute_blocks
 
 GPU_PRESET = dict(dim=256, layers=6, heads=4, seq=256, batch=32, steps=1000, lr=2e-3, eval_every=100,
                   eval_batches=4, dropout=0.1)

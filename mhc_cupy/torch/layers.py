@@ -181,6 +181,19 @@ class CollapseStreams(nn.Module):
 
 
 # ------------------------------------------------------------------- layer
+class _NotInAStack:
+    """``MHC._stack_slot`` outside a recomputing :class:`mhc_cupy.torch.MHCStack`: the mHC pieces save
+    their tensors as usual and nothing is recorded."""
+
+    _as_usual = contextlib.nullcontext()
+
+    def saving(self):
+        return self._as_usual
+
+    def record(self, y, H_post, H_res, convention) -> None:
+        pass
+
+
 class MHC(Float32Parameters):
     """mHC around one sublayer: x_{l+1} = H_res x_l + H_post^T F(H_pre x_l) (paper Eq. 3).
 
@@ -346,12 +359,12 @@ class MHC(Float32Parameters):
 
     #: set by :class:`mhc_cupy.torch.MHCStack` around a call when it recomputes: the hooks that save
     #: the mHC pieces' tensors (the sublayer's are its own) and the sink of the residual update's inputs
-    _stack_slot = None
+    _stack_slot = _NotInAStack()
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         s = self.settings
         slot = self._stack_slot
-        with slot.saving() if slot is not None else contextlib.nullcontext():
+        with slot.saving():
             if self.fused(x):
                 self._check(x)
                 layer_in, x_in, H_post, H_res = layer_pre(x, _as_f32(self.phi), _as_f32(self.alpha),
@@ -368,8 +381,6 @@ class MHC(Float32Parameters):
         if y.shape != layer_in.shape:
             raise ValueError(f"sublayer returned shape {tuple(y.shape)}; MHC needs [..., C] = {tuple(layer_in.shape)}")
         y = y.to(x.dtype)
-        if slot is None:
-            return post(y, x_in, H_post, H_res, convention=self.convention)
         slot.record(y, H_post, H_res, self.convention)
         with slot.saving():
             return post(y, x_in, H_post, H_res, convention=self.convention)
