@@ -1,5 +1,5 @@
-"""Float64 NumPy references of OPS.md sections 8, 9 and 11: the per-token coefficients from vec(x)
-(the coefficient path), the fused layer pieces and the head.  Part of :mod:`mhc_cupy.reference`
+"""Float64 NumPy references of OPS.md sections 8, 9, 11 and 12: the per-token coefficients from vec(x)
+(the coefficient path), the fused layer pieces, the head and the fused layer boundary.  Part of :mod:`mhc_cupy.reference`
 (its docstring: the conventions every reference follows), which exports them.
 """
 
@@ -10,7 +10,7 @@ import math
 import numpy as np
 
 from ._convention import DEFAULT, resolve as _resolve
-from ._reference_ops import _f64, _res_matrix, _rms_inv, _sigmoid, mhc_pre_op_bwd, mhc_pre_op_fwd
+from ._reference_ops import _f64, _res_matrix, _rms_inv, _sigmoid, mhc_post_op_fwd, mhc_pre_op_bwd, mhc_pre_op_fwd
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,3 +215,21 @@ def mhc_head_bwd(grad, x, hc_fn, hc_scale, hc_base, rms_eps=1e-6, hc_eps=1e-6):
     c = (gz * scale * Ht).sum(axis=-1, keepdims=True) * rinv**3 / (n * C)
     dx = ((s + hc_eps)[:, :, None] * g[:, None, :]).reshape(xt.shape) + dH @ _f64(hc_fn) - c * xt
     return (dx.reshape(x.shape), dH.T @ xt, np.array([(gz * Ht * rinv).sum()]), gz.sum(axis=0))
+
+
+# ----------------------------------------------------------------------------------------------
+# 12. The fused layer boundary
+# ----------------------------------------------------------------------------------------------
+
+def mhc_boundary_fwd(layer_out, x, H_post, H_res, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT,
+                     convention="paper", hc_eps=DEFAULT, post_mult=DEFAULT):
+    """Layer l's ``mhc_post_op_fwd`` then layer l+1's ``mhc_layer_pre_fwd`` (OPS.md §12), the streams
+    between them rounded to x's dtype first, as the kernels store them and the next layer reads them.
+
+    Returns:
+        (out ``[..., n, C]`` (the rounded streams), layer_in, H_pre, H_post, H_res, stats of layer l+1 as
+        ``mhc_layer_pre_fwd``), float64.
+    """
+    out = np.asarray(mhc_post_op_fwd(layer_out, x, H_post, H_res, convention)).astype(np.asarray(x).dtype)
+    return (_f64(out), *mhc_layer_pre_fwd(out, phi, alpha, bias, num_iters, eps, rms_eps, convention, hc_eps,
+                                          post_mult))

@@ -28,8 +28,8 @@ from ._reference_ops import (  # noqa: F401 - sections 1-7
     sinkhorn_knopp_bwd, sinkhorn_knopp_fwd, stream_aggregate_bwd, stream_aggregate_fwd, stream_distribute_bwd,
     stream_distribute_fwd, stream_mix_bwd, stream_mix_fwd,
 )
-from ._reference_coeffs import (  # noqa: F401 - sections 8, 9, 11
-    mhc_coeffs_bwd, mhc_coeffs_fwd, mhc_head_bwd, mhc_head_fwd, mhc_layer_pre_bwd, mhc_layer_pre_fwd,
+from ._reference_coeffs import (  # noqa: F401 - sections 8, 9, 11, 12
+    mhc_boundary_fwd, mhc_coeffs_bwd, mhc_coeffs_fwd, mhc_head_bwd, mhc_head_fwd, mhc_layer_pre_bwd, mhc_layer_pre_fwd,
 )
 
 __all__ = [

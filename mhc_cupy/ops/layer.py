@@ -52,27 +52,46 @@ def fold_post_dx(n: int) -> bool:
     return n <= FOLD_MAX_N
 
 
+def raw_coefficient_scratch(tokens: int, n: int) -> dict:
+    """Scratch of :func:`launch_pre_from_sums`: the raw coefficients h_pre, h_post, h_res (float32)."""
+    return {"h_pre": ((tokens, n), "float32"), "h_post": ((tokens, n), "float32"), "h_res": ((tokens, n, n), "float32")}
+
+
+def launch_pre_from_sums(dt, n, C, D, K, tokens, rms_eps, s: LayerSettings, *, x, part, splits, alpha, bias, outs, sc,
+                         stream):
+    """The layer's pre piece from the forward GEMM's per-range sums part [splits, T, K+1]: the raw
+    coefficients (and stats), Sinkhorn and the activations, then layer_in = sum_i H_pre_i x_i.
+    ``outs``: (layer_in, H_pre, H_post, H_res, stats); ``sc``: :func:`raw_coefficient_scratch`."""
+    layer_in, H_pre, H_post, H_res, stats = outs
+    launch_finish(tokens, D, n, K, rms_eps, part=part, splits=splits, alpha=alpha, bias=bias, h_pre=sc["h_pre"],
+                  h_post=sc["h_post"], h_res=sc["h_res"], stats=stats, stream=stream)
+    launch_fwd(n, tokens, s.num_iters, s.eps, logits=sc["h_res"], P=H_res, stream=stream, h_pre_raw=sc["h_pre"],
+               h_post_raw=sc["h_post"], H_pre=H_pre, H_post=H_post, ds=s.deepseek, hc_eps=s.hc_eps,
+               post_mult=s.post_mult)
+    launch_aggregate_fwd(dt, n, C, tokens, x=x, h=H_pre, h_stride=n, out=layer_in, stream=stream)
+
+
+def pre_outputs(lead: tuple, n: int, C: int, K: int, dt: str) -> list:
+    """(shape, dtype) of mhc_layer_pre_fwd's outputs: layer_in, H_pre, H_post, H_res, stats."""
+    return [(lead + (C,), dt), (lead + (n,), "float32"), (lead + (n,), "float32"), (lead + (n, n), "float32"),
+            (lead + (K + 1,), "float32")]
+
+
 @takes_settings
 def _plan_pre_fwd(infos, s: LayerSettings):
     dt, lead, n, C, D, K, tokens, rms_eps = _check_coeffs(infos, s.rms_eps, False, eps_name="rms_eps")
-    iters, eps, ds, hc_eps, post_mult = s.num_iters, s.eps, s.deepseek, s.hc_eps, s.post_mult
+    iters, eps, hc_eps, post_mult = s.num_iters, s.eps, s.hc_eps, s.post_mult
     mma = mma_layout(tokens, D, K, dt)
     scratch = {"part": ((mma.splits, tokens, K + 1), "float32"), "planes": mma.planes_shape,
-               "h_pre": ((tokens, n), "float32"), "h_post": ((tokens, n), "float32"),
-               "h_res": ((tokens, n, n), "float32")}
+               **raw_coefficient_scratch(tokens, n)}
 
     def run_kernels(p, outs, sc, stream):
-        layer_in, H_pre, H_post, H_res, stats = outs
         launch_mma_gemm(dt, D, K, tokens, x=p["x"], phi=p["phi"], part=sc["part"], planes=sc["planes"], mma=mma,
                         stream=stream)
-        launch_finish(tokens, D, n, K, rms_eps, part=sc["part"], splits=mma.splits, alpha=p["alpha"], bias=p["bias"],
-                      h_pre=sc["h_pre"], h_post=sc["h_post"], h_res=sc["h_res"], stats=stats, stream=stream)
-        launch_fwd(n, tokens, iters, eps, logits=sc["h_res"], P=H_res, stream=stream, h_pre_raw=sc["h_pre"],
-                   h_post_raw=sc["h_post"], H_pre=H_pre, H_post=H_post, ds=ds, hc_eps=hc_eps, post_mult=post_mult)
-        launch_aggregate_fwd(dt, n, C, tokens, x=p["x"], h=H_pre, h_stride=n, out=layer_in, stream=stream)
+        launch_pre_from_sums(dt, n, C, D, K, tokens, rms_eps, s, x=p["x"], part=sc["part"], splits=mma.splits,
+                             alpha=p["alpha"], bias=p["bias"], outs=outs, sc=sc, stream=stream)
 
-    return Plan([(lead + (C,), dt), (lead + (n,), "float32"), (lead + (n,), "float32"), (lead + (n, n), "float32"),
-                 (lead + (K + 1,), "float32")], run_kernels,
+    return Plan(pre_outputs(lead, n, C, K, dt), run_kernels,
                 lambda a: reference.mhc_layer_pre_fwd(a["x"], a["phi"], a["alpha"], a["bias"], iters, eps, rms_eps,
                                                       s.convention, hc_eps, post_mult),
                 scratch=scratch, empty=tokens == 0)
@@ -173,8 +192,7 @@ def _plan_pre_bwd(infos, s: LayerSettings):
     KP = padded_row(K)
     b = backward_layout(tokens, n, C, K, dt)
     hist = bwd_history(n, tokens, iters, mode)[2] if infos["grad_H_res"] is not None else 0
-    scratch = {"h_pre": ((tokens, n), "float32"), "h_post": ((tokens, n), "float32"),
-               "h_res": ((tokens, n, n), "float32"), "dh_pre": ((tokens, n), "float32"),
+    scratch = {**raw_coefficient_scratch(tokens, n), "dh_pre": ((tokens, n), "float32"),
                "dh_post": ((tokens, n), "float32"), "dh_res": ((tokens, n, n), "float32"),
                "dH": ((tokens, KP), "float32"), "qa": ((tokens, 3), "float32"), **b.scratch()}
     if hist:
