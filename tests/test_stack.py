@@ -107,6 +107,42 @@ def test_stack_matches_a_chain_of_float64_reference_layers(rng, lead, n, C, L):
         assert_close(p, q, tol, f"grad of parameter {i}")
 
 
+@pytest.mark.parametrize("recompute", [None, 2])
+@pytest.mark.parametrize("lead,n,C,L", [((3,), 2, 8, 2), ((2, 3), 4, 7, 3), ((127,), 4, 16, 5), ((2,), 8, 9, 4)])
+def test_fused_boundaries_equal_the_chain_and_run_the_boundary_op(rng, monkeypatch, lead, n, C, L, recompute):
+    """fuse_boundaries=True: layers 1 .. L-1 take their pre piece from the previous layer's residual
+    update (mhc_boundary_fwd), none computes it again; on the CPU (float64 references, the streams
+    rounded between them as the kernels store them) the values and gradients are the chain's bitwise."""
+    from mhc_cupy import reference
+
+    calls = {"mhc_boundary_fwd": 0, "mhc_layer_pre_fwd": 0}
+    for name in calls:
+        def counted(*a, _f=getattr(reference, name), _name=name, **k):
+            calls[_name] += 1
+            return _f(*a, **k)
+        monkeypatch.setattr(reference, name, counted)
+    layers = make_layers(L, n, C, int(rng.integers(1 << 30)))
+    x = torch.from_numpy(rng.standard_normal(lead + (n, C))).float()
+    g = torch.from_numpy(rng.standard_normal(lead + (n, C))).float()
+    want = run(nn.Sequential(*layers), x, g)
+    calls.update(dict.fromkeys(calls, 0))
+    stack = mt.MHCStack(layers, recompute=recompute, fuse_boundaries=True)
+    assert_bitwise(run(stack, x, g), want, "fused boundaries")
+    assert calls == {"mhc_boundary_fwd": L - 1, "mhc_layer_pre_fwd": 1}, calls
+    assert "fuse_boundaries=True" in repr(stack)
+    with torch.no_grad():
+        assert torch.equal(stack(x), want[0])
+
+
+def test_fused_boundaries_only_between_layers_of_one_convention(rng):
+    layers = make_layers(2, 4, 8, 11) + make_layers(1, 4, 8, 12, convention="deepseek")
+    x = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+    g = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+    assert_bitwise(run(mt.MHCStack(layers, fuse_boundaries=True), x, g), run(nn.Sequential(*layers), x, g), "mixed")
+    with pytest.raises(TypeError, match="fuse_boundaries must be a bool, got 1"):
+        mt.MHCStack(layers, fuse_boundaries=1)
+
+
 def test_extra_forward_arguments_reach_every_sublayer(rng):
     layers = make_layers(3, 4, 8, 1)
     x = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
@@ -230,13 +266,37 @@ def test_gpu_stack_recompute_is_bitwise_the_chain(dtype, n, C):
         assert_bitwise(run(mt.MHCStack(layers, recompute=recompute), x, g), want, f"recompute={recompute!r}")
 
 
-@pytest.mark.parametrize("recompute", [None, 2])
-def test_compile_fullgraph(rng, recompute):
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n,C,convention", [(4, 64, "paper"), (4, 200, "deepseek"), (2, 24, "paper"),
+                                            (6, 64, "paper"), (8, 64, "paper"), (4, 7, "paper")])
+def test_gpu_fused_boundaries_match_the_chain(dtype, n, C, convention):
+    """On the GPU the fused boundary kernel (n <= 6, C % 8 == 0; else the separate kernels) gives
+    the chain's values and gradients to float32 rounding of the coefficient sums, bitwise
+    repeatable, with and without recompute (bitwise equal to each other)."""
+    L, lead = 4, (3, 127)
+    layers = [layer.cuda() for layer in make_layers(L, n, C, 9, convention)]
+    for layer in layers:
+        layer.sublayer.to(dtype)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(lead + (n, C), device="cuda", generator=gen).to(dtype)
+    g = torch.randn(lead + (n, C), device="cuda", generator=gen).to(dtype)
+    want = run(nn.Sequential(*layers), x, g)
+    got = run(mt.MHCStack(layers, fuse_boundaries=True), x, g)
+    assert_bitwise(run(mt.MHCStack(layers, fuse_boundaries=True), x, g), got, "repeatable")
+    assert_bitwise(run(mt.MHCStack(layers, recompute=2, fuse_boundaries=True), x, g), got, "recompute")
+    tol = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-4}[dtype]
+    for a, b, what in zip((got[0], got[1], *got[2]), (want[0], want[1], *want[2]), ("out", "dx", *["param"] * 99)):
+        assert_close(a.float().cpu().numpy(), b.float().cpu().numpy(), tol, what, scale="max")
+
+
+@pytest.mark.parametrize("recompute,fuse", [(None, False), (2, False), (2, True)])
+def test_compile_fullgraph(rng, recompute, fuse):
     """torch.compile(fullgraph=True) of a stack traces without a break (recompute is eager-only:
     compiled, the stack saves every layer's streams) and gives the eager values and gradients."""
     torch._dynamo.reset()
     layers = make_layers(3, 4, 8, 8)
-    stack = mt.MHCStack(layers, recompute=recompute)
+    stack = mt.MHCStack(layers, recompute=recompute, fuse_boundaries=fuse)
     x = torch.from_numpy(rng.standard_normal((2, 3, 4, 8))).float()
     g = torch.from_numpy(rng.standard_normal((2, 3, 4, 8))).float()
     want = run(stack, x, g)

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from .. import _adapter, _convention, _settings
 from .._convention import DEFAULT
+from .._dispatch import run as _run_plan
 from .._settings import LayerSettings
 from .. import ops as _ops
 from ..ops.layer import fold_post_dx
@@ -312,10 +313,38 @@ def _same_tensor(a: Tensor, b) -> bool:
     return b is not None and _tensor_key(a) == _tensor_key(b)
 
 
+class NextPre:
+    """The next layer's pre piece, fused into a layer's residual update by a stack
+    (``mhc_boundary_fwd``, OPS.md section 12): that layer's parameters and settings go in; its
+    outputs for the streams this residual update returns come out, taken once by its
+    :func:`layer_pre` call on exactly those streams."""
+
+    __slots__ = ("phi", "alpha", "bias", "settings", "out_key", "outputs")
+
+    def __init__(self, phi, alpha, bias, settings: LayerSettings):
+        self.phi, self.alpha, self.bias, self.settings = phi, alpha, bias, settings
+        self.out_key = self.outputs = None
+
+    def run(self, layer_out, x, H_post, H_res) -> Tensor:
+        """The residual update (bitwise mhc_post_op_fwd's) and the next pre piece's outputs, kept."""
+        out, *rest = _run_plan(_ops.SPECS["mhc_boundary_fwd"].planner, {
+            "layer_out": layer_out, "x": x, "H_post": H_post, "H_res": H_res, "phi": self.phi, "alpha": self.alpha,
+            "bias": self.bias}, settings=self.settings)
+        self.out_key, self.outputs = _tensor_key(out), tuple(rest)
+        return out
+
+    def take(self, x: Tensor):
+        """(layer_in, H_pre, H_post, H_res, stats) computed for x, once; None for other streams."""
+        if self.outputs is None or _tensor_key(x) != self.out_key:
+            return None
+        outputs, self.outputs = self.outputs, None
+        return outputs
+
+
 class _LayerPreFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, phi, alpha, bias, kw, custom):
-        layer_in, H_pre, H_post, H_res, stats = _call("mhc_layer_pre_fwd", custom, {
+    def forward(ctx, x, phi, alpha, bias, kw, custom, given=None):
+        layer_in, H_pre, H_post, H_res, stats = given or _call("mhc_layer_pre_fwd", custom, {
             "x": x, "phi": phi, "alpha": alpha, "bias": bias}, kw)
         ctx.save_for_backward(x, phi, alpha, bias, stats, H_pre, H_res)
         ctx.kw, ctx.custom, ctx.convention = kw, custom, _adapter.flat(("convention",), kw)[0]
@@ -344,14 +373,16 @@ class _LayerPreFn(torch.autograd.Function):
             "grad_layer_in": g_layer_in, "grad_out": g_out if fold else None, "grad_H_post": g_H_post,
             "grad_H_res": g_H_res, "grad_x": None if fold else g_out, "x": x, "phi": phi, "alpha": alpha, "bias": bias,
             "stats": stats, "H_pre": H_pre, "H_res": H_res}, ctx.kw)
-        return dx, dphi, dalpha, dbias, None, None
+        return dx, dphi, dalpha, dbias, None, None, None
 
 
 class _LayerPostFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, layer_out, x_link, H_post, H_res, convention, pre, custom):
+    def forward(ctx, layer_out, x_link, H_post, H_res, convention, pre, custom, nxt=None):
         ctx.save_for_backward(layer_out, x_link, H_post, H_res)
         ctx.custom, ctx.convention, ctx.pre = custom, convention, pre
+        if nxt is not None:
+            return nxt.run(layer_out, x_link, H_post, H_res)
         return _call("mhc_post_op_fwd", custom, {"layer_out": layer_out, "x": x_link, "H_post": H_post,
                                                  "H_res": H_res}, {"convention": convention})
 
@@ -368,7 +399,7 @@ class _LayerPostFn(torch.autograd.Function):
             dy, sent, dH_post, dH_res = _call("mhc_post_op_bwd", ctx.custom, arrays, kw)
         if ctx.pre is not None:  # the pre piece checks that x_link's gradient is this and nothing else
             ctx.pre.g_sent = sent  # (the reference also keeps autograd from summing into it in place)
-        return dy, sent, dH_post, dH_res, None, None, None  # travels to _LayerPreFn.backward along x_link
+        return dy, sent, dH_post, dH_res, None, None, None, None  # travels to _LayerPreFn.backward along x_link
 
 
 def mhc_layer_pre(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, grad_mode="unrolled", *,
@@ -401,15 +432,17 @@ def mhc_layer_pre(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_eps=D
                                                        post_mult=post_mult))
 
 
-def layer_pre(x, phi, alpha, bias, kw: dict):
+def layer_pre(x, phi, alpha, bias, kw: dict, given=None):
     """:func:`mhc_layer_pre` with its settings resolved: ``kw`` = ``{"settings": LayerSettings}`` (``MHC``
-    holds its settings so), or under torch.compile the values (:func:`_settings_kw`)."""
+    holds its settings so), or under torch.compile the values (:func:`_settings_kw`).  ``given``: its
+    forward's outputs (layer_in, H_pre, H_post, H_res, stats) already computed for x
+    (:meth:`NextPre.take`, eager only), or None."""
     custom = _use_custom_op(x, phi, alpha, bias)
     if _needs_autograd(x, phi, alpha, bias):
-        layer_in, x_link, H_post, H_res = _LayerPreFn.apply(x, phi, alpha, bias, kw, custom)
+        layer_in, x_link, H_post, H_res = _LayerPreFn.apply(x, phi, alpha, bias, kw, custom, given)
         out = layer_in, _mark_link(x_link), H_post, H_res
     else:
-        layer_in, _, H_post, H_res, _ = _call("mhc_layer_pre_fwd", custom, {
+        layer_in, _, H_post, H_res, _ = given or _call("mhc_layer_pre_fwd", custom, {
             "x": x, "phi": phi, "alpha": alpha, "bias": bias}, kw)
         out = layer_in, x, H_post, H_res
     # mhc_layer_post checks the mark in every mode
@@ -445,10 +478,20 @@ def mhc_layer_post(layer_out, x_link, H_post, H_res, *, convention="paper"):
         own gradient (``x_link.grad``, hooks on x_link, ``torch.autograd.grad`` w.r.t. x_link)
         is that output gradient, not dL/dx_link; dx is right.
     """
+    return layer_post(layer_out, x_link, H_post, H_res, convention)
+
+
+def layer_post(layer_out, x_link, H_post, H_res, convention: str, nxt: NextPre | None = None):
+    """:func:`mhc_layer_post`; ``nxt`` (eager only, from a stack): the next layer's pre piece, fused
+    into this residual update (OPS.md section 12; its convention is ``convention``)."""
     _check_convention(H_res, _convention.check(convention))  # H_res marked by mhc_layer_pre: every mode
-    if not _needs_autograd(layer_out, x_link, H_post, H_res):
-        return mhc_post_op(layer_out, x_link, H_post, H_res, convention=convention)
     custom = _use_custom_op(layer_out, x_link, H_post, H_res)
+    if custom:
+        nxt = None
+    if not _needs_autograd(layer_out, x_link, H_post, H_res):
+        if nxt is not None:
+            return nxt.run(layer_out, x_link, H_post, H_res)
+        return mhc_post_op(layer_out, x_link, H_post, H_res, convention=convention)
     pre = _autograd_pre(x_link, H_res, convention) if x_link.requires_grad and not _is_compiling() else None
-    return _LayerPostFn.apply(layer_out, x_link, H_post, H_res, convention, pre, custom)
+    return _LayerPostFn.apply(layer_out, x_link, H_post, H_res, convention, pre, custom, nxt)
 

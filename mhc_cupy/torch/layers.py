@@ -51,6 +51,7 @@ stay equal forever.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Optional
 
 import torch
@@ -60,7 +61,7 @@ from .. import _checks, _convention, _layer_init
 from .._convention import DEFAULT
 from .._settings import LayerSettings
 from ._float32 import Float32Parameters
-from .functions import layer_pre, mhc_coeffs, mhc_head, mhc_layer_post, mhc_post_op, mhc_pre_op
+from .functions import layer_post, layer_pre, mhc_coeffs, mhc_head, mhc_post_op, mhc_pre_op
 
 
 __all__ = [
@@ -361,15 +362,21 @@ class MHC(Float32Parameters):
     #: the mHC pieces' tensors (the sublayer's are its own) and the sink of the residual update's inputs
     _stack_slot = _NotInAStack()
 
+    #: set by :class:`mhc_cupy.torch.MHCStack` with ``fuse_boundaries`` around a call: the pre piece that the
+    #: previous layer's residual update computed for this call's x (``given``), and the next layer's, to
+    #: compute in this one's (``next``) (functions.NextPre, OPS.md section 12)
+    _pre_given = _pre_next = None
+
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         s = self.settings
         slot = self._stack_slot
+        given = self._pre_given.take(x) if self._pre_given is not None else None
         with slot.saving():
-            if self.fused(x):
+            if given is not None or self.fused(x):
                 self._check(x)
                 layer_in, x_in, H_post, H_res = layer_pre(x, _as_f32(self.phi), _as_f32(self.alpha),
-                                                          _as_f32(self.bias), {"settings": s})
-                post = mhc_layer_post
+                                                          _as_f32(self.bias), {"settings": s}, given)
+                post = functools.partial(layer_post, nxt=self._pre_next)
             else:
                 h_pre_raw, h_post_raw, h_res_raw = self.coefficients(x)
                 layer_in, _, H_post, H_res = mhc_pre_op(x, h_pre_raw, h_post_raw, h_res_raw,

@@ -31,7 +31,8 @@ from torch import Tensor, nn
 
 from .. import mhc_post_op_fwd
 from .._stack import recompute_blocks
-from .layers import MHC
+from .functions import NextPre
+from .layers import MHC, _as_f32
 
 __all__ = ["MHCStack", "recompute_blocks"]
 
@@ -105,16 +106,22 @@ class MHCStack(nn.Module):
         recompute: None (default: every layer saves its input streams), an int L_r >= 1 (save the
             streams at every L_r-th layer only and rebuild the rest in backward), or "auto" (the
             paper's L_r* = sqrt(n L / (n + 2)), section 4.3).
+        fuse_boundaries: run each layer's residual update and the next layer's pre piece as one op
+            (``mhc_boundary_fwd``, OPS.md section 12: the streams are read once less per boundary;
+            eager only, between layers of one convention).  The streams and the gradients' formulas
+            are the same; the next layer's coefficients may differ in the last float32 bits.
+            Default False: the fused kernel has not yet been checked on a GPU.
 
     Shapes:
         x [..., n, C] (bfloat16 / float16 / float32) -> [..., n, C], dtype of x.
 
     Raises:
         ValueError: empty ``layers``; layers of different n or C; ``recompute`` not None / a
-        positive int / "auto" (TypeError for a non-int).  TypeError: an element is not an MHC.
+        positive int / "auto" (TypeError for a non-int).  TypeError: an element is not an MHC;
+        ``fuse_boundaries`` not a bool.
     """
 
-    def __init__(self, layers: Sequence[MHC], recompute: Union[None, int, str] = None):
+    def __init__(self, layers: Sequence[MHC], recompute: Union[None, int, str] = None, fuse_boundaries: bool = False):
         super().__init__()
         if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
             raise TypeError(f"layers must be a sequence of MHC modules, got one {type(layers).__name__}")
@@ -131,23 +138,35 @@ class MHCStack(nn.Module):
         self.n_streams, self.dim = layers[0].n_streams, layers[0].dim
         self.recompute = recompute
         self.block_layers = recompute_blocks(recompute, self.n_streams, len(layers))
+        if not isinstance(fuse_boundaries, bool):
+            raise TypeError(f"fuse_boundaries must be a bool, got {fuse_boundaries!r}")
+        self.fuse_boundaries = fuse_boundaries
+
+    def _next_pre(self, l: int):
+        """Layer l + 1's pre piece to run inside layer l's residual update (same convention), or None."""
+        if l + 1 == len(self.layers) or self.layers[l + 1].convention != self.layers[l].convention:
+            return None
+        nxt = self.layers[l + 1]
+        return NextPre(_as_f32(nxt.phi), _as_f32(nxt.alpha), _as_f32(nxt.bias), nxt.settings)
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
-        L_r = self.block_layers
-        if L_r is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
-            # (compiled: the graph is traced without the saved-tensor hooks, so without recompute)
-            for layer in self.layers:
-                x = layer(x, *args, **kwargs)
-            return x
-        block = None
+        compiling = torch.compiler.is_compiling()
+        # (compiled: the graph is traced without the saved-tensor hooks, so without recompute)
+        L_r = None if compiling or not torch.is_grad_enabled() else self.block_layers
+        fuse = self.fuse_boundaries and not compiling
+        block = nxt = None
         for l, layer in enumerate(self.layers):
-            if l % L_r == 0:
-                block = _Block(x)
-            layer._stack_slot = _Slot(block, l % L_r, x)
+            if L_r is not None:
+                if l % L_r == 0:
+                    block = _Block(x)
+                layer._stack_slot = _Slot(block, l % L_r, x)
+            given, nxt = nxt, self._next_pre(l) if fuse else None
+            layer._pre_given, layer._pre_next = given, nxt
             try:
                 x = layer(x, *args, **kwargs)
             finally:
-                del layer._stack_slot
+                for name in ("_stack_slot", "_pre_given", "_pre_next"):
+                    layer.__dict__.pop(name, None)
         return x
 
     def __len__(self) -> int:
@@ -160,4 +179,5 @@ class MHCStack(nn.Module):
         return iter(self.layers)
 
     def extra_repr(self) -> str:
-        return f"n_streams={self.n_streams}, dim={self.dim}, layers={len(self.layers)}, recompute={self.recompute!r}"
+        return (f"n_streams={self.n_streams}, dim={self.dim}, layers={len(self.layers)}, recompute={self.recompute!r}"
+                + (", fuse_boundaries=True" if self.fuse_boundaries else ""))
