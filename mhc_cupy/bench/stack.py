@@ -9,6 +9,8 @@ all with the same weights:
   on ``x [B, S, n, C]``;
 * ``MHCStack``: the same 2L layers in one :class:`mhc_cupy.torch.MHCStack` (recompute off);
 * ``MHCStack recompute``: with ``recompute="auto"`` (the paper's L_r*; section 4.3);
+* ``MHCStack fused`` / ``MHCStack fused recompute``: the same with ``fuse_boundaries=True`` (each
+  residual update with the next layer's pre piece, ``mhc_boundary_fwd``; OPS.md section 12);
 * with ``torch.compile`` among the baselines: ``plain compiled`` and ``mhc chain compiled``.
 
 Timed: a training step of the model, ``torch.autograd.grad(model(x), [x, *weights], g)`` (CUDA events
@@ -16,7 +18,9 @@ around ``calls`` eager calls, median of ``reps`` after warm-up; wall clock on th
 the memory PyTorch's allocator holds during one step beyond what it held before (weights and inputs
 excluded: activations saved for backward and the gradients).  Overhead = time / plain time - 1 and
 memory = peak / plain peak, eager against eager and compiled against compiled.  Each MHCStack row also
-says whether its dx equals the chain's bitwise (``dx_equals_chain``: it must).
+says whether its dx equals the chain's bitwise (``dx_equals_chain``: it must), but the fused ones,
+whose next-layer coefficients may differ in the last float32 bits: they give ``dx_rel_diff``, max |dx -
+chain dx| / max |chain dx|.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ def build_models(L: int, C: int, heads: int, ffn: int, n: int, device, dtype) ->
         "mhc chain": nn.Sequential(*mhc_layers),
         "MHCStack": mt.MHCStack(mhc_layers),
         "MHCStack recompute": mt.MHCStack(mhc_layers, recompute="auto"),
+        "MHCStack fused": mt.MHCStack(mhc_layers, fuse_boundaries=True),
+        "MHCStack fused recompute": mt.MHCStack(mhc_layers, recompute="auto", fuse_boundaries=True),
     }
 
 
@@ -85,8 +91,12 @@ def stack_case(L: int, C: int, heads: int, ffn: int, batch: int, seq: int, cfg, 
         rows, firsts = measure_torch(model, list(model.parameters()), xs, gs, cfg.min_calls, timer, on_gpu,
                                      dirs=("fwd+bwd",))
         v = row["impls"][name] = rows["fwd+bwd"]
-        if name.startswith("MHCStack") and "dx" in firsts and "dx" in chain_dx:  # the same maths, bitwise
-            v["dx_equals_chain"] = bool(torch.equal(firsts["dx"], chain_dx["dx"]))
+        if name.startswith("MHCStack") and "dx" in firsts and "dx" in chain_dx:
+            a, b = firsts["dx"].float(), chain_dx["dx"].float()
+            if "fused" in name:  # the next layers' coefficients to float32 rounding
+                v["dx_rel_diff"] = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+            else:  # the same maths, bitwise
+                v["dx_equals_chain"] = bool(torch.equal(a, b))
         elif name == "mhc chain" and "dx" in firsts:
             chain_dx["dx"] = firsts["dx"]
         peak = v.get("peak_bytes")
