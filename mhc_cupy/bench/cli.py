@@ -82,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                            + ",".join("x".join(map(str, s)) for s in LAYER_SHAPES) + ")")
     mode.add_argument("--sublayers", default=",".join(SUBLAYERS), help="--layer: identity, tanh (default: both)")
     mode.add_argument("--fused", default="both", choices=("both", "true", "false", "default"),
-                      help="MHC(..., fused=...) variants to time when MHC takes that keyword (default: both)")
+                      help="--layer / --block: the MHC variants to time, each built under its kernel choice: both "
+                           "(the fused pieces and the separate ops), true, false, or default (the library's choice; "
+                           "default: both)")
     mode.add_argument("--graph", action="store_true",
                       help="--layer / --block / --stack: capture the PyTorch calls into a CUDA graph (default: eager "
                            "calls; --small times both)")

@@ -58,6 +58,7 @@ from torch import Tensor, nn
 
 from .. import _checks, _convention, _layer_init
 from .._convention import DEFAULT
+from .._kernel_choice import current as _kernel_choice
 from .._settings import LayerSettings
 from ._float32 import Float32Parameters
 from .functions import layer_pre, mhc_coeffs, mhc_head, mhc_layer_post, mhc_post_op, mhc_pre_op
@@ -284,6 +285,9 @@ class MHC(Float32Parameters):
         self.alpha = nn.Parameter(torch.empty(3, **kw))
         self.bias = nn.Parameter(torch.empty(m, **kw))
         self.sublayer = sublayer if sublayer is not None else nn.Identity()
+        # the fused layer pieces unless built under kernel_choice(fused=False) (a benchmark's
+        # separate ops; read here, not in forward, which torch.compile traces: mhc_cupy._kernel_choice)
+        self._fused = _kernel_choice().runs("fused")
         self.reset_parameters()
 
     num_iters = property(lambda self: self.settings.num_iters)
@@ -351,12 +355,6 @@ class MHC(Float32Parameters):
         self._check(x)
         return mhc_coeffs(x, _as_f32(self.phi), _as_f32(self.alpha), _as_f32(self.bias), self.rms_eps)
 
-    def fused(self, x: Tensor) -> bool:
-        """Whether forward runs the fused layer pieces (OPS.md section 9; True, the default, for
-        every x) or the separate ops (coefficients -> pre op -> sublayer -> post op), which the
-        benchmark times beside them (``python -m mhc_cupy.bench --layer --fused both``)."""
-        return True
-
     #: set by :class:`mhc_cupy.torch.MHCStack` around a call when it recomputes: the hooks that save
     #: the mHC pieces' tensors (the sublayer's are its own) and the sink of the residual update's inputs
     _stack_slot = _NotInAStack()
@@ -365,7 +363,7 @@ class MHC(Float32Parameters):
         s = self.settings
         slot = self._stack_slot
         with slot.saving():
-            if self.fused(x):
+            if self._fused:
                 self._check(x)
                 layer_in, x_in, H_post, H_res = layer_pre(x, _as_f32(self.phi), _as_f32(self.alpha),
                                                           _as_f32(self.bias), {"settings": s})
