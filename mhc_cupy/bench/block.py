@@ -29,7 +29,7 @@ from pathlib import Path
 from . import env
 from .._kernel_choice import kernel_choice
 from .layer import kernel_variants, layer_bytes, measure_torch, timing_words, torch_timer
-from .report import mode_report_head, run_rows, target
+from .report import mode_report, run_rows, target
 
 #: Default blocks: (C, heads, SwiGLU hidden size).
 BLOCK_CONFIGS = ((4096, 32, 11008), (2048, 16, 5504))
@@ -192,18 +192,16 @@ def evaluate_block_targets(result: dict) -> list[dict]:
 def format_block_report(result: dict) -> str:
     """The block mode's report (markdown): header, targets, table."""
     st, copy = result.get("meta", {}).get("settings", {}), result.get("copy", {})
-    lines = mode_report_head(
+
+    def cells(r, name, v):
+        ov = r["overhead"].get(name)
+        return [str(r["C"]), str(r["heads"]), str(r["ffn"]), name, f"{v['us'] / 1e3:.3f}" if "us" in v else "err",
+                "" if ov is None else f"{ov:+.1%}",
+                f"{r['floor_share']:.1%}" if name == "plain" and r.get("floor_share") else ""]
+
+    return mode_report(
         result, "block",
         f"pre-norm block, {st.get('batch')} x {st.get('seq')} tokens, mHC n = {st.get('n')}; fwd+bwd of one block "
         f"({timing_words(result)}, median of {st.get('reps')}); overhead = mHC time / plain time - 1; floor share = "
         f"byte floor of the two mHC layers at the copy bandwidth ({copy.get('GBps', 0):.0f} GB/s) / plain block time",
-        result.get("targets") or evaluate_block_targets(result),
-        ("C", "heads", "SwiGLU", "impl", "fwd+bwd ms", "overhead", "floor share"))
-    for r in result.get("results", []):
-        for name, v in r["impls"].items():
-            t = f"{v['us'] / 1e3:.3f}" if "us" in v else "err"
-            ov = r["overhead"].get(name)
-            share = f"{r['floor_share']:.1%}" if name == "plain" and r.get("floor_share") else ""
-            lines.append(f"| {r['C']} | {r['heads']} | {r['ffn']} | {name} | {t} | "
-                         f"{'' if ov is None else f'{ov:+.1%}'} | {share} |")
-    return "\n".join(lines)
+        evaluate_block_targets, ("C", "heads", "SwiGLU", "impl", "fwd+bwd ms", "overhead", "floor share"), cells)
