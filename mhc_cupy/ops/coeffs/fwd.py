@@ -34,23 +34,23 @@ assert 64 * _WG_MT == _MMA_TOK, "the wgmma forward walks the mma.sync layout's t
 _WG_MAX_KC = 96  # columns per block (N of the wgmma)
 _WG_SMEM = 113 * 1024  # dynamic shared memory a block (two blocks an SM on sm_90)
 
-SPLIT_PHI_FWD = KernelSpec(_FILE, "mhc_coeffs_split_phi_fwd_kernel", "",
-                           "const float* phi, __nv_bfloat16* planes, int D, int K, int Dp, int Kp")
+# The two forward GEMMs (mma.sync, wgmma) each split phi into bf16 planes and take the same parameters
+# but for x's type and their column layout (the mma.sync kernel's Kp, the wgmma kernel's KC).
+_SPLIT_PHI = "const float* phi, __nv_bfloat16* planes, int D, int K, int Dp, "
+_GEMM = ("const {x}* x, const __nv_bfloat16* planes, float* part, i64 tokens, int D, int Dp, int K, {cols}int ncc, "
+         "i64 tiles, int d_split")
+SPLIT_PHI_FWD = KernelSpec(_FILE, "mhc_coeffs_split_phi_fwd_kernel", "", _SPLIT_PHI + "int Kp")
 #: x [4 MT 16 tokens][32 SUB positions] and phi [3][8 NTILE][32 SUB] bf16 a stage
 MMA_FWD = KernelSpec(
     _FILE, "mhc_coeffs_mma_fwd_kernel", "typename T, bool VEC, int MT, int NTILE, int STAGES, int SUB",
-    "const T* x, const __nv_bfloat16* planes, float* part, i64 tokens, int D, int Dp, int K, int Kp, int ncc, "
-    "i64 tiles, int d_split",
+    _GEMM.format(x="T", cols="int Kp, "),
     smem=(lambda T, MT, NTILE, STAGES, SUB: STAGES * SUB * (4 * MT * 16 * 32 * ITEMSIZE[T] + 3 * NTILE * 8 * 64),
           "mhc_coeffs::mma_fwd_smem"))
-SPLIT_PHI_WG = KernelSpec(_FILE, "mhc_coeffs_split_phi_wg_kernel", "",
-                          "const float* phi, __nv_bfloat16* planes, int D, int K, int Dp, int KC, int ncc")
+SPLIT_PHI_WG = KernelSpec(_FILE, "mhc_coeffs_split_phi_wg_kernel", "", _SPLIT_PHI + "int KC, int ncc")
 #: x [64 MT tokens][64 positions] and phi [3][KC][64] bf16 a stage
-WG_FWD = KernelSpec(
-    _FILE, "mhc_coeffs_wg_fwd_kernel", "bool VEC, int KC, int MT, int STAGES",
-    "const __nv_bfloat16* x, const __nv_bfloat16* planes, float* part, i64 tokens, int D, int Dp, int K, int ncc, "
-    "i64 tiles, int d_split",
-    smem=(lambda KC, MT, STAGES: STAGES * (64 * MT * 128 + 3 * KC * 128), "mhc_coeffs::wg_fwd_smem"))
+WG_FWD = KernelSpec(_FILE, "mhc_coeffs_wg_fwd_kernel", "bool VEC, int KC, int MT, int STAGES",
+                    _GEMM.format(x="__nv_bfloat16", cols=""),
+                    smem=(lambda KC, MT, STAGES: STAGES * (64 * MT * 128 + 3 * KC * 128), "mhc_coeffs::wg_fwd_smem"))
 FINISH = KernelSpec(
     _FILE, "mhc_coeffs_fwd_finish_kernel", "",
     "const float* part, const float* alpha, const float* bias, float* h_pre, float* h_post, float* h_res, "
@@ -129,18 +129,18 @@ def launch_mma_gemm(dt, D, K, tokens, *, x, phi, part, planes, mma: MmaLayout, s
     (phi split into three bf16 planes first): where ``mma`` has wgmma chunks (mma_layout), on a
     device with wgmma (sm_90a), mhc_coeffs_wg_fwd_kernel, else mhc_coeffs_mma_fwd_kernel."""
     vec = vec8(D, x)
+    split = dict(phi=phi, planes=planes, D=D, K=K, Dp=mma.Dp)
+    gemm = dict(x=x, planes=planes, part=part, tokens=tokens, D=D, Dp=mma.Dp, K=K, tiles=mma.tiles, d_split=mma.d_split)
     if mma.wg_kc and uses_wgmma():
-        SPLIT_PHI_WG.launch_grid_stride(3 * mma.wg_ncc * mma.wg_kc * mma.Dp, stream, phi=phi, planes=planes, D=D, K=K,
-                                        Dp=mma.Dp, KC=mma.wg_kc, ncc=mma.wg_ncc)
+        SPLIT_PHI_WG.launch_grid_stride(3 * mma.wg_ncc * mma.wg_kc * mma.Dp, stream, **split, KC=mma.wg_kc,
+                                        ncc=mma.wg_ncc)
         WG_FWD.bind(VEC=vec, KC=mma.wg_kc, MT=_WG_MT, STAGES=mma.wg_smem()[0]).launch(
-            (mma.wg_ncc * mma.tiles * mma.splits, 1, 1), (128, 1, 1), stream, x=x, planes=planes, part=part,
-            tokens=tokens, D=D, Dp=mma.Dp, K=K, ncc=mma.wg_ncc, tiles=mma.tiles, d_split=mma.d_split)
+            (mma.wg_ncc * mma.tiles * mma.splits, 1, 1), (128, 1, 1), stream, **gemm, ncc=mma.wg_ncc)
         return
-    SPLIT_PHI_FWD.launch_grid_stride(mma.Kp * mma.Dp, stream, phi=phi, planes=planes, D=D, K=K, Dp=mma.Dp, Kp=mma.Kp)
+    SPLIT_PHI_FWD.launch_grid_stride(mma.Kp * mma.Dp, stream, **split, Kp=mma.Kp)
     MMA_FWD.bind(T=dt, VEC=vec, MT=_MMA_MT, NTILE=mma.ntile, STAGES=mma_fwd_smem(dt, mma.ntile)[0],
-                 SUB=mma_sub(dt)).launch(
-        (mma.ncc * mma.tiles * mma.splits, 1, 1), (128, 1, 1), stream, x=x, planes=planes, part=part, tokens=tokens,
-        D=D, Dp=mma.Dp, K=K, Kp=mma.Kp, ncc=mma.ncc, tiles=mma.tiles, d_split=mma.d_split)
+                 SUB=mma_sub(dt)).launch((mma.ncc * mma.tiles * mma.splits, 1, 1), (128, 1, 1), stream, **gemm,
+                                         Kp=mma.Kp, ncc=mma.ncc)
 
 
 def launch_finish(tokens, D, n, K, eps, *, part, splits: int, alpha, bias, h_pre, h_post, h_res, stats, stream):
