@@ -84,6 +84,14 @@ def _deepseek_sizes(hc_fn, hc_scale, hc_base, head: bool) -> tuple:
     return _layer_init.deepseek_sizes(hc_fn.shape, hc_scale.shape, hc_base.shape, head)
 
 
+def _normal_or_zero_(t: Tensor, std: float) -> None:
+    """Fill t in place from N(0, std^2), or with zeros for std 0 (phi's and hc_fn's init)."""
+    if std > 0:
+        t.normal_(0.0, std)
+    else:
+        t.zero_()
+
+
 def _detached_f32(t: Tensor) -> Tensor:
     """A float32 copy of a parameter, detached (for ``to_deepseek``)."""
     return t.detach().to(torch.float32, copy=True).contiguous()
@@ -301,10 +309,7 @@ class MHC(Float32Parameters):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Re-initialise phi, alpha and bias (not the sublayer)."""
-        if self.phi_init_std > 0:
-            self.phi.normal_(0.0, self.phi_init_std)
-        else:
-            self.phi.zero_()
+        _normal_or_zero_(self.phi, self.phi_init_std)
         self.alpha.fill_(self.alpha_init)
         # identity_bias sets H_post = 2 sigmoid(b_post) = post: the same b_post gives post_mult / 2 of it here
         post = 1.0 if self.post_init is None or not self.post_mult else 2.0 * self.post_init / self.post_mult
@@ -447,10 +452,7 @@ class MHCHead(Float32Parameters):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Re-initialise hc_fn (small normal), hc_scale (``scale_init``) and hc_base (the stream mean)."""
-        if self.fn_init_std > 0:
-            self.hc_fn.normal_(0.0, self.fn_init_std)
-        else:
-            self.hc_fn.zero_()
+        _normal_or_zero_(self.hc_fn, self.fn_init_std)
         self.hc_scale.fill_(self.scale_init)
         self.hc_base.fill_(_layer_init.logit(1.0 / self.n_streams if self.n_streams > 1 else 0.99))
 
