@@ -27,12 +27,16 @@ JAX does not know our stream reads its buffers: a call with a JAX input
 finishes the launch stream before it returns (eager JAX only; under jit
 mhc_cupy.jax runs on XLA's own stream and buffers instead).
 
+Plans are cached, keyed by planner, shapes, dtypes, devices, parameters (values
+and types: ``num_iters=True`` must not hit the plan of ``num_iters=1``) and the
+kernel choice in force (:mod:`mhc_cupy._kernel_choice`, which the planners read:
+a plan built under one choice is never served under another).
+
 Fast path: a GPU call whose inputs are all contiguous torch (or all CuPy)
-arrays is keyed by planner, shapes, dtypes, devices and parameters (values
-and types: ``num_iters=True`` must not hit the plan of ``num_iters=1``).  The
-first such call records its launches (``_replay``); a repeat call with the
-same key skips steps 1-2 and, when every pointer is 16-byte aligned, replays
-those launches with its own pointers (else it runs the cached plan).
+arrays is keyed the same way.  The first such call records its launches
+(``_replay``); a repeat call with the same key skips steps 1-2 and, when every
+pointer is 16-byte aligned, replays those launches with its own pointers (else
+it runs the cached plan).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from . import _checks, _interop, _replay
+from ._kernel_choice import current as _kernel_choice
 
 
 @dataclass
@@ -88,6 +93,12 @@ def _params_key(params: dict) -> tuple:
     return tuple(params.items()), tuple(map(type, params.values()))
 
 
+def _key(planner, inputs: tuple, params: dict) -> tuple:
+    """The cache key of a plan (``_plans``) or a fast-path entry (``_fast``): the planner, the
+    inputs' key parts, the parameters and the kernel choice in force."""
+    return planner, inputs, _params_key(params), _kernel_choice()
+
+
 def _autograd_dropped(planner, depth: int) -> None:
     """Warn (once per op) that a torch input requiring grad gets no autograd here.
 
@@ -112,7 +123,7 @@ def _cast(a, dtype: str):
 
 
 _FW_OF_TYPE: dict = {}  # type -> front-end name, for types whose answer never changes
-_plans: dict = {}  # (planner, input shapes/dtypes/device, params) -> Plan
+_plans: dict = {}  # (planner, input shapes/dtypes/device, params, kernel choice) -> Plan
 _MAX_PLANS = 4096
 
 
@@ -126,9 +137,9 @@ def _framework(v) -> str:
 
 
 def _plan(planner, infos: dict, params: dict) -> Plan:
-    """The plan for these shapes / dtypes / params (pure, so cached)."""
-    key = (planner, tuple((k, None) if i is None else (k, i.shape, i.dtype, i.device) for k, i in infos.items()),
-           _params_key(params))
+    """The plan for these shapes / dtypes / params under the kernel choice in force (pure, so cached)."""
+    key = _key(planner, tuple((k, None) if i is None else (k, i.shape, i.dtype, i.device) for k, i in infos.items()),
+               params)
     try:
         plan = _plans.get(key)
     except TypeError:  # an unhashable parameter: let the planner name it
@@ -221,7 +232,7 @@ def run(planner, arrays: dict, **params):
     if fast is not None:
         if fast[3] and _grad_enabled():
             _autograd_dropped(planner, 2)
-        key = (planner, fast[0], _params_key(params))
+        key = _key(planner, fast[0], params)
         try:
             entry = _fast.get(key)
         except TypeError:  # an unhashable parameter: the general path reports it

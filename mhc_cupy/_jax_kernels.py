@@ -17,6 +17,7 @@ import jax.numpy as _jnp
 from . import _checks, _interop
 from . import _jax_shard as _shard
 from ._interop import ArrayInfo
+from ._kernel_choice import KernelChoice, current as current_choice, kernel_choice
 from . import ops as _ops
 
 try:  # jax >= 0.6.1 (an experimental API)
@@ -180,8 +181,9 @@ def _make_callback(plan, names: tuple, present: tuple):
 
 
 @functools.lru_cache(maxsize=4096)
-def _planned(name: str, params: tuple, signature: tuple):
-    """(plan, callback) for one op, static parameters and input signature.
+def _planned(name: str, params: tuple, signature: tuple, choice: KernelChoice):
+    """(plan, callback) for one op, static parameters, input signature and kernel choice
+    (:mod:`mhc_cupy._kernel_choice`: the one in force at trace time, which the planner reads).
 
     Cached so that identical calls bind an identical callback (JAX's caches
     then hit).  A planner error propagates and is not cached.
@@ -189,13 +191,14 @@ def _planned(name: str, params: tuple, signature: tuple):
     spec = _SPECS[name]
     infos = {k: None if sig is None else ArrayInfo(sig[0], sig[1], _TRACE_DEVICE)
              for k, sig in zip(spec.inputs, signature)}
-    plan = spec.planner(infos, **dict(params))
+    with kernel_choice(choice):
+        plan = spec.planner(infos, **dict(params))
     present = tuple(k for k, sig in zip(spec.inputs, signature) if sig is not None)
     callback = _make_callback(plan, spec.inputs, present)
     # A token-sharded program runs the kernel per device through a callback
-    # planned from the local buffers (mhc_cupy._jax_shard).
+    # planned from the local buffers (mhc_cupy._jax_shard), under the same choice.
     mask = tuple(sig is not None for sig in signature)
-    setattr(callback, _shard.HOST_ATTR, ((name, params, mask), _host(name, params, mask)))
+    setattr(callback, _shard.HOST_ATTR, ((name, params, mask, choice), _host(name, params, mask, choice)))
     return plan, callback
 
 
@@ -216,7 +219,7 @@ def _bind(name: str, params: tuple, arrays: tuple) -> tuple:
     """Plan at trace time and emit the buffer_callback custom call."""
     _check_arrays(name, arrays)
     signature = tuple(None if a is None else (tuple(a.shape), _dtype_name(a)) for a in arrays)
-    plan, callback = _planned(name, params, signature)
+    plan, callback = _planned(name, params, signature, current_choice())
     if plan.empty:
         return tuple(_jnp.zeros(shape, _jnp_dtype(dt)) for shape, dt in plan.outputs)
     if _buffer_callback is None:  # pragma: no cover - depends on the installed jax
@@ -234,11 +237,11 @@ def _bind(name: str, params: tuple, arrays: tuple) -> tuple:
 
 
 @functools.lru_cache(maxsize=None)
-def _host(name: str, params: tuple, present: tuple):
+def _host(name: str, params: tuple, present: tuple, choice: KernelChoice):
     """Kernel ``name`` as a host callback in XLA's FFI protocol, planned from
-    the buffers it gets: the per-device program of a token-sharded op
-    (``mhc_cupy._jax_shard``) calls it with its local shapes.  ``present``:
-    per input, whether it is given."""
+    the buffers it gets (under ``choice``, the trace's kernel choice): the
+    per-device program of a token-sharded op (``mhc_cupy._jax_shard``) calls it
+    with its local shapes.  ``present``: per input, whether it is given."""
     n_in = sum(present)
 
     def host(ctx, *buffers):
@@ -246,7 +249,7 @@ def _host(name: str, params: tuple, present: tuple):
         given = iter(ins)
         full = [next(given) if p else None for p in present]
         signature = tuple(None if b is None else (tuple(b.shape), _dtype_name(b)) for b in full)
-        plan, callback = _planned(name, params, signature)
+        plan, callback = _planned(name, params, signature, choice)
         callback(ctx, outs, *ins)
 
     return host

@@ -22,6 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import mhc_cupy.torch as mt
+from mhc_cupy._kernel_choice import kernel_choice
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:
@@ -55,9 +56,8 @@ def profile_shape(T: int, C: int, n: int, dtype, fused: bool | None, steps: int,
     torch.manual_seed(0)
     x = torch.randn(T, n, C, device=dev, dtype=dtype)
     g = torch.randn(T, n, C, device=dev, dtype=dtype)
-    layer = mt.MHC(C, n, sublayer=torch.nn.Identity(), device=dev)
-    if fused is not None:  # pinned, as the benchmark pins it (mhc_cupy.bench.layer.pin_fused)
-        layer.fused = lambda x, _f=fused: _f
+    with kernel_choice(fused=fused):  # as the benchmark builds its variants (mhc_cupy.bench.layer.kernel_variants)
+        layer = mt.MHC(C, n, sublayer=torch.nn.Identity(), device=dev)
     params = [layer.phi, layer.alpha, layer.bias]
 
     def fwd():

@@ -39,28 +39,15 @@ def test_layer_byte_floor():
         layer_bytes("both", T, C, n, s)
 
 
-def test_fused_options():
-    from mhc_cupy.bench.layer import fused_options, pin_fused
+def test_kernel_variants():
+    """--fused names the MHC variants as kernel choices (built and timed under each), not as pinned methods."""
+    from mhc_cupy._kernel_choice import KernelChoice
+    from mhc_cupy.bench.layer import kernel_variants
 
-    def with_kw(x, fused=True):
-        return x
-
-    def without(x):
-        return x
-
-    class Layer:  # the layer decides per call: the variants pin its method
-        def fused(self, x):
-            return True
-
-    assert fused_options(without, "both") == [("", {}, None)]
-    assert fused_options(with_kw, "both") == [(" fused", {"fused": True}, None), (" unfused", {"fused": False}, None)]
-    assert fused_options(with_kw, "false") == [(" unfused", {"fused": False}, None)]
-    assert fused_options(with_kw, "default") == [("", {}, None)]
-    assert fused_options(Layer, "both") == [(" fused", {}, True), (" unfused", {}, False)]
-    assert fused_options(Layer, "default") == [("", {}, None)]
-    layer = pin_fused(Layer(), False)
-    assert layer.fused(None) is False and Layer().fused(None) is True
-    assert pin_fused(Layer(), None).fused(None) is True
+    assert kernel_variants("both") == [(" fused", KernelChoice(fused=True)), (" unfused", KernelChoice(fused=False))]
+    assert kernel_variants("false") == [(" unfused", KernelChoice(fused=False))]
+    assert kernel_variants("true") == [(" fused", KernelChoice(fused=True))]
+    assert kernel_variants("default") == [("", KernelChoice())]
 
 
 @pytest.mark.parametrize("T,C,n,dtype", [(3, 8, 4, "float32"), (1, 5, 3, "float32"), (4, 7, 1, "float32"),
@@ -297,9 +284,20 @@ def test_block_mhc_equals_plain_at_phi_zero():
         build_blocks(10, 3, 8, 4, "cpu", torch.float32)
 
 
-def test_block_mode_runs_tiny(tmp_path):
-    """``--block`` end to end at a tiny block (CPU: wall clock): plain and mHC timed, overhead reported."""
+def test_block_mode_runs_tiny(tmp_path, monkeypatch):
+    """``--block`` end to end at a tiny block (CPU: wall clock): plain and mHC timed, overhead reported;
+    ``--fused both`` (the default) times the mHC block fused and, built under kernel_choice(fused=False),
+    on the separate ops (the pre op runs)."""
     pytest.importorskip("torch")
+    from mhc_cupy.torch import layers
+
+    calls = {"layer_pre": 0, "mhc_pre_op": 0}
+    for name in calls:
+        def counted(*a, _f=getattr(layers, name), _name=name, **k):
+            calls[_name] += 1
+            return _f(*a, **k)
+
+        monkeypatch.setattr(layers, name, counted)
     out = tmp_path / "o"
     argv = ["--block", "--block-configs", "16:2:24", "--batch", "1", "--seq", "4", "--streams", "2", "--reps", "2",
             "--warmup", "1", "--dtype", "float32", "--no-baselines", "--out", str(out)]
@@ -308,9 +306,10 @@ def test_block_mode_runs_tiny(tmp_path):
     (row,) = res["results"]
     assert (row["C"], row["heads"], row["ffn"], row["n"]) == (16, 2, 24, 2)
     mhc = [k for k in row["impls"] if k.startswith("mhc")]
-    assert "plain" in row["impls"] and mhc and not any(k.endswith("compiled") for k in row["impls"])
+    assert "plain" in row["impls"] and mhc == ["mhc fused", "mhc unfused"]
     for k in ["plain", *mhc]:
         assert row["impls"][k]["us"] > 0, row["impls"][k]
+    assert calls["layer_pre"] > 0 and calls["mhc_pre_op"] > 0, calls
     assert row["overhead"][mhc[0]] == pytest.approx(row["impls"][mhc[0]]["us"] / row["impls"]["plain"]["us"] - 1)
     assert row["floor_share"] > 0
     text = (out / "block.md").read_text()

@@ -31,6 +31,7 @@ import pytest
 
 import mhc_cupy as m
 from mhc_cupy import reference as R
+from mhc_cupy._kernel_choice import kernel_choice
 from mhc_cupy.ops import _launch, coeffs
 from mhc_cupy.ops.coeffs import fwd, split_bwd
 
@@ -431,21 +432,21 @@ def test_forward_gemm_wgmma_matches_mma_sync(rng, monkeypatch, n, T, C):
     args = [to_gpu(v) for v in (x, phi, alpha, bias)]
     got = {}
     monkeypatch.setattr(fwd, "_WG_MIN_K", 0)
-    for on in (True, False):
-        monkeypatch.setattr(fwd, "_WG_FWD", on)
-        monkeypatch.setattr(_dispatch, "_plans", {})
-        monkeypatch.setattr(_dispatch, "_fast", {})
-        got[on] = [to_host(a) for a in m.mhc_coeffs_fwd(*args)]
+    monkeypatch.setattr(_dispatch, "_plans", {})  # plans made with the library's _WG_MIN_K
+    monkeypatch.setattr(_dispatch, "_fast", {})
+    for on in (True, False):  # the plan caches key on the kernel choice: nothing to clear between the two
+        with kernel_choice(wg_fwd=on):
+            got[on] = [to_host(a) for a in m.mhc_coeffs_fwd(*args)]
     ref = R.mhc_coeffs_fwd(x, phi, alpha, bias)
     for a, b, r, what in zip(got[True], got[False], ref, ("h_pre_raw", "h_post_raw", "h_res_raw")):
         assert_close(a, r, COEF_TOL, what)
         assert_close(a, b, 2e-6, what, scale="max")
     # x one bf16 past an aligned address (the element-wise fills): the same sums, the same bits
-    monkeypatch.setattr(fwd, "_WG_FWD", True)
     flat = to_gpu(np.concatenate([np.zeros(1, x.dtype), x.reshape(-1)]))
     shifted = flat[1:].reshape(x.shape)
-    for a, b in zip(got[True], (to_host(v) for v in m.mhc_coeffs_fwd(shifted, *args[1:]))):
-        assert a.tobytes() == b.tobytes()
+    with kernel_choice(wg_fwd=True):
+        for a, b in zip(got[True], (to_host(v) for v in m.mhc_coeffs_fwd(shifted, *args[1:]))):
+            assert a.tobytes() == b.tobytes()
 
 
 @GPU
@@ -479,18 +480,19 @@ def test_dx_wgmma_matches_mma_sync(rng, monkeypatch, n, T, C):
     gl = rounded(rng, (T, C), "bfloat16"), rounded(rng, (T, n, C), "bfloat16"), rounded(rng, (T, n, C), "bfloat16")
     gl_d = [to_gpu(v) for v in gl]
     got = {}
-    for on in (True, False):
-        monkeypatch.setattr(split_bwd, "_WG_DX", on)
-        monkeypatch.setattr(_dispatch, "_plans", {})
-        monkeypatch.setattr(_dispatch, "_fast", {})
+    # fresh caches: a replayed fast-path entry would launch without passing through the counter
+    monkeypatch.setattr(_dispatch, "_plans", {})
+    monkeypatch.setattr(_dispatch, "_fast", {})
+    for on in (True, False):  # each choice plans afresh (the plan caches key on it)
         seen.clear()
-        got[on] = [[to_host(a) for a in m.mhc_coeffs_bwd(*[to_gpu(v) for v in g], *gpu)]]
-        for conv in ("paper", "deepseek"):
-            layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(*gpu, convention=conv)
-            _, dH_post, dH_res = m.mhc_layer_post_bwd(gl_d[1], layer_in, gpu[0], H_post, H_res, convention=conv)
-            got[on].append([to_host(a) for a in m.mhc_layer_pre_bwd(gl_d[0], gl_d[1], dH_post, dH_res, *gpu, stats,
-                                                                     H_pre, H_res, convention=conv,
-                                                                     grad_x=gl_d[2])])
+        with kernel_choice(wg_dx=on):
+            got[on] = [[to_host(a) for a in m.mhc_coeffs_bwd(*[to_gpu(v) for v in g], *gpu)]]
+            for conv in ("paper", "deepseek"):
+                layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(*gpu, convention=conv)
+                _, dH_post, dH_res = m.mhc_layer_post_bwd(gl_d[1], layer_in, gpu[0], H_post, H_res, convention=conv)
+                got[on].append([to_host(a) for a in m.mhc_layer_pre_bwd(gl_d[0], gl_d[1], dH_post, dH_res, *gpu,
+                                                                         stats, H_pre, H_res, convention=conv,
+                                                                         grad_x=gl_d[2])])
         assert seen.count("mhc_coeffs_wg_dx_kernel") == (3 if on else 0)
     ref = R.mhc_coeffs_bwd(*g, x, phi, alpha, bias)
     for on in (True, False):
@@ -516,13 +518,13 @@ def test_dx_column_tiles_bitwise(rng, monkeypatch, n, T, C, dt):
 
     x, phi, alpha, bias, g = _case(rng, T, n, C, dt)
     args = [to_gpu(v) for v in (*g, x, phi, alpha, bias)]
-    monkeypatch.setattr(split_bwd, "_WG_DX", False)  # the mma.sync dx kernels (bf16 on sm_90a: the wgmma dx)
     got = {}
     for nt in (4, 8):
         monkeypatch.setattr(split_bwd, "_DX_NT", nt)
         monkeypatch.setattr(_dispatch, "_plans", {})
         monkeypatch.setattr(_dispatch, "_fast", {})
-        got[nt] = [to_host(a) for a in m.mhc_coeffs_bwd(*args)]
+        with kernel_choice(wg_dx=False):  # the mma.sync dx kernels (bf16 on sm_90a: the wgmma dx)
+            got[nt] = [to_host(a) for a in m.mhc_coeffs_bwd(*args)]
     for a, b, what in zip(got[4], got[8], ("dx", "dphi", "dalpha", "dbias")):
         assert a.tobytes() == b.tobytes(), what
     _check_bwd(got[4], R.mhc_coeffs_bwd(*g, x, phi, alpha, bias), g, x, phi, alpha, dt)

@@ -122,7 +122,6 @@ def test_torch_fused_layer_x_used_elsewhere_and_partial_output(n):
     """What the post piece hands along x_link must not disturb x's other gradients."""
     C = 10
     layer = _layer_torch(n, C)
-    assert layer.fused(torch.zeros(1, n, C))
     x = torch.randn(4, 5, n, C, requires_grad=True)
     xr = x.detach().double().requires_grad_()
 
@@ -139,10 +138,12 @@ def test_torch_fused_layer_x_used_elsewhere_and_partial_output(n):
 
 @pytest.mark.parametrize("n,C", [(3, 10), (5, 7)])
 def test_torch_layer_separate_ops(n, C):
-    """MHC with fused pinned False (what the benchmark times beside the pieces): coefficients ->
-    pre op -> F -> post op, the same values and gradients."""
-    layer = _layer_torch(n, C)
-    layer.fused = lambda x: False
+    """MHC built under kernel_choice(fused=False) (what the benchmark times beside the pieces):
+    coefficients -> pre op -> F -> post op, the same values and gradients."""
+    from mhc_cupy._kernel_choice import kernel_choice
+
+    with kernel_choice(fused=False):
+        layer = _layer_torch(n, C)
     x = torch.randn(4, 3, n, C, requires_grad=True)
     xr = x.detach().double().requires_grad_()
 
@@ -458,19 +459,20 @@ def test_gpu_dx_tile_kernel_bitwise(rng, monkeypatch, lead, n, C, dt, convention
     from gpu.helpers import to_host
 
     from mhc_cupy import _dispatch
+    from mhc_cupy._kernel_choice import kernel_choice
 
     (x, phi, alpha, bias), dev, (g_d, y_d, gli_d), _ = _gpu_layer(dt, lead, n, C, rng)
-    monkeypatch.setattr(coeffs.split_bwd, "_WG_DX", False)  # the mma.sync dx kernels (bf16 on sm_90a: the wgmma dx)
     got = {}
     for mode, min_warps in (("resident", 0), ("tile", 1 << 30)):
         monkeypatch.setattr(coeffs.split_bwd, "_DX_MIN_WARPS", min_warps)
         monkeypatch.setattr(_dispatch, "_plans", {})
         monkeypatch.setattr(_dispatch, "_fast", {})
-        layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(*dev, convention=convention)
-        dy, dx_post, dH_post, dH_res = m.mhc_post_op_bwd(g_d, y_d, dev[0], H_post, H_res, convention=convention)
-        got[mode] = [to_host(a) for a in m.mhc_layer_pre_bwd(gli_d, g_d, dH_post, dH_res, *dev, stats, H_pre, H_res,
-                                                             convention=convention, grad_x=dx_post)]
-        assert coeffs.backward_layout(int(np.prod(lead)), n, C, n * n + 2 * n, dt).dx_kind == mode
+        with kernel_choice(wg_dx=False):  # the mma.sync dx kernels (bf16 on sm_90a: the wgmma dx)
+            layer_in, H_pre, H_post, H_res, stats = m.mhc_layer_pre_fwd(*dev, convention=convention)
+            dy, dx_post, dH_post, dH_res = m.mhc_post_op_bwd(g_d, y_d, dev[0], H_post, H_res, convention=convention)
+            got[mode] = [to_host(a) for a in m.mhc_layer_pre_bwd(gli_d, g_d, dH_post, dH_res, *dev, stats, H_pre,
+                                                                 H_res, convention=convention, grad_x=dx_post)]
+            assert coeffs.backward_layout(int(np.prod(lead)), n, C, n * n + 2 * n, dt).dx_kind == mode
     for a, b, what in zip(got["resident"], got["tile"], ("dx", "dphi", "dalpha", "dbias")):
         assert np.isfinite(a.astype(np.float32)).all(), what
         assert a.tobytes() == b.tobytes(), what

@@ -27,8 +27,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import env
-from .layer import fused_options, layer_bytes, measure_torch, pin_fused, timing_words, torch_timer
-from .report import mode_report_head, run_rows, target
+from .._kernel_choice import kernel_choice
+from .layer import kernel_variants, layer_bytes, measure_torch, timing_words, torch_timer
+from .report import mode_report, run_rows, target
 
 #: Default blocks: (C, heads, SwiGLU hidden size).
 BLOCK_CONFIGS = ((4096, 32, 11008), (2048, 16, 5504))
@@ -37,13 +38,13 @@ BLOCK_BATCH, BLOCK_SEQ, BLOCK_N = 4, 4096, 4
 BLOCK_TARGETS = {4096: 0.12, 2048: 0.20}
 
 
-def build_blocks(C: int, heads: int, ffn: int, n: int, device, dtype, mhc_kwargs=None, fused: bool | None = None):
+def build_blocks(C: int, heads: int, ffn: int, n: int, device, dtype, mhc_kwargs=None):
     """(plain block, mHC block) with the same attention and MLP weights.
 
     Both are ``torch.nn.Module``; the plain block maps ``[B, S, C] -> [B, S, C]``, the mHC
     block ``[B, S, n, C] -> [B, S, n, C]`` (its MHC coefficients float32, the rest ``dtype``).
-    ``mhc_kwargs`` go to both ``MHC`` constructors; ``fused`` pins their fused path
-    (:func:`mhc_cupy.bench.layer.pin_fused`).
+    ``mhc_kwargs`` go to both ``MHC`` constructors; they run the fused pieces unless built under
+    ``kernel_choice(fused=False)`` (:mod:`mhc_cupy._kernel_choice`).
     """
     import copy
 
@@ -95,8 +96,8 @@ def build_blocks(C: int, heads: int, ffn: int, n: int, device, dtype, mhc_kwargs
     class MHCBlock(nn.Module):
         def __init__(self, attn, mlp):
             super().__init__()
-            self.attn = pin_fused(mt.MHC(C, n, sublayer=attn, device=device, **(mhc_kwargs or {})), fused)
-            self.mlp = pin_fused(mt.MHC(C, n, sublayer=mlp, device=device, **(mhc_kwargs or {})), fused)
+            self.attn = mt.MHC(C, n, sublayer=attn, device=device, **(mhc_kwargs or {}))
+            self.mlp = mt.MHC(C, n, sublayer=mlp, device=device, **(mhc_kwargs or {}))
 
         def forward(self, x):
             return self.mlp(self.attn(x))
@@ -105,8 +106,10 @@ def build_blocks(C: int, heads: int, ffn: int, n: int, device, dtype, mhc_kwargs
     return plain, MHCBlock(copy.deepcopy(plain.attn), copy.deepcopy(plain.mlp))
 
 
-def block_case(C: int, heads: int, ffn: int, cfg, copy_GBps, on_gpu: bool, fused, compile_: bool) -> dict:
-    """Time the plain and the mHC block at one configuration; returns the result row."""
+def block_case(C: int, heads: int, ffn: int, cfg, copy_GBps, on_gpu: bool, variants, compile_: bool) -> dict:
+    """Time the plain and the mHC block at one configuration, the mHC block for each of ``variants``
+    (:func:`mhc_cupy.bench.layer.kernel_variants`, built and timed under its choice); returns the
+    result row."""
     import torch
 
     dev = torch.device("cuda" if on_gpu else "cpu")
@@ -137,20 +140,21 @@ def block_case(C: int, heads: int, ffn: int, cfg, copy_GBps, on_gpu: bool, fused
         env._free_gpu_memory()
 
     for label in [""] + ([" compiled"] if compile_ else []):
-        for i, (suffix, kw, pin) in enumerate(fused):
+        for i, (suffix, choice) in enumerate(variants):
             torch.manual_seed(0)  # the same weights for every variant and run
-            try:
-                plain, mhc = build_blocks(C, heads, ffn, n, dev, dt, kw, pin)
-            except Exception as e:  # noqa: BLE001
-                row["impls"][f"mhc{suffix}{label}"] = env._error(e)
-                continue
-            if label:
-                torch._dynamo.reset()
-                plain, mhc = torch.compile(plain, dynamic=False), torch.compile(mhc, dynamic=False)
-            if i == 0:
-                run(f"plain{label}", plain, (B, S, C))
-            run(f"mhc{suffix}{label}", mhc, (B, S, n, C))
-            del plain, mhc
+            with kernel_choice(choice):
+                try:
+                    plain, mhc = build_blocks(C, heads, ffn, n, dev, dt)
+                except Exception as e:  # noqa: BLE001
+                    row["impls"][f"mhc{suffix}{label}"] = env._error(e)
+                    continue
+                if label:
+                    torch._dynamo.reset()
+                    plain, mhc = torch.compile(plain, dynamic=False), torch.compile(mhc, dynamic=False)
+                if i == 0:
+                    run(f"plain{label}", plain, (B, S, C))
+                run(f"mhc{suffix}{label}", mhc, (B, S, n, C))
+                del plain, mhc
     for name, v in row["impls"].items():
         if name.startswith("mhc") and "us" in v:
             base = row["impls"].get("plain compiled" if name.endswith("compiled") else "plain", {})
@@ -164,16 +168,14 @@ def block_case(C: int, heads: int, ffn: int, cfg, copy_GBps, on_gpu: bool, fused
 
 def run_block(cfg) -> dict:
     """Run the block mode ``cfg`` asks for (parsed arguments); returns the result dict."""
-    import mhc_cupy.torch as mt
-
-    fused = fused_options(mt.MHC, cfg.fused)
+    variants = kernel_variants(cfg.fused)
     result, on_gpu, compile_, t0 = env.torch_mode_start(cfg, "block", fused=cfg.fused, batch=cfg.batch,
                                                          seq=cfg.seq, n=cfg.streams,
                                                          configs=[list(c) for c in cfg.block_configs])
     copy = result["copy"]
     return run_rows(result, Path(cfg.out) / "block.json", cfg.block_configs,
                     lambda c: f"block C {c[0]}, {c[1]} heads, SwiGLU {c[2]}",
-                    lambda c: block_case(*c, cfg, copy["GBps"], on_gpu, fused, compile_), evaluate_block_targets, t0)
+                    lambda c: block_case(*c, cfg, copy["GBps"], on_gpu, variants, compile_), evaluate_block_targets, t0)
 
 
 def evaluate_block_targets(result: dict) -> list[dict]:
@@ -190,18 +192,16 @@ def evaluate_block_targets(result: dict) -> list[dict]:
 def format_block_report(result: dict) -> str:
     """The block mode's report (markdown): header, targets, table."""
     st, copy = result.get("meta", {}).get("settings", {}), result.get("copy", {})
-    lines = mode_report_head(
+
+    def cells(r, name, v):
+        ov = r["overhead"].get(name)
+        return [str(r["C"]), str(r["heads"]), str(r["ffn"]), name, f"{v['us'] / 1e3:.3f}" if "us" in v else "err",
+                "" if ov is None else f"{ov:+.1%}",
+                f"{r['floor_share']:.1%}" if name == "plain" and r.get("floor_share") else ""]
+
+    return mode_report(
         result, "block",
         f"pre-norm block, {st.get('batch')} x {st.get('seq')} tokens, mHC n = {st.get('n')}; fwd+bwd of one block "
         f"({timing_words(result)}, median of {st.get('reps')}); overhead = mHC time / plain time - 1; floor share = "
         f"byte floor of the two mHC layers at the copy bandwidth ({copy.get('GBps', 0):.0f} GB/s) / plain block time",
-        result.get("targets") or evaluate_block_targets(result),
-        ("C", "heads", "SwiGLU", "impl", "fwd+bwd ms", "overhead", "floor share"))
-    for r in result.get("results", []):
-        for name, v in r["impls"].items():
-            t = f"{v['us'] / 1e3:.3f}" if "us" in v else "err"
-            ov = r["overhead"].get(name)
-            share = f"{r['floor_share']:.1%}" if name == "plain" and r.get("floor_share") else ""
-            lines.append(f"| {r['C']} | {r['heads']} | {r['ffn']} | {name} | {t} | "
-                         f"{'' if ov is None else f'{ov:+.1%}'} | {share} |")
-    return "\n".join(lines)
+        evaluate_block_targets, ("C", "heads", "SwiGLU", "impl", "fwd+bwd ms", "overhead", "floor share"), cells)

@@ -31,6 +31,13 @@ def _ints(text: str, flag: str) -> list[int]:
     return vals
 
 
+def _sizes_help(mode: str, form: str, default) -> str:
+    """Help of a mode's sizes option: ``form`` entries (TxCxn or C:heads:...), comma-separated, and
+    its ``default`` entries."""
+    sep = ":" if ":" in form else "x"
+    return f"{mode}: {form}, comma-separated (default {','.join(sep.join(map(str, e)) for e in default)})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m mhc_cupy.bench", description=_PACKAGE_DOC,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -77,21 +84,18 @@ def build_parser() -> argparse.ArgumentParser:
     one.add_argument("--small", action="store_true",
                      help="the layer forward at decode-sized token counts: eager wall time per call and CUDA-graph "
                           "replay, against torch / torch.compile of MHCReference (writes small.json, small.md)")
-    mode.add_argument("--shapes", default=None,
-                      help="--layer: TxCxn shapes, comma-separated (default "
-                           + ",".join("x".join(map(str, s)) for s in LAYER_SHAPES) + ")")
+    mode.add_argument("--shapes", default=None, help=_sizes_help("--layer", "TxCxn", LAYER_SHAPES))
     mode.add_argument("--sublayers", default=",".join(SUBLAYERS), help="--layer: identity, tanh (default: both)")
     mode.add_argument("--fused", default="both", choices=("both", "true", "false", "default"),
-                      help="MHC(..., fused=...) variants to time when MHC takes that keyword (default: both)")
+                      help="--layer / --block: the MHC variants to time, each built under its kernel choice: both "
+                           "(the fused pieces and the separate ops), true, false, or default (the library's choice; "
+                           "default: both)")
     mode.add_argument("--graph", action="store_true",
                       help="--layer / --block / --stack: capture the PyTorch calls into a CUDA graph (default: eager "
                            "calls; --small times both)")
-    mode.add_argument("--block-configs", default=None,
-                      help="--block: C:heads:ffn, comma-separated (default "
-                           + ",".join(":".join(map(str, c)) for c in BLOCK_CONFIGS) + ")")
+    mode.add_argument("--block-configs", default=None, help=_sizes_help("--block", "C:heads:ffn", BLOCK_CONFIGS))
     mode.add_argument("--stack-configs", default=None,
-                      help="--stack: L:C:heads:ffn:batch:seq, comma-separated (default "
-                           + ",".join(":".join(map(str, c)) for c in STACK_CONFIGS) + ")")
+                      help=_sizes_help("--stack", "L:C:heads:ffn:batch:seq", STACK_CONFIGS))
     mode.add_argument("--small-tokens", default=None,
                       help=f"--small: token counts, comma-separated (default {','.join(map(str, SMALL_TOKENS))})")
     mode.add_argument("--small-C", type=int, default=SMALL_C, help=f"--small: hidden size C (default {SMALL_C})")
@@ -113,9 +117,11 @@ _MODES = {"layer": (layer.run_layer, layer.evaluate_layer_targets, layer.format_
           "small": (small.run_small, small.evaluate_small_targets, small.format_small_report, "--small-tokens")}
 
 
-def _shape_list(text: str, flag: str, ap, form: str = "TxCxn") -> list[tuple]:
+def _shape_list(text: str | None, flag: str, ap, form: str = "TxCxn", default=()) -> list[tuple]:
     """'AxBxC,...' (``form`` "TxCxn") or 'A:B:C,...' (``form`` "C:heads:ffn", as many numbers as ``form``
-    names) -> [(A, B, C), ...]."""
+    names) -> [(A, B, C), ...]; ``text`` None (the option not given): ``default``'s entries."""
+    if text is None:
+        return list(default)
     sep = ":" if ":" in form else "x"
     out = []
     for item in (e.strip() for e in text.split(",") if e.strip()):
@@ -163,14 +169,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.baselines = [b for b in allowed if b in {_BASELINE_ALIASES[x] for x in names}]
     args.sizes_given = any(v is not None for v in (args.shapes, args.block_configs, args.stack_configs,
                                                    args.small_tokens))
-    args.layer_shapes = _shape_list(args.shapes, "--shapes", ap) if args.shapes is not None else list(LAYER_SHAPES)
+    args.layer_shapes = _shape_list(args.shapes, "--shapes", ap, default=LAYER_SHAPES)
     args.sublayers = [s.strip() for s in args.sublayers.split(",") if s.strip()]
     if not args.sublayers or any(s not in SUBLAYERS for s in args.sublayers):
         ap.error(f"--sublayers: choose from {', '.join(SUBLAYERS)}, got {args.sublayers}")
-    args.block_configs = (list(BLOCK_CONFIGS) if args.block_configs is None
-                          else _shape_list(args.block_configs, "--block-configs", ap, "C:heads:ffn"))
-    args.stack_configs = (list(STACK_CONFIGS) if args.stack_configs is None
-                          else _shape_list(args.stack_configs, "--stack-configs", ap, "L:C:heads:ffn:batch:seq"))
+    args.block_configs = _shape_list(args.block_configs, "--block-configs", ap, "C:heads:ffn", BLOCK_CONFIGS)
+    args.stack_configs = _shape_list(args.stack_configs, "--stack-configs", ap, "L:C:heads:ffn:batch:seq",
+                                     STACK_CONFIGS)
     args.small_tokens = (list(SMALL_TOKENS) if args.small_tokens is None
                          else _ints(args.small_tokens, "--small-tokens"))
     if min(args.batch, args.seq, args.streams, args.small_C) < 1:

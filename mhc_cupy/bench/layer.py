@@ -5,9 +5,8 @@ inputs ``x [T, n, C]`` and upstream gradients ``g [T, n, C]`` (``R`` sets in tur
 the op mode, so that the reads come from HBM), after warm-up:
 
 * ``mhc_cupy``: ``mhc_cupy.torch.MHC(C, n, sublayer)`` (whatever the layer uses
-  inside); as two rows, fused and unfused, when the constructor has a ``fused``
-  keyword or the layer a ``fused(x)`` method (pinned per instance), see
-  :func:`fused_options`.
+  inside); as two rows (``--fused both``), fused and unfused (the separate ops), each
+  built and timed under its kernel choice, see :func:`kernel_variants`.
 * ``torch`` / ``torch.compile``: ``mhc_cupy.torch.reference.MHCReference`` (the same layer and
   parameters in plain torch ops), eager and ``torch.compile(dynamic=False)``.
 * ``jax mhc_cupy``: ``mhc_cupy.jax.mhc_layer``; ``jax.jit``: the same maths in plain
@@ -60,11 +59,11 @@ bandwidth measured in the same run: 100 % would be a layer at the copy roofline.
 from __future__ import annotations
 
 import datetime
-import inspect
 import math
 import time
 from pathlib import Path
 
+from .._kernel_choice import KernelChoice, kernel_choice
 from . import env
 from .report import format_targets, write_json
 from .specs import rotation
@@ -102,31 +101,15 @@ def layer_bytes(direction: str, T: int, C: int, n: int, itemsize: int) -> int:
     return table[direction]
 
 
-def fused_options(fn, choice: str) -> list[tuple[str, dict, bool | None]]:
-    """(label suffix, keyword arguments, pinned ``fused``) of each variant of ``fn`` (a layer class
-    or function) to time, for ``choice`` "both" (two variants), "true", "false" or "default" (one
-    variant, as the library chooses).
-
-    * ``fn`` takes a ``fused`` keyword: the variants pass ``fused=True`` / ``fused=False``.
-    * ``fn`` is a class with a ``fused(x)`` method (the layer decides per call): the variants
-      pin it to True / False on the instance (:func:`pin_fused`).
-    * otherwise one default variant.
-    """
+def kernel_variants(choice: str) -> list[tuple[str, KernelChoice]]:
+    """(label suffix, kernel choice) of each ``MHC`` variant to time, for ``--fused`` ``choice``:
+    "both" (the fused pieces, " fused", and the separate ops, " unfused"), "true", "false", or
+    "default" (one row, "", the library's choice).  Each variant is built and timed under
+    ``mhc_cupy._kernel_choice.kernel_choice(its choice)``."""
     if choice == "default":
-        return [("", {}, None)]
+        return [("", KernelChoice())]
     pick = {"both": (True, False), "true": (True,), "false": (False,)}[choice]
-    if "fused" in inspect.signature(fn).parameters:
-        return [(" fused" if f else " unfused", {"fused": f}, None) for f in pick]
-    if isinstance(fn, type) and callable(getattr(fn, "fused", None)):
-        return [(" fused" if f else " unfused", {}, f) for f in pick]
-    return [("", {}, None)]
-
-
-def pin_fused(layer, fused: bool | None):
-    """Make ``layer.fused(x)`` return ``fused`` (None: leave the library's choice); returns ``layer``."""
-    if fused is not None:
-        layer.fused = lambda x, _f=fused: _f
-    return layer
+    return [(" fused" if f else " unfused", KernelChoice(fused=f)) for f in pick]
 
 
 def sublayers(name: str):
@@ -371,8 +354,9 @@ def _te_status() -> str | None:
 
 # ------------------------------------------------------------------------------ one case
 def layer_case(sublayer_name: str, T: int, C: int, n: int, cfg, copy_GBps, l2: int, baselines, on_gpu: bool,
-               fused: list) -> dict:
-    """Time one (sublayer, shape) for every implementation; returns the result row."""
+               variants: list) -> dict:
+    """Time one (sublayer, shape) for every implementation (``variants``: :func:`kernel_variants`);
+    returns the result row."""
     import torch
 
     import mhc_cupy.jax as mj
@@ -418,13 +402,14 @@ def layer_case(sublayer_name: str, T: int, C: int, n: int, cfg, copy_GBps, l2: i
 
     torch.manual_seed(0)  # the same parameters in every run
     base = None
-    for suffix, kw, pin in fused:
-        layer = pin_fused(mt.MHC(C, n, sublayer=sub_t, device=dev, **kw), pin)
-        if base is None:
-            base = layer
-        else:
-            layer.load_state_dict(base.state_dict())
-        rows, firsts = measure_torch(layer, list(layer.parameters()), xs, gs, calls, timer, on_gpu)
+    for suffix, choice in variants:
+        with kernel_choice(choice):
+            layer = mt.MHC(C, n, sublayer=sub_t, device=dev)
+            if base is None:
+                base = layer
+            else:
+                layer.load_state_dict(base.state_dict())
+            rows, firsts = measure_torch(layer, list(layer.parameters()), xs, gs, calls, timer, on_gpu)
         first = not ref_out
         ref_out.update(firsts if first else {})
         record("mhc_cupy" + suffix, rows, firsts, vs={} if first else None)
@@ -444,10 +429,7 @@ def layer_case(sublayer_name: str, T: int, C: int, n: int, cfg, copy_GBps, l2: i
     if "jax.jit" in baselines:
         jparams = {k: torch_to_jax(p.detach().contiguous()) for k, p in zip(("phi", "alpha", "bias"), params)}
         jxs, jgs = [torch_to_jax(x) for x in xs], [torch_to_jax(g) for g in gs]
-        for suffix, kw, _ in fused_options(mj.mhc_layer, cfg.fused):
-            rows, firsts = measure_jax(lambda p, x, _kw=kw: mj.mhc_layer(p, x, sub_j, **_kw), jparams, jxs, jgs,
-                                       calls, cfg)
-            record(JAX_OURS + suffix, rows, firsts)
+        record(JAX_OURS, *measure_jax(lambda p, x: mj.mhc_layer(p, x, sub_j), jparams, jxs, jgs, calls, cfg))
         record("jax.jit", *measure_jax(lambda p, x: jnp_mhc_layer(p, x, sub_j), jparams, jxs, jgs, calls, cfg))
         del jxs, jgs
     if "transformer_engine" in baselines:
@@ -504,11 +486,9 @@ def run_layer(cfg) -> dict:
             baselines.remove("transformer_engine")
     for s in skipped:
         env._log(s)
-    import mhc_cupy.torch as mt
-
     out_dir = Path(cfg.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    fused = fused_options(mt.MHC, cfg.fused)
+    variants = kernel_variants(cfg.fused)
     if on_gpu:
         device = env._device_meta()
         copy = copy_bandwidth()
@@ -531,7 +511,7 @@ def run_layer(cfg) -> dict:
     for sub in cfg.sublayers:
         for T, C, n in cfg.shapes:
             env._log(f"[{time.perf_counter() - t0:7.1f} s] layer {sub} {T}x{C}x{n}")
-            result["results"].append(layer_case(sub, T, C, n, cfg, copy["GBps"], l2, baselines, on_gpu, fused))
+            result["results"].append(layer_case(sub, T, C, n, cfg, copy["GBps"], l2, baselines, on_gpu, variants))
             write_json(result, out_dir / "layer.json")  # partial results survive a timeout
     result["targets"] = evaluate_layer_targets(result)
     result["meta"]["wall_s"] = time.perf_counter() - t0

@@ -291,11 +291,16 @@ def target(name: str, measured, goal, detail: str = "") -> dict:
     return {"name": name, "status": "met" if measured <= goal else "missed", "measured": measured, "detail": detail}
 
 
-def mode_report_head(result: dict, mode: str, description: str, targets, columns) -> list:
-    """The first lines of a mode's markdown report: title (date, device, dtype), ``description``,
-    the targets, and the header of the table with ``columns``."""
+def mode_report(result: dict, mode: str, description: str, evaluate, columns, cells) -> str:
+    """A mode's markdown report: title (date, device, dtype), ``description``, the targets (those
+    stored in ``result``, else ``evaluate(result)``) and a table of ``columns``, a line for each
+    implementation of each result row: ``cells(row, impl name, impl entry)``, its cells as strings."""
     meta = result.get("meta", {})
-    return [f"# mhc_cupy.bench --{mode}  {meta.get('date', '')}  {meta.get('device', {}).get('name', '?')}  "
-            f"dtype {meta.get('settings', {}).get('dtype', '?')}", "", description, "",
-            "```", format_targets(targets), "```", "",
-            "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines = [f"# mhc_cupy.bench --{mode}  {meta.get('date', '')}  {meta.get('device', {}).get('name', '?')}  "
+             f"dtype {meta.get('settings', {}).get('dtype', '?')}", "", description, "",
+             "```", format_targets(result.get("targets") or evaluate(result)), "```", "",
+             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in result.get("results", []):
+        for name, v in r["impls"].items():
+            lines.append("| " + " | ".join(cells(r, name, v)) + " |")
+    return "\n".join(lines)

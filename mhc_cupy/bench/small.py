@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import env
-from .report import mode_report_head, run_rows, target
+from .report import mode_report, run_rows, target
 
 #: Default token counts, hidden size and streams.
 SMALL_TOKENS, SMALL_C, SMALL_N = (1, 8, 64, 256, 4096), 7168, 4
@@ -89,13 +89,13 @@ def evaluate_small_targets(result: dict) -> list[dict]:
 def format_small_report(result: dict) -> str:
     """The small mode's report (markdown): header, targets, table."""
     st = result.get("meta", {}).get("settings", {})
-    lines = mode_report_head(
+
+    def cells(r, name, v):
+        return [str(r["tokens"]), name, *(f"{v[k]:.1f}" if k in v else ("err" if "error" in v else "")
+                                          for k in ("eager_us", "graph_us"))]
+
+    return mode_report(
         result, "small",
         f"one mHC layer forward (identity sublayer, no autograd), C {st.get('C')}, n {st.get('n')}; eager = wall clock "
         "per back-to-back call (host included); graph = CUDA-event time per replayed call (GPU only)",
-        result.get("targets") or evaluate_small_targets(result), ("tokens", "impl", "eager us", "graph us"))
-    for r in result.get("results", []):
-        for name, v in r["impls"].items():
-            cells = [f"{v[k]:.1f}" if k in v else ("err" if "error" in v else "") for k in ("eager_us", "graph_us")]
-            lines.append(f"| {r['tokens']} | {name} | {cells[0]} | {cells[1]} |")
-    return "\n".join(lines)
+        evaluate_small_targets, ("tokens", "impl", "eager us", "graph us"), cells)

@@ -30,7 +30,7 @@ from pathlib import Path
 from . import env
 from .block import build_blocks
 from .layer import measure_torch, timing_words, torch_timer
-from .report import mode_report_head, run_rows, target
+from .report import mode_report, run_rows, target
 
 #: Default models: (blocks L, C, heads, SwiGLU hidden size, batch, sequence) — the issue's two.
 STACK_CONFIGS = ((8, 2048, 16, 5504, 4, 2048), (4, 4096, 32, 11008, 1, 4096))
@@ -143,18 +143,16 @@ def evaluate_stack_targets(result: dict) -> list[dict]:
 def format_stack_report(result: dict) -> str:
     """The stack mode's report (markdown): header, targets, table."""
     st = result.get("meta", {}).get("settings", {})
-    lines = mode_report_head(
+
+    def cells(r, name, v):
+        ov, mem, peak = r["overhead"].get(name), r["memory"].get(name), v.get("peak_bytes")
+        return [str(r["L"]), str(r["C"]), f"{r['batch']} x {r['seq']}", name,
+                f"{v['us'] / 1e3:.3f}" if "us" in v else "err", "" if ov is None else f"{ov:+.1%}",
+                "" if not peak else f"{peak / 2**30:.2f}", "" if mem is None else f"{mem:.2f}x"]
+
+    return mode_report(
         result, "stack",
         f"L pre-norm blocks (attention + SwiGLU), mHC n = {st.get('n')} around every sublayer; fwd+bwd of the model "
         f"({timing_words(result)}, median of {st.get('reps')}); overhead = time / plain time - 1; memory = peak "
         "allocator bytes of a step beyond weights and inputs / plain's",
-        result.get("targets") or evaluate_stack_targets(result),
-        ("L", "C", "tokens", "impl", "fwd+bwd ms", "overhead", "peak GiB", "memory"))
-    for r in result.get("results", []):
-        for name, v in r["impls"].items():
-            t = f"{v['us'] / 1e3:.3f}" if "us" in v else "err"
-            ov, mem, peak = r["overhead"].get(name), r["memory"].get(name), v.get("peak_bytes")
-            lines.append(f"| {r['L']} | {r['C']} | {r['batch']} x {r['seq']} | {name} | {t} | "
-                         f"{'' if ov is None else f'{ov:+.1%}'} | {'' if not peak else f'{peak / 2**30:.2f}'} | "
-                         f"{'' if mem is None else f'{mem:.2f}x'} |")
-    return "\n".join(lines)
+        evaluate_stack_targets, ("L", "C", "tokens", "impl", "fwd+bwd ms", "overhead", "peak GiB", "memory"), cells)

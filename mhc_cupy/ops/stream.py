@@ -214,20 +214,26 @@ def _plan_aggregate_fwd(infos):
                 lambda a: (reference.stream_aggregate_fwd(a["x"], a["h"]),), single=True, empty=tokens * C == 0)
 
 
-def _h_grad_plan(shape, dt: str, h_shape, tokens: int, n: int, shared: bool, launch_grads, ref) -> Plan:
-    """Plan of a backward whose coefficients h are per token [..., n] or shared [n] (aggregate,
-    distribute): ``launch_grads(p, d_activation, dh, stream)`` writes the activation's gradient
-    (``shape``, ``dt``) and dh per token, for a shared h into scratch, then summed over the
-    tokens in a fixed order (deterministic; zero tokens give dh = 0)."""
+def _h_grad_plan(infos, act: str, dt: str, lead: tuple, n: int, C: int, shared: bool, grad_shape: tuple, launch,
+                 ref) -> Plan:
+    """Plan of a backward whose coefficients h are per token [..., n] or shared [n] (aggregate: the
+    activation ``act`` is "x"; distribute: "y"), its incoming gradient checked against
+    ``grad_shape``: ``launch`` (launch_aggregate_bwd / launch_mix_distribute_bwd) writes the
+    activation's gradient (d + act) and dh per token, for a shared h into scratch, then summed over
+    the tokens in a fixed order (deterministic; zero tokens give dh = 0); ``ref(grad, act, h)``."""
+    tg = check_grad("grad", infos["grad"], grad_shape, dt)
+    tokens = tokens_of(lead)
 
     def run_kernels(p, outs, sc, stream):
         dh = sc["dh_per_token"] if shared else outs[1]
         if tokens:
-            launch_grads(p, outs[0], dh, stream)
+            launch(dt, tg, n, C, tokens, g=p["grad"], h=p["h"], h_stride=0 if shared else n, dh=dh, stream=stream,
+                   **{act: p[act], "d" + act: outs[0]})
         if shared:
             column_sum(dh, outs[1], tokens, n, stream)
 
-    return Plan([(shape, dt), (h_shape, "float32")], run_kernels, ref,
+    return Plan([(infos[act].shape, dt), (infos["h"].shape, "float32")], run_kernels,
+                lambda a: ref(a["grad"], a[act], a["h"]),
                 scratch={"dh_per_token": ((tokens, n), "float32")} if shared else {},
                 empty=tokens == 0 and not shared)
 
@@ -235,15 +241,8 @@ def _h_grad_plan(shape, dt: str, h_shape, tokens: int, n: int, shared: bool, lau
 def _plan_aggregate_bwd(infos):
     dt, lead, n, C = check_x("x", infos["x"])
     shared = check_h("h", infos["h"], lead, n, True, infos["x"].shape)
-    tg = check_grad("grad", infos["grad"], lead + (C,), dt)
-    tokens = tokens_of(lead)
-
-    def launch_dx(p, dx, dh, stream):
-        launch_aggregate_bwd(dt, tg, n, C, tokens, g=p["grad"], x=p["x"], h=p["h"], h_stride=0 if shared else n,
-                             dx=dx, dh=dh, stream=stream)
-
-    return _h_grad_plan(infos["x"].shape, dt, infos["h"].shape, tokens, n, shared, launch_dx,
-                        lambda a: reference.stream_aggregate_bwd(a["grad"], a["x"], a["h"]))
+    return _h_grad_plan(infos, "x", dt, lead, n, C, shared, lead + (C,), launch_aggregate_bwd,
+                        reference.stream_aggregate_bwd)
 
 
 def stream_aggregate_fwd(x, h):
@@ -310,15 +309,8 @@ def _plan_distribute_fwd(infos):
 
 def _plan_distribute_bwd(infos):
     dt, lead, n, C, shared = _check_distribute(infos)
-    tg = check_grad("grad", infos["grad"], lead + (n, C), dt)
-    tokens = tokens_of(lead)
-
-    def launch_dy(p, dy, dh, stream):
-        launch_mix_distribute_bwd(dt, tg, n, C, tokens, g=p["grad"], y=p["y"], h=p["h"], h_stride=0 if shared else n,
-                                  dy=dy, dh=dh, stream=stream)
-
-    return _h_grad_plan(infos["y"].shape, dt, infos["h"].shape, tokens, n, shared, launch_dy,
-                        lambda a: reference.stream_distribute_bwd(a["grad"], a["y"], a["h"]))
+    return _h_grad_plan(infos, "y", dt, lead, n, C, shared, lead + (n, C), launch_mix_distribute_bwd,
+                        reference.stream_distribute_bwd)
 
 
 def stream_distribute_fwd(y, h):

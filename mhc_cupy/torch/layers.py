@@ -59,6 +59,7 @@ from torch import Tensor, nn
 
 from .. import _checks, _convention, _layer_init
 from .._convention import DEFAULT
+from .._kernel_choice import current as _kernel_choice
 from .._settings import LayerSettings
 from ._float32 import Float32Parameters
 from .functions import layer_post, layer_pre, mhc_coeffs, mhc_head, mhc_post_op, mhc_pre_op
@@ -82,6 +83,14 @@ def _deepseek_sizes(hc_fn, hc_scale, hc_base, head: bool) -> tuple:
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     return _layer_init.deepseek_sizes(hc_fn.shape, hc_scale.shape, hc_base.shape, head)
+
+
+def _normal_or_zero_(t: Tensor, std: float) -> None:
+    """Fill t in place from N(0, std^2), or with zeros for std 0 (phi's and hc_fn's init)."""
+    if std > 0:
+        t.normal_(0.0, std)
+    else:
+        t.zero_()
 
 
 def _detached_f32(t: Tensor) -> Tensor:
@@ -285,6 +294,9 @@ class MHC(Float32Parameters):
         self.alpha = nn.Parameter(torch.empty(3, **kw))
         self.bias = nn.Parameter(torch.empty(m, **kw))
         self.sublayer = sublayer if sublayer is not None else nn.Identity()
+        # the fused layer pieces unless built under kernel_choice(fused=False) (a benchmark's
+        # separate ops; read here, not in forward, which torch.compile traces: mhc_cupy._kernel_choice)
+        self._fused = _kernel_choice().runs("fused")
         self.reset_parameters()
 
     num_iters = property(lambda self: self.settings.num_iters)
@@ -298,10 +310,7 @@ class MHC(Float32Parameters):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Re-initialise phi, alpha and bias (not the sublayer)."""
-        if self.phi_init_std > 0:
-            self.phi.normal_(0.0, self.phi_init_std)
-        else:
-            self.phi.zero_()
+        _normal_or_zero_(self.phi, self.phi_init_std)
         self.alpha.fill_(self.alpha_init)
         # identity_bias sets H_post = 2 sigmoid(b_post) = post: the same b_post gives post_mult / 2 of it here
         post = 1.0 if self.post_init is None or not self.post_mult else 2.0 * self.post_init / self.post_mult
@@ -352,12 +361,6 @@ class MHC(Float32Parameters):
         self._check(x)
         return mhc_coeffs(x, _as_f32(self.phi), _as_f32(self.alpha), _as_f32(self.bias), self.rms_eps)
 
-    def fused(self, x: Tensor) -> bool:
-        """Whether forward runs the fused layer pieces (OPS.md section 9; True, the default, for
-        every x) or the separate ops (coefficients -> pre op -> sublayer -> post op), which the
-        benchmark times beside them (``python -m mhc_cupy.bench --layer --fused both``)."""
-        return True
-
     #: set by :class:`mhc_cupy.torch.MHCStack` around a call when it recomputes: the hooks that save
     #: the mHC pieces' tensors (the sublayer's are its own) and the sink of the residual update's inputs
     _stack_slot = _NotInAStack()
@@ -372,7 +375,7 @@ class MHC(Float32Parameters):
         slot = self._stack_slot
         given = self._pre_given.take(x) if self._pre_given is not None else None
         with slot.saving():
-            if given is not None or self.fused(x):
+            if given is not None or self._fused:
                 self._check(x)
                 layer_in, x_in, H_post, H_res = layer_pre(x, _as_f32(self.phi), _as_f32(self.alpha),
                                                           _as_f32(self.bias), {"settings": s}, given)
@@ -456,10 +459,7 @@ class MHCHead(Float32Parameters):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Re-initialise hc_fn (small normal), hc_scale (``scale_init``) and hc_base (the stream mean)."""
-        if self.fn_init_std > 0:
-            self.hc_fn.normal_(0.0, self.fn_init_std)
-        else:
-            self.hc_fn.zero_()
+        _normal_or_zero_(self.hc_fn, self.fn_init_std)
         self.hc_scale.fill_(self.scale_init)
         self.hc_base.fill_(_layer_init.logit(1.0 / self.n_streams if self.n_streams > 1 else 0.99))
 

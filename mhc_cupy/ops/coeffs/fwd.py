@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..._jit import uses_wgmma
+from ..._kernel_choice import current
 from .._launch import ITEMSIZE, MAX_GRID, KernelSpec, vec8
 from .common import _MAX_SPLITS, _MMA_TARGET_BLOCKS, _NT, _cdiv, pipeline_stages
 
@@ -25,31 +26,31 @@ _MMA_STAGES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # column chunks of at most _WG_MAX_KC columns.  Its sums are not the mma.sync kernel's (other MMA
 # shapes, sums of squares on CUDA cores), so H~ differs in the last bits between sm_90 and other
 # GPUs; on one GPU the bits depend on the values only (aligned or not, the same sums).  Only from
-# _WG_MIN_K columns, where it was measured faster.
-_WG_FWD = True
+# _WG_MIN_K columns, where it was measured faster, and unless the kernel choice in force when the
+# layout is made says wg_fwd=False (mhc_cupy._kernel_choice).
 _WG_MIN_K = 63  # n >= 7
 _WG_MT = 2  # m64 token tiles per block
 assert 64 * _WG_MT == _MMA_TOK, "the wgmma forward walks the mma.sync layout's token tiles"
 _WG_MAX_KC = 96  # columns per block (N of the wgmma)
 _WG_SMEM = 113 * 1024  # dynamic shared memory a block (two blocks an SM on sm_90)
 
-SPLIT_PHI_FWD = KernelSpec(_FILE, "mhc_coeffs_split_phi_fwd_kernel", "",
-                           "const float* phi, __nv_bfloat16* planes, int D, int K, int Dp, int Kp")
+# The two forward GEMMs (mma.sync, wgmma) each split phi into bf16 planes and take the same parameters
+# but for x's type and their column layout (the mma.sync kernel's Kp, the wgmma kernel's KC).
+_SPLIT_PHI = "const float* phi, __nv_bfloat16* planes, int D, int K, int Dp, "
+_GEMM = ("const {x}* x, const __nv_bfloat16* planes, float* part, i64 tokens, int D, int Dp, int K, {cols}int ncc, "
+         "i64 tiles, int d_split")
+SPLIT_PHI_FWD = KernelSpec(_FILE, "mhc_coeffs_split_phi_fwd_kernel", "", _SPLIT_PHI + "int Kp")
 #: x [4 MT 16 tokens][32 SUB positions] and phi [3][8 NTILE][32 SUB] bf16 a stage
 MMA_FWD = KernelSpec(
     _FILE, "mhc_coeffs_mma_fwd_kernel", "typename T, bool VEC, int MT, int NTILE, int STAGES, int SUB",
-    "const T* x, const __nv_bfloat16* planes, float* part, i64 tokens, int D, int Dp, int K, int Kp, int ncc, "
-    "i64 tiles, int d_split",
+    _GEMM.format(x="T", cols="int Kp, "),
     smem=(lambda T, MT, NTILE, STAGES, SUB: STAGES * SUB * (4 * MT * 16 * 32 * ITEMSIZE[T] + 3 * NTILE * 8 * 64),
           "mhc_coeffs::mma_fwd_smem"))
-SPLIT_PHI_WG = KernelSpec(_FILE, "mhc_coeffs_split_phi_wg_kernel", "",
-                          "const float* phi, __nv_bfloat16* planes, int D, int K, int Dp, int KC, int ncc")
+SPLIT_PHI_WG = KernelSpec(_FILE, "mhc_coeffs_split_phi_wg_kernel", "", _SPLIT_PHI + "int KC, int ncc")
 #: x [64 MT tokens][64 positions] and phi [3][KC][64] bf16 a stage
-WG_FWD = KernelSpec(
-    _FILE, "mhc_coeffs_wg_fwd_kernel", "bool VEC, int KC, int MT, int STAGES",
-    "const __nv_bfloat16* x, const __nv_bfloat16* planes, float* part, i64 tokens, int D, int Dp, int K, int ncc, "
-    "i64 tiles, int d_split",
-    smem=(lambda KC, MT, STAGES: STAGES * (64 * MT * 128 + 3 * KC * 128), "mhc_coeffs::wg_fwd_smem"))
+WG_FWD = KernelSpec(_FILE, "mhc_coeffs_wg_fwd_kernel", "bool VEC, int KC, int MT, int STAGES",
+                    _GEMM.format(x="__nv_bfloat16", cols=""),
+                    smem=(lambda KC, MT, STAGES: STAGES * (64 * MT * 128 + 3 * KC * 128), "mhc_coeffs::wg_fwd_smem"))
 FINISH = KernelSpec(
     _FILE, "mhc_coeffs_fwd_finish_kernel", "",
     "const float* part, const float* alpha, const float* bias, float* h_pre, float* h_post, float* h_res, "
@@ -81,7 +82,7 @@ class MmaLayout(NamedTuple):
     tiles: int  # token tiles of _MMA_TOK tokens
     splits: int  # D ranges (part's leading dim)
     d_split: int  # positions per D range, a multiple of 32 * mma_sub(dt)
-    wg_kc: int = 0  # columns per chunk of mhc_coeffs_wg_fwd_kernel (0: not used; bf16, K >= _WG_MIN_K only)
+    wg_kc: int = 0  # columns per chunk of mhc_coeffs_wg_fwd_kernel (0: not used; bf16, K >= _WG_MIN_K, wg_fwd only)
     wg_ncc: int = 0  # its column chunks
 
     @property
@@ -99,7 +100,9 @@ def mma_layout(tokens: int, D: int, K: int, dt: str) -> MmaLayout:
     """Column chunks, token tiles and D ranges of the tensor-core forward GEMM.
 
     D is split only when token tiles x column chunks give fewer than
-    _MMA_TARGET_BLOCKS blocks, and never below _MIN_STEPS_PER_RANGE steps per range.
+    _MMA_TARGET_BLOCKS blocks, and never below _MIN_STEPS_PER_RANGE steps per range.  The wgmma
+    kernel's chunks (wg_kc, wg_ncc) only where it may run: bf16, K >= _WG_MIN_K and the kernel
+    choice in force (``wg_fwd``, :mod:`mhc_cupy._kernel_choice`; read here, when a plan is made).
     """
     nt_total = _cdiv(K, 8)
     ncc = _cdiv(nt_total, _MMA_MAX_NTILE)
@@ -115,7 +118,7 @@ def mma_layout(tokens: int, D: int, K: int, dt: str) -> MmaLayout:
         raise ValueError(f"x has {tokens} tokens; mhc_coeffs supports at most "
                          f"{MAX_GRID // (ncc * splits) * _MMA_TOK} tokens at this n")
     wg_kc = wg_ncc = 0
-    if dt == "bfloat16" and K >= _WG_MIN_K:  # (step = 64 positions: the wgmma kernel's stage)
+    if dt == "bfloat16" and K >= _WG_MIN_K and current().runs("wg_fwd"):  # (step = 64: the wgmma kernel's stage)
         wg_ncc = _cdiv(K, _WG_MAX_KC)
         wg_kc = 8 * _cdiv(_cdiv(K, 8), wg_ncc)
     return MmaLayout(ntile, ncc, ncc * ntile * 8, units * step, tiles, splits, per * step, wg_kc, wg_ncc)
@@ -123,21 +126,21 @@ def mma_layout(tokens: int, D: int, K: int, dt: str) -> MmaLayout:
 
 def launch_mma_gemm(dt, D, K, tokens, *, x, phi, part, planes, mma: MmaLayout, stream):
     """Raw H~ and sums of squares per D range into part [splits, T, K+1], on tensor cores
-    (phi split into three bf16 planes first): bf16 x on a device with wgmma (sm_90a)
-    mhc_coeffs_wg_fwd_kernel, else mhc_coeffs_mma_fwd_kernel."""
+    (phi split into three bf16 planes first): where ``mma`` has wgmma chunks (mma_layout), on a
+    device with wgmma (sm_90a), mhc_coeffs_wg_fwd_kernel, else mhc_coeffs_mma_fwd_kernel."""
     vec = vec8(D, x)
-    if _WG_FWD and mma.wg_kc and uses_wgmma():
-        SPLIT_PHI_WG.launch_grid_stride(3 * mma.wg_ncc * mma.wg_kc * mma.Dp, stream, phi=phi, planes=planes, D=D, K=K,
-                                        Dp=mma.Dp, KC=mma.wg_kc, ncc=mma.wg_ncc)
+    split = dict(phi=phi, planes=planes, D=D, K=K, Dp=mma.Dp)
+    gemm = dict(x=x, planes=planes, part=part, tokens=tokens, D=D, Dp=mma.Dp, K=K, tiles=mma.tiles, d_split=mma.d_split)
+    if mma.wg_kc and uses_wgmma():
+        SPLIT_PHI_WG.launch_grid_stride(3 * mma.wg_ncc * mma.wg_kc * mma.Dp, stream, **split, KC=mma.wg_kc,
+                                        ncc=mma.wg_ncc)
         WG_FWD.bind(VEC=vec, KC=mma.wg_kc, MT=_WG_MT, STAGES=mma.wg_smem()[0]).launch(
-            (mma.wg_ncc * mma.tiles * mma.splits, 1, 1), (128, 1, 1), stream, x=x, planes=planes, part=part,
-            tokens=tokens, D=D, Dp=mma.Dp, K=K, ncc=mma.wg_ncc, tiles=mma.tiles, d_split=mma.d_split)
+            (mma.wg_ncc * mma.tiles * mma.splits, 1, 1), (128, 1, 1), stream, **gemm, ncc=mma.wg_ncc)
         return
-    SPLIT_PHI_FWD.launch_grid_stride(mma.Kp * mma.Dp, stream, phi=phi, planes=planes, D=D, K=K, Dp=mma.Dp, Kp=mma.Kp)
+    SPLIT_PHI_FWD.launch_grid_stride(mma.Kp * mma.Dp, stream, **split, Kp=mma.Kp)
     MMA_FWD.bind(T=dt, VEC=vec, MT=_MMA_MT, NTILE=mma.ntile, STAGES=mma_fwd_smem(dt, mma.ntile)[0],
-                 SUB=mma_sub(dt)).launch(
-        (mma.ncc * mma.tiles * mma.splits, 1, 1), (128, 1, 1), stream, x=x, planes=planes, part=part, tokens=tokens,
-        D=D, Dp=mma.Dp, K=K, Kp=mma.Kp, ncc=mma.ncc, tiles=mma.tiles, d_split=mma.d_split)
+                 SUB=mma_sub(dt)).launch((mma.ncc * mma.tiles * mma.splits, 1, 1), (128, 1, 1), stream, **gemm,
+                                         Kp=mma.Kp, ncc=mma.ncc)
 
 
 def launch_finish(tokens, D, n, K, eps, *, part, splits: int, alpha, bias, h_pre, h_post, h_res, stats, stream):

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from ..._jit import uses_wgmma
+from ..._kernel_choice import current
 from .._launch import ITEMSIZE, KernelSpec, column_sum, vec8
 from .bwd import TensorCoreBwd, split_cols, split_rows
 from .common import (_MAX_PARTIAL_FLOATS, _MAX_SPLITS, _MMA_BWD_STAGES, _SMEM_PORTABLE, _cdiv, mma_token_splits,
@@ -104,9 +105,9 @@ def dx_tile_layout(n: int, K: int, dt: str) -> tuple[int, int, int, int, int]:
 # gradients, the layer gradients bf16, on devices that NVRTC targets as sm_90a): a block keeps the phi
 # rows of _WG_DX_NB positions (two bf16 planes) resident and walks 64 tokens a step, _WG_DX_STAGES
 # stages of dH; only where two blocks fit an SM (_WG_DX_SMEM each), which with K >= _WG_DX_MIN_K is
-# n = 5 .. 9, where it was measured faster.  The tensor core sums the same products in the same k-step
+# n = 5 .. 9, where it was measured faster, and unless the kernel choice in force when the layout is
+# made says wg_dx=False (SplitBwd.wgmma).  The tensor core sums the same products in the same k-step
 # order as the mma.sync kernels; the tests hold the two to one bf16 rounding.
-_WG_DX = True
 _WG_DX_MIN_K = 35  # n >= 5
 _WG_DX_NB = 128
 _WG_DX_STAGES = 2
@@ -133,6 +134,9 @@ class SplitBwd(TensorCoreBwd):
     # The derived layout below is cached per instance (cached_property): the launch reads it on
     # every call.
     min_warps: int = field(default_factory=lambda: _DX_MIN_WARPS)
+    # whether the wgmma dx may run: the kernel choice in force when the layout is made (wg_dx,
+    # mhc_cupy._kernel_choice), kept by the plan
+    wgmma: bool = field(default_factory=lambda: current().runs("wg_dx"))
 
     @cached_property
     def ncc(self) -> int:  # column chunks of dphi
@@ -189,9 +193,10 @@ class SplitBwd(TensorCoreBwd):
 
     @cached_property
     def wg_dx(self) -> tuple[int, int, int] | None:
-        """wg_dx_layout for bf16 x (else None): where the wgmma dx may run; whether it does is decided
-        at launch (the device, dtypes, alignment: wg_dx_runs)."""
-        return wg_dx_layout(self.K) if self.dt == "bfloat16" else None
+        """wg_dx_layout for bf16 x where the kernel choice lets it run (``wgmma``), else None: where the
+        wgmma dx may run; whether it does is decided at launch (the device, dtypes, alignment:
+        wg_dx_runs)."""
+        return wg_dx_layout(self.K) if self.dt == "bfloat16" and self.wgmma else None
 
     @cached_property
     def wg_splits(self) -> tuple[int, int]:
@@ -201,10 +206,10 @@ class SplitBwd(TensorCoreBwd):
         return _cdiv(max(self.tokens, 1), per), per
 
     def wg_dx_runs(self, tg: str, *ptrs) -> bool:
-        """Whether launch_split_bwd runs the wgmma dx: a layout, layer gradients (if any) of dtype tg
+        """Whether launch_split_bwd runs the wgmma dx: a layout (wg_dx), layer gradients (if any) of dtype tg
         bf16, C % 8 == 0, every given pointer (x, dx, layer gradients) 16-byte aligned, a device with
         wgmma."""
-        return _WG_DX and self.wg_dx is not None and tg == "bfloat16" and vec8(self.C, *ptrs) and uses_wgmma()
+        return self.wg_dx is not None and tg == "bfloat16" and vec8(self.C, *ptrs) and uses_wgmma()
 
     @cached_property
     def dphi_pipeline(self) -> tuple[int, int]:

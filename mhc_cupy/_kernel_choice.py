@@ -1,0 +1,96 @@
+"""Which variant runs where the library has more than one for a job: :class:`KernelChoice`, put in
+force for a block by :func:`kernel_choice`.
+
+The library picks its kernels and its layer path itself (the measured choice).  A benchmark or a
+test that times or compares the alternatives states the ones it wants as one frozen value, in
+force for a block, instead of assigning module state:
+
+    with kernel_choice(wg_fwd=False, fused=False):
+        layer = MHC(C, n)   # the separate ops
+        out = layer(x)      # the coefficient GEMM on mma.sync
+
+The variants (each ``None``: the library's choice, :data:`LIBRARY_CHOICE`; ``True``: the variant
+wherever it applies; ``False``: never):
+
+* ``wg_fwd``: the coefficient path's forward GEMM on wgmma (``mhc_coeffs_wg_fwd_kernel``: bf16 x,
+  K >= ``ops.coeffs.fwd._WG_MIN_K``, a device with wgmma), else on mma.sync.
+* ``wg_dx``: the coefficient backward's dx on wgmma (``mhc_coeffs_wg_dx_kernel``: bf16 x, n = 5 .. 9,
+  aligned arrays, a device with wgmma; ``ops.coeffs.split_bwd``), else the mma.sync dx kernels.
+* ``fused``: :class:`mhc_cupy.torch.MHC` runs the fused layer pieces (OPS.md section 9), else the
+  separate ops (coefficients -> pre op -> sublayer -> post op).
+
+When it is read: once, when what runs the kernels is built.  The coefficient path's layouts
+(``ops.coeffs.fwd.mma_layout``, ``ops.coeffs.split_bwd.SplitBwd``) read ``wg_fwd`` / ``wg_dx`` when
+a plan is made, and every plan cache keys on the choice in force: :mod:`mhc_cupy._dispatch` (plans
+and the fast path's recorded launches) and :mod:`mhc_cupy._jax_kernels` (captured when JAX traces,
+so a jitted function keeps the choice it was traced under).  ``MHC`` reads ``fused`` when it is
+constructed (its forward may be traced by torch.compile, which cannot read a context variable): a
+layer built outside the block keeps the library's path inside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+
+__all__ = ["KernelChoice", "LIBRARY_CHOICE", "current", "kernel_choice"]
+
+#: What ``None`` means for each variant: the library's own choice.
+LIBRARY_CHOICE = {"wg_fwd": True, "wg_dx": True, "fused": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """The variants asked for (see the module docstring); hashable, a plan-cache key as it is.
+
+    Attributes:
+        wg_fwd, wg_dx, fused: True, False or None (default: the library's choice).
+
+    Raises:
+        TypeError: a variant that is not True, False or None (named).
+    """
+
+    wg_fwd: bool | None = None
+    wg_dx: bool | None = None
+    fused: bool | None = None
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is not None and not isinstance(v, bool):
+                raise TypeError(f"KernelChoice.{f.name} must be True, False or None (the library's choice), "
+                                f"got {v!r}")
+
+    def runs(self, variant: str) -> bool:
+        """Whether ``variant`` ("wg_fwd", "wg_dx", "fused") runs where it applies: its value, or
+        for None :data:`LIBRARY_CHOICE`'s."""
+        v = getattr(self, variant)
+        return LIBRARY_CHOICE[variant] if v is None else v
+
+
+_CURRENT: contextvars.ContextVar[KernelChoice] = contextvars.ContextVar("mhc_cupy_kernel_choice",
+                                                                        default=KernelChoice())
+
+
+def current() -> KernelChoice:
+    """The choice in force (outside any :func:`kernel_choice` block: ``KernelChoice()``, the library's)."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def kernel_choice(choice: KernelChoice | None = None, **variants):
+    """Within the block (this thread, this task), ``choice`` with ``variants`` replaced is in force;
+    ``choice`` None: the one in force with ``variants`` replaced.  Yields the choice.
+
+    Raises:
+        TypeError: a variant that is not a field of :class:`KernelChoice`, or not True, False or None.
+    """
+    base = current() if choice is None else choice
+    if not isinstance(base, KernelChoice):
+        raise TypeError(f"choice must be a KernelChoice or None, got {type(base).__name__}")
+    token = _CURRENT.set(dataclasses.replace(base, **variants))
+    try:
+        yield _CURRENT.get()
+    finally:
+        _CURRENT.reset(token)

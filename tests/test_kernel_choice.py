@@ -1,0 +1,200 @@
+"""The kernel choice (``mhc_cupy._kernel_choice``), CPU only: the value and its scope, that it changes
+what a plan launches (plans run under ``_jit.dry_run``, as on a device with wgmma), that the plan caches
+of the functional API (plans and fast-path entries) and of the JAX adapter key on it, and that MHC reads
+``fused`` when it is built."""
+
+from __future__ import annotations
+
+import pytest
+
+from mhc_cupy import _dispatch, _jit
+from mhc_cupy._interop import ArrayInfo
+from mhc_cupy._kernel_choice import LIBRARY_CHOICE, KernelChoice, current, kernel_choice
+from mhc_cupy.ops import coeffs
+from mhc_cupy.ops import layer as L
+
+
+# ------------------------------------------------------------------ the value
+def test_choice_value_and_scope():
+    assert current() == KernelChoice() and all(KernelChoice().runs(v) for v in LIBRARY_CHOICE)
+    assert not KernelChoice(wg_dx=False).runs("wg_dx") and KernelChoice(wg_dx=False).runs("wg_fwd")
+    with kernel_choice(wg_fwd=False) as outer:
+        assert current() is outer and outer == KernelChoice(wg_fwd=False)
+        with kernel_choice(fused=False):  # the one in force, one more variant replaced
+            assert current() == KernelChoice(wg_fwd=False, fused=False)
+        with kernel_choice(KernelChoice(wg_dx=False)):  # a whole choice replaces it
+            assert current() == KernelChoice(wg_dx=False)
+        assert current() == outer
+    assert current() == KernelChoice()
+    with pytest.raises(TypeError, match="KernelChoice.wg_fwd must be True, False or None"):
+        KernelChoice(wg_fwd=0)
+    with pytest.raises(TypeError):
+        with kernel_choice(wgmma=False):  # not a variant
+            pass
+    with pytest.raises(TypeError, match="choice must be a KernelChoice"):
+        with kernel_choice({"fused": False}):
+            pass
+    assert current() == KernelChoice()
+
+
+# ------------------------------------------------------------------ what a plan launches
+def _info(shape, dtype="float32", ptr=1 << 20):
+    return ArrayInfo(tuple(shape), dtype, ("cuda", 0), ptr, None)
+
+
+def _coeffs_infos(T, n, C, dt="bfloat16", grads=False):
+    D, K = n * C, coeffs.columns(n)
+    infos = {"x": _info((T, n, C), dt), "phi": _info((D, K)), "alpha": _info((3,)), "bias": _info((K,))}
+    if grads:
+        infos = {"grad_h_pre_raw": _info((T, n)), "grad_h_post_raw": _info((T, n)),
+                 "grad_h_res_raw": _info((T, n, n)), **infos}
+    return infos
+
+
+def _names(plan, infos):
+    """Kernel names ``plan`` launches for ``infos``, run as on a device with wgmma (sm_90a)."""
+    with _jit.dry_run() as launches, _jit.assume_wgmma(True):
+        ptrs = {k: (None if v is None else v.ptr) for k, v in infos.items()}
+        plan.launch(ptrs, [1 << 20] * len(plan.outputs), [1 << 21] * len(plan.scratch), 0)
+    return [expr.split("<")[0] for _, expr, *_ in launches]
+
+
+def _launched(planner, infos, **params):
+    """Kernel names of the plan made now (under the choice in force) for ``infos``."""
+    return _names(planner(infos, **params), infos)
+
+
+@pytest.mark.parametrize("wg_fwd", [None, True, False])
+def test_wg_fwd_choice_picks_the_forward_gemm(wg_fwd):
+    """bf16, n = 8 (K >= _WG_MIN_K): the wgmma forward GEMM unless wg_fwd=False (the mma.sync one);
+    the layout made under the choice says so (no wgmma chunks)."""
+    T, n, C = 300, 8, 64
+    with kernel_choice(wg_fwd=wg_fwd):
+        names = _launched(coeffs._plan_fwd, _coeffs_infos(T, n, C), eps=1e-5)
+        layout = coeffs.mma_layout(T, n * C, coeffs.columns(n), "bfloat16")
+    on = wg_fwd is not False
+    assert ("mhc_coeffs_wg_fwd_kernel" in names) == on and ("mhc_coeffs_mma_fwd_kernel" in names) != on
+    assert (layout.wg_kc > 0) == on
+
+
+@pytest.mark.parametrize("wg_dx", [None, True, False])
+@pytest.mark.parametrize("op", ["mhc_coeffs_bwd", "mhc_layer_pre_bwd"])
+def test_wg_dx_choice_picks_the_dx(op, wg_dx):
+    """bf16, n = 8, aligned: the wgmma dx (coefficient and layer backward) unless wg_dx=False (the
+    mma.sync dx with phi resident); the forward GEMM is left as it was."""
+    T, n, C = 300, 8, 72
+    infos = _coeffs_infos(T, n, C, grads=op == "mhc_coeffs_bwd")
+    if op == "mhc_coeffs_bwd":
+        planner, params = coeffs._plan_bwd, {"eps": 1e-5}
+    else:
+        K = coeffs.columns(n)
+        infos.update({"stats": _info((T, K + 1)), "H_pre": _info((T, n)), "H_res": _info((T, n, n)),
+                      "grad_layer_in": _info((T, C), "bfloat16"), "grad_out": None, "grad_x": None,
+                      "grad_H_post": _info((T, n)), "grad_H_res": _info((T, n, n))})
+        planner, params = L._plan_pre_bwd, dict(num_iters=20, eps=1e-6, rms_eps=1e-5, grad_mode="unrolled",
+                                                convention="paper", hc_eps=0.0, post_mult=2.0)
+    with kernel_choice(wg_dx=wg_dx):
+        names = _launched(planner, infos, **params)
+    on = wg_dx is not False
+    assert ("mhc_coeffs_wg_dx_kernel" in names) == on and ("mhc_coeffs_mma_dx_kernel" in names) != on
+    assert ("mhc_coeffs_wg_fwd_kernel" in names) == (op == "mhc_coeffs_bwd")  # the bwd recomputes H~
+
+
+# ------------------------------------------------------------------ plan caches
+def test_plan_cache_keys_on_the_choice(monkeypatch):
+    """_dispatch's plan cache serves a plan only to the choice it was built under."""
+    monkeypatch.setattr(_dispatch, "_plans", {})
+    infos, params = _coeffs_infos(300, 8, 64), {"eps": 1e-5}
+    library = _dispatch._plan(coeffs._plan_fwd, infos, params)
+    assert _dispatch._plan(coeffs._plan_fwd, infos, params) is library
+    with kernel_choice(wg_fwd=False):
+        mma = _dispatch._plan(coeffs._plan_fwd, infos, params)
+        assert mma is not library and _dispatch._plan(coeffs._plan_fwd, infos, params) is mma
+    with kernel_choice(wg_fwd=True):  # the library's kernels, but another choice: its own plan
+        assert _dispatch._plan(coeffs._plan_fwd, infos, params) not in (library, mma)
+    assert _dispatch._plan(coeffs._plan_fwd, infos, params) is library
+    assert "mhc_coeffs_wg_fwd_kernel" in _names(library, infos) and "mhc_coeffs_mma_fwd_kernel" in _names(mma, infos)
+
+
+def test_fast_path_entry_keys_on_the_choice(monkeypatch):
+    """A fast-path entry (recorded launches) recorded under one choice is replayed under that choice
+    only: under another the call plans (and records) afresh."""
+    monkeypatch.setattr(_dispatch, "_fast", {})
+    monkeypatch.setattr(_dispatch, "_fast_inputs", lambda arrays: (((3,), "float32", 0), [1 << 20], None, False))
+
+    def planned(planner, arrays, key, params):  # what _run does on a GPU: plan, launch, record the entry
+        _dispatch._fast[key] = "entry"
+        return "planned"
+
+    monkeypatch.setattr(_dispatch, "_run", planned)
+    monkeypatch.setattr(_dispatch, "_run_fast", lambda entry, *a: "replayed")
+
+    def call():
+        return _dispatch.run(coeffs._plan_fwd, {"x": object()}, eps=1e-5)
+
+    assert [call(), call()] == ["planned", "replayed"]
+    with kernel_choice(wg_fwd=False):
+        assert [call(), call()] == ["planned", "replayed"]
+    with kernel_choice(wg_fwd=False, fused=False):
+        assert call() == "planned"
+    assert call() == "replayed" and len(_dispatch._fast) == 3
+
+
+def test_jax_plans_key_on_the_choice_at_trace_time(monkeypatch):
+    """The JAX adapter plans under the choice in force when it traces, keyed by it (a token-sharded
+    host callback keeps it too)."""
+    jax = pytest.importorskip("jax")
+    import numpy as np
+
+    from mhc_cupy import _jax_kernels as jk
+    import mhc_cupy.jax as mj
+
+    sig = (((300, 8, 64), "bfloat16"), ((512, 80), "float32"), ((3,), "float32"), ((80,), "float32"))
+    params = (("eps", 1e-5),)
+    library = jk._planned("mhc_coeffs_fwd", params, sig, KernelChoice())
+    mma = jk._planned("mhc_coeffs_fwd", params, sig, KernelChoice(wg_fwd=False))
+    infos = _coeffs_infos(300, 8, 64)
+    assert "mhc_coeffs_wg_fwd_kernel" in _names(library[0], infos)
+    assert "mhc_coeffs_mma_fwd_kernel" in _names(mma[0], infos)
+    assert getattr(mma[1], "_mhc_token_sharded_host")[0][-1] == KernelChoice(wg_fwd=False)
+    seen = []
+    real = jk._planned
+
+    def spy(name, params, signature, choice):
+        seen.append(choice)
+        return real(name, params, signature, choice)
+
+    monkeypatch.setattr(jk, "_planned", spy)
+    x = jax.numpy.zeros((1, 3, 11), "float32")  # a shape no other test traces (JAX caches traces)
+    phi, alpha, bias = np.zeros((33, 15), np.float32), np.ones(3, np.float32), np.zeros(15, np.float32)
+    with kernel_choice(wg_fwd=False):
+        jax.jit(lambda x: mj.mhc_coeffs(x, phi, alpha, bias)).lower(x)  # traced, not run
+    assert seen and set(seen) == {KernelChoice(wg_fwd=False)}
+
+
+# ------------------------------------------------------------------ MHC's fused
+def test_mhc_reads_fused_when_built(monkeypatch):
+    """MHC built under kernel_choice(fused=False) runs the separate ops wherever it is called; one
+    built outside runs the fused pieces, also inside such a block (forward reads no context variable:
+    torch.compile traces it)."""
+    torch = pytest.importorskip("torch")
+    from mhc_cupy.torch import MHC, layers
+
+    calls = []
+    for name in ("layer_pre", "mhc_pre_op"):
+        def counted(*a, _f=getattr(layers, name), _name=name, **k):
+            calls.append(_name)
+            return _f(*a, **k)
+
+        monkeypatch.setattr(layers, name, counted)
+    x = torch.randn(2, 3, 8)
+    with kernel_choice(fused=False):
+        separate = MHC(8, 3)
+    out = separate(x)  # outside the block: still the separate ops
+    assert calls == ["mhc_pre_op"]
+    calls.clear()
+    library = MHC(8, 3)
+    library.load_state_dict(separate.state_dict())
+    with kernel_choice(fused=False):
+        torch.testing.assert_close(library(x), out, rtol=1e-5, atol=1e-6)
+    assert calls == ["layer_pre"]
