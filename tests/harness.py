@@ -247,3 +247,15 @@ def spec_parameters(op: str, shared: bool = False, absent=()) -> tuple:
     spec = SPECS[f"{op}_fwd"]
     return tuple(a.name for a in spec.inputs if a.name not in absent
                  and (a.kind == "parameter" or (shared and a.name == spec.shared)))
+
+
+def count_calls(monkeypatch, module, names) -> dict:
+    """{name: calls so far} of the functions ``names`` of ``module``, each wrapped (monkeypatch) to count."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        def counted(*a, _f=getattr(module, name), _name=name, **k):
+            calls[_name] += 1
+            return _f(*a, **k)
+
+        monkeypatch.setattr(module, name, counted)
+    return calls

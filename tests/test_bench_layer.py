@@ -16,6 +16,7 @@ import pytest
 
 from mhc_cupy import bench
 
+from harness import count_calls
 from test_bench import REPO, _gpu  # tests/ is on sys.path (tests/conftest.py)
 
 
@@ -291,13 +292,7 @@ def test_block_mode_runs_tiny(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     from mhc_cupy.torch import layers
 
-    calls = {"layer_pre": 0, "mhc_pre_op": 0}
-    for name in calls:
-        def counted(*a, _f=getattr(layers, name), _name=name, **k):
-            calls[_name] += 1
-            return _f(*a, **k)
-
-        monkeypatch.setattr(layers, name, counted)
+    calls = count_calls(monkeypatch, layers, ("layer_pre", "mhc_pre_op"))
     out = tmp_path / "o"
     argv = ["--block", "--block-configs", "16:2:24", "--batch", "1", "--seq", "4", "--streams", "2", "--reps", "2",
             "--warmup", "1", "--dtype", "float32", "--no-baselines", "--out", str(out)]

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from harness import TOL, assert_close, default_dtype
+from harness import TOL, assert_close, count_calls, default_dtype
 
 import mhc_cupy.torch as mt
 from mhc_cupy.torch.reference import MHCReference
@@ -115,12 +115,7 @@ def test_fused_boundaries_equal_the_chain_and_run_the_boundary_op(rng, monkeypat
     rounded between them as the kernels store them) the values and gradients are the chain's bitwise."""
     from mhc_cupy import reference
 
-    calls = {"mhc_boundary_fwd": 0, "mhc_layer_pre_fwd": 0}
-    for name in calls:
-        def counted(*a, _f=getattr(reference, name), _name=name, **k):
-            calls[_name] += 1
-            return _f(*a, **k)
-        monkeypatch.setattr(reference, name, counted)
+    calls = count_calls(monkeypatch, reference, ("mhc_boundary_fwd", "mhc_layer_pre_fwd"))
     layers = make_layers(L, n, C, int(rng.integers(1 << 30)))
     x = torch.from_numpy(rng.standard_normal(lead + (n, C))).float()
     g = torch.from_numpy(rng.standard_normal(lead + (n, C))).float()
@@ -250,17 +245,21 @@ def test_bad_input_names_the_argument(layers, recompute, exc, match):
 
 
 # ---------------------------------------------------------------------------- GPU
+def gpu_case(L, n, C, dtype, seed, convention="paper"):
+    """(L CUDA layers with sublayers in dtype, x, g [3, 127, n, C] in dtype)."""
+    layers = [layer.cuda() for layer in make_layers(L, n, C, seed, convention)]
+    for layer in layers:
+        layer.sublayer.to(dtype)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x, g = (torch.randn((3, 127, n, C), device="cuda", generator=gen).to(dtype) for _ in range(2))
+    return layers, x, g
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,C", [(4, 64), (5, 24), (16, 8)])
 def test_gpu_stack_recompute_is_bitwise_the_chain(dtype, n, C):
-    L, lead = 5, (3, 127)
-    layers = [layer.cuda() for layer in make_layers(L, n, C, 7)]
-    for layer in layers:
-        layer.sublayer.to(dtype)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(lead + (n, C), device="cuda", generator=gen).to(dtype)
-    g = torch.randn(lead + (n, C), device="cuda", generator=gen).to(dtype)
+    layers, x, g = gpu_case(5, n, C, dtype, 7)
     want = run(nn.Sequential(*layers), x, g)
     for recompute in (None, 2, "auto"):
         assert_bitwise(run(mt.MHCStack(layers, recompute=recompute), x, g), want, f"recompute={recompute!r}")
@@ -274,13 +273,7 @@ def test_gpu_fused_boundaries_match_the_chain(dtype, n, C, convention):
     """On the GPU the fused boundary kernel (n <= 6, C % 8 == 0; else the separate kernels) gives
     the chain's values and gradients to float32 rounding of the coefficient sums, bitwise
     repeatable, with and without recompute (bitwise equal to each other)."""
-    L, lead = 4, (3, 127)
-    layers = [layer.cuda() for layer in make_layers(L, n, C, 9, convention)]
-    for layer in layers:
-        layer.sublayer.to(dtype)
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(lead + (n, C), device="cuda", generator=gen).to(dtype)
-    g = torch.randn(lead + (n, C), device="cuda", generator=gen).to(dtype)
+    layers, x, g = gpu_case(4, n, C, dtype, 9, convention)
     want = run(nn.Sequential(*layers), x, g)
     got = run(mt.MHCStack(layers, fuse_boundaries=True), x, g)
     assert_bitwise(run(mt.MHCStack(layers, fuse_boundaries=True), x, g), got, "repeatable")
