@@ -258,9 +258,9 @@ def test_local_shapes_reach_the_kernels(rng, monkeypatch):
     seen = []
     real = mod._planned.__wrapped__
 
-    def spy(name, params, signature):
+    def spy(name, params, signature, *rest):
         seen.append((name, signature[0][0] if signature[0] else None))
-        return real(name, params, signature)
+        return real(name, params, signature, *rest)
 
     monkeypatch.setattr(mod, "_planned", spy)
     x = jnp.asarray(rng.standard_normal((8, N, C)), jnp.float32)
