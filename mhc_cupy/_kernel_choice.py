@@ -18,6 +18,9 @@ wherever it applies; ``False``: never):
   aligned arrays, a device with wgmma; ``ops.coeffs.split_bwd``), else the mma.sync dx kernels.
 * ``fused``: :class:`mhc_cupy.torch.MHC` runs the fused layer pieces (OPS.md section 9), else the
   separate ops (coefficients -> pre op -> sublayer -> post op).
+* ``boundary``: ``mhc_boundary_fwd`` runs ``mhc_boundary_fwd_kernel`` (the post op and the next
+  coefficient GEMM in one pass; n <= 6, C % 8 == 0, aligned), else the two ops' kernels.  Off by
+  default until a GPU run has checked the kernel (OPS.md section 12).
 
 When it is read: once, when what runs the kernels is built.  The coefficient path's layouts
 (``ops.coeffs.fwd.mma_layout``, ``ops.coeffs.split_bwd.SplitBwd``) read ``wg_fwd`` / ``wg_dx`` when
@@ -37,7 +40,7 @@ import dataclasses
 __all__ = ["KernelChoice", "LIBRARY_CHOICE", "current", "kernel_choice"]
 
 #: What ``None`` means for each variant: the library's own choice.
-LIBRARY_CHOICE = {"wg_fwd": True, "wg_dx": True, "fused": True}
+LIBRARY_CHOICE = {"wg_fwd": True, "wg_dx": True, "fused": True, "boundary": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +48,7 @@ class KernelChoice:
     """The variants asked for (see the module docstring); hashable, a plan-cache key as it is.
 
     Attributes:
-        wg_fwd, wg_dx, fused: True, False or None (default: the library's choice).
+        wg_fwd, wg_dx, fused, boundary: True, False or None (default: the library's choice).
 
     Raises:
         TypeError: a variant that is not True, False or None (named).
@@ -54,6 +57,7 @@ class KernelChoice:
     wg_fwd: bool | None = None
     wg_dx: bool | None = None
     fused: bool | None = None
+    boundary: bool | None = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -63,7 +67,7 @@ class KernelChoice:
                                 f"got {v!r}")
 
     def runs(self, variant: str) -> bool:
-        """Whether ``variant`` ("wg_fwd", "wg_dx", "fused") runs where it applies: its value, or
+        """Whether ``variant`` ("wg_fwd", "wg_dx", "fused", "boundary") runs where it applies: its value, or
         for None :data:`LIBRARY_CHOICE`'s."""
         v = getattr(self, variant)
         return LIBRARY_CHOICE[variant] if v is None else v

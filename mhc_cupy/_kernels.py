@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 
 from . import _jit
+from ._kernel_choice import kernel_choice
 from ._interop import ArrayInfo
 
 _ALIGNED, _MISALIGNED = 1 << 20, (1 << 20) + 2
@@ -35,9 +36,15 @@ def _infos(kernel, lead: tuple, sizes: dict, dt: str, tg: str, ptr: int, shared:
     return infos
 
 
+#: Kernel variants that are off by default (mhc_cupy._kernel_choice) and which ops' plans use them: the
+#: dry runs plan those ops under the default choice and with the variant on, so CI compiles it too.
+_OPT_IN = {"mhc_boundary_fwd": {"boundary": True}}
+
+
 def _cases(dt: str, n: int, C: int, ptr: int, tg: str):
-    """(planner, infos, params) for every op spec at one configuration: with and without its
-    optional inputs, its shared input in both forms, every ``grad_mode`` and ``convention``."""
+    """(planner, infos, params, variants) for every op spec at one configuration: with and without
+    its optional inputs, its shared input in both forms, every ``grad_mode`` and ``convention``;
+    ``variants``: the kernel choice to put in force ({}: the default; see _OPT_IN)."""
     from .ops import SPECS, coeffs, rmsnorm
 
     sizes = {"n": n, "C": C, "K": coeffs.columns(n)}
@@ -49,20 +56,21 @@ def _cases(dt: str, n: int, C: int, ptr: int, tg: str):
         absent = (False, True) if any(a.optional for a in k.args) else (False,)
         for mode, conv, sh, ab in itertools.product(modes, conventions, shared, absent):
             params = dict(k.params, **({"grad_mode": mode} if mode else {}), **({"convention": conv} if conv else {}))
-            cases.append((k.planner, _infos(k, (3,), sizes, dt, tg, ptr, sh, ab), params))
+            for variants in ({}, *([_OPT_IN[k.name]] if k.name in _OPT_IN else [])):
+                cases.append((k.planner, _infos(k, (3,), sizes, dt, tg, ptr, sh, ab), params, variants))
     # RMSNorm of vec(x), as the mHC paper (OPS.md 2), with a weight too where its dw row fits every
     # supported GPU; the coefficient backward over many tokens (the narrow column sums over tokens:
     # dalpha, dbias)
     for k in (SPECS["rmsnorm_fwd"], SPECS["rmsnorm_bwd"]):
         for ab in (True, False) if n * C <= rmsnorm.WEIGHTED_C_EVERYWHERE else (True,):
-            cases.append((k.planner, _infos(k, (3,), {"C": n * C}, dt, tg, ptr, absent=ab), k.params))
+            cases.append((k.planner, _infos(k, (3,), {"C": n * C}, dt, tg, ptr, absent=ab), k.params, {}))
     k = SPECS["mhc_coeffs_bwd"]
     infos = {**_infos(k, (300,), sizes, dt, tg, ptr), "grad_h_post_raw": None, "grad_h_res_raw": None}
-    cases.append((k.planner, infos, k.params))
+    cases.append((k.planner, infos, k.params, {}))
     # and a weighted RMSNorm backward over many rows (dweight's partials of C columns: the wide
     # column sum, which sums of 64 rows or fewer do not use)
     k = SPECS["rmsnorm_bwd"]
-    cases.append((k.planner, _infos(k, (300,), {"C": C}, dt, tg, ptr), k.params))
+    cases.append((k.planner, _infos(k, (300,), {"C": C}, dt, tg, ptr), k.params, {}))
     return cases
 
 
@@ -75,10 +83,11 @@ def dry_launches(dtypes=("bfloat16", "float16", "float32"), ns=(4,), Cs=(4096, 7
         for wg, dt, n, C, al, gf in itertools.product(wgmma, dtypes, ns, Cs, aligned, grad_f32):
             ptr = _ALIGNED if al else _MISALIGNED
             with _jit.assume_wgmma(wg):  # as on GPUs without and with wgmma (sm_90a)
-                for planner, infos, params in _cases(dt, n, C, ptr, "float32" if gf else dt):
-                    plan = planner(infos, **params)
-                    ptrs = {k: (None if v is None else v.ptr) for k, v in infos.items()}
-                    plan.launch(ptrs, [ptr] * len(plan.outputs), [ptr] * len(plan.scratch), 0)
+                for planner, infos, params, variants in _cases(dt, n, C, ptr, "float32" if gf else dt):
+                    with kernel_choice(**variants):
+                        plan = planner(infos, **params)
+                        ptrs = {k: (None if v is None else v.ptr) for k, v in infos.items()}
+                        plan.launch(ptrs, [ptr] * len(plan.outputs), [ptr] * len(plan.scratch), 0)
     return launches
 
 

@@ -16,7 +16,8 @@ from mhc_cupy.ops import layer as L
 
 # ------------------------------------------------------------------ the value
 def test_choice_value_and_scope():
-    assert current() == KernelChoice() and all(KernelChoice().runs(v) for v in LIBRARY_CHOICE)
+    assert current() == KernelChoice() and all(KernelChoice().runs(v) == LIBRARY_CHOICE[v] for v in LIBRARY_CHOICE)
+    assert not KernelChoice().runs("boundary") and KernelChoice(boundary=True).runs("boundary")  # until GPU-checked
     assert not KernelChoice(wg_dx=False).runs("wg_dx") and KernelChoice(wg_dx=False).runs("wg_fwd")
     with kernel_choice(wg_fwd=False) as outer:
         assert current() is outer and outer == KernelChoice(wg_fwd=False)
@@ -198,3 +199,27 @@ def test_mhc_reads_fused_when_built(monkeypatch):
     with kernel_choice(fused=False):
         torch.testing.assert_close(library(x), out, rtol=1e-5, atol=1e-6)
     assert calls == ["layer_pre"]
+
+
+def test_the_boundary_kernel_runs_only_when_chosen():
+    """mhc_boundary_fwd plans the fused kernel only under boundary=True (off by default until a GPU
+    run has checked it); otherwise the post op's and the coefficient GEMM's kernels."""
+    from mhc_cupy import _jit, _kernels
+    from mhc_cupy.ops import SPECS
+
+    k = SPECS["mhc_boundary_fwd"]
+    infos = _kernels._infos(k, (300,), {"n": 4, "C": 64, "K": 24}, "bfloat16", "bfloat16", _kernels._ALIGNED)
+
+    def names():
+        with _jit.dry_run() as launches:
+            plan = k.planner(infos, **k.params)
+            plan.launch({a: v.ptr for a, v in infos.items()}, [_kernels._ALIGNED] * len(plan.outputs),
+                        [_kernels._ALIGNED] * len(plan.scratch), 0)
+        return [expr.split("<")[0] for _, expr, *_ in launches]
+
+    default = names()
+    with kernel_choice(boundary=True):
+        chosen = names()
+    assert "mhc_boundary_fwd_kernel" in chosen and "mhc_stream_mix_distribute_fwd_kernel" not in chosen, chosen
+    assert "mhc_boundary_fwd_kernel" not in default and "mhc_stream_mix_distribute_fwd_kernel" in default, default
+    assert {e for _, e in _kernels.all_specialisations() if e.startswith("mhc_boundary")}, "CI compiles it"

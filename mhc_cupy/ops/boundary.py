@@ -9,7 +9,9 @@ bias)``, where the post op and the coefficient GEMM share one pass over the tile
 bits; the coefficient sums run over other D ranges than ``mhc_layer_pre_fwd``'s, so H~ and the
 coefficients may differ from it in the last float32 bits (both float32-accurate, bitwise repeatable).
 Shapes the fused kernel does not take (n > 6, C % 8 != 0, unaligned views, more shared memory than
-the GPU has) run the two ops' kernels, with their bits.
+the GPU has) run the two ops' kernels, with their bits; so does every call unless the kernel choice in
+force says ``boundary=True`` (``mhc_cupy._kernel_choice``: off by default until a GPU run has checked
+the kernel).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from .. import reference
 from .._convention import DEFAULT
 from .._dispatch import Plan, run
 from .._jit import uses_wgmma
+from .._kernel_choice import current as current_choice
 from .._settings import LayerSettings, takes_settings
 from ._launch import ITEMSIZE, MAX_GRID, KernelSpec, vec8
 from .coeffs import check as _check_coeffs, launch_mma_gemm, mma_layout
@@ -108,7 +111,7 @@ def _plan_fwd(infos, s: LayerSettings):
     dt, lead, n, C, tokens, res_t = _check_post(infos, s.convention)
     _, _, _, _, D, K, _, rms_eps = _check_coeffs(infos, s.rms_eps, False, eps_name="rms_eps")
     mma = mma_layout(tokens, D, K, dt)
-    b = boundary_layout(tokens, n, C)
+    b = boundary_layout(tokens, n, C) if current_choice().runs("boundary") else None
     # one part and one planes buffer for either path (which one runs depends on the pointers too)
     part = max(mma.splits, b.splits if b else 0) * tokens * (K + 1)
     planes = max(_elements(mma.planes_shape[0]), _elements(b.planes_shape[0]) if b else 0)

@@ -110,7 +110,9 @@ class MHCStack(nn.Module):
             (``mhc_boundary_fwd``, OPS.md section 12: the streams are read once less per boundary;
             eager only, between layers of one convention).  The streams and the gradients' formulas
             are the same; the next layer's coefficients may differ in the last float32 bits.
-            Default False: the fused kernel has not yet been checked on a GPU.
+            Default False.  The fused kernel itself runs only where the kernel choice says
+            ``boundary=True`` (``mhc_cupy._kernel_choice``) until a GPU run has checked it;
+            otherwise the boundary op runs the two ops' kernels (the chain's bits).
 
     Shapes:
         x [..., n, C] (bfloat16 / float16 / float32) -> [..., n, C], dtype of x.

@@ -9,11 +9,19 @@ import pytest
 
 import mhc_cupy as m
 from mhc_cupy import reference as R
+from mhc_cupy._kernel_choice import kernel_choice
 from mhc_cupy.ops.boundary import boundary_layout
 
 from .helpers import ACT_TOL, assert_close, f64, poisoned_allocations, rounded, to_gpu, to_host
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _boundary_kernel_on():
+    """The fused kernel is off by default until checked on a GPU: these tests check it."""
+    with kernel_choice(boundary=True):
+        yield
 
 
 def _case(rng, T, n, C, dt):
