@@ -223,3 +223,26 @@ def test_the_boundary_kernel_runs_only_when_chosen():
     assert "mhc_boundary_fwd_kernel" in chosen and "mhc_stream_mix_distribute_fwd_kernel" not in chosen, chosen
     assert "mhc_boundary_fwd_kernel" not in default and "mhc_stream_mix_distribute_fwd_kernel" in default, default
     assert {e for _, e in _kernels.all_specialisations() if e.startswith("mhc_boundary")}, "CI compiles it"
+
+
+@pytest.mark.parametrize("tokens,gemv", [(1, True), (64, True), (65, False)])
+def test_the_gemv_runs_for_a_few_tokens_only_when_chosen(tokens, gemv):
+    """The coefficient GEMM of at most 64 tokens on CUDA cores (no planes pass) only under gemv=True."""
+    from mhc_cupy import _jit, _kernels
+    from mhc_cupy.ops import SPECS
+
+    k = SPECS["mhc_layer_pre_fwd"]
+    infos = _kernels._infos(k, (tokens,), {"n": 4, "C": 72, "K": 24}, "bfloat16", "bfloat16", _kernels._ALIGNED)
+
+    def names():
+        with _jit.dry_run() as launches:
+            plan = k.planner(infos, **k.params)
+            plan.launch({a: v.ptr for a, v in infos.items()}, [_kernels._ALIGNED] * len(plan.outputs),
+                        [_kernels._ALIGNED] * len(plan.scratch), 0)
+        return [expr.split("<")[0] for _, expr, *_ in launches]
+
+    default = names()
+    with kernel_choice(gemv=True):
+        chosen = names()
+    assert "mhc_coeffs_gemv_fwd_kernel" not in default and "mhc_coeffs_split_phi_fwd_kernel" in default
+    assert ("mhc_coeffs_gemv_fwd_kernel" in chosen) == gemv and ("mhc_coeffs_split_phi_fwd_kernel" in chosen) != gemv

@@ -72,6 +72,38 @@ def mma_fwd_smem(dt: str, ntile: int) -> tuple[int, int]:
     return stages, size(stages)
 
 
+# The forward GEMM for a few tokens on CUDA cores (mhc_coeffs_gemv_fwd_kernel, coeffs_gemv.cu): phi
+# read as float32 (no planes pass), over about _GEMV_BLOCKS blocks; for at most _GEMV_MAX_T tokens,
+# where the kernel choice in force says gemv (off by default until a GPU run has checked it).
+_GEMV_MAX_T = 64
+_GEMV_BLOCKS = 256
+_GEMV_THREADS = 256
+_GEMV_MAX_OUTS = 8  # outputs per thread (the kernel's GEMV_MAX_OUTS)
+_GEMV_SMEM_FLOATS = 12288  # its static shared memory (GEMV_SMEM_FLOATS)
+GEMV_FWD = KernelSpec("coeffs_gemv.cu", "mhc_coeffs_gemv_fwd_kernel", "typename T",
+                      "const T* x, const float* phi, float* part, i64 tokens, int D, int K, int tt, int outs, "
+                      "int rows, int d_split")
+
+
+class GemvLayout(NamedTuple):
+    """Launch layout of mhc_coeffs_gemv_fwd_kernel (shapes only: the bits do not depend on the GPU)."""
+
+    tt: int  # tokens per block (a token group)
+    groups: int  # token groups
+    outs: int  # outputs per thread
+    rows: int  # rows of phi staged at a time
+    splits: int  # D ranges
+    d_split: int  # positions per range
+
+
+def gemv_layout(tokens: int, D: int, K: int) -> GemvLayout:
+    tt = max(1, min(tokens, 16, _GEMV_THREADS * _GEMV_MAX_OUTS // (K + 1)))
+    rows = max(1, min(32, _GEMV_SMEM_FLOATS // (K + tt)))
+    groups = _cdiv(tokens, tt)
+    d_split = max(rows, _cdiv(D, _cdiv(_GEMV_BLOCKS, groups)))
+    return GemvLayout(tt, groups, _cdiv(tt * (K + 1), _GEMV_THREADS), rows, _cdiv(D, d_split), d_split)
+
+
 class MmaLayout(NamedTuple):
     """Launch layout of mhc_coeffs_mma_fwd_kernel (depends on shapes and the dtype of x only)."""
 
@@ -84,9 +116,12 @@ class MmaLayout(NamedTuple):
     d_split: int  # positions per D range, a multiple of 32 * mma_sub(dt)
     wg_kc: int = 0  # columns per chunk of mhc_coeffs_wg_fwd_kernel (0: not used; bf16, K >= _WG_MIN_K, wg_fwd only)
     wg_ncc: int = 0  # its column chunks
+    gemv: GemvLayout | None = None  # a few tokens: the GEMV instead (then splits, d_split are its)
 
     @property
     def planes_shape(self):
+        if self.gemv is not None:  # (no planes)
+            return (1,), "bfloat16"
         return (3, max(self.Kp, self.wg_ncc * self.wg_kc), self.Dp), "bfloat16"
 
     def wg_smem(self) -> tuple[int, int]:
@@ -121,6 +156,9 @@ def mma_layout(tokens: int, D: int, K: int, dt: str) -> MmaLayout:
     if dt == "bfloat16" and K >= _WG_MIN_K and current().runs("wg_fwd"):  # (step = 64: the wgmma kernel's stage)
         wg_ncc = _cdiv(K, _WG_MAX_KC)
         wg_kc = 8 * _cdiv(_cdiv(K, 8), wg_ncc)
+    if tokens <= _GEMV_MAX_T and current().runs("gemv"):
+        g = gemv_layout(max(tokens, 1), D, K)
+        return MmaLayout(ntile, ncc, ncc * ntile * 8, units * step, tiles, g.splits, g.d_split, gemv=g)
     return MmaLayout(ntile, ncc, ncc * ntile * 8, units * step, tiles, splits, per * step, wg_kc, wg_ncc)
 
 
@@ -128,6 +166,11 @@ def launch_mma_gemm(dt, D, K, tokens, *, x, phi, part, planes, mma: MmaLayout, s
     """Raw H~ and sums of squares per D range into part [splits, T, K+1], on tensor cores
     (phi split into three bf16 planes first): where ``mma`` has wgmma chunks (mma_layout), on a
     device with wgmma (sm_90a), mhc_coeffs_wg_fwd_kernel, else mhc_coeffs_mma_fwd_kernel."""
+    if mma.gemv is not None:
+        g = mma.gemv
+        GEMV_FWD.bind(T=dt).launch((g.splits, g.groups, 1), (_GEMV_THREADS, 1, 1), stream, x=x, phi=phi, part=part,
+                                   tokens=tokens, D=D, K=K, tt=g.tt, outs=g.outs, rows=g.rows, d_split=g.d_split)
+        return
     vec = vec8(D, x)
     split = dict(phi=phi, planes=planes, D=D, K=K, Dp=mma.Dp)
     gemm = dict(x=x, planes=planes, part=part, tokens=tokens, D=D, Dp=mma.Dp, K=K, tiles=mma.tiles, d_split=mma.d_split)

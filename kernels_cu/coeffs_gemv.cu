@@ -1,0 +1,80 @@
+// The coefficient path's forward GEMM for a few tokens (OPS.md section 8), on CUDA cores: raw
+// H~ = x~ phi and the sum of squares per D range into part [splits, T, K+1], as the tensor-core
+// kernels of coeffs_fwd.cu give them, but reading phi [D, K] float32 as it is (no bf16 planes to make
+// first: at a few tokens that split pass costs more than the GEMM) and split over enough D ranges
+// to read phi at the memory's speed.  At T = 1 it is a GEMV over phi.
+//
+// mhc_coeffs_gemv_fwd_kernel<T>: grid (splits, token groups of tt tokens), 256 threads.  A block
+// stages `rows` rows of phi [rows][K] and the group's x [tt][rows] (as float) in its 48 KiB of static
+// shared memory at a time; thread r owns the outputs o = r + 256 j (j < outs <= GEMV_MAX_OUTS) of the group's
+// tt x (K + 1) (token o / (K + 1), column o % (K + 1); column K: the sum of squares, with its
+// 2^-100-scaled twin for a float32 overflow, as SumSq expects) and sums over its D range in
+// position order, one fmaf each: float32 throughout, a fixed order (bitwise repeatable, no atomics).
+#include "coeffs.cuh"
+
+namespace mhc_coeffs {
+constexpr int GEMV_THREADS = 256;
+constexpr int GEMV_MAX_OUTS = 8;  // outputs per thread: tt (K + 1) <= 2048
+constexpr int GEMV_SMEM_FLOATS = 12288;  // static shared memory (48 KiB): rows (K + tt) <= this
+}  // namespace mhc_coeffs
+
+// rows (K + tt) <= GEMV_SMEM_FLOATS, tt (K + 1) <= 256 outs, outs <= GEMV_MAX_OUTS (the host's layout).
+template <typename T>
+__global__ void __launch_bounds__(256)
+mhc_coeffs_gemv_fwd_kernel(const T* __restrict__ x, const float* __restrict__ phi, float* __restrict__ part,
+                           i64 tokens, int D, int K, int tt, int outs, int rows, int d_split) {
+    using namespace mhc_coeffs;
+    __shared__ float s_gemv[GEMV_SMEM_FLOATS];
+    float* const s_phi = s_gemv;            // [rows][K]
+    float* const s_x = s_gemv + rows * K;   // [tt][rows]
+    const int split = blockIdx.x;
+    const i64 t0 = (i64)blockIdx.y * tt;
+    const int d_begin = split * d_split;
+    const int d_end = min(D, d_begin + d_split);
+    const int KW = K + 1;
+
+    float acc[GEMV_MAX_OUTS], qs[GEMV_MAX_OUTS];
+#pragma unroll
+    for (int j = 0; j < GEMV_MAX_OUTS; ++j) acc[j] = qs[j] = 0.f;
+
+    for (int d0 = d_begin; d0 < d_end; d0 += rows) {
+        const int nr = min(rows, d_end - d0);
+        __syncthreads();  // every thread done with the previous rows
+        for (int i = threadIdx.x; i < nr * K; i += GEMV_THREADS) s_phi[i] = phi[(i64)d0 * K + i];
+        for (int i = threadIdx.x; i < tt * rows; i += GEMV_THREADS) {
+            const int t = i / rows, r = i - t * rows;
+            s_x[i] = (r < nr && t0 + t < tokens) ? mhc::to_float<T>(x[(t0 + t) * (i64)D + d0 + r]) : 0.f;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < GEMV_MAX_OUTS; ++j) {
+            if (j >= outs) break;
+            const int o = threadIdx.x + GEMV_THREADS * j;
+            if (o >= tt * KW) break;
+            const int t = o / KW, k = o - t * KW;
+            const float* xr = s_x + t * rows;
+            float a = acc[j], q = qs[j];
+            if (k < K) {
+                for (int r = 0; r < nr; ++r) a = fmaf(xr[r], s_phi[r * K + k], a);
+            } else {
+                for (int r = 0; r < nr; ++r) {
+                    const float v = xr[r], s = v * mhc::STAT_SCALE;
+                    a = fmaf(v, v, a);
+                    q = fmaf(s, s, q);
+                }
+            }
+            acc[j] = a;
+            qs[j] = q;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < GEMV_MAX_OUTS; ++j) {
+        if (j >= outs) break;
+        const int o = threadIdx.x + GEMV_THREADS * j;
+        if (o >= tt * KW) break;
+        const int t = o / KW, k = o - t * KW;
+        if (t0 + t >= tokens) continue;
+        // after an overflow of the sum of squares: minus the scaled sum (see SumSq)
+        part[((i64)split * tokens + t0 + t) * KW + k] = (k == K && isinf(acc[j])) ? -qs[j] : acc[j];
+    }
+}

@@ -1,0 +1,68 @@
+"""The coefficient GEMM of a few tokens on CUDA cores (kernel choice gemv=True, off by default until
+this passes on a GPU): mhc_coeffs_fwd, mhc_layer_pre_fwd and the head against the float64 reference
+and against the tensor-core path, bitwise repeatable; backward through it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mhc_cupy as m
+from mhc_cupy import reference as R
+from mhc_cupy._kernel_choice import kernel_choice
+
+from .helpers import ACT_TOL, assert_close, coef, poisoned_allocations, rounded, to_gpu, to_host
+
+pytestmark = pytest.mark.gpu
+
+
+def _case(rng, T, n, C, dt):
+    K = n * n + 2 * n
+    x = rounded(rng, (T, n, C), dt)
+    phi = (rng.standard_normal((n * C, K)) / np.sqrt(n * C)).astype(np.float32)
+    return x, phi, np.array([0.8, 1.1, 0.9], np.float32), coef(rng, (K,), 0.3)
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 16, 32])
+@pytest.mark.parametrize("T,C", [(1, 7168), (3, 7), (8, 1000), (64, 512), (65, 64)])
+def test_gemv_coefficients_match_the_reference_and_the_tensor_cores(rng, dt, n, T, C):
+    if n * n * T * C > 2**26:
+        pytest.skip("large")
+    args = _case(rng, T, n, C, dt)
+    g = [to_gpu(a) for a in args]
+    with poisoned_allocations():
+        with kernel_choice(gemv=True):
+            got = m.mhc_layer_pre_fwd(*g)
+            again = m.mhc_layer_pre_fwd(*g)
+            raw = m.mhc_coeffs_fwd(*g)
+        tc = m.mhc_layer_pre_fwd(*g)
+    for a, b in zip(got, again):
+        assert np.array_equal(np.ascontiguousarray(to_host(a)).view(np.uint8),
+                              np.ascontiguousarray(to_host(b)).view(np.uint8)), "bitwise repeatable"
+    ref = R.mhc_layer_pre_fwd(*args)
+    assert_close(got[0], ref[0], ACT_TOL[dt], "layer_in")
+    for a, b, name in zip(got[1:4], ref[1:4], ("H_pre", "H_post", "H_res")):
+        assert_close(a, b, 1e-3, name)
+    assert_close(got[4], ref[4], 1e-4, "stats", scale="max")
+    for a, b, name in zip(got[1:], tc[1:], ("H_pre", "H_post", "H_res", "stats")):
+        assert_close(a, b, 2e-4, name + " vs the tensor cores", scale="max")
+    for a, b, name in zip(raw, R.mhc_coeffs_fwd(*args), ("h_pre_raw", "h_post_raw", "h_res_raw")):
+        assert_close(a, b, 1e-4, name, scale="max")
+
+
+def test_gemv_backward_and_head(rng):
+    T, n, C, dt = 5, 4, 96, "bfloat16"
+    x, phi, alpha, bias = _case(rng, T, n, C, dt)
+    gs = [coef(rng, (T, n)), coef(rng, (T, n)), coef(rng, (T, n, n))]
+    with poisoned_allocations(), kernel_choice(gemv=True):
+        got = m.mhc_coeffs_bwd(*(to_gpu(a) for a in gs), to_gpu(x), to_gpu(phi), to_gpu(alpha), to_gpu(bias))
+    ref = R.mhc_coeffs_bwd(*gs, x, phi, alpha, bias)
+    assert_close(got[0], ref[0], 2 * ACT_TOL[dt], "dx", scale="max")
+    for a, b, name in zip(got[1:], ref[1:], ("dphi", "dalpha", "dbias")):
+        assert_close(a, b, 1e-4, name, scale="max")
+    fn = coef(rng, (n, n * C), 1 / np.sqrt(n * C))
+    scale, base = np.array([0.5], np.float32), coef(rng, (n,))
+    with poisoned_allocations(), kernel_choice(gemv=True):
+        out = m.mhc_head_fwd(to_gpu(x), to_gpu(fn), to_gpu(scale), to_gpu(base))
+    assert_close(out, R.mhc_head_fwd(x, fn, scale, base), ACT_TOL[dt], "head")
