@@ -32,6 +32,8 @@
 // solved by the Schur complement (S + 1 1^T) b = rhs with S = diag(P^T 1) - P^T diag(1/P1) P
 // (symmetric positive semi-definite, null vector 1) by Cholesky, then a = (r - P b) / P1.
 #include "common.cuh"
+// (the small-token tail below: the coefficient path's sums of squares)
+#include "coeffs.cuh"
 
 using mhc::i64;
 
@@ -228,6 +230,78 @@ __global__ void mhc_sinkhorn_knopp_fwd_kernel(const float* __restrict__ logits, 
                 H_pre[t * N + i] = mhc::sigmoid(h_pre_raw[t * N + i]) + hc_eps;
                 H_post[t * N + i] = post_mult * mhc::sigmoid(h_post_raw[t * N + i]);
             }
+        }
+    }
+}
+
+// The layer's pre piece after the coefficient GEMM for a few tokens, in one launch (OPS.md section 9;
+// the small-token forward, mhc_cupy.ops.layer): per token (one block, grid-stride over tokens), from
+// the GEMM's per-range sums part [splits, T, K+1]:
+//   stats and the raw coefficients h (mhc_coeffs_fwd_finish_kernel's sums in its order and formula),
+//   Sinkhorn of h_res and the activations H_pre, H_post on the first G lanes
+//   (mhc_sinkhorn_knopp_fwd_kernel's lanes and steps),
+//   layer_in = sum_i H_pre_i x_i (mhc_stream_aggregate_fwd_kernel's order):
+// the bits of those three kernels.  blockDim.x a multiple of 32; G as the forward's (fwd_group).
+template <typename T, int N, int G, bool DS>
+__global__ void mhc_layer_pre_tail_kernel(const float* __restrict__ part, const float* __restrict__ alpha,
+                                          const float* __restrict__ bias, const T* __restrict__ x,
+                                          float* __restrict__ stats, float* __restrict__ H_pre,
+                                          float* __restrict__ H_post, float* __restrict__ H_res,
+                                          T* __restrict__ layer_in, i64 tokens, int C, int splits, float rms_eps,
+                                          int iters, float eps, float hc_eps, float post_mult) {
+    constexpr int K = N * N + 2 * N;
+    constexpr int R = Layout<N, G>::R;
+    __shared__ float s_h[K];   // the token's raw coefficients: pre | post | res
+    __shared__ float s_pre[N];  // its H_pre
+    const int D = N * C;
+    for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
+        __syncthreads();  // the previous token's s_h, s_pre are read
+        for (int k = threadIdx.x; k < K; k += blockDim.x) {
+            float H = 0.f;
+            mhc_coeffs::SumSq q;
+            for (int s = 0; s < splits; ++s) {
+                const float* row = part + ((i64)s * tokens + t) * (K + 1);
+                H += row[k];
+                q.add(row[K]);
+            }
+            stats[t * (K + 1) + k] = H;
+            if (k == 0) stats[t * (K + 1) + K] = q.saved();
+            s_h[k] = fmaf(alpha[mhc_coeffs::group_of(k, N)] * H, q.rinv(D, rms_eps), bias[k]);
+        }
+        __syncthreads();
+        if (threadIdx.x < G) {
+            const int lane = threadIdx.x;
+            const unsigned mask = G == 32 ? 0xffffffffu : (1u << G) - 1u;
+            float p[R][N];
+            int amax[R];
+            lane_exp<N, G>(s_h + 2 * N, lane, p, amax);
+            int it = 0;
+            if (DS && iters > 0) {
+                lane_iteration<N, G>(p, lane, eps, mask, nullptr, 0, 0.f, eps);
+                it = 1;
+            }
+            for (; it < iters; ++it) lane_iteration<N, G>(p, lane, eps, mask, nullptr, 0, eps, 0.f);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const int i = lane + r * G;
+                if (i < N) {
+                    float* out = H_res + (t * N + i) * N;
+#pragma unroll
+                    for (int j = 0; j < N; ++j) out[j] = p[r][j];
+                    const float hp = mhc::sigmoid(s_h[i]) + hc_eps;
+                    H_pre[t * N + i] = hp;
+                    s_pre[i] = hp;
+                    H_post[t * N + i] = post_mult * mhc::sigmoid(s_h[N + i]);
+                }
+            }
+        }
+        __syncthreads();
+        const T* xt = x + t * N * (i64)C;
+        for (int c = threadIdx.x; c < C; c += blockDim.x) {
+            float s = 0.f;
+#pragma unroll
+            for (int i = 0; i < N; ++i) s = fmaf(s_pre[i], mhc::to_float<T>(xt[(i64)i * C + c]), s);
+            layer_in[t * (i64)C + c] = mhc::from_float<T>(s);
         }
     }
 }

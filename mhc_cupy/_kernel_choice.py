@@ -21,9 +21,11 @@ wherever it applies; ``False``: never):
 * ``boundary``: ``mhc_boundary_fwd`` runs ``mhc_boundary_fwd_kernel`` (the post op and the next
   coefficient GEMM in one pass; n <= 6, C % 8 == 0, aligned), else the two ops' kernels.  Off by
   default until a GPU run has checked the kernel (OPS.md section 12).
-* ``gemv``: the coefficient forward GEMM of at most 64 tokens on CUDA cores, phi read as float32
-  (``mhc_coeffs_gemv_fwd_kernel``, no bf16 planes pass; ``ops.coeffs.fwd.gemv_layout``), else the
-  tensor-core GEMM.  Off by default until a GPU run has checked the kernel.
+* ``small``: the small-token forward (at most 64 tokens): the coefficient GEMM on CUDA cores, phi
+  read as float32 (``mhc_coeffs_gemv_fwd_kernel``, no bf16 planes pass; ``ops.coeffs.fwd.gemv_layout``)
+  and the layer's pre piece after it (finish, Sinkhorn, activations, aggregate) in one kernel
+  (``mhc_layer_pre_tail_kernel``): ``mhc_layer_pre_fwd`` in two launches.  Else the tensor-core GEMM
+  and the separate kernels.  Off by default until a GPU run has checked the kernels.
 
 When it is read: once, when what runs the kernels is built.  The coefficient path's layouts
 (``ops.coeffs.fwd.mma_layout``, ``ops.coeffs.split_bwd.SplitBwd``) read ``wg_fwd`` / ``wg_dx`` when
@@ -43,7 +45,7 @@ import dataclasses
 __all__ = ["KernelChoice", "LIBRARY_CHOICE", "current", "kernel_choice"]
 
 #: What ``None`` means for each variant: the library's own choice.
-LIBRARY_CHOICE = {"wg_fwd": True, "wg_dx": True, "fused": True, "boundary": False, "gemv": False}
+LIBRARY_CHOICE = {"wg_fwd": True, "wg_dx": True, "fused": True, "boundary": False, "small": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +53,7 @@ class KernelChoice:
     """The variants asked for (see the module docstring); hashable, a plan-cache key as it is.
 
     Attributes:
-        wg_fwd, wg_dx, fused, boundary, gemv: True, False or None (default: the library's choice).
+        wg_fwd, wg_dx, fused, boundary, small: True, False or None (default: the library's choice).
 
     Raises:
         TypeError: a variant that is not True, False or None (named).
@@ -61,7 +63,7 @@ class KernelChoice:
     wg_dx: bool | None = None
     fused: bool | None = None
     boundary: bool | None = None
-    gemv: bool | None = None
+    small: bool | None = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -71,7 +73,7 @@ class KernelChoice:
                                 f"got {v!r}")
 
     def runs(self, variant: str) -> bool:
-        """Whether ``variant`` ("wg_fwd", "wg_dx", "fused", "boundary", "gemv") runs where it applies: its value, or
+        """Whether ``variant`` ("wg_fwd", "wg_dx", "fused", "boundary", "small") runs where it applies: its value, or
         for None :data:`LIBRARY_CHOICE`'s."""
         v = getattr(self, variant)
         return LIBRARY_CHOICE[variant] if v is None else v

@@ -226,8 +226,9 @@ def test_the_boundary_kernel_runs_only_when_chosen():
 
 
 @pytest.mark.parametrize("tokens,gemv", [(1, True), (64, True), (65, False)])
-def test_the_gemv_runs_for_a_few_tokens_only_when_chosen(tokens, gemv):
-    """The coefficient GEMM of at most 64 tokens on CUDA cores (no planes pass) only under gemv=True."""
+def test_the_small_token_forward_runs_only_when_chosen(tokens, gemv):
+    """At most 64 tokens under small=True: the coefficient GEMM on CUDA cores (no planes pass) and the
+    rest of the pre piece in one kernel; else, or by default, the tensor-core path."""
     from mhc_cupy import _jit, _kernels
     from mhc_cupy.ops import SPECS
 
@@ -242,7 +243,10 @@ def test_the_gemv_runs_for_a_few_tokens_only_when_chosen(tokens, gemv):
         return [expr.split("<")[0] for _, expr, *_ in launches]
 
     default = names()
-    with kernel_choice(gemv=True):
+    with kernel_choice(small=True):
         chosen = names()
     assert "mhc_coeffs_gemv_fwd_kernel" not in default and "mhc_coeffs_split_phi_fwd_kernel" in default
-    assert ("mhc_coeffs_gemv_fwd_kernel" in chosen) == gemv and ("mhc_coeffs_split_phi_fwd_kernel" in chosen) != gemv
+    if gemv:  # the whole pre piece in two launches
+        assert chosen == ["mhc_coeffs_gemv_fwd_kernel", "mhc_layer_pre_tail_kernel"], chosen
+    else:
+        assert chosen == default

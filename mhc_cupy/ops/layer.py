@@ -31,7 +31,8 @@ from .._settings import LayerSettings, takes_settings
 from .._dispatch import Plan, run
 from .coeffs import (backward_layout, check as _check_coeffs, launch_finish, launch_mma_gemm, launch_param_bwd,
                      launch_prep, mma_layout, padded_row, param_grad_plan)
-from .sinkhorn import bwd_history, launch_bwd, launch_fwd
+from ._launch import MAX_GRID, KernelSpec
+from .sinkhorn import bwd_history, fwd_group, launch_bwd, launch_fwd
 from .stream import check_grad, launch_aggregate_bwd, launch_aggregate_fwd, launch_mix_distribute_bwd
 from .post import _check as _check_post
 from .spec import (ACTIVATION_PARAMS, ALPHA, BIAS, CONVENTION, GRAD_MODE, GRAD_X, H_POST, H_PRE, H_RES, LAYER_IN,
@@ -57,12 +58,28 @@ def raw_coefficient_scratch(tokens: int, n: int) -> dict:
     return {"h_pre": ((tokens, n), "float32"), "h_post": ((tokens, n), "float32"), "h_res": ((tokens, n, n), "float32")}
 
 
+#: The pre piece after the GEMM in one launch, for a few tokens (sinkhorn.cu: it runs Sinkhorn's lanes)
+PRE_TAIL = KernelSpec(
+    "sinkhorn.cu", "mhc_layer_pre_tail_kernel", "typename T, int N, int G, bool DS",
+    "const float* part, const float* alpha, const float* bias, const T* x, float* stats, float* H_pre, "
+    "float* H_post, float* H_res, T* layer_in, i64 tokens, int C, int splits, float rms_eps, int iters, float eps, "
+    "float hc_eps, float post_mult")
+
+
 def launch_pre_from_sums(dt, n, C, D, K, tokens, rms_eps, s: LayerSettings, *, x, part, splits, alpha, bias, outs, sc,
-                         stream):
+                         stream, small: bool = False):
     """The layer's pre piece from the forward GEMM's per-range sums part [splits, T, K+1]: the raw
     coefficients (and stats), Sinkhorn and the activations, then layer_in = sum_i H_pre_i x_i.
-    ``outs``: (layer_in, H_pre, H_post, H_res, stats); ``sc``: :func:`raw_coefficient_scratch`."""
+    ``outs``: (layer_in, H_pre, H_post, H_res, stats); ``sc``: :func:`raw_coefficient_scratch`.
+    ``small`` (a few tokens, the kernel choice ``small``): all in one launch, mhc_layer_pre_tail_kernel,
+    with the three kernels' bits; else three launches."""
     layer_in, H_pre, H_post, H_res, stats = outs
+    if small:
+        PRE_TAIL.bind(T=dt, N=n, G=fwd_group(n), DS=s.deepseek).launch(
+            (min(tokens, MAX_GRID), 1, 1), (256, 1, 1), stream, part=part, alpha=alpha, bias=bias, x=x, stats=stats,
+            H_pre=H_pre, H_post=H_post, H_res=H_res, layer_in=layer_in, tokens=tokens, C=C, splits=splits,
+            rms_eps=rms_eps, iters=s.num_iters, eps=s.eps, hc_eps=s.hc_eps, post_mult=s.post_mult)
+        return
     launch_finish(tokens, D, n, K, rms_eps, part=part, splits=splits, alpha=alpha, bias=bias, h_pre=sc["h_pre"],
                   h_post=sc["h_post"], h_res=sc["h_res"], stats=stats, stream=stream)
     launch_fwd(n, tokens, s.num_iters, s.eps, logits=sc["h_res"], P=H_res, stream=stream, h_pre_raw=sc["h_pre"],
@@ -89,7 +106,8 @@ def _plan_pre_fwd(infos, s: LayerSettings):
         launch_mma_gemm(dt, D, K, tokens, x=p["x"], phi=p["phi"], part=sc["part"], planes=sc["planes"], mma=mma,
                         stream=stream)
         launch_pre_from_sums(dt, n, C, D, K, tokens, rms_eps, s, x=p["x"], part=sc["part"], splits=mma.splits,
-                             alpha=p["alpha"], bias=p["bias"], outs=outs, sc=sc, stream=stream)
+                             alpha=p["alpha"], bias=p["bias"], outs=outs, sc=sc, stream=stream,
+                             small=mma.gemv is not None)
 
     return Plan(pre_outputs(lead, n, C, K, dt), run_kernels,
                 lambda a: reference.mhc_layer_pre_fwd(a["x"], a["phi"], a["alpha"], a["bias"], iters, eps, rms_eps,

@@ -32,7 +32,7 @@ def test_gemv_coefficients_match_the_reference_and_the_tensor_cores(rng, dt, n, 
     args = _case(rng, T, n, C, dt)
     g = [to_gpu(a) for a in args]
     with poisoned_allocations():
-        with kernel_choice(gemv=True):
+        with kernel_choice(small=True):
             got = m.mhc_layer_pre_fwd(*g)
             again = m.mhc_layer_pre_fwd(*g)
             raw = m.mhc_coeffs_fwd(*g)
@@ -55,7 +55,7 @@ def test_gemv_backward_and_head(rng):
     T, n, C, dt = 5, 4, 96, "bfloat16"
     x, phi, alpha, bias = _case(rng, T, n, C, dt)
     gs = [coef(rng, (T, n)), coef(rng, (T, n)), coef(rng, (T, n, n))]
-    with poisoned_allocations(), kernel_choice(gemv=True):
+    with poisoned_allocations(), kernel_choice(small=True):
         got = m.mhc_coeffs_bwd(*(to_gpu(a) for a in gs), to_gpu(x), to_gpu(phi), to_gpu(alpha), to_gpu(bias))
     ref = R.mhc_coeffs_bwd(*gs, x, phi, alpha, bias)
     assert_close(got[0], ref[0], 2 * ACT_TOL[dt], "dx", scale="max")
@@ -63,6 +63,6 @@ def test_gemv_backward_and_head(rng):
         assert_close(a, b, 1e-4, name, scale="max")
     fn = coef(rng, (n, n * C), 1 / np.sqrt(n * C))
     scale, base = np.array([0.5], np.float32), coef(rng, (n,))
-    with poisoned_allocations(), kernel_choice(gemv=True):
+    with poisoned_allocations(), kernel_choice(small=True):
         out = m.mhc_head_fwd(to_gpu(x), to_gpu(fn), to_gpu(scale), to_gpu(base))
     assert_close(out, R.mhc_head_fwd(x, fn, scale, base), ACT_TOL[dt], "head")

@@ -156,7 +156,7 @@ def mma_layout(tokens: int, D: int, K: int, dt: str) -> MmaLayout:
     if dt == "bfloat16" and K >= _WG_MIN_K and current().runs("wg_fwd"):  # (step = 64: the wgmma kernel's stage)
         wg_ncc = _cdiv(K, _WG_MAX_KC)
         wg_kc = 8 * _cdiv(_cdiv(K, 8), wg_ncc)
-    if tokens <= _GEMV_MAX_T and current().runs("gemv"):
+    if tokens <= _GEMV_MAX_T and current().runs("small"):
         g = gemv_layout(max(tokens, 1), D, K)
         return MmaLayout(ntile, ncc, ncc * ntile * 8, units * step, tiles, g.splits, g.d_split, gemv=g)
     return MmaLayout(ntile, ncc, ncc * ntile * 8, units * step, tiles, splits, per * step, wg_kc, wg_ncc)
