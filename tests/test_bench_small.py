@@ -32,7 +32,7 @@ def test_small_mode_runs_tiny(tmp_path):
     res = json.loads((out / "small.json").read_text())
     assert res["schema"] == "mhc_cupy.bench.small/1" and [r["tokens"] for r in res["results"]] == [1, 3]
     for row in res["results"]:
-        assert set(row["impls"]) == {"mhc_cupy", "torch"} and (row["C"], row["n"]) == (24, 2)
+        assert set(row["impls"]) == {"mhc_cupy", "mhc_cupy small", "torch"} and (row["C"], row["n"]) == (24, 2)
         for v in row["impls"].values():
             assert v["eager_us"] > 0 and "graph_us" not in v  # no GPU: no graph replay
     assert all(t["status"] == "not measured" for t in res["targets"])  # C 24, not 7168

@@ -6,6 +6,9 @@ forward of one layer with an identity sublayer, without autograd (``torch.no_gra
 ``x [T, n, C]``, for
 
 * ``mhc_cupy``: ``mhc_cupy.torch.MHC(C, n)``;
+* ``mhc_cupy small`` (T <= 64): the same under the kernel choice ``small=True`` (the coefficient GEMV
+  and the pre piece's tail kernel: two launches for the pre piece; off by default until a GPU run
+  has checked it);
 * ``torch`` / ``torch.compile``: ``mhc_cupy.torch.reference.MHCReference`` (the same maths and
   parameters in plain torch ops), eager and ``torch.compile(dynamic=False)``.
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..ops.coeffs.fwd import _GEMV_MAX_T
 from . import env
 from .report import mode_report, run_rows, target
 
@@ -42,6 +46,8 @@ def small_case(T: int, C: int, n: int, cfg, on_gpu: bool, compile_: bool) -> dic
     torch.manual_seed(0)
     layer = mt.MHC(C, n, device=dev)
     impls = {"mhc_cupy": layer, "torch": MHCReference.from_layer(layer)}
+    if T <= _GEMV_MAX_T:  # (where the small-token forward applies)
+        impls["mhc_cupy small"] = _chosen(layer, small=True)
     if compile_:
         torch._dynamo.reset()
         impls["torch.compile"] = torch.compile(MHCReference.from_layer(layer), dynamic=False)
@@ -64,6 +70,17 @@ def small_case(T: int, C: int, n: int, cfg, on_gpu: bool, compile_: bool) -> dic
                  + (f" {v['error']}" if "error" in v else ""))
         env._free_gpu_memory()
     return row
+
+
+def _chosen(fn, **variants):
+    """fn called with the kernel choice ``variants`` in force (mhc_cupy._kernel_choice)."""
+    from .._kernel_choice import kernel_choice
+
+    def call(x):
+        with kernel_choice(**variants):
+            return fn(x)
+
+    return call
 
 
 def run_small(cfg) -> dict:
