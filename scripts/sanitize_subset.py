@@ -10,13 +10,17 @@ fused backward for n <= 4, the dphi / dx kernels above, the dx with phi resident
 ends in a partial column tile);
 the post op's dx given as g or as grad_x; on sm_90 the wgmma forward GEMM for bf16 at n = 8, 16, 17 and,
 element-wise fills, n = 7 with C = 13, and the wgmma dx for bf16 at n = 7 and 8 (65 tokens: a partial
-64-token tile; C = 24: D not a multiple of a block's 128 positions)).  Exits non-zero if any result is not finite.
+64-token tile; C = 24: D not a multiple of a block's 128 positions)); the kernels that are off by
+default until checked on a GPU, under their kernel choice: the fused boundary (mhc_boundary_fwd_kernel,
+n <= 6 with C % 8 == 0; 65 tokens: a partial 64-token tile) and the small-token forward (the GEMV and
+the pre piece's tail kernel, every case here has <= 65 tokens).  Exits non-zero if any result is not finite.
 """
 
 import cupy as cp
 import numpy as np
 
 import mhc_cupy as m
+from mhc_cupy._kernel_choice import kernel_choice
 from mhc_cupy.ops import rmsnorm
 
 rng = cp.random.default_rng(0)
@@ -36,7 +40,8 @@ def check(name, *arrays):
 bf16 = m._interop.numpy_dtype("bfloat16")
 for T, n, C, dt in [(3, 3, 13, bf16), (5, 4, 1536, bf16), (2, 4, 2560, bf16), (2, 8, 7168, cp.float32),
                     (17, 8, 100, bf16), (4, 1, 4095, cp.float16), (2, 16, 72, bf16), (2, 17, 264, bf16),
-                    (3, 32, 40, cp.float32), (3, 7, 13, bf16), (65, 8, 64, bf16), (65, 7, 24, bf16)]:
+                    (3, 32, 40, cp.float32), (3, 7, 13, bf16), (65, 8, 64, bf16), (65, 7, 24, bf16),
+                    (65, 5, 200, cp.float16)]:
     x, y, g, gy = act(T, n, C, dt=dt), act(T, C, dt=dt), act(T, n, C, dt=dt), act(T, C, dt=dt)
     M, h, hs = act(T, n, n), act(T, n), act(n)
     check("mix", m.stream_mix_fwd(x, M), *m.stream_mix_bwd(g, x, M))
@@ -67,6 +72,10 @@ for T, n, C, dt in [(3, 3, 13, bf16), (5, 4, 1536, bf16), (2, 4, 2560, bf16), (2
     _, dx_post, _, _ = m.mhc_post_op_bwd(g, y, x, H_post, H_res)  # the adapters' form for n > 4: grad_x
     check("layer bwd grad_x", *m.mhc_layer_pre_bwd(gy.astype(g.dtype), None, dH_post, dH_res, x, phi, alpha, bias,
                                                    stats, H_pre, H_res, grad_x=dx_post.astype(g.dtype)))
+    with kernel_choice(boundary=True, small=True):
+        check("boundary", *m.mhc_boundary_fwd(y, x, H_post, H_res, phi, alpha, bias))
+        check("boundary deepseek", *m.mhc_boundary_fwd(y, x, H_post, H_res, phi, alpha, bias, convention="deepseek"))
+        check("small layer", *m.mhc_layer_pre_fwd(x, phi, alpha, bias), *m.mhc_coeffs_fwd(x, phi, alpha, bias))
     for iters in (20, 200):
         check("sinkhorn", m.sinkhorn_knopp_fwd(M, iters), m.sinkhorn_knopp_bwd(M, M, iters))
         check("sinkhorn deepseek", m.sinkhorn_knopp_bwd(M, M, iters, convention="deepseek"))
