@@ -4,7 +4,7 @@
 // first: at a few tokens that split pass costs more than the GEMM) and split over enough D ranges
 // to read phi at the memory's speed.  At T = 1 it is a GEMV over phi.
 //
-// mhc_coeffs_gemv_fwd_kernel<T>: grid (splits, token groups of tt tokens), 256 threads.  A block
+// mhc_coeffs_gemv_fwd_kernel<T, POST>: grid (splits, token groups of tt tokens), 256 threads.  A block
 // stages `rows` rows of phi [rows][K] and the group's x [tt][rows] (as float) in its 48 KiB of static
 // shared memory at a time; thread r owns the outputs o = r + 256 j (j < outs <= GEMV_MAX_OUTS) of the group's
 // tt x (K + 1) (token o / (K + 1), column o % (K + 1); column K: the sum of squares, with its
@@ -19,10 +19,17 @@ constexpr int GEMV_SMEM_FLOATS = 12288;  // static shared memory (48 KiB): rows 
 }  // namespace mhc_coeffs
 
 // rows (K + tt) <= GEMV_SMEM_FLOATS, tt (K + 1) <= 256 outs, outs <= GEMV_MAX_OUTS (the host's layout).
-template <typename T>
+// POST (the fused layer boundary at a few tokens, OPS.md section 12): the GEMM's input is layer l's
+// residual update out_i = sum_j M_ij x_j + H_post_i y (x: layer l's streams, M = H_res, transposed
+// when res_t), each element computed in the post op kernel's order (H_post_i y, then fmaf over j =
+// 0 .. n-1: its bits), rounded once to T, stored to out and staged; else (y, h_post, h_res, out
+// null; n = 1) x itself.
+template <typename T, bool POST>
 __global__ void __launch_bounds__(256)
 mhc_coeffs_gemv_fwd_kernel(const T* __restrict__ x, const float* __restrict__ phi, float* __restrict__ part,
-                           i64 tokens, int D, int K, int tt, int outs, int rows, int d_split) {
+                           i64 tokens, int D, int K, int tt, int outs, int rows, int d_split, const T* __restrict__ y,
+                           const float* __restrict__ h_post, const float* __restrict__ h_res, T* __restrict__ out,
+                           int C, int n, int res_t) {
     using namespace mhc_coeffs;
     __shared__ float s_gemv[GEMV_SMEM_FLOATS];
     float* const s_phi = s_gemv;            // [rows][K]
@@ -43,7 +50,24 @@ mhc_coeffs_gemv_fwd_kernel(const T* __restrict__ x, const float* __restrict__ ph
         for (int i = threadIdx.x; i < nr * K; i += GEMV_THREADS) s_phi[i] = phi[(i64)d0 * K + i];
         for (int i = threadIdx.x; i < tt * rows; i += GEMV_THREADS) {
             const int t = i / rows, r = i - t * rows;
-            s_x[i] = (r < nr && t0 + t < tokens) ? mhc::to_float<T>(x[(t0 + t) * (i64)D + d0 + r]) : 0.f;
+            const i64 tok = t0 + t;
+            const int d = d0 + r;
+            float v = 0.f;
+            if (r < nr && tok < tokens) {
+                if constexpr (POST) {
+                    const int si = d / C, c = d - si * C;  // stream si of out, channel c
+                    const float* m = h_res + tok * n * n;
+                    float o = h_post[tok * n + si] * mhc::to_float<T>(y[tok * C + c]);
+                    for (int j = 0; j < n; ++j)
+                        o = fmaf(m[res_t ? j * n + si : si * n + j], mhc::to_float<T>(x[(tok * n + j) * C + c]), o);
+                    const T q = mhc::from_float<T>(o);
+                    out[tok * (i64)D + d] = q;
+                    v = mhc::to_float<T>(q);
+                } else {
+                    v = mhc::to_float<T>(x[tok * (i64)D + d]);
+                }
+            }
+            s_x[i] = v;
         }
         __syncthreads();
 #pragma unroll

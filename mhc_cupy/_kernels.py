@@ -38,7 +38,8 @@ def _infos(kernel, lead: tuple, sizes: dict, dt: str, tg: str, ptr: int, shared:
 
 #: Kernel variants that are off by default (mhc_cupy._kernel_choice) and which ops' plans use them: the
 #: dry runs plan those ops under the default choice and with the variant on, so CI compiles it too.
-_OPT_IN = {"mhc_boundary_fwd": {"boundary": True}, "mhc_layer_pre_fwd": {"small": True}, "mhc_coeffs_fwd": {"small": True}}
+_OPT_IN = {"mhc_boundary_fwd": ({"boundary": True}, {"small": True}), "mhc_layer_pre_fwd": ({"small": True},),
+           "mhc_coeffs_fwd": ({"small": True},)}
 
 
 def _cases(dt: str, n: int, C: int, ptr: int, tg: str):
@@ -56,7 +57,7 @@ def _cases(dt: str, n: int, C: int, ptr: int, tg: str):
         absent = (False, True) if any(a.optional for a in k.args) else (False,)
         for mode, conv, sh, ab in itertools.product(modes, conventions, shared, absent):
             params = dict(k.params, **({"grad_mode": mode} if mode else {}), **({"convention": conv} if conv else {}))
-            for variants in ({}, *([_OPT_IN[k.name]] if k.name in _OPT_IN else [])):
+            for variants in ({}, *_OPT_IN.get(k.name, ())):
                 cases.append((k.planner, _infos(k, (3,), sizes, dt, tg, ptr, sh, ab), params, variants))
     # RMSNorm of vec(x), as the mHC paper (OPS.md 2), with a weight too where its dw row fits every
     # supported GPU; the coefficient backward over many tokens (the narrow column sums over tokens:

@@ -220,6 +220,14 @@ def test_the_boundary_kernel_runs_only_when_chosen():
     default = names()
     with kernel_choice(boundary=True):
         chosen = names()
+    with kernel_choice(boundary=True, small=True):  # (300 tokens: not small)
+        assert names() == chosen
+    infos["layer_out"], infos["x"] = (_kernels._info((64,) + a.shape[1:], a.dtype, a.ptr)
+                                      for a in (infos["layer_out"], infos["x"]))
+    for name in ("H_post", "H_res"):
+        infos[name] = _kernels._info((64,) + infos[name].shape[1:], "float32", infos[name].ptr)
+    with kernel_choice(small=True):  # 64 tokens: the residual update inside the GEMV, then the tail: two launches
+        assert names() == ["mhc_coeffs_gemv_fwd_kernel", "mhc_layer_pre_tail_kernel"]
     assert "mhc_boundary_fwd_kernel" in chosen and "mhc_stream_mix_distribute_fwd_kernel" not in chosen, chosen
     assert "mhc_boundary_fwd_kernel" not in default and "mhc_stream_mix_distribute_fwd_kernel" in default, default
     assert {e for _, e in _kernels.all_specialisations() if e.startswith("mhc_boundary")}, "CI compiles it"

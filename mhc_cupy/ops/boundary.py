@@ -27,7 +27,7 @@ from .._settings import LayerSettings, takes_settings
 from ._launch import ITEMSIZE, MAX_GRID, KernelSpec, vec8
 from .coeffs import check as _check_coeffs, launch_mma_gemm, mma_layout
 from .coeffs.common import _MAX_SPLITS, _MMA_TARGET_BLOCKS, _SMEM_PORTABLE, _cdiv
-from .coeffs.fwd import SPLIT_PHI_FWD, mma_sub
+from .coeffs.fwd import SPLIT_PHI_FWD, launch_gemv, mma_sub
 from .layer import _PARAMS, _STATS, launch_pre_from_sums, pre_outputs, raw_coefficient_scratch
 from .post import _check as _check_post
 from .spec import ALPHA, BIAS, H_POST, H_PRE, H_RES, LAYER_IN, LAYER_OUT, PHI, X, Arg, Kernel
@@ -120,7 +120,12 @@ def _plan_fwd(infos, s: LayerSettings):
     def run_kernels(p, outs, sc, stream):
         out = outs[0]
         pipe = b and boundary_pipeline(dt, n, b.ntile, _SMEM_SM90 if uses_wgmma() else _SMEM_PORTABLE)
-        if pipe and vec8(C, p["x"], p["layer_out"], out):
+        if mma.gemv is not None:  # a few tokens: the residual update inside the GEMV (kernel choice small)
+            launch_gemv(dt, D, K, tokens, mma.gemv, x=p["x"], phi=p["phi"], part=sc["part"], stream=stream,
+                        post=dict(y=p["layer_out"], h_post=p["H_post"], h_res=p["H_res"], out=out, C=C, n=n,
+                                  res_t=int(res_t)))
+            splits = mma.splits
+        elif pipe and vec8(C, p["x"], p["layer_out"], out):
             launch_boundary_gemm(dt, n, C, K, tokens, res_t, b, pipe, x=p["x"], y=p["layer_out"], H_post=p["H_post"],
                                  H_res=p["H_res"], phi=p["phi"], out=out, part=sc["part"], planes=sc["planes"],
                                  stream=stream)

@@ -17,10 +17,12 @@ from .helpers import ACT_TOL, assert_close, f64, poisoned_allocations, rounded, 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(autouse=True)
-def _boundary_kernel_on():
-    """The fused kernel is off by default until checked on a GPU: these tests check it."""
-    with kernel_choice(boundary=True):
+@pytest.fixture(autouse=True, params=["boundary", "small"])
+def _boundary_kernel_on(request):
+    """The fused kernels are off by default until checked on a GPU: these tests check them, the
+    tensor-core boundary kernel (boundary) and, for at most 64 tokens, the GEMV with the residual
+    update inside and the pre piece's tail kernel (small)."""
+    with kernel_choice(**{request.param: True}):
         yield
 
 

@@ -80,9 +80,10 @@ _GEMV_BLOCKS = 256
 _GEMV_THREADS = 256
 _GEMV_MAX_OUTS = 8  # outputs per thread (the kernel's GEMV_MAX_OUTS)
 _GEMV_SMEM_FLOATS = 12288  # its static shared memory (GEMV_SMEM_FLOATS)
-GEMV_FWD = KernelSpec("coeffs_gemv.cu", "mhc_coeffs_gemv_fwd_kernel", "typename T",
+GEMV_FWD = KernelSpec("coeffs_gemv.cu", "mhc_coeffs_gemv_fwd_kernel", "typename T, bool POST",
                       "const T* x, const float* phi, float* part, i64 tokens, int D, int K, int tt, int outs, "
-                      "int rows, int d_split")
+                      "int rows, int d_split, const T* y, const float* h_post, const float* h_res, T* out, int C, "
+                      "int n, int res_t", nullable=("y", "h_post", "h_res", "out"))
 
 
 class GemvLayout(NamedTuple):
@@ -167,9 +168,7 @@ def launch_mma_gemm(dt, D, K, tokens, *, x, phi, part, planes, mma: MmaLayout, s
     (phi split into three bf16 planes first): where ``mma`` has wgmma chunks (mma_layout), on a
     device with wgmma (sm_90a), mhc_coeffs_wg_fwd_kernel, else mhc_coeffs_mma_fwd_kernel."""
     if mma.gemv is not None:
-        g = mma.gemv
-        GEMV_FWD.bind(T=dt).launch((g.splits, g.groups, 1), (_GEMV_THREADS, 1, 1), stream, x=x, phi=phi, part=part,
-                                   tokens=tokens, D=D, K=K, tt=g.tt, outs=g.outs, rows=g.rows, d_split=g.d_split)
+        launch_gemv(dt, D, K, tokens, mma.gemv, x=x, phi=phi, part=part, stream=stream)
         return
     vec = vec8(D, x)
     split = dict(phi=phi, planes=planes, D=D, K=K, Dp=mma.Dp)
@@ -184,6 +183,15 @@ def launch_mma_gemm(dt, D, K, tokens, *, x, phi, part, planes, mma: MmaLayout, s
     MMA_FWD.bind(T=dt, VEC=vec, MT=_MMA_MT, NTILE=mma.ntile, STAGES=mma_fwd_smem(dt, mma.ntile)[0],
                  SUB=mma_sub(dt)).launch((mma.ncc * mma.tiles * mma.splits, 1, 1), (128, 1, 1), stream, **gemm,
                                          Kp=mma.Kp, ncc=mma.ncc)
+
+
+def launch_gemv(dt, D, K, tokens, g: GemvLayout, *, x, phi, part, stream, post=None):
+    """mhc_coeffs_gemv_fwd_kernel: part from x, or with ``post`` = dict(y, h_post, h_res, out, C, n,
+    res_t) from the residual update out = post op(y, x) it computes and stores (the fused boundary)."""
+    extra = post or dict(y=None, h_post=None, h_res=None, out=None, C=D, n=1, res_t=0)
+    GEMV_FWD.bind(T=dt, POST=post is not None).launch(
+        (g.splits, g.groups, 1), (_GEMV_THREADS, 1, 1), stream, x=x, phi=phi, part=part, tokens=tokens, D=D, K=K,
+        tt=g.tt, outs=g.outs, rows=g.rows, d_split=g.d_split, **extra)
 
 
 def launch_finish(tokens, D, n, K, eps, *, part, splits: int, alpha, bias, h_pre, h_post, h_res, stats, stream):
