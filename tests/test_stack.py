@@ -92,13 +92,14 @@ def test_stack_equals_the_chain_bitwise_with_and_without_recompute(rng, lead, n,
         assert_bitwise(run(stack, x, g), want, f"recompute={recompute!r}")
 
 
-@pytest.mark.parametrize("lead,n,C,L", CASES[:5])
-def test_stack_matches_a_chain_of_float64_reference_layers(rng, lead, n, C, L):
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("lead,n,C,L", CASES)
+def test_stack_matches_a_chain_of_float64_reference_layers(rng, lead, n, C, L, fuse):
     layers = make_layers(L, n, C, int(rng.integers(1 << 30)))
     refs = nn.Sequential(*(MHCReference.from_layer(layer) for layer in layers)).double()
     x = torch.from_numpy(rng.standard_normal(lead + (n, C))).float()
     g = torch.from_numpy(rng.standard_normal(lead + (n, C))).float()
-    out, dx, grads = run(mt.MHCStack(layers, recompute=2), x, g)
+    out, dx, grads = run(mt.MHCStack(layers, recompute=2, fuse_boundaries=fuse), x, g)
     out_ref, dx_ref, grads_ref = run(refs, x.double(), g.double())
     tol = TOL["float32_layer"].value * L  # one layer's bound per layer: errors compound over the chain
     assert_close(out, out_ref, tol, "out")
