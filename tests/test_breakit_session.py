@@ -3,6 +3,8 @@ kernel choice (CPU: the NumPy reference):
 
 * ``mhc_boundary_fwd`` is ``mhc_post_op_fwd`` then ``mhc_layer_pre_fwd`` (value, dtype and shape of every
   output) over dtypes, conventions, leading dims, n and C; bad input names the argument;
+* a fusing stack equals the chain of its layers bitwise when some layers were built under
+  ``kernel_choice(fused=False)``;
 * ``KernelChoice.runs`` of a name that is not a variant raises naming it.
 """
 
@@ -10,11 +12,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from harness import default_dtype
+from test_stack import assert_bitwise, make_layers, run
 
 import mhc_cupy
-from mhc_cupy._kernel_choice import KernelChoice
+import mhc_cupy.torch as mt
+from mhc_cupy._kernel_choice import KernelChoice, kernel_choice
 
 
 @pytest.fixture(autouse=True)
@@ -57,6 +62,22 @@ def test_boundary_op_bad_input_names_the_argument(rng, name):
                             (a[name][None], ValueError, shape)]:
         with pytest.raises(exc, match=match):
             mhc_cupy.mhc_boundary_fwd(**{**a, name: bad})
+
+
+# ------------------------------------------------------------------ MHCStack
+@pytest.mark.parametrize("recompute", [None, 2])
+def test_fused_boundaries_skip_layers_built_with_the_separate_ops(rng, recompute):
+    """A layer built under kernel_choice(fused=False) runs the separate ops in a fusing stack too (no
+    boundary op hands it a pre piece): the stack is the chain bitwise."""
+    seed = int(rng.integers(1 << 30))
+    fused = make_layers(3, 4, 8, seed)
+    with kernel_choice(fused=False):
+        separate = make_layers(3, 4, 8, seed)
+    layers = [separate[0], fused[1], separate[2]]
+    x = torch.from_numpy(rng.standard_normal((3, 4, 8))).float()
+    g = torch.from_numpy(rng.standard_normal((3, 4, 8))).float()
+    stack = mt.MHCStack(layers, recompute=recompute, fuse_boundaries=True)
+    assert_bitwise(run(stack, x, g), run(nn.Sequential(*layers), x, g), "fused=False layers")
 
 
 # ------------------------------------------------------------------ KernelChoice

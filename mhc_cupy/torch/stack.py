@@ -108,7 +108,8 @@ class MHCStack(nn.Module):
             paper's L_r* = sqrt(n L / (n + 2)), section 4.3).
         fuse_boundaries: run each layer's residual update and the next layer's pre piece as one op
             (``mhc_boundary_fwd``, OPS.md section 12: the streams are read once less per boundary;
-            eager only, between layers of one convention).  The streams and the gradients' formulas
+            eager only, between layers of one convention that run the fused layer pieces: not
+            layers built under ``kernel_choice(fused=False)``).  The streams and the gradients' formulas
             are the same; the next layer's coefficients may differ in the last float32 bits.
             Default False.  The fused kernel itself runs only where the kernel choice says
             ``boundary=True`` (``mhc_cupy._kernel_choice``) until a GPU run has checked it;
@@ -145,10 +146,13 @@ class MHCStack(nn.Module):
         self.fuse_boundaries = fuse_boundaries
 
     def _next_pre(self, l: int):
-        """Layer l + 1's pre piece to run inside layer l's residual update (same convention), or None."""
-        if l + 1 == len(self.layers) or self.layers[l + 1].convention != self.layers[l].convention:
+        """Layer l + 1's pre piece to run inside layer l's residual update (both run the fused layer
+        pieces, under one convention), or None."""
+        if l + 1 == len(self.layers):
             return None
-        nxt = self.layers[l + 1]
+        layer, nxt = self.layers[l], self.layers[l + 1]
+        if not (layer._fused and nxt._fused) or nxt.convention != layer.convention:
+            return None
         return NextPre(_as_f32(nxt.phi), _as_f32(nxt.alpha), _as_f32(nxt.bias), nxt.settings)
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
