@@ -3,7 +3,8 @@ kernel choice (CPU: the NumPy reference):
 
 * ``mhc_boundary_fwd`` is ``mhc_post_op_fwd`` then ``mhc_layer_pre_fwd`` (value, dtype and shape of every
   output) over dtypes, conventions, leading dims, n and C; bad input names the argument;
-* a fusing stack equals the chain of its layers bitwise when some layers were built under
+* a stack equals the chain of its layers bitwise when forward hooks or pre-hooks change the streams
+  between layers (a new tensor or an in-place change), and when some layers were built under
   ``kernel_choice(fused=False)``;
 * ``KernelChoice.runs`` of a name that is not a variant raises naming it.
 """
@@ -65,6 +66,37 @@ def test_boundary_op_bad_input_names_the_argument(rng, name):
 
 
 # ------------------------------------------------------------------ MHCStack
+def _hook(kind, layers):
+    """A hook that changes the streams between layers 0 and 1: a new tensor or an in-place change,
+    after layer 0 (forward hook) or before layer 1 (forward pre-hook)."""
+    def change(t):
+        return t * 2.0 if kind.endswith("new tensor") else t.mul_(2.0)
+
+    if kind.startswith("output"):
+        return layers[0].register_forward_hook(lambda mod, args, out: change(out))
+    return layers[1].register_forward_pre_hook(lambda mod, args: (change(args[0]),))
+
+
+@pytest.mark.parametrize("kind", ["output, new tensor", "output, in place", "input, new tensor", "input, in place"])
+@pytest.mark.parametrize("recompute,fuse", [(None, True), (3, False), (3, True), (2, True)])
+def test_stack_follows_streams_that_hooks_change(rng, kind, recompute, fuse):
+    """The stack hands on what each layer call returned, hooks included: the recomputed streams are
+    those the layers got (a changed stream starts a new block) and a fused boundary's pre piece is used
+    only for the streams it was computed from (not after an in-place change)."""
+    layers = make_layers(4, 4, 8, int(rng.integers(1 << 30)))
+    x = torch.from_numpy(rng.standard_normal((3, 4, 8))).float()
+    g = torch.from_numpy(rng.standard_normal((3, 4, 8))).float()
+    stack = mt.MHCStack(layers, recompute=recompute, fuse_boundaries=fuse)
+    handle = _hook(kind, layers)
+    try:
+        want = run(nn.Sequential(*layers), x, g)
+        assert_bitwise(run(stack, x, g), want, kind)
+        with torch.no_grad():
+            assert torch.equal(stack(x), want[0])
+    finally:
+        handle.remove()
+
+
 @pytest.mark.parametrize("recompute", [None, 2])
 def test_fused_boundaries_skip_layers_built_with_the_separate_ops(rng, recompute):
     """A layer built under kernel_choice(fused=False) runs the separate ops in a fusing stack too (no
