@@ -116,7 +116,10 @@ class MHCStack(nn.Module):
             ``stack[i]`` and iteration reach the layers too.
         recompute: None (default: every layer saves its input streams), an int L_r >= 1 (save the
             streams at every L_r-th layer only and rebuild the rest in backward), or "auto" (the
-            paper's L_r* = sqrt(n L / (n + 2)), section 4.3).
+            paper's L_r* = sqrt(n L / (n + 2)), section 4.3).  While a recomputing forward runs,
+            its layers hold its block's state (``MHC._stack_slot``): run them in one thread at a
+            time (two threads' forwards through the same layers would record into each other's
+            blocks).
         fuse_boundaries: run each layer's residual update and the next layer's pre piece as one op
             (``mhc_boundary_fwd``, OPS.md section 12: the streams are read once less per boundary;
             eager only, between layers of one convention that run the fused layer pieces: not
