@@ -74,7 +74,9 @@ class KernelChoice:
 
     def runs(self, variant: str) -> bool:
         """Whether ``variant`` ("wg_fwd", "wg_dx", "fused", "boundary", "small") runs where it applies: its value, or
-        for None :data:`LIBRARY_CHOICE`'s."""
+        for None :data:`LIBRARY_CHOICE`'s.  ValueError: not a variant."""
+        if variant not in LIBRARY_CHOICE:
+            raise ValueError(f"variant must be one of {', '.join(LIBRARY_CHOICE)}, got {variant!r}")
         v = getattr(self, variant)
         return LIBRARY_CHOICE[variant] if v is None else v
 

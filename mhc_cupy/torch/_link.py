@@ -28,6 +28,13 @@ def tensor_key(t: Tensor) -> tuple:
     return t.data_ptr(), tuple(t.shape), t.stride()
 
 
+def stream_key(t: Tensor) -> tuple:
+    """:func:`tensor_key` with the dtype, the device and the version counter: an in-place change of the
+    data bumps it, so the same tensor changed in place has another key (an inference tensor has no
+    version counter: None, its in-place changes are not seen)."""
+    return (*tensor_key(t), t.dtype, t.device, None if t.is_inference() else t._version)
+
+
 def tag(H_res: Tensor, convention: str) -> Tensor:
     """``H_res`` (an output of mhc_layer_pre) marked as made under ``convention``: the tensor itself,
     or under torch.compile a view of it (Dynamo traces an attribute statement on a tensor that a

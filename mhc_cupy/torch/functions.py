@@ -43,7 +43,7 @@ from ._factory import REGISTERED as _REGISTERED, Op as _Op, call as _call, is_co
 from ._factory import register as _register
 from ._factory import needs_autograd as _needs_autograd, use_custom_op as _use_custom_op
 from ._link import autograd_pre as _autograd_pre, check_convention as _check_convention, tag as _tag
-from ._link import link as _mark_link, tensor_key as _tensor_key
+from ._link import link as _mark_link, stream_key as _stream_key, tensor_key as _tensor_key
 
 __all__ = [
     "sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute",
@@ -317,7 +317,7 @@ class NextPre:
     """The next layer's pre piece, fused into a layer's residual update by a stack
     (``mhc_boundary_fwd``, OPS.md section 12): that layer's parameters and settings go in; its
     outputs for the streams this residual update returns come out, taken once by its
-    :func:`layer_pre` call on exactly those streams."""
+    :func:`layer_pre` call on exactly those streams, unchanged (not after an in-place change)."""
 
     __slots__ = ("phi", "alpha", "bias", "settings", "out_key", "outputs")
 
@@ -330,12 +330,12 @@ class NextPre:
         out, *rest = _run_plan(_ops.SPECS["mhc_boundary_fwd"].planner, {
             "layer_out": layer_out, "x": x, "H_post": H_post, "H_res": H_res, "phi": self.phi, "alpha": self.alpha,
             "bias": self.bias}, settings=self.settings)
-        self.out_key, self.outputs = _tensor_key(out), tuple(rest)
+        self.out_key, self.outputs = _stream_key(out), tuple(rest)
         return out
 
     def take(self, x: Tensor):
         """(layer_in, H_pre, H_post, H_res, stats) computed for x, once; None for other streams."""
-        if self.outputs is None or _tensor_key(x) != self.out_key:
+        if self.outputs is None or _stream_key(x) != self.out_key:
             return None
         outputs, self.outputs = self.outputs, None
         return outputs

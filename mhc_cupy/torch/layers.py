@@ -200,7 +200,7 @@ class _NotInAStack:
     def saving(self):
         return self._as_usual
 
-    def record(self, y, H_post, H_res, convention) -> None:
+    def record(self, x, y, H_post, H_res, convention, out) -> None:
         pass
 
 
@@ -391,9 +391,10 @@ class MHC(Float32Parameters):
         if y.shape != layer_in.shape:
             raise ValueError(f"sublayer returned shape {tuple(y.shape)}; MHC needs [..., C] = {tuple(layer_in.shape)}")
         y = y.to(x.dtype)
-        slot.record(y, H_post, H_res, self.convention)
         with slot.saving():
-            return post(y, x_in, H_post, H_res, convention=self.convention)
+            out = post(y, x_in, H_post, H_res, convention=self.convention)
+        slot.record(x, y, H_post, H_res, self.convention, out)
+        return out
 
     def extra_repr(self) -> str:
         return (f"dim={self.dim}, n_streams={self.n_streams}, num_iters={self.num_iters}, eps={self.eps}, "

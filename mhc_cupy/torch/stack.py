@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from .. import mhc_post_op_fwd
 from .._stack import recompute_blocks
+from ._link import stream_key
 from .functions import NextPre
 from .layers import MHC, _as_f32
 
@@ -70,11 +71,12 @@ class _Slot:
 
     def __init__(self, block: _Block, i: int, x: Tensor):
         self.block, self.i = block, i
-        self.key = (x.data_ptr(), x.shape, x.dtype, x.device)  # not x: autograd keeps the pack hook alive
+        self.key = stream_key(x)  # not x: autograd keeps the pack hook alive
+        self.out_key = None  # the block's (i + 1)-th streams, once recorded
         block.uses.append(0)
 
     def pack(self, t: Tensor):
-        if (t.data_ptr(), t.shape, t.dtype, t.device) == self.key:  # x, or x_link (a view)
+        if stream_key(t) == self.key:  # x, or x_link (a view), unchanged
             self.block.uses[self.i] += 1
             return (self.block, self.i)
         return t
@@ -83,8 +85,15 @@ class _Slot:
         """The context around the mHC pieces: nothing to change at the block's boundary (i = 0)."""
         return torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack) if self.i else contextlib.nullcontext()
 
-    def record(self, y: Tensor, H_post: Tensor, H_res: Tensor, convention: str) -> None:
+    def record(self, x: Tensor, y: Tensor, H_post: Tensor, H_res: Tensor, convention: str, out: Tensor) -> None:
+        """The layer's call on x returned out: the block's next streams if x was its i-th (a forward
+        pre-hook may have given the layer others, or changed them in place)."""
         self.block.update.append((y.detach(), H_post.detach(), H_res.detach(), convention))
+        self.out_key = stream_key(out) if stream_key(x) == self.key else None
+
+    def leads_to(self, x: Tensor) -> bool:
+        """x, what the layer call returned (forward hooks included), is the block's (i + 1)-th streams."""
+        return self.out_key is not None and stream_key(x) == self.out_key
 
 
 def _unpack(saved):
@@ -96,7 +105,9 @@ class MHCStack(nn.Module):
 
     ``forward(x, *args, **kwargs)`` equals ``for layer in layers: x = layer(x, *args, **kwargs)``
     in value and gradient (bitwise, with or without recompute): the extra arguments go to
-    every sublayer.
+    every sublayer, and each layer gets what the previous call returned, forward hooks and
+    pre-hooks included (where a hook gives a layer other streams, or changes them in place, a new
+    recompute block starts there; under ``torch.inference_mode`` an in-place change is not seen).
 
     Args:
         layers: a non-empty sequence of :class:`MHC` (any convention; all of one n and C).  They
@@ -105,10 +116,14 @@ class MHCStack(nn.Module):
             ``stack[i]`` and iteration reach the layers too.
         recompute: None (default: every layer saves its input streams), an int L_r >= 1 (save the
             streams at every L_r-th layer only and rebuild the rest in backward), or "auto" (the
-            paper's L_r* = sqrt(n L / (n + 2)), section 4.3).
+            paper's L_r* = sqrt(n L / (n + 2)), section 4.3).  While a recomputing forward runs,
+            its layers hold its block's state (``MHC._stack_slot``): run them in one thread at a
+            time (two threads' forwards through the same layers would record into each other's
+            blocks).
         fuse_boundaries: run each layer's residual update and the next layer's pre piece as one op
             (``mhc_boundary_fwd``, OPS.md section 12: the streams are read once less per boundary;
-            eager only, between layers of one convention).  The streams and the gradients' formulas
+            eager only, between layers of one convention that run the fused layer pieces: not
+            layers built under ``kernel_choice(fused=False)``).  The streams and the gradients' formulas
             are the same; the next layer's coefficients may differ in the last float32 bits.
             Default False.  The fused kernel itself runs only where the kernel choice says
             ``boundary=True`` (``mhc_cupy._kernel_choice``) until a GPU run has checked it;
@@ -145,10 +160,13 @@ class MHCStack(nn.Module):
         self.fuse_boundaries = fuse_boundaries
 
     def _next_pre(self, l: int):
-        """Layer l + 1's pre piece to run inside layer l's residual update (same convention), or None."""
-        if l + 1 == len(self.layers) or self.layers[l + 1].convention != self.layers[l].convention:
+        """Layer l + 1's pre piece to run inside layer l's residual update (both run the fused layer
+        pieces, under one convention), or None."""
+        if l + 1 == len(self.layers):
             return None
-        nxt = self.layers[l + 1]
+        layer, nxt = self.layers[l], self.layers[l + 1]
+        if not (layer._fused and nxt._fused) or nxt.convention != layer.convention:
+            return None
         return NextPre(_as_f32(nxt.phi), _as_f32(nxt.alpha), _as_f32(nxt.bias), nxt.settings)
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
@@ -156,12 +174,11 @@ class MHCStack(nn.Module):
         # (compiled: the graph is traced without the saved-tensor hooks, so without recompute)
         L_r = None if compiling or not torch.is_grad_enabled() else self.block_layers
         fuse = self.fuse_boundaries and not compiling
-        block = nxt = None
+        slot = nxt = None
         for l, layer in enumerate(self.layers):
-            if L_r is not None:
-                if l % L_r == 0:
-                    block = _Block(x)
-                layer._stack_slot = _Slot(block, l % L_r, x)
+            if L_r is not None:  # a new block every L_r layers, or where a hook changed the streams
+                i = slot.i + 1 if slot is not None and slot.i + 1 < L_r and slot.leads_to(x) else 0
+                slot = layer._stack_slot = _Slot(_Block(x) if i == 0 else slot.block, i, x)
             given, nxt = nxt, self._next_pre(l) if fuse else None
             layer._pre_given, layer._pre_next = given, nxt
             try:
