@@ -9,8 +9,10 @@ to an op's functional API and spec entry reaches both adapters) around the adapt
 routes), which gets ``kw``, the planner's keyword arguments: the parameters as given, or, where
 the op's planner takes the layer's settings (:func:`mhc_cupy._settings.takes_settings`),
 ``{"settings": LayerSettings.resolve(**parameters)}``, resolved once here.  An op that needs
-something else (a check before the call, a parameter that is not the kernel's) gives its own
-``prepare``; each adapter lists those in its module docstring.
+something else before the call (a check, a parameter that is not the kernel's) gives a
+``prepare`` hook: it gets every argument by name and returns only the kernel parameters it
+changes, so a parameter added to the op reaches the planner through it untouched.  The hooks
+both adapters need are :data:`BY_HAND`; each adapter lists its own in its module docstring.
 
 :func:`flat` is where a ``kw`` becomes the primitive values of a ``torch.library`` custom
 operator's arguments (the settings flattened), in one place.  No framework is imported here.
@@ -20,10 +22,10 @@ from __future__ import annotations
 
 import inspect
 
-from . import ops as _ops
+from . import _convention, ops as _ops
 from ._settings import LayerSettings
 
-__all__ = ["parameters", "public", "define", "literal", "flat"]
+__all__ = ["parameters", "public", "define", "literal", "flat", "BY_HAND"]
 
 #: ``kw`` of an op without parameters (shared, never written to).
 NO_PARAMS: dict = {}
@@ -44,6 +46,22 @@ def resolve_settings(**given) -> dict:
     return {"settings": LayerSettings.resolve(**given)}
 
 
+# ------------------------------------------------ what ops need by hand, in both adapters
+def coeffs_eps(eps, convention, **_) -> dict:
+    """``mhc_coeffs``: its ``eps`` resolved per ``convention`` (DEFAULT: the convention's rms_eps);
+    the convention is not a kernel parameter.  ValueError for a bad convention."""
+    return {"eps": _convention.resolve(convention, rms_eps=eps)}
+
+
+def post_convention(convention, **_) -> dict:
+    """``mhc_post_op``: ``convention`` checked before anything runs (ValueError naming it)."""
+    return {"convention": _convention.check(convention)}
+
+
+#: ``prepare`` hooks of :func:`public` (by op) that both adapters use; an adapter adds its own.
+BY_HAND = {"mhc_coeffs": coeffs_eps, "mhc_post_op": post_convention}
+
+
 def public(op: str, doc: str, module: str, body, namespace: dict, prepare=None, settings=resolve_settings):
     """The public function of op ``op``, with the signature of :func:`parameters`.
 
@@ -53,19 +71,26 @@ def public(op: str, doc: str, module: str, body, namespace: dict, prepare=None, 
         body: ``body(arrays, kw) -> str``, the adapter's source of the function's body, given the
             names of the op's arrays (the forward's order) and the expression of ``kw``, the
             planner's keyword arguments; it runs in ``namespace`` (the adapter's names).
-        prepare: ``prepare(*arrays_and_parameters) -> kw`` (all of them, in the signature's order),
-            for an op that needs more than its parameters as given (or its settings resolved)
-            before the call; None: those.
+        prepare: ``prepare(**arguments) -> dict``, for an op that needs more than its parameters
+            as given before the call: it gets every argument of the function by name (write it
+            ``def hook(x, eps, **_)``) and returns the kernel parameters it changes (checked,
+            resolved); ``kw`` is the kernel's parameters (the spec's) as given, updated with those.
+            An argument that is neither an array nor a kernel parameter reaches only ``prepare``.
+            None: the parameters as given (or the settings resolved).
         settings: ``settings(**parameters) -> kw`` of an op whose planner takes the layer's settings
             (default :func:`resolve_settings`).
     """
     arrays, params = parameters(op)
     names = [p.name for p in params if p.name not in arrays]
+    fwd, bwd = _ops.SPECS[f"{op}_fwd"], _ops.SPECS[f"{op}_bwd"]
     if prepare is not None:
-        kw = "_prepare(" + ", ".join(p.name for p in params) + ")"
+        assert not getattr(fwd.planner, "takes_settings", False), op  # its settings: resolved by `settings`
+        kernel = [k for k in names if k in fwd.params or k in bwd.params]
+        kw = "{" + "".join(f"{k!r}: {k}, " for k in kernel) + "**_prepare(" + ", ".join(
+            f"{p.name}={p.name}" for p in params) + ")}"
     elif not names:
         kw = "_NO_PARAMS"
-    elif getattr(_ops.SPECS[f"{op}_fwd"].planner, "takes_settings", False):
+    elif getattr(fwd.planner, "takes_settings", False):
         prepare, kw = settings, "_prepare(" + ", ".join(f"{k}={k}" for k in names) + ")"
     else:
         kw = literal(names)

@@ -66,7 +66,9 @@ static parameters) comes from its ``<op>_fwd`` / ``<op>_bwd`` pair in
 ``mhc_cupy.ops.SPECS``, and its public function's signature is the functional
 ``<op>_bwd``'s less its gradients (:mod:`mhc_cupy._adapter`); Sinkhorn's and the
 pre op's settings are resolved into one ``mhc_cupy._settings.LayerSettings``.
-Written here by hand, only what an op needs beyond that:
+Written by hand, only what an op needs beyond that (the ``prepare`` hooks:
+``_BY_HAND`` here, with ``mhc_cupy._adapter.BY_HAND``, shared with torch; each
+gets the arguments by name and returns only the kernel parameters it changes):
 
 ===============  ==============================================================
 op               by hand
@@ -165,21 +167,19 @@ def _conv(convention) -> tuple:
 
 
 # ------------------------------------------------------------ what ops need by hand
-def _rmsnorm_kw(x, eps, weight) -> dict:
+def _eps_checked(eps, **_) -> dict:
+    """``eps`` checked before the jit, where it is a static argument."""
     return {"eps": _checks.eps("eps", eps)}
 
 
-def _coeffs_kw(x, phi, alpha, bias, eps, convention) -> dict:
-    return {"eps": _convention.rms_eps(convention, eps, "eps")}
+#: The ``prepare`` hooks (:func:`mhc_cupy._adapter.public`) of the ops that need one, by op.
+_BY_HAND = {**_adapter.BY_HAND, "rmsnorm": _eps_checked,
+            "mhc_coeffs": lambda **given: _eps_checked(**_adapter.coeffs_eps(**given))}
 
 
-def _post_kw(layer_out, x, H_post, H_res, convention) -> dict:
-    return {"convention": _convention.check(convention)}
-
-
-def _public(op: str, doc: str, prepare=None):
+def _public(op: str, doc: str):
     return _adapter.public(op, doc, __name__, lambda arrays, kw: f"    return _f({''.join(a + ', ' for a in arrays)}"
-                           f"tuple({kw}.items()))\n", {"_f": _differentiable(op)}, prepare)
+                           f"tuple({kw}.items()))\n", {"_f": _differentiable(op)}, _BY_HAND.get(op))
 
 
 # ------------------------------------------------------------ public API
@@ -234,7 +234,7 @@ rmsnorm = _public("rmsnorm", """RMSNorm over the last dim: y = x / sqrt(mean(x^2
         Backward recomputes the statistics from x; d_weight is summed over
         tokens in a fixed order.  Under vmap with a weight, the per-example
         weight gradient is computed one example at a time.
-    """, _rmsnorm_kw)
+    """)
 
 stream_mix = _public("stream_mix", """Mix the n residual streams of each token: out_i = sum_j M_ij x_j (JAX; OPS.md section 3).
 
@@ -309,7 +309,7 @@ mhc_post_op = _public("mhc_post_op", """mHC residual update: out_i = sum_j H_res
     Notes:
         Backward (dy, dx, dH_post, dH_res) in one kernel, no atomics: bitwise
         reproducible.
-    """, _post_kw)
+    """)
 
 mhc_pre_op = _public("mhc_pre_op", """mHC coefficient activations and layer input (JAX; OPS.md section 7, paper Eq. 8).
 
@@ -364,7 +364,7 @@ mhc_coeffs = _public("mhc_coeffs", """Per-token mHC coefficients from the residu
         Differentiable in x, phi, alpha and bias (custom_vjp; unused outputs
         are symbolic zeros); jit / grad / vmap supported (a batched phi, alpha
         or bias, or their per-example gradients, run once per example).
-    """, _coeffs_kw)
+    """)
 
 _head = _differentiable("mhc_head")
 

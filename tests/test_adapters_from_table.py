@@ -5,6 +5,7 @@ functional API and spec entry reaches both adapters with nothing else to edit.""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 import pytest
@@ -69,8 +70,29 @@ def test_custom_operators_take_the_spec_arrays_and_parameters():
         # defaults where the functional API's arguments are keyword-only (the schemas as written by hand before)
         defaults = [a.has_default_value() for a in r.op._schema.arguments]
         assert defaults == [p.kind is p.KEYWORD_ONLY for p in order], name
-    weight = REGISTERED["rmsnorm_weight_bwd"].op._schema.arguments[-1]
-    assert (weight.name, str(weight.type)) == ("weight", "Tensor")  # required where its gradient is returned
+    weight = next(a for a in REGISTERED["rmsnorm_weight_bwd"].op._schema.arguments if a.name == "weight")
+    assert str(weight.type) == "Tensor"  # required where its gradient is returned
+
+
+@pytest.mark.parametrize("adapter", ["mhc_cupy.torch.functions", "mhc_cupy.jax"])
+def test_a_new_parameter_passes_the_hand_written_hooks(adapter, monkeypatch):
+    """A scalar added to an op's functional API and spec entry reaches the planner's keyword arguments
+    through the op's hand-written hook (given the arguments by name, it returns what it changes), with
+    the hook's own changes as before: nothing in the adapter is edited (issue 42, "Done when")."""
+    mod = pytest.importorskip(adapter)
+    body = lambda arrays, kw: f"    return {kw}\n"  # noqa: E731 - the planner's kw itself
+    for op, hook in mod._BY_HAND.items():
+        arrays = {a: None for a in _adapter.parameters(op)[0]}
+        before = _adapter.public(op, "", "t", body, {}, hook)(**arrays)
+        with monkeypatch.context() as mp:
+            for name in (f"{op}_fwd", f"{op}_bwd"):
+                mp.setitem(SPECS, name, dataclasses.replace(SPECS[name], params={**SPECS[name].params, "extra": 0.0}))
+            functional = inspect.signature(getattr(m.ops, f"{op}_bwd"))
+            extra = inspect.Parameter("extra", inspect.Parameter.KEYWORD_ONLY, default=0.0)
+            mp.setattr(m.ops, f"{op}_bwd", lambda *a, **k: None)
+            getattr(m.ops, f"{op}_bwd").__signature__ = functional.replace(
+                parameters=[*functional.parameters.values(), extra])
+            assert _adapter.public(op, "", "t", body, {}, hook)(**arrays, extra=0.5) == {**before, "extra": 0.5}, op
 
 
 def test_flat_is_the_one_place_settings_become_primitives():

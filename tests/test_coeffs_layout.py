@@ -11,7 +11,7 @@ import pytest
 
 from mhc_cupy import _kernels
 from mhc_cupy._interop import ArrayInfo
-from mhc_cupy.ops import coeffs
+from mhc_cupy.ops import SPECS, coeffs
 from mhc_cupy.ops.coeffs import common, fwd, split_bwd
 from mhc_cupy.ops._launch import ITEMSIZE
 
@@ -191,7 +191,7 @@ def test_split_bwd_launches(dt, n):
     from mhc_cupy import _jit
 
     with _jit.dry_run() as launches:
-        plan = coeffs._plan_bwd(cx, eps=1e-5)
+        plan = coeffs._plan_bwd(cx, **SPECS["mhc_coeffs_bwd"].params)
         plan.launch({k: v.ptr for k, v in cx.items()}, [1 << 20] * len(plan.outputs), [1 << 21] * len(plan.scratch), 0)
     size = {"bfloat16": 2, "float16": 2, "float32": 4}[dt]
     seen = set()

@@ -95,15 +95,15 @@ def test_rmsnorm_bwd_weight_limit_leaves_room_for_static_shared_memory():
         ones = np.ones((1, c), np.float32)
         dx, dw = m.rmsnorm_bwd(ones, ones, 1e-5, np.ones(c, np.float32))
         assert dx.shape == (1, c) and dw.shape == (c,)
-    gpu = ("cuda", 0)
+    gpu, params = ("cuda", 0), m.ops.SPECS["rmsnorm_bwd"].params  # whatever parameters rmsnorm takes
     for c in (C, C + 1):
         x = m._interop.ArrayInfo((1, c), "float32", gpu, 1 << 20, (c, 1))
         w = m._interop.ArrayInfo((c,), "float32", gpu, 1 << 20, (1,))
         if c == C:
-            rmsnorm._plan_bwd({"grad": x, "x": x, "weight": w}, eps=1e-5)
+            rmsnorm._plan_bwd({"grad": x, "x": x, "weight": w}, **params)
         else:
             with pytest.raises(ValueError, match=rf"supports C <= {C}; x has C = {C + 1}"):
-                rmsnorm._plan_bwd({"grad": x, "x": x, "weight": w}, eps=1e-5)
+                rmsnorm._plan_bwd({"grad": x, "x": x, "weight": w}, **params)
 
 
 def test_every_plan_launches_with_any_optional_inputs_absent_and_any_token_count():

@@ -103,9 +103,10 @@ def test_weighted_rmsnorm_bwd_c_limit_follows_the_device(monkeypatch, arch):
     C = LIMIT[arch] + 1
     info = m._interop.ArrayInfo((2, C), "bfloat16", dev, 1 << 20, (C, 1))
     w = m._interop.ArrayInfo((C,), "float32", dev, 1 << 20, (1,))
+    params = m.ops.SPECS["rmsnorm_bwd"].params  # whatever parameters rmsnorm takes, at their defaults
     with pytest.raises(ValueError, match=rf"supports C <= {LIMIT[arch]}"):
-        rmsnorm._plan_bwd({"grad": info, "x": info, "weight": w}, eps=1e-5)
-    rmsnorm._plan_bwd({"grad": info, "x": info, "weight": None}, eps=1e-5)  # no weight: no shared row
+        rmsnorm._plan_bwd({"grad": info, "x": info, "weight": w}, **params)
+    rmsnorm._plan_bwd({"grad": info, "x": info, "weight": None}, **params)  # no weight: no shared row
 
 
 def test_weighted_rmsnorm_bwd_c_limit_without_a_device_query(monkeypatch):

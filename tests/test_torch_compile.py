@@ -159,10 +159,15 @@ def test_opcheck_args_follow_the_spec(rng):
         args = opcheck_args(name, lambda shape: tensor(rng, shape, grad=False))
         return [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args]
 
-    assert shapes("rmsnorm_fwd") == [(3, 7), 1e-5, (7,)]
+    def named(name):  # by name: the arrays' shapes (or None), the parameters' values
+        return dict(zip((a.name for a in getattr(torch.ops.mhc_cupy, name).default._schema.arguments), shapes(name)))
+
+    # the parameters at the spec's defaults, whatever they are (a new one needs no edit here)
+    assert named("rmsnorm_fwd") == {"x": (3, 7), "weight": (7,), **SPECS["rmsnorm_fwd"].params}
     assert shapes("stream_distribute_bwd") == [(3, 4, 7), (3, 7), (4,)]
-    assert shapes("mhc_pre_op_bwd") == [(3, 7), None, (3, 4), None, (3, 4, 7), (3, 4), (3, 4), (3, 4, 4), 20, 1e-8,
-                                        "unrolled", "paper", 0.0, 2.0]
+    assert named("mhc_pre_op_bwd") == {
+        "grad_layer_in": (3, 7), "grad_H_pre": None, "grad_H_post": (3, 4), "grad_H_res": None, "x": (3, 4, 7),
+        "h_pre_raw": (3, 4), "h_post_raw": (3, 4), "h_res_raw": (3, 4, 4), **SPECS["mhc_pre_op_bwd"].params}
     assert shapes("mhc_layer_pre_bwd")[:9] == [(3, 7), (3, 4, 7), (3, 4), (3, 4, 4), (3, 4, 7), (28, 24), (3,), (24,),
                                                (3, 25)]
 

@@ -7,7 +7,9 @@ operators (schema, fake function), its autograd (the eager ``autograd.Function``
 operator's registration, one backward for both) and its public function's signature (that of the
 functional ``*_bwd`` less its incoming gradients), by :mod:`mhc_cupy.torch._factory` and
 :mod:`mhc_cupy._adapter`; Sinkhorn's and the pre op's settings are resolved there into one
-:class:`mhc_cupy._settings.LayerSettings`.  Written here by hand, only what an op needs beyond that:
+:class:`mhc_cupy._settings.LayerSettings`.  Written by hand, only what an op needs beyond that (the
+``prepare`` hooks: ``_BY_HAND`` here, with :data:`mhc_cupy._adapter.BY_HAND`, shared with JAX; each gets
+the arguments by name and returns only the kernel parameters it changes, so a new parameter passes):
 
 ======================================  ======================================================
 op                                      by hand
@@ -60,24 +62,21 @@ def _settings_kw(**given) -> dict:
     return {"settings": LayerSettings.resolve(**given)}
 
 
-def _public(op: str, doc: str, prepare=None):
-    op_ = _Op(op)
-    return _adapter.public(op, doc, __name__, op_.body, op_.namespace(), prepare, _settings_kw)
-
-
 # ------------------------------------------------------------ what ops need by hand
-def _rmsnorm_kw(x, eps, weight) -> dict:
+def _rmsnorm_weighted_c(x, weight, **_) -> dict:
+    """With a weight, on a GPU, while autograd records: C checked against the weighted backward's limit."""
     if weight is not None and isinstance(x, Tensor) and x.is_cuda and x.ndim and _needs_autograd(x, weight):
         _ops.rmsnorm.check_weighted_c(x.shape[-1], ("cuda", x.device.index))
-    return {"eps": eps}
+    return {}
 
 
-def _coeffs_kw(x, phi, alpha, bias, eps, convention) -> dict:
-    return {"eps": _convention.resolve(convention, rms_eps=eps)}
+#: The ``prepare`` hooks (:func:`mhc_cupy._adapter.public`) of the ops that need one, by op.
+_BY_HAND = {**_adapter.BY_HAND, "rmsnorm": _rmsnorm_weighted_c}
 
 
-def _post_kw(layer_out, x, H_post, H_res, convention) -> dict:
-    return {"convention": _convention.check(convention)}
+def _public(op: str, doc: str):
+    op_ = _Op(op)
+    return _adapter.public(op, doc, __name__, op_.body, op_.namespace(), _BY_HAND.get(op), _settings_kw)
 
 
 # ------------------------------------------------------------------ the ops
@@ -134,7 +133,7 @@ rmsnorm = _public("rmsnorm", """Differentiable RMSNorm over the last dim (OPS.md
         Backward saves x (and weight) only and recomputes r.  dx has the dtype
         of x; d_weight is float32 [C], summed over tokens in a fixed order
         (deterministic).
-    """, _rmsnorm_kw)
+    """)
 
 stream_mix = _public("stream_mix", """Differentiable stream mix: out_i = sum_j M_ij x_j per token (OPS.md section 3).
 
@@ -211,7 +210,7 @@ mhc_post_op = _public("mhc_post_op", """Differentiable mHC residual update (OPS.
         Backward saves the four inputs.  It returns (d_layer_out, dx) in the
         activation dtype and (dH_post, dH_res) in float32, without atomics:
         bitwise reproducible.
-    """, _post_kw)
+    """)
 
 mhc_pre_op = _public("mhc_pre_op", """Differentiable mHC pre op: coefficient activations and layer input (OPS.md section 7, paper Eq. 8).
 
@@ -270,7 +269,7 @@ mhc_coeffs = _public("mhc_coeffs", """Differentiable per-token mHC coefficients 
         One read of x computes the GEMM and the sum of squares; the backward
         recomputes them and sums the parameter gradients over tokens in a fixed
         order (deterministic).
-    """, _coeffs_kw)
+    """)
 
 mhc_head = _public("mhc_head", """Differentiable mHC head: n streams -> one hidden state (OPS.md section 11, DeepSeek-V4 ``hc_head``).
 
