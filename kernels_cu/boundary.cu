@@ -70,10 +70,9 @@ mhc_boundary_fwd_kernel(const T* __restrict__ x, const T* __restrict__ y, const 
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tq = lane & 3;
-    const unsigned b = blockIdx.x;
-    const unsigned split_u = b / (unsigned)tiles;
-    const i64 tile = b - split_u * (unsigned)tiles;
-    const int split = (int)split_u;
+    const FwdBlock blk = fwd_block(tiles, 1);
+    const int split = blk.split;
+    const i64 tile = blk.tile;
     const int c_begin = split * c_split;
     const int c_end = min(C, c_begin + c_split);
     const int steps = (c_end - c_begin + STEP - 1) / STEP;

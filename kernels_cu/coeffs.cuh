@@ -72,6 +72,23 @@ struct SumSq {
     }
 };
 
+// A forward GEMM block's place in its grid: blockIdx.x = (split * tiles + tile) * ncc + cc (column
+// chunk cc; mhc_boundary_fwd_kernel: ncc = 1), in 32-bit unsigned arithmetic.  (Computed in this order:
+// returning the fields as one brace list changed the forward kernels' SASS and registers.)
+struct FwdBlock {
+    int split, cc;
+    i64 tile;
+};
+__device__ __forceinline__ FwdBlock fwd_block(i64 tiles, int ncc) {
+    FwdBlock r;
+    const unsigned b = blockIdx.x, rest = b / (unsigned)ncc;
+    r.cc = (int)(b - rest * (unsigned)ncc);
+    const unsigned split_u = rest / (unsigned)tiles;
+    r.tile = rest - split_u * (unsigned)tiles;
+    r.split = (int)split_u;
+    return r;
+}
+
 // Steps ahead that the dx kernels ask L2 for the rows of x and the layer's gradients they read
 // straight from global memory (mhc::prefetch_l2).
 constexpr int DX_PREFETCH = 1;

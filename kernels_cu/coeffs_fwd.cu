@@ -116,11 +116,9 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tq = lane & 3;
-    const unsigned b = blockIdx.x, rest = b / (unsigned)ncc;
-    const int cc = (int)(b - rest * (unsigned)ncc);
-    const unsigned split_u = rest / (unsigned)tiles;
-    const i64 tile = rest - split_u * (unsigned)tiles;
-    const int split = (int)split_u;
+    const FwdBlock blk = fwd_block(tiles, ncc);
+    const int split = blk.split, cc = blk.cc;
+    const i64 tile = blk.tile;
     const int kc0 = cc * KC;
     const int d_begin = split * d_split;
     const int d_end = min(D, d_begin + d_split);
@@ -294,11 +292,9 @@ mhc_coeffs_wg_fwd_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat1
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, tq = lane & 3;
-    const unsigned b = blockIdx.x, rest = b / (unsigned)ncc;
-    const int cc = (int)(b - rest * (unsigned)ncc);
-    const unsigned split_u = rest / (unsigned)tiles;
-    const i64 tile = rest - split_u * (unsigned)tiles;
-    const int split = (int)split_u;
+    const FwdBlock blk = fwd_block(tiles, ncc);
+    const int split = blk.split, cc = blk.cc;
+    const i64 tile = blk.tile;
     const int d_begin = split * d_split;
     const int d_end = min(D, d_begin + d_split);
     const int steps = (d_end - d_begin + 63) / 64;
