@@ -70,10 +70,9 @@ mhc_boundary_fwd_kernel(const T* __restrict__ x, const T* __restrict__ y, const 
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tq = lane & 3;
-    const unsigned b = blockIdx.x;
-    const unsigned split_u = b / (unsigned)tiles;
-    const i64 tile = b - split_u * (unsigned)tiles;
-    const int split = (int)split_u;
+    const FwdBlock blk = fwd_block(tiles, 1);
+    const int split = blk.split;
+    const i64 tile = blk.tile;
     const int c_begin = split * c_split;
     const int c_end = min(C, c_begin + c_split);
     const int steps = (c_end - c_begin + STEP - 1) / STEP;
@@ -117,7 +116,8 @@ mhc_boundary_fwd_kernel(const T* __restrict__ x, const T* __restrict__ y, const 
         }
     };
 
-    float acc[NTILE][4], ss[2] = {0.f, 0.f}, qs[2] = {0.f, 0.f};  // qs: (x 2^-100)^2, for an overflow
+    float acc[1][NTILE][4];  // (one m tile, as fwd_substep takes it)
+    float ss[2] = {0.f, 0.f}, qs[2] = {0.f, 0.f};  // qs: (x 2^-100)^2, for an overflow
     mhc::zero(acc);
     const int row0 = warp * 16 + g;  // the lane's rows: row0, row0 + 8
 
@@ -139,7 +139,7 @@ mhc_boundary_fwd_kernel(const T* __restrict__ x, const T* __restrict__ y, const 
                     mhc::load_vec<T, 8>(reinterpret_cast<const T*>(st + (j * TOK + row0 + 8 * h) * XROW + x_o), xv[j][h]);
 #pragma unroll
             for (int i = 0; i < N; ++i) {
-                unsigned aw[P][2][4];  // [part][row half][word]
+                unsigned aw[1][P][2][4];  // [m tile][part][row half][word]
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const float* cf = s_coef + (row0 + 8 * h) * CW;
@@ -162,7 +162,7 @@ mhc_boundary_fwd_kernel(const T* __restrict__ x, const T* __restrict__ y, const 
 #pragma unroll
                     for (int p = 0; p < P; ++p)
 #pragma unroll
-                        for (int w = 0; w < 4; ++w) aw[p][h][w] = pack2(bits[2 * w][p], bits[2 * w + 1][p]);
+                        for (int w = 0; w < 4; ++w) aw[0][p][h][w] = pack2(bits[2 * w][p], bits[2 * w + 1][p]);
                 }
                 // phi: the same 8 positions (stream i) of column 8q + g, every plane
                 unsigned bw[NTILE][3][4];
@@ -171,21 +171,7 @@ mhc_boundary_fwd_kernel(const T* __restrict__ x, const T* __restrict__ y, const 
 #pragma unroll
                     for (int p = 0; p < 3; ++p)
                         mhc::load_words<4>(st + XB + ((i * 3 + p) * KC + 8 * q + g) * PROW + phi_o, bw[q][p]);
-                float stp[NTILE][4];
-                mhc::zero(stp);
-#pragma unroll
-                for (int j = 0; j < 2; ++j)
-#pragma unroll
-                    for (int pa = 0; pa < P; ++pa)
-#pragma unroll
-                        for (int pb = 0; pb + pa < 3; ++pb)
-#pragma unroll
-                            for (int q = 0; q < NTILE; ++q) {
-                                const unsigned a[4] = {aw[pa][0][2 * j], aw[pa][1][2 * j], aw[pa][0][2 * j + 1],
-                                                       aw[pa][1][2 * j + 1]};
-                                mhc::mma_m16n8k16<__nv_bfloat16>(stp[q], a, bw[q][pb][2 * j], bw[q][pb][2 * j + 1]);
-                            }
-                mhc::add(acc, stp);
+                fwd_substep(acc, aw, bw);
             }
         }
     }
@@ -207,7 +193,7 @@ mhc_boundary_fwd_kernel(const T* __restrict__ x, const T* __restrict__ y, const 
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int k = 8 * q + 2 * tq + e;
-                if (k < K) row[k] = acc[q][2 * h + e];
+                if (k < K) row[k] = acc[0][q][2 * h + e];
             }
     }
 }

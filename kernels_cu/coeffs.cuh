@@ -72,9 +72,79 @@ struct SumSq {
     }
 };
 
+// A forward GEMM block's place in its grid: blockIdx.x = (split * tiles + tile) * ncc + cc (column
+// chunk cc; mhc_boundary_fwd_kernel: ncc = 1), in 32-bit unsigned arithmetic.  (Computed in this order:
+// returning the fields as one brace list changed the forward kernels' SASS and registers.)
+struct FwdBlock {
+    int split, cc;
+    i64 tile;
+};
+__device__ __forceinline__ FwdBlock fwd_block(i64 tiles, int ncc) {
+    FwdBlock r;
+    const unsigned b = blockIdx.x, rest = b / (unsigned)ncc;
+    r.cc = (int)(b - rest * (unsigned)ncc);
+    const unsigned split_u = rest / (unsigned)tiles;
+    r.tile = rest - split_u * (unsigned)tiles;
+    r.split = (int)split_u;
+    return r;
+}
+
 // Steps ahead that the dx kernels ask L2 for the rows of x and the layer's gradients they read
 // straight from global memory (mhc::prefetch_l2).
 constexpr int DX_PREFETCH = 1;
+
+// acc[m][q] += A[m] B[q] for the part pairs (pa, pb) with pa < P and pa + pb < 3 (mma.cuh: float32-accurate
+// products); a: the A fragments [m][part], b: the B fragments [q][part] (b0, b1).  m innermost: consecutive
+// MMAs accumulate into different registers, so they do not wait on each other.
+template <int P, int MT, int NQ>
+__device__ __forceinline__ void mma_parts(float (&acc)[MT][NQ][4], const unsigned (&a)[MT][P][4],
+                                          const unsigned (&b)[NQ][3][2]) {
+#pragma unroll
+    for (int pa = 0; pa < P; ++pa)
+#pragma unroll
+        for (int pb = 0; pb + pa < 3; ++pb)
+#pragma unroll
+            for (int q = 0; q < NQ; ++q)
+#pragma unroll
+                for (int m = 0; m < MT; ++m)
+                    mhc::mma_m16n8k16<__nv_bfloat16>(acc[m][q], a[m][pa], b[q][pb][0], b[q][pb][1]);
+}
+
+// One 32-position sub-step of the forward GEMM (mhc_coeffs_mma_fwd_kernel, mhc_boundary_fwd_kernel): acc +=
+// x~ phi over the lane's positions 8 tq .. 8 tq + 7.  aw [m tile][part][row half: g, g + 8][word]: x's words
+// there; bw [n tile q][plane][word]: phi's of column 8 q + g.  k-step j takes words 2j, 2j + 1 (positions
+// 8 tq + 4j .. + 3: logical k 2tq, 2tq+1 | 2tq+8, 2tq+9).  The products go into a fresh accumulator, added
+// to acc in float32 (round to nearest): the tensor cores' own accumulation truncates, which over the
+// thousands of MMAs of a long D range left up to 2e-5 of max |H~| (H200, D = 131072; 8e-7 with this, at no
+// measured cost: tests/test_coeffs.py::test_coeffs_float32_accurate_over_long_rows).
+template <int P, int MT, int NTILE>
+__device__ __forceinline__ void fwd_substep(float (&acc)[MT][NTILE][4], const unsigned (&aw)[MT][P][2][4],
+                                            const unsigned (&bw)[NTILE][3][4]) {
+    float stp[MT][NTILE][4];
+    mhc::zero(stp);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        unsigned a[MT][P][4], b[NTILE][3][2];
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int p = 0; p < P; ++p) {
+                a[m][p][0] = aw[m][p][0][2 * j];
+                a[m][p][1] = aw[m][p][1][2 * j];
+                a[m][p][2] = aw[m][p][0][2 * j + 1];
+                a[m][p][3] = aw[m][p][1][2 * j + 1];
+            }
+#pragma unroll
+        for (int q = 0; q < NTILE; ++q)
+#pragma unroll
+            for (int p = 0; p < 3; ++p) {
+                b[q][p][0] = bw[q][p][2 * j];
+                b[q][p][1] = bw[q][p][2 * j + 1];
+            }
+        mma_parts<P>(stp, a, b);
+    }
+    mhc::add(acc, stp);
+}
 
 // ---- the dphi MMAs (x^T dH over 16 tokens), shared by mhc_coeffs_mma_bwd_kernel and
 // mhc_coeffs_mma_dphi_kernel.  A operand: 4 m tiles of 16 positions; row g of m tile m is
@@ -131,15 +201,7 @@ __device__ __forceinline__ void dphi_mma(float (&acc)[4][NQ][4], const unsigned 
             bp[q][p][0] = *reinterpret_cast<const unsigned*>(col);
             bp[q][p][1] = *reinterpret_cast<const unsigned*>(col + 8);
         }
-#pragma unroll
-    for (int pa = 0; pa < P; ++pa)
-#pragma unroll
-        for (int pb = 0; pb + pa < 3; ++pb)
-#pragma unroll
-            for (int q = 0; q < NQ; ++q)
-#pragma unroll
-                for (int m = 0; m < 4; ++m)
-                    mhc::mma_m16n8k16<__nv_bfloat16>(acc[m][q], afr[m][pa], bp[q][pb][0], bp[q][pb][1]);
+    mma_parts<P>(acc, afr, bp);
 }
 
 // out[(base + pos) * K + k] = acc for the warp's rows pos = pos0 + 8 g8 + 2m + h below lim and

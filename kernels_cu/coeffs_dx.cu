@@ -40,6 +40,16 @@ __device__ __forceinline__ void dx_finish(float (&o)[8], float hp, const float (
     mhc_mma::store8<T, VEC>(dx + t * (i64)D + (i64)i * C, col, C, o);
 }
 
+// Asks L2 for the lines at column pc of what the dx kernels' epilogue reads of token t: stream i of x (xi),
+// and with LAYER g_li and gx where not null.
+template <bool LAYER, typename T, typename TG>
+__device__ __forceinline__ void prefetch_row(const T* xi, const TG* g_li, const TG* gx, i64 t, i64 D, int C, int i,
+                                             int pc) {
+    mhc::prefetch_l2(xi + t * D + pc);
+    if (LAYER && g_li != nullptr) mhc::prefetch_l2(g_li + t * (i64)C + pc);
+    if (LAYER && gx != nullptr) mhc::prefetch_l2(gx + t * D + (i64)i * C + pc);
+}
+
 // 16 bytes of global memory (16-byte aligned), as raw words; value e8 of 8 bf16 in them as float.
 __device__ __forceinline__ uint4 ldg16(const __nv_bfloat16* p) { return *reinterpret_cast<const uint4*>(p); }
 __device__ __forceinline__ float bf16_of(const uint4& w, int e8) {
@@ -144,10 +154,7 @@ mhc_coeffs_mma_dx_kernel(const T* __restrict__ x, const __nv_bfloat16* __restric
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const i64 t = t0 + 16 * DX_PREFETCH + g8 + 8 * h;
-                if (t >= t_end) continue;
-                mhc::prefetch_l2(xi + t * (i64)D + pc);
-                if (LAYER && g_li != nullptr) mhc::prefetch_l2(g_li + t * (i64)C + pc);
-                if (LAYER && gx != nullptr) mhc::prefetch_l2(gx + t * (i64)D + (i64)i * C + pc);
+                if (t < t_end) prefetch_row<LAYER>(xi, g_li, gx, t, D, C, i, pc);
             }
         }
         // this thread's rows (tokens g8, g8 + 8) x 2 NT columns of x and c, and with LAYER of
@@ -321,10 +328,7 @@ mhc_coeffs_mma_dx_tile_kernel(const T* __restrict__ x, const __nv_bfloat16* __re
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const i64 t = t0 + 16 * m + g8 + 8 * h;
-                        if (t >= t_end) continue;
-                        mhc::prefetch_l2(xi + t * D + pc);
-                        if (LAYER && g_li != nullptr) mhc::prefetch_l2(g_li + t * (i64)C + pc);
-                        if (LAYER && gx != nullptr) mhc::prefetch_l2(gx + t * D + (i64)i * C + pc);
+                        if (t < t_end) prefetch_row<LAYER>(xi, g_li, gx, t, D, C, i, pc);
                     }
             }
         }

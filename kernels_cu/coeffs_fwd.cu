@@ -116,11 +116,9 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, tq = lane & 3;
-    const unsigned b = blockIdx.x, rest = b / (unsigned)ncc;
-    const int cc = (int)(b - rest * (unsigned)ncc);
-    const unsigned split_u = rest / (unsigned)tiles;
-    const i64 tile = rest - split_u * (unsigned)tiles;
-    const int split = (int)split_u;
+    const FwdBlock blk = fwd_block(tiles, ncc);
+    const int split = blk.split, cc = blk.cc;
+    const i64 tile = blk.tile;
     const int kc0 = cc * KC;
     const int d_begin = split * d_split;
     const int d_end = min(D, d_begin + d_split);
@@ -213,29 +211,7 @@ mhc_coeffs_mma_fwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
                             for (int w = 0; w < 4; ++w) aw[m][p][h][w] = pack2(bits[2 * w][p], bits[2 * w + 1][p]);
                     }
                 }
-            // k-step j uses positions 8 tq + 4j .. + 3 (logical k 2tq, 2tq+1 | 2tq+8, 2tq+9); the
-            // accumulator of consecutive MMAs differs (m innermost) so they do not wait on each other.
-            // The sub-step's products go into a fresh accumulator, added to acc in float32 (round to
-            // nearest): the tensor cores' own accumulation truncates, which over the thousands of
-            // MMAs of a long D range left up to 2e-5 of max |H~| (H200, D = 131072; 8e-7 with this,
-            // at no measured cost: tests/test_coeffs.py::test_coeffs_float32_accurate_over_long_rows).
-            float stp[MT][NTILE][4];
-            mhc::zero(stp);
-#pragma unroll
-            for (int j = 0; j < 2; ++j)
-#pragma unroll
-                for (int pa = 0; pa < P; ++pa)
-#pragma unroll
-                    for (int pb = 0; pb + pa < 3; ++pb)
-#pragma unroll
-                        for (int q = 0; q < NTILE; ++q)
-#pragma unroll
-                            for (int m = 0; m < MT; ++m) {
-                                const unsigned a[4] = {aw[m][pa][0][2 * j], aw[m][pa][1][2 * j],
-                                                       aw[m][pa][0][2 * j + 1], aw[m][pa][1][2 * j + 1]};
-                                mhc::mma_m16n8k16<__nv_bfloat16>(stp[m][q], a, bw[q][pb][2 * j], bw[q][pb][2 * j + 1]);
-                            }
-            mhc::add(acc, stp);
+            fwd_substep(acc, aw, bw);
             if (P == 1 && cc == 0) {  // (only column chunk 0 writes the sums of squares)
                 // bf16: the sub-step's sums of squares as the diagonal of X X^T (products exact,
                 // summed in float32 as H~): B = X^T of the same 16 positions is A's own words, rows g
@@ -316,11 +292,9 @@ mhc_coeffs_wg_fwd_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat1
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, tq = lane & 3;
-    const unsigned b = blockIdx.x, rest = b / (unsigned)ncc;
-    const int cc = (int)(b - rest * (unsigned)ncc);
-    const unsigned split_u = rest / (unsigned)tiles;
-    const i64 tile = rest - split_u * (unsigned)tiles;
-    const int split = (int)split_u;
+    const FwdBlock blk = fwd_block(tiles, ncc);
+    const int split = blk.split, cc = blk.cc;
+    const i64 tile = blk.tile;
     const int d_begin = split * d_split;
     const int d_end = min(D, d_begin + d_split);
     const int steps = (d_end - d_begin + 63) / 64;

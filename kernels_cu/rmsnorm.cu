@@ -55,9 +55,9 @@ __device__ __forceinline__ float stat_x(float v) {
 // would add up to 8 registers to those kernels.
 constexpr int U_TWO_PASS = 4;
 
-// Adds the terms of columns c .. c + E - 1 to sum x^2.
-template <int E, bool SCALED>
-__device__ __forceinline__ void add_sumsq(const float (&xv)[E], float& a) {
+// Adds the terms of columns c .. c + E - 1 to sum x^2 (xv: E floats, or an mhc::Packed of them).
+template <int E, bool SCALED, typename X>
+__device__ __forceinline__ void add_sumsq(const X& xv, float& a) {
 #pragma unroll
     for (int e = 0; e < E; ++e) {
         const float v = stat_x<SCALED>(xv[e]);
@@ -139,11 +139,111 @@ __device__ __forceinline__ void row_factors(float ss, float sg, float S, float C
     k = S * (q * (q * (sg / C)));
 }
 
-}  // namespace
-
 // Overflow checks below: red[] holds the block totals, the same in every
 // thread, so the branches are block-uniform; each waits until every thread
 // has read red before summing into it again.
+
+// 1/r of row xt from a, this thread's share of sum x^2: from the block's sum, or after an overflow
+// from the sum of (x mhc::STAT_SCALE)^2, read again from memory (TWO_PASS: row_sumsq's).
+template <typename T, int E, bool TWO_PASS>
+__device__ __forceinline__ float row_rinv(float a, float* red, const T* __restrict__ xt, int C, float eps) {
+    float acc[1] = {a};
+    mhc::block_sum<1>(acc, red);
+    float r = 1.f / sqrtf(red[0] / (float)C + eps);
+    if (isinf(red[0])) {
+        __syncthreads();
+        acc[0] = row_sumsq<T, E, true, TWO_PASS>(xt, C);
+        mhc::block_sum<1>(acc, red);
+        r = mhc::rms_inv_scaled(red[0], (float)C, eps);
+    }
+    return r;
+}
+
+// The backward kernels' body: block b handles rows [b * rows_per_block, (b + 1) * rows_per_block).
+// K = 0: each row is read from memory twice (any C, any E; the first pass hinted Evict::last);
+// K > 0: x and g are read once into registers, thread tid holding columns (k * blockDim.x + tid) * E
+// + e, k < K (blockDim.x * K * E >= C), and the rare rescan after an overflow reads them again
+// without hints (keeps registers as without).  With HAS_W, dynamic shared memory holds C floats and
+// dw_part is [gridDim.x, C].
+template <typename T, typename TG, int E, int K, bool HAS_W>
+__device__ __forceinline__ void bwd_rows(const TG* __restrict__ g, const T* __restrict__ x, const float* __restrict__ w,
+                                         T* __restrict__ dx, float* __restrict__ dw_part, i64 rows, int C, float eps,
+                                         i64 rows_per_block) {
+    extern __shared__ float dw_acc[];
+    __shared__ float red[2 * 32];
+    dw_begin<HAS_W>(dw_acc, C);
+    const i64 r0 = blockIdx.x * rows_per_block;
+    const i64 r1 = min(rows, r0 + rows_per_block);
+    for (i64 t = r0; t < r1; ++t) {
+        const T* xt = x + t * (i64)C;
+        const TG* gt = g + t * (i64)C;
+        // K > 0: the row in registers (K = 0: one unused vector of whole words)
+        mhc::Packed<T, K ? E : 4 / sizeof(T)> xreg[K ? K : 1];
+        mhc::Packed<TG, K ? E : 4 / sizeof(TG)> greg[K ? K : 1];
+        float acc[2] = {0.f, 0.f};  // sum x^2, sum g' x
+        if constexpr (K == 0) {
+            row_sums<T, TG, E, HAS_W, false>(xt, gt, w, C, acc);
+        } else {
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                const int c = (k * blockDim.x + threadIdx.x) * E;
+                if (c < C) {
+                    xreg[k].load(xt + c);
+                    greg[k].load(gt + c);
+#pragma unroll
+                    for (int e = 0; e < E; ++e) {
+                        const float gp = HAS_W ? greg[k][e] * w[c + e] : greg[k][e];
+                        acc[0] = fmaf(xreg[k][e], xreg[k][e], acc[0]);
+                        acc[1] = fmaf(gp, xreg[k][e], acc[1]);
+                    }
+                }
+            }
+        }
+        mhc::block_sum<2>(acc, red);
+        float S = 1.f;  // scale of x in the sums
+        if (isinf(red[0]) || isinf(red[1])) {
+            __syncthreads();
+            row_sums<T, TG, E, HAS_W, true, K == 0>(xt, gt, w, C, acc);
+            mhc::block_sum<2>(acc, red);
+            S = mhc::STAT_SCALE;
+        }
+        float r, kf;
+        row_factors(red[0], red[1], S, (float)C, eps, r, kf);
+        if constexpr (K == 0) {
+            for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
+                float xv[E], gv[E], o[E];
+                mhc::load_vec<T, E, mhc::Evict::first>(xt + c, xv);
+                mhc::load_vec<TG, E, mhc::Evict::first>(gt + c, gv);
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    const float gp = HAS_W ? gv[e] * w[c + e] : gv[e];
+                    o[e] = r * fmaf(-xv[e], kf, gp);
+                    if (HAS_W) dw_acc[c + e] = fmaf(gv[e], xv[e] * r, dw_acc[c + e]);
+                }
+                mhc::store_vec<T, E>(dx + t * (i64)C + c, o);
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                const int c = (k * blockDim.x + threadIdx.x) * E;
+                if (c < C) {
+                    float o[E];
+#pragma unroll
+                    for (int e = 0; e < E; ++e) {
+                        const float gp = HAS_W ? greg[k][e] * w[c + e] : greg[k][e];
+                        o[e] = r * fmaf(-xreg[k][e], kf, gp);
+                        if (HAS_W) dw_acc[c + e] = fmaf(greg[k][e], xreg[k][e] * r, dw_acc[c + e]);
+                    }
+                    mhc::store_vec<T, E>(dx + t * (i64)C + c, o);
+                }
+            }
+        }
+        __syncthreads();  // red is reused by the next row
+    }
+    dw_end<HAS_W>(dw_acc, dw_part, C);
+}
+
+}  // namespace
 
 template <typename T, int E, bool HAS_W>
 __global__ void mhc_rmsnorm_fwd_kernel(const T* __restrict__ x, const float* __restrict__ w,
@@ -151,15 +251,7 @@ __global__ void mhc_rmsnorm_fwd_kernel(const T* __restrict__ x, const float* __r
     __shared__ float red[32];
     for (i64 t = blockIdx.x; t < rows; t += gridDim.x) {
         const T* xt = x + t * (i64)C;
-        float acc[1] = {row_sumsq<T, E, false>(xt, C)};
-        mhc::block_sum<1>(acc, red);
-        float r = 1.f / sqrtf(red[0] / (float)C + eps);
-        if (isinf(red[0])) {
-            __syncthreads();
-            acc[0] = row_sumsq<T, E, true>(xt, C);
-            mhc::block_sum<1>(acc, red);
-            r = mhc::rms_inv_scaled(red[0], (float)C, eps);
-        }
+        const float r = row_rinv<T, E, true>(row_sumsq<T, E, false>(xt, C), red, xt, C, eps);
         for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
             float xv[E], o[E];
             mhc::load_vec<T, E, mhc::Evict::first>(xt + c, xv);
@@ -171,49 +263,13 @@ __global__ void mhc_rmsnorm_fwd_kernel(const T* __restrict__ x, const float* __r
     }
 }
 
-// Block b handles rows [b * rows_per_block, (b + 1) * rows_per_block).
-// With HAS_W, dynamic shared memory holds C floats and dw_part is
-// [gridDim.x, C].
+// The backward (bwd_rows) reading each row twice.
 template <typename T, typename TG, int E, bool HAS_W>
 __global__ void mhc_rmsnorm_bwd_kernel(const TG* __restrict__ g, const T* __restrict__ x,
                                        const float* __restrict__ w, T* __restrict__ dx,
                                        float* __restrict__ dw_part, i64 rows, int C, float eps,
                                        i64 rows_per_block) {
-    extern __shared__ float dw_acc[];
-    __shared__ float red[2 * 32];
-    dw_begin<HAS_W>(dw_acc, C);
-    const i64 r0 = blockIdx.x * rows_per_block;
-    const i64 r1 = min(rows, r0 + rows_per_block);
-    for (i64 t = r0; t < r1; ++t) {
-        const T* xt = x + t * (i64)C;
-        const TG* gt = g + t * (i64)C;
-        float acc[2];  // sum x^2, sum g' x
-        row_sums<T, TG, E, HAS_W, false>(xt, gt, w, C, acc);
-        mhc::block_sum<2>(acc, red);
-        float S = 1.f;  // scale of x in the sums
-        if (isinf(red[0]) || isinf(red[1])) {
-            __syncthreads();
-            row_sums<T, TG, E, HAS_W, true>(xt, gt, w, C, acc);
-            mhc::block_sum<2>(acc, red);
-            S = mhc::STAT_SCALE;
-        }
-        float r, k;
-        row_factors(red[0], red[1], S, (float)C, eps, r, k);
-        for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
-            float xv[E], gv[E], o[E];
-            mhc::load_vec<T, E, mhc::Evict::first>(xt + c, xv);
-            mhc::load_vec<TG, E, mhc::Evict::first>(gt + c, gv);
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                const float gp = HAS_W ? gv[e] * w[c + e] : gv[e];
-                o[e] = r * fmaf(-xv[e], k, gp);
-                if (HAS_W) dw_acc[c + e] = fmaf(gv[e], xv[e] * r, dw_acc[c + e]);
-            }
-            mhc::store_vec<T, E>(dx + t * (i64)C + c, o);
-        }
-        __syncthreads();  // red is reused by the next row
-    }
-    dw_end<HAS_W>(dw_acc, dw_part, C);
+    bwd_rows<T, TG, E, 0, HAS_W>(g, x, w, dx, dw_part, rows, C, eps, rows_per_block);
 }
 
 // Row in registers: thread tid holds columns (k * blockDim.x + tid) * E + e,
@@ -225,24 +281,16 @@ __global__ void mhc_rmsnorm_fwd_cached_kernel(const T* __restrict__ x, const flo
     for (i64 t = blockIdx.x; t < rows; t += gridDim.x) {
         const T* xt = x + t * (i64)C;
         mhc::Packed<T, E> xv[K];
-        float acc[1] = {0.f};
+        float a = 0.f;
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             const int c = (k * blockDim.x + threadIdx.x) * E;
             if (c < C) {
                 xv[k].load(xt + c);
-#pragma unroll
-                for (int e = 0; e < E; ++e) acc[0] = fmaf(xv[k][e], xv[k][e], acc[0]);
+                add_sumsq<E, false>(xv[k], a);
             }
         }
-        mhc::block_sum<1>(acc, red);
-        float r = 1.f / sqrtf(red[0] / (float)C + eps);
-        if (isinf(red[0])) {
-            __syncthreads();
-            acc[0] = row_sumsq<T, E, true, false>(xt, C);  // from memory: keeps registers as without
-            mhc::block_sum<1>(acc, red);
-            r = mhc::rms_inv_scaled(red[0], (float)C, eps);
-        }
+        const float r = row_rinv<T, E, false>(a, red, xt, C, eps);  // (rescan: keeps registers as without)
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             const int c = (k * blockDim.x + threadIdx.x) * E;
@@ -257,63 +305,11 @@ __global__ void mhc_rmsnorm_fwd_cached_kernel(const T* __restrict__ x, const flo
     }
 }
 
-// Backward with x and g in registers; rows and the dw partials as in
-// mhc_rmsnorm_bwd_kernel.
+// The backward (bwd_rows) with x and g in registers, as mhc_rmsnorm_fwd_cached_kernel.
 template <typename T, typename TG, int E, int K, bool HAS_W>
 __global__ void mhc_rmsnorm_bwd_cached_kernel(const TG* __restrict__ g, const T* __restrict__ x,
                                               const float* __restrict__ w, T* __restrict__ dx,
                                               float* __restrict__ dw_part, i64 rows, int C, float eps,
                                               i64 rows_per_block) {
-    extern __shared__ float dw_acc[];
-    __shared__ float red[2 * 32];
-    dw_begin<HAS_W>(dw_acc, C);
-    const i64 r0 = blockIdx.x * rows_per_block;
-    const i64 r1 = min(rows, r0 + rows_per_block);
-    for (i64 t = r0; t < r1; ++t) {
-        const T* xt = x + t * (i64)C;
-        const TG* gt = g + t * (i64)C;
-        mhc::Packed<T, E> xv[K];
-        mhc::Packed<TG, E> gv[K];
-        float acc[2] = {0.f, 0.f};  // sum x^2, sum g' x
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int c = (k * blockDim.x + threadIdx.x) * E;
-            if (c < C) {
-                xv[k].load(xt + c);
-                gv[k].load(gt + c);
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    const float gp = HAS_W ? gv[k][e] * w[c + e] : gv[k][e];
-                    acc[0] = fmaf(xv[k][e], xv[k][e], acc[0]);
-                    acc[1] = fmaf(gp, xv[k][e], acc[1]);
-                }
-            }
-        }
-        mhc::block_sum<2>(acc, red);
-        float S = 1.f;  // scale of x in the sums
-        if (isinf(red[0]) || isinf(red[1])) {
-            __syncthreads();
-            row_sums<T, TG, E, HAS_W, true, false>(xt, gt, w, C, acc);  // from memory: keeps registers as without
-            mhc::block_sum<2>(acc, red);
-            S = mhc::STAT_SCALE;
-        }
-        float r, kf;
-        row_factors(red[0], red[1], S, (float)C, eps, r, kf);
-#pragma unroll
-        for (int k = 0; k < K; ++k) {
-            const int c = (k * blockDim.x + threadIdx.x) * E;
-            if (c < C) {
-                float o[E];
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    const float gp = HAS_W ? gv[k][e] * w[c + e] : gv[k][e];
-                    o[e] = r * fmaf(-xv[k][e], kf, gp);
-                    if (HAS_W) dw_acc[c + e] = fmaf(gv[k][e], xv[k][e] * r, dw_acc[c + e]);
-                }
-                mhc::store_vec<T, E>(dx + t * (i64)C + c, o);
-            }
-        }
-        __syncthreads();  // red is reused by the next row
-    }
-    dw_end<HAS_W>(dw_acc, dw_part, C);
+    bwd_rows<T, TG, E, K, HAS_W>(g, x, w, dx, dw_part, rows, C, eps, rows_per_block);
 }

@@ -7,7 +7,8 @@
   activation / float32 incoming gradients, without / with wgmma): per setting a SHA-256 over each
   launch's name expression, grid, block, dynamic shared memory and argument values with their types
   (the kernel file is left out: a split moves kernels between files);
-* kernels: every distinct specialisation of the coefficient path (``mhc_coeffs_*`` / ``mhc_head_*``)
+* kernels: every distinct specialisation of the coefficient path (``mhc_coeffs_*`` / ``mhc_head_*``;
+  ``--prefixes`` names other kernel families, e.g. ``mhc_boundary_ mhc_rmsnorm_ mhc_stream_``)
   that those launches name, compiled for sm_80 and sm_90a: per
   kernel the SHA-256 of its SASS (the cubin's ``.text.<mangled name>`` section: no cuobjdump is
   needed), its registers, parameter bank size, and ptxas's static shared memory and spill stores.
@@ -41,7 +42,7 @@ NS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17, 32)  # every backward kind, wgmma r
 CS = (4096, 7, 6)  # 16-byte rows, odd rows, rows of 2-element vectors
 DTYPES = ("bfloat16", "float16", "float32")
 ARCHS = ("sm_80", "sm_90a")
-PATH = ("mhc_coeffs_", "mhc_head_")  # the coefficient path's kernels
+PATH = ("mhc_coeffs_", "mhc_head_")  # the coefficient path's kernels: --prefixes' default
 
 
 def _launches(ns, cs):
@@ -147,19 +148,20 @@ def manifest(args) -> dict:
     tree = Path(mhc_cupy.__file__).resolve().parents[1]
     assert tree == Path(args.tree).resolve(), f"imported mhc_cupy from {tree}, not from --tree {args.tree}"
     cases, files = _launches(tuple(args.ns), tuple(args.cs))
-    path = sorted(e for e in files if e.startswith(PATH))
+    prefixes = tuple(args.prefixes)
+    path = sorted(e for e in files if e.startswith(prefixes))
     defined = set()
     for f in (tree / "kernels_cu").glob("*.cu"):
         defined |= set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s+)?(\w+)",
                                   f.read_text()))
-    missing = sorted(k for k in defined if k.startswith(PATH) and not any(e.split("<")[0] == k for e in path))
-    assert not missing, f"kernels of the coefficient path that no launch of the grid names: {missing}"
+    missing = sorted(k for k in defined if k.startswith(prefixes) and not any(e.split("<")[0] == k for e in path))
+    assert not missing, f"kernels named {prefixes} that no launch of the grid names: {missing}"
     by_file = {}  # (file, template name or "" for the plain kernels) -> name expressions
     for e in path:
         by_file.setdefault((files[e], e.split("<")[0] if "<" in e else ""), []).append(e)
     kernels = {} if args.no_compile else _compile(by_file, args.archs)
-    return {"tree": str(tree), "grid": {"ns": args.ns, "Cs": args.cs, "dtypes": DTYPES}, "launches": cases,
-            "launch_count": sum(c for c, _ in cases.values()), "files": {e: files[e] for e in path},
+    return {"tree": str(tree), "grid": {"ns": args.ns, "Cs": args.cs, "dtypes": DTYPES, "prefixes": prefixes},
+            "launches": cases, "launch_count": sum(c for c, _ in cases.values()), "files": {e: files[e] for e in path},
             "kernels": kernels}
 
 
@@ -182,6 +184,7 @@ def main(argv=None) -> int:
     m.add_argument("--ns", type=int, nargs="+", default=list(NS))
     m.add_argument("--cs", type=int, nargs="+", default=list(CS))
     m.add_argument("--archs", nargs="+", default=list(ARCHS))
+    m.add_argument("--prefixes", nargs="+", default=list(PATH), help="the kernels compiled: names starting so")
     m.add_argument("--no-compile", action="store_true", help="launches only")
     c = sub.add_parser("compare", help="compare two manifests")
     c.add_argument("a")

@@ -73,11 +73,11 @@ def test_rmsnorm_bwd_static_shared_memory_matches_the_kernels():
     from mhc_cupy import _sources
 
     src = _sources.load_source("rmsnorm.cu")
-    bodies = re.findall(r"__global__ void mhc_rmsnorm_bwd\w*\(.*?(?=\ntemplate|\Z)", src, re.S)
-    assert len(bodies) == 2
-    for body in bodies:
-        arrays = re.findall(r"(?<!extern )__shared__ float \w+\[([0-9 *]+)\];", body)
-        assert arrays and sum(4 * eval(a) for a in arrays) == rmsnorm._BWD_STATIC_SMEM
+    kernels = re.findall(r"__global__ void mhc_rmsnorm_bwd\w*\(.*?(?=\ntemplate|\Z)", src, re.S)
+    assert len(kernels) == 2 and all("bwd_rows<" in k for k in kernels)  # their body, which declares it
+    body = re.search(r"void bwd_rows\(.*?(?=\ntemplate|\n}  // namespace)", src, re.S).group(0)
+    arrays = re.findall(r"(?<!extern )__shared__ float \w+\[([0-9 *]+)\];", body)
+    assert arrays and sum(4 * eval(a) for a in arrays) == rmsnorm._BWD_STATIC_SMEM
 
 
 def test_rmsnorm_bwd_weight_limit_leaves_room_for_static_shared_memory():
