@@ -89,6 +89,19 @@ __device__ __forceinline__ FwdBlock fwd_block(i64 tiles, int ncc) {
     return r;
 }
 
+// Token t's raw H~_k summed over the forward GEMM's D ranges part [splits, T, K+1] in range order,
+// and its sums of squares added to q (mhc_coeffs_fwd_finish_kernel, the small-token tail kernel).
+__device__ __forceinline__ float split_sum(const float* __restrict__ part, i64 tokens, i64 t, int k, int K,
+                                           int splits, SumSq& q) {
+    float H = 0.f;
+    for (int s = 0; s < splits; ++s) {
+        const float* row = part + ((i64)s * tokens + t) * (K + 1);
+        H += row[k];
+        q.add(row[K]);
+    }
+    return H;
+}
+
 // Steps ahead that the dx kernels ask L2 for the rows of x and the layer's gradients they read
 // straight from global memory (mhc::prefetch_l2).
 constexpr int DX_PREFETCH = 1;

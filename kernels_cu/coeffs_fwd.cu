@@ -56,13 +56,8 @@ __global__ void mhc_coeffs_fwd_finish_kernel(const float* __restrict__ part, con
     for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < total; i += (i64)gridDim.x * blockDim.x) {
         const i64 t = i / K;
         const int k = (int)(i - t * K);
-        float H = 0.f;
         mhc_coeffs::SumSq q;
-        for (int s = 0; s < splits; ++s) {
-            const float* row = part + ((i64)s * tokens + t) * (K + 1);
-            H += row[k];
-            q.add(row[K]);
-        }
+        const float H = mhc_coeffs::split_sum(part, tokens, t, k, K, splits, q);
         if (stats != nullptr) {
             stats[t * (K + 1) + k] = H;
             if (k == 0) stats[t * (K + 1) + K] = q.saved();

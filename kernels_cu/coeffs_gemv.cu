@@ -40,6 +40,14 @@ mhc_coeffs_gemv_fwd_kernel(const T* __restrict__ x, const float* __restrict__ ph
     const int d_end = min(D, d_begin + d_split);
     const int KW = K + 1;
 
+    // the thread's j-th output: token t of the group, column k (false past the last)
+    auto output = [&](int j, int& t, int& k) {
+        const int o = threadIdx.x + GEMV_THREADS * j;
+        if (j >= outs || o >= tt * KW) return false;
+        t = o / KW;
+        k = o - t * KW;
+        return true;
+    };
     float acc[GEMV_MAX_OUTS], qs[GEMV_MAX_OUTS];
 #pragma unroll
     for (int j = 0; j < GEMV_MAX_OUTS; ++j) acc[j] = qs[j] = 0.f;
@@ -72,10 +80,8 @@ mhc_coeffs_gemv_fwd_kernel(const T* __restrict__ x, const float* __restrict__ ph
         __syncthreads();
 #pragma unroll
         for (int j = 0; j < GEMV_MAX_OUTS; ++j) {
-            if (j >= outs) break;
-            const int o = threadIdx.x + GEMV_THREADS * j;
-            if (o >= tt * KW) break;
-            const int t = o / KW, k = o - t * KW;
+            int t, k;
+            if (!output(j, t, k)) break;
             const float* xr = s_x + t * rows;
             float a = acc[j], q = qs[j];
             if (k < K) {
@@ -93,10 +99,8 @@ mhc_coeffs_gemv_fwd_kernel(const T* __restrict__ x, const float* __restrict__ ph
     }
 #pragma unroll
     for (int j = 0; j < GEMV_MAX_OUTS; ++j) {
-        if (j >= outs) break;
-        const int o = threadIdx.x + GEMV_THREADS * j;
-        if (o >= tt * KW) break;
-        const int t = o / KW, k = o - t * KW;
+        int t, k;
+        if (!output(j, t, k)) break;
         if (t0 + t >= tokens) continue;
         // after an overflow of the sum of squares: minus the scaled sum (see SumSq)
         part[((i64)split * tokens + t0 + t) * KW + k] = (k == K && isinf(acc[j])) ? -qs[j] : acc[j];

@@ -193,6 +193,21 @@ __device__ __forceinline__ void lane_iteration(float (&p)[Layout<N, G>::R][N], i
     }
 }
 
+// The forward on this lane's rows: the row-max-shifted exponential of L, then iters row + column
+// steps (DS: the first row step is the softmax plus eps).
+template <int N, int G, bool DS>
+__device__ __forceinline__ void lane_sinkhorn(const float* __restrict__ L, int lane, unsigned mask, int iters,
+                                              float eps, float (&p)[Layout<N, G>::R][N]) {
+    int amax[Layout<N, G>::R];
+    lane_exp<N, G>(L, lane, p, amax);
+    int it = 0;
+    if (DS && iters > 0) {
+        lane_iteration<N, G>(p, lane, eps, mask, nullptr, 0, 0.f, eps);
+        it = 1;
+    }
+    for (; it < iters; ++it) lane_iteration<N, G>(p, lane, eps, mask, nullptr, 0, eps, 0.f);
+}
+
 }  // namespace
 
 // P = sinkhorn(logits) for every token; when h_pre_raw is non-null also the
@@ -211,14 +226,7 @@ __global__ void mhc_sinkhorn_knopp_fwd_kernel(const float* __restrict__ logits, 
     const unsigned mask = __ballot_sync(0xffffffffu, t < tokens);
     if (t >= tokens) return;
     float p[R][N];
-    int amax[R];
-    lane_exp<N, G>(logits + t * (N * N), lane, p, amax);
-    int it = 0;
-    if (DS && iters > 0) {
-        lane_iteration<N, G>(p, lane, eps, mask, nullptr, 0, 0.f, eps);
-        it = 1;
-    }
-    for (; it < iters; ++it) lane_iteration<N, G>(p, lane, eps, mask, nullptr, 0, eps, 0.f);
+    lane_sinkhorn<N, G, DS>(logits + t * (N * N), lane, mask, iters, eps, p);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const int i = lane + r * G;
@@ -257,13 +265,8 @@ __global__ void mhc_layer_pre_tail_kernel(const float* __restrict__ part, const 
     for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
         __syncthreads();  // the previous token's s_h, s_pre are read
         for (int k = threadIdx.x; k < K; k += blockDim.x) {
-            float H = 0.f;
             mhc_coeffs::SumSq q;
-            for (int s = 0; s < splits; ++s) {
-                const float* row = part + ((i64)s * tokens + t) * (K + 1);
-                H += row[k];
-                q.add(row[K]);
-            }
+            const float H = mhc_coeffs::split_sum(part, tokens, t, k, K, splits, q);
             stats[t * (K + 1) + k] = H;
             if (k == 0) stats[t * (K + 1) + K] = q.saved();
             s_h[k] = fmaf(alpha[mhc_coeffs::group_of(k, N)] * H, q.rinv(D, rms_eps), bias[k]);
@@ -273,14 +276,7 @@ __global__ void mhc_layer_pre_tail_kernel(const float* __restrict__ part, const 
             const int lane = threadIdx.x;
             const unsigned mask = G == 32 ? 0xffffffffu : (1u << G) - 1u;
             float p[R][N];
-            int amax[R];
-            lane_exp<N, G>(s_h + 2 * N, lane, p, amax);
-            int it = 0;
-            if (DS && iters > 0) {
-                lane_iteration<N, G>(p, lane, eps, mask, nullptr, 0, 0.f, eps);
-                it = 1;
-            }
-            for (; it < iters; ++it) lane_iteration<N, G>(p, lane, eps, mask, nullptr, 0, eps, 0.f);
+            lane_sinkhorn<N, G, DS>(s_h + 2 * N, lane, mask, iters, eps, p);
 #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const int i = lane + r * G;

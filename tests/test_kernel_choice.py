@@ -5,6 +5,8 @@ of the functional API (plans and fast-path entries) and of the JAX adapter key o
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from mhc_cupy import _dispatch, _jit
@@ -201,33 +203,34 @@ def test_mhc_reads_fused_when_built(monkeypatch):
     assert calls == ["layer_pre"]
 
 
-def test_the_boundary_kernel_runs_only_when_chosen():
-    """mhc_boundary_fwd plans the fused kernel only under boundary=True (off by default until a GPU
-    run has checked it); otherwise the post op's and the coefficient GEMM's kernels."""
+def launched(op: str, tokens: int, n: int, C: int) -> list:
+    """Kernel names that op's plan launches (a dry run on fake bf16 pointers) under the choice in force."""
     from mhc_cupy import _jit, _kernels
     from mhc_cupy.ops import SPECS
 
-    k = SPECS["mhc_boundary_fwd"]
-    infos = _kernels._infos(k, (300,), {"n": 4, "C": 64, "K": 24}, "bfloat16", "bfloat16", _kernels._ALIGNED)
+    k = SPECS[op]
+    infos = _kernels._infos(k, (tokens,), {"n": n, "C": C, "K": n * n + 2 * n}, "bfloat16", "bfloat16",
+                            _kernels._ALIGNED)
+    with _jit.dry_run() as launches:
+        plan = k.planner(infos, **k.params)
+        plan.launch({a: v.ptr for a, v in infos.items()}, [_kernels._ALIGNED] * len(plan.outputs),
+                    [_kernels._ALIGNED] * len(plan.scratch), 0)
+    return [expr.split("<")[0] for _, expr, *_ in launches]
 
-    def names():
-        with _jit.dry_run() as launches:
-            plan = k.planner(infos, **k.params)
-            plan.launch({a: v.ptr for a, v in infos.items()}, [_kernels._ALIGNED] * len(plan.outputs),
-                        [_kernels._ALIGNED] * len(plan.scratch), 0)
-        return [expr.split("<")[0] for _, expr, *_ in launches]
 
+def test_the_boundary_kernel_runs_only_when_chosen():
+    """mhc_boundary_fwd plans the fused kernel only under boundary=True (off by default until a GPU
+    run has checked it); otherwise the post op's and the coefficient GEMM's kernels."""
+    from mhc_cupy import _kernels
+
+    names = functools.partial(launched, "mhc_boundary_fwd", 300, 4, 64)
     default = names()
     with kernel_choice(boundary=True):
         chosen = names()
     with kernel_choice(boundary=True, small=True):  # (300 tokens: not small)
         assert names() == chosen
-    infos["layer_out"], infos["x"] = (_kernels._info((64,) + a.shape[1:], a.dtype, a.ptr)
-                                      for a in (infos["layer_out"], infos["x"]))
-    for name in ("H_post", "H_res"):
-        infos[name] = _kernels._info((64,) + infos[name].shape[1:], "float32", infos[name].ptr)
     with kernel_choice(small=True):  # 64 tokens: the residual update inside the GEMV, then the tail: two launches
-        assert names() == ["mhc_coeffs_gemv_fwd_kernel", "mhc_layer_pre_tail_kernel"]
+        assert launched("mhc_boundary_fwd", 64, 4, 64) == ["mhc_coeffs_gemv_fwd_kernel", "mhc_layer_pre_tail_kernel"]
     assert "mhc_boundary_fwd_kernel" in chosen and "mhc_stream_mix_distribute_fwd_kernel" not in chosen, chosen
     assert "mhc_boundary_fwd_kernel" not in default and "mhc_stream_mix_distribute_fwd_kernel" in default, default
     assert {e for _, e in _kernels.all_specialisations() if e.startswith("mhc_boundary")}, "CI compiles it"
@@ -237,19 +240,7 @@ def test_the_boundary_kernel_runs_only_when_chosen():
 def test_the_small_token_forward_runs_only_when_chosen(tokens, gemv):
     """At most 64 tokens under small=True: the coefficient GEMM on CUDA cores (no planes pass) and the
     rest of the pre piece in one kernel; else, or by default, the tensor-core path."""
-    from mhc_cupy import _jit, _kernels
-    from mhc_cupy.ops import SPECS
-
-    k = SPECS["mhc_layer_pre_fwd"]
-    infos = _kernels._infos(k, (tokens,), {"n": 4, "C": 72, "K": 24}, "bfloat16", "bfloat16", _kernels._ALIGNED)
-
-    def names():
-        with _jit.dry_run() as launches:
-            plan = k.planner(infos, **k.params)
-            plan.launch({a: v.ptr for a, v in infos.items()}, [_kernels._ALIGNED] * len(plan.outputs),
-                        [_kernels._ALIGNED] * len(plan.scratch), 0)
-        return [expr.split("<")[0] for _, expr, *_ in launches]
-
+    names = functools.partial(launched, "mhc_layer_pre_fwd", tokens, 4, 72)
     default = names()
     with kernel_choice(small=True):
         chosen = names()
