@@ -97,7 +97,8 @@ def test_emulation_catches_faults(monkeypatch, fault, caught):
 @pytest.mark.slow
 @pytest.mark.parametrize("T", [1, 3, 64])
 def test_emulated_kernels_grid(T):
-    """emulate_small.grid: both ops, every n in (1, 2, 4, 5, 8, 16, 32), C in (7, 8, 72, 200) and dtype,
-    the convention alternating (T = 64 takes minutes)."""
-    for case in emu.grid((T,)):
+    """Every 7th case of emulate_small.grid (both ops, n in (1, 2, 4, 5, 8, 16, 32), C in (7, 8, 72, 200),
+    every dtype, the convention alternating), so that CI stays short; the whole grid (504 cases, minutes):
+    ``python scripts/emulate_small.py --all``."""
+    for case in list(emu.grid((T,)))[T % 7::7]:
         emu.check(*case)
