@@ -96,3 +96,22 @@ def test_cpu_rows_time_pytorch_on_one_thread(tmp_path, monkeypatch, mode):
     res = json.loads((out / f"{mode}.json").read_text())
     assert res["meta"]["settings"]["torch_threads"] == 1
     assert "wall clock (no CUDA GPU), PyTorch on 1 thread" in (out / f"{mode}.md").read_text()
+
+
+def test_choose_puts_kernel_variants_in_force_for_the_run(tmp_path, monkeypatch):
+    """``--choose VARIANT=BOOL,...``: the kernel choice in force while a mode runs (and only then); a bad
+    variant or value is a usage error naming the option."""
+    from mhc_cupy._kernel_choice import KernelChoice, current
+    from mhc_cupy.bench import cli
+
+    seen = []
+    monkeypatch.setitem(cli._MODES, "small", (lambda cfg: seen.append(current()) or {"meta": {"settings": {}}},
+                                               *cli._MODES["small"][1:]))
+    monkeypatch.setattr(cli, "_write_mode", lambda cfg, result: 0)
+    argv = ["--small", "--small-tokens", "1", "--small-C", "8", "--choose", "small=true, boundary=false",
+            "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    assert seen == [KernelChoice(small=True, boundary=False)] and current() == KernelChoice()
+    for bad in ("small", "small=yes", "bogus=true"):
+        with pytest.raises(SystemExit):
+            cli.parse_args(["--choose", bad])

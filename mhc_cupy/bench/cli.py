@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from .._kernel_choice import LIBRARY_CHOICE, kernel_choice
 from . import __doc__ as _PACKAGE_DOC
 from . import block, cases, env, layer, small, stack
 from .block import BLOCK_BATCH, BLOCK_CONFIGS, BLOCK_N, BLOCK_SEQ
@@ -67,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "baseline, target: deepseek <= 1.05x) and no framework baselines (they are the paper maths)")
     ap.add_argument("--check-tol", type=float, default=1e-2,
                     help="warn when a baseline differs from mhc_cupy by more than this (relative L2)")
+    ap.add_argument("--choose", default="", metavar="VARIANT=BOOL,...",
+                    help="kernel variants in force for the whole run (mhc_cupy._kernel_choice.KernelChoice), e.g. "
+                         "boundary=true,small=true: the fused layer boundary and the small-token path, which are "
+                         "off by default until checked on a GPU")
     ap.add_argument("--out", default="bench_out", help="output directory (bench.json, bench.txt, bench.png)")
     ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                     help="no GPU needed: merge saved results of one mode (bench.json, or layer.json / block.json, "
@@ -196,11 +201,29 @@ def parse_args(argv=None) -> argparse.Namespace:
         if (T, C, n) not in shapes:
             shapes.append((T, C, n))
     args.shapes = args.layer_shapes if args.mode == "layer" else shapes
+    args.choose = _choice(args.choose, ap)
     return args
+
+
+def _choice(text: str, ap) -> dict:
+    """'variant=true,variant=false,...' -> {variant: bool} of mhc_cupy._kernel_choice.KernelChoice."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, _, value = item.partition("=")
+        name, value = name.strip(), value.strip().lower()
+        if name not in LIBRARY_CHOICE or value not in ("true", "false", "none"):
+            ap.error(f"--choose: {item!r}; give VARIANT=true|false|none with VARIANT one of {', '.join(LIBRARY_CHOICE)}")
+        out[name] = None if value == "none" else value == "true"
+    return out
 
 
 def main(argv=None) -> int:
     cfg = parse_args(argv)
+    with kernel_choice(**cfg.choose):
+        return _main(cfg)
+
+
+def _main(cfg) -> int:
     if cfg.merge:
         try:
             results = []
