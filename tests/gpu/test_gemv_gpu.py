@@ -66,3 +66,26 @@ def test_gemv_backward_and_head(rng):
     with poisoned_allocations(), kernel_choice(small=True):
         out = m.mhc_head_fwd(to_gpu(x), to_gpu(fn), to_gpu(scale), to_gpu(base))
     assert_close(out, R.mhc_head_fwd(x, fn, scale, base), ACT_TOL[dt], "head")
+
+
+@pytest.mark.parametrize("n", [1, 4, 5, 16])
+@pytest.mark.parametrize("convention", ["paper", "deepseek"])
+def test_tail_kernel_has_the_separate_kernels_bits(rng, monkeypatch, n, convention):
+    """From the same GEMV partials, mhc_layer_pre_tail_kernel gives the bits of the finish, Sinkhorn and
+    aggregate kernels it stands for (the plan rebuilt with the tail switched off)."""
+    from mhc_cupy import _dispatch
+    from mhc_cupy.ops import layer
+
+    args = [to_gpu(a) for a in _case(rng, 7, n, 200, "bfloat16")]
+    with kernel_choice(small=True):
+        tail = m.mhc_layer_pre_fwd(*args, convention=convention)
+        real = layer.launch_pre_from_sums
+        monkeypatch.setattr(layer, "launch_pre_from_sums", lambda *a, **k: real(*a, **{**k, "small": False}))
+        _dispatch._plans.clear()
+        _dispatch._fast.clear()
+        sep = m.mhc_layer_pre_fwd(*args, convention=convention)
+    _dispatch._plans.clear()
+    _dispatch._fast.clear()
+    for a, b, name in zip(tail, sep, ("layer_in", "H_pre", "H_post", "H_res", "stats")):
+        assert np.array_equal(np.ascontiguousarray(to_host(a)).view(np.uint8),
+                              np.ascontiguousarray(to_host(b)).view(np.uint8)), name
