@@ -18,6 +18,7 @@ the pre piece: two launches.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 from .. import reference
@@ -101,13 +102,6 @@ def launch_boundary_gemm(dt, n, C, K, tokens, res_t, b: BoundaryLayout, pipe: tu
         part=part, tokens=tokens, C=C, Dp=b.Dp, K=K, tiles=b.tiles, c_split=b.c_split, res_t=int(res_t))
 
 
-def _elements(shape) -> int:
-    size = 1
-    for d in shape:
-        size *= d
-    return size
-
-
 @takes_settings
 def _plan_fwd(infos, s: LayerSettings):
     dt, lead, n, C, tokens, res_t = _check_post(infos, s.convention)
@@ -116,7 +110,7 @@ def _plan_fwd(infos, s: LayerSettings):
     b = boundary_layout(tokens, n, C) if current_choice().runs("boundary") else None
     # one part and one planes buffer for either path (which one runs depends on the pointers too)
     part = max(mma.splits, b.splits if b else 0) * tokens * (K + 1)
-    planes = max(_elements(mma.planes_shape[0]), _elements(b.planes_shape[0]) if b else 0)
+    planes = max(math.prod(mma.planes_shape[0]), math.prod(b.planes_shape[0]) if b else 0)
     scratch = {"part": ((part,), "float32"), "planes": ((planes,), "bfloat16"), **raw_coefficient_scratch(tokens, n)}
 
     def run_kernels(p, outs, sc, stream):
