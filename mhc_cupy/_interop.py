@@ -81,7 +81,7 @@ class _Torch:
         self.torch = torch
         self.to_name = {
             torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-            torch.float64: "float64",
+            torch.float64: "float64", torch.uint8: "uint8",  # uint8: the temporaries' buffer (_dispatch.Plan)
         }
         self.from_name = {v: k for k, v in self.to_name.items()}
 

@@ -395,3 +395,38 @@ def test_dry_run_is_per_thread():
         t.join()
         assert _kernels.specialisations(dtypes=("float32",), Cs=(7,))
     assert seen == [None] and getattr(_jit._local, "dry_run", None) is None
+
+
+def test_scratch_is_one_allocation_of_aligned_disjoint_pieces():
+    """A plan's temporaries come from one buffer (one allocation per call, not one per temporary):
+    each piece at a multiple of SCRATCH_ALIGN, large enough for its shape and dtype, none overlapping,
+    in the plan's order, zero-sized ones included (a distinct pointer each, as a replay needs)."""
+    from mhc_cupy import _dispatch
+
+    scratch = {"a": ((3, 5), "bfloat16"), "empty": ((0, 4), "float32"), "b": ((7,), "float32"),
+               "c": ((2, 129), "float16"), "d": ((1,), "int64")}
+    plan = _dispatch.Plan([], kernels=None, reference=None, scratch=scratch)
+    size, offsets = plan.scratch_layout
+    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4, "int64": 8}
+    ends = [o + max(int(np.prod(shape)) * itemsize[dt], 1) for o, (shape, dt) in zip(offsets, scratch.values())]
+    assert all(o % _dispatch.SCRATCH_ALIGN == 0 for o in offsets)
+    assert list(offsets) == sorted(set(offsets)) and offsets[0] == 0
+    assert all(end <= nxt for end, nxt in zip(ends, offsets[1:])) and ends[-1] <= size
+    assert size % _dispatch.SCRATCH_ALIGN == 0 and size < ends[-1] + _dispatch.SCRATCH_ALIGN
+
+    made = []
+
+    class FrontEnd:
+        @staticmethod
+        def empty(shape, dt, like):
+            made.append((shape, dt, like))
+            return BASE + (1 << 20)
+
+        @staticmethod
+        def ptr(o):
+            return o
+
+    buf, ptrs = plan.scratch_ptrs(FrontEnd, "like")
+    assert made == [((size,), "uint8", "like")] and buf == BASE + (1 << 20)
+    assert ptrs == [BASE + (1 << 20) + o for o in offsets]
+    assert _dispatch.Plan([], None, None).scratch_ptrs(FrontEnd, None) == (None, []) and len(made) == 1

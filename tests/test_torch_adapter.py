@@ -558,3 +558,28 @@ def test_num_iters_bounded(rng):
         mt.sinkhorn_knopp(L, num_iters=10_001)
     with pytest.raises(TypeError, match="num_iters must be an int"):
         mt.sinkhorn_knopp(L, num_iters=True)
+
+
+def test_eager_apply_skips_the_python_prologue_and_records_the_graph():
+    """The eager route calls the C++ apply of its autograd.Functions (Function.apply's Python prologue
+    is for transforms and setup_context-style Functions, neither of which reaches it): the graph is
+    recorded all the same, and on this torch the prologue really is skipped."""
+    from mhc_cupy.torch import _factory
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    apply = _factory.eager_apply(Double)
+    assert type(apply).__name__ == "builtin_function_or_method" and apply.__self__ is Double  # the C++ apply
+    assert type(Double.apply).__name__ == "method"  # Function.apply: Python
+    a = torch.randn(3, requires_grad=True)
+    out = apply(a)
+    assert type(out.grad_fn).__name__ == "DoubleBackward"
+    out.sum().backward()
+    assert torch.equal(a.grad, torch.full((3,), 2.0))

@@ -32,7 +32,7 @@ from .._interop import ArrayInfo
 from ..ops.spec import shape_of as _shape_of
 from ._transforms import active as _transform_active, refuse as _refuse_transform
 
-__all__ = ["NAMESPACE", "register", "call", "Op", "use_custom_op", "needs_autograd", "is_compiling"]
+__all__ = ["NAMESPACE", "register", "call", "Op", "use_custom_op", "needs_autograd", "is_compiling", "eager_apply"]
 
 #: Namespace of the custom operators: ``torch.ops.mhc_cupy.<name>``.
 NAMESPACE = "mhc_cupy"
@@ -69,6 +69,20 @@ def needs_autograd(*tensors) -> bool:
     except AttributeError:  # not a tensor: the functional API raises a TypeError naming it
         return False
     return False
+
+
+def eager_apply(function):
+    """``function.apply`` (an ``autograd.Function``) for the eager route only, where
+    :func:`use_custom_op` is False (not compiling, plain tensors, no torch.func transform): the C++
+    ``apply`` itself, without ``Function.apply``'s Python prologue, which binds default arguments
+    (for a ``setup_context``-style Function only), asks whether a functorch transform is active and
+    maps the arguments' pytree to unwrap dead functorch wrappers (none here: plain tensors).  That
+    prologue took 2.5 of the 11.3 us of a tiny ``stream_mix`` with grad on a 2-core CPU host
+    (launches stubbed out; ``torch.add`` with grad: 1.8 us)."""
+    try:
+        return super(torch.autograd.function._SingleLevelFunction, function).apply
+    except AttributeError:  # another torch's layout: the public apply
+        return function.apply
 
 
 # ------------------------------------------------------------ custom operators
@@ -242,7 +256,7 @@ class Op:
     def namespace(self) -> dict:
         """The names :meth:`body` uses."""
         return {"_use_custom_op": use_custom_op, "_needs_autograd": needs_autograd, "_call": call,
-                "_apply": self.function.apply, "_run": _run, "_planner": self.fwd.planner}
+                "_apply": eager_apply(self.function), "_run": _run, "_planner": self.fwd.planner}
 
     def _eager(self):
         """The eager ``autograd.Function``: ``apply(*arrays, kw)``, or ``apply(*arrays)`` for an op

@@ -43,7 +43,7 @@ from ..ops.layer import fold_post_dx
 from ._factory import NAMESPACE  # noqa: F401 - re-exported: mhc_cupy.torch.NAMESPACE
 from ._factory import REGISTERED as _REGISTERED, Op as _Op, call as _call, is_compiling as _is_compiling
 from ._factory import register as _register
-from ._factory import needs_autograd as _needs_autograd, use_custom_op as _use_custom_op
+from ._factory import eager_apply, needs_autograd as _needs_autograd, use_custom_op as _use_custom_op
 from ._link import autograd_pre as _autograd_pre, check_convention as _check_convention, tag as _tag
 from ._link import link as _mark_link, stream_key as _stream_key, tensor_key as _tensor_key
 
@@ -401,6 +401,9 @@ class _LayerPostFn(torch.autograd.Function):
         return dy, sent, dH_post, dH_res, None, None, None, None  # travels to _LayerPreFn.backward along x_link
 
 
+_PRE_APPLY, _POST_APPLY = eager_apply(_LayerPreFn), eager_apply(_LayerPostFn)  # the eager route's apply
+
+
 def mhc_layer_pre(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, grad_mode="unrolled", *,
                   convention="paper", hc_eps=DEFAULT, post_mult=DEFAULT):
     """Differentiable first half of the fused mHC layer (OPS.md section 9).
@@ -438,7 +441,8 @@ def layer_pre(x, phi, alpha, bias, kw: dict, given=None):
     (:meth:`NextPre.take`, eager only), or None."""
     custom = _use_custom_op(x, phi, alpha, bias)
     if _needs_autograd(x, phi, alpha, bias):
-        layer_in, x_link, H_post, H_res = _LayerPreFn.apply(x, phi, alpha, bias, kw, custom, given)
+        layer_in, x_link, H_post, H_res = (_LayerPreFn.apply if custom else _PRE_APPLY)(x, phi, alpha, bias, kw,
+                                                                                         custom, given)
         out = layer_in, _mark_link(x_link), H_post, H_res
     else:
         layer_in, _, H_post, H_res, _ = given or _call("mhc_layer_pre_fwd", custom, {
@@ -492,5 +496,6 @@ def layer_post(layer_out, x_link, H_post, H_res, convention: str, nxt: NextPre |
             return nxt.run(layer_out, x_link, H_post, H_res)
         return mhc_post_op(layer_out, x_link, H_post, H_res, convention=convention)
     pre = _autograd_pre(x_link, H_res, convention) if x_link.requires_grad and not _is_compiling() else None
-    return _LayerPostFn.apply(layer_out, x_link, H_post, H_res, convention, pre, custom, nxt)
+    return (_LayerPostFn.apply if custom else _POST_APPLY)(layer_out, x_link, H_post, H_res, convention, pre, custom,
+                                                           nxt)
 
