@@ -1,0 +1,115 @@
+"""Host cost per call of mhc_cupy's GPU route, measured on a machine without a GPU (a proxy).
+
+CPU torch tensors pose as device-0 CUDA tensors; each op is planned as for the GPU (``_jit.dry_run``:
+no compiler, no device), its outputs and temporaries are allocated on the CPU, and its recorded
+launches are no-ops.  What is timed is therefore mhc_cupy's Python work plus the allocations, not
+cuLaunchKernel nor the CUDA caching allocator: use it to compare two versions of the host code on
+one machine, and ``python -m mhc_cupy.bench`` (host rows) on a GPU for the real numbers.
+
+    python scripts/host_overhead_cpu.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+import mhc_cupy as m
+import mhc_cupy.torch as mt
+from mhc_cupy import _dispatch, _interop, _jit
+
+
+class _FrontEnd:
+    """The torch front end, on the CPU, with stream 0."""
+
+    name = "torch"
+    from_name = _interop.frontend("torch").from_name
+
+    def empty(self, shape, dtype, like):
+        return like.new_empty(shape, dtype=self.from_name[dtype])
+
+    @staticmethod
+    def ptr(x):
+        return x.data_ptr()
+
+    @staticmethod
+    def stream(dev):
+        return 0
+
+
+class _NoLaunch:
+    @staticmethod
+    def launch(ptrs, stream):
+        pass
+
+
+def _first_call(planner, arrays, fast_key, params):
+    """In place of ``_dispatch._run`` (a key's first call): plan as for device 0, remember the entry."""
+    arrays = {k: None if v is None else v.contiguous() for k, v in arrays.items()}
+    for v in arrays.values():
+        if v is not None:
+            _dispatch._framework(v)
+    fast = _dispatch._fast_inputs(arrays)
+    infos = {k: None if v is None else _interop.ArrayInfo(tuple(v.shape), str(v.dtype)[6:], ("cuda", 0))
+             for k, v in arrays.items()}
+    with _jit.dry_run():
+        plan = _dispatch._plan(planner, infos, params)
+    entry = _dispatch._fast[_dispatch._key(planner, fast[0], params)] = _dispatch._Entry(plan, _FrontEnd(), 0,
+                                                                                           _NoLaunch())
+    return _dispatch._run_fast(entry, fast[1], fast[2], arrays)
+
+
+def pose_as_gpu() -> None:
+    """Patch torch and mhc_cupy so that CPU tensors take the GPU route (this process only)."""
+    torch.Tensor.get_device = lambda self: 0
+    _dispatch._get_device = lambda: 0
+    _dispatch._replay.ensure_context = lambda dev: None
+    _dispatch._replay.aligned = lambda ptrs: True
+    _dispatch._run = _first_call
+
+
+def per_call_us(f, calls: int = 4000, bursts: int = 15) -> float:
+    """Minimum over bursts of the mean wall time per call, after 200 warm-up calls."""
+    for _ in range(200):
+        f()
+    best = float("inf")
+    for _ in range(bursts):
+        t = time.perf_counter()
+        for _ in range(calls):
+            f()
+        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+    return best
+
+
+def main() -> None:
+    pose_as_gpu()
+    torch.manual_seed(0)
+    T, n, C = 1, 4, 64
+    x = torch.randn(T, n, C, dtype=torch.bfloat16)
+    M = torch.rand(T, n, n)
+    xg = x.detach().requires_grad_()
+    g = torch.randn_like(x)
+    layer = mt.MHC(C, n, torch.nn.Identity())
+    rows = {
+        "torch.add (no grad)": lambda: torch.add(x, x),
+        "torch.add (requires grad)": lambda: torch.add(xg, xg),
+        "functional stream_mix_fwd": lambda: m.stream_mix_fwd(x, M),
+        "mhc_cupy.torch.stream_mix (no grad)": lambda: mt.stream_mix(x, M),
+        "mhc_cupy.torch.stream_mix (requires grad)": lambda: mt.stream_mix(xg, M),
+        "functional mhc_layer_pre_fwd": lambda: m.mhc_layer_pre_fwd(x, layer.phi.detach(), layer.alpha.detach(),
+                                                                   layer.bias.detach()),
+        "MHC forward (requires grad)": lambda: layer(xg),
+        "MHC forward + backward": lambda: layer(xg).backward(g),
+        "torch.add forward + backward": lambda: torch.add(xg, xg).backward(g),
+    }
+    print(f"host cost per call on the CPU, launches stubbed out (tokens {T}, n {n}, C {C}, bfloat16), us:")
+    with torch.no_grad():
+        print(f"  {'MHC forward (no grad)':44s} {per_call_us(lambda: layer(x), 1000):8.2f}")
+    for name, f in rows.items():
+        print(f"  {name:44s} {per_call_us(f, 1000 if 'MHC' in name else 4000):8.2f}")
+
+
+if __name__ == "__main__":
+    main()
