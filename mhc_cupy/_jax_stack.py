@@ -7,14 +7,22 @@ applied for l = 0 .. L-1.
 
 * Without recompute: a ``lax.scan`` over the layers of :func:`mhc_cupy.jax.mhc_layer`'s fused
   ``custom_vjp`` (each layer saves its input streams x_l [..., n, C] for backward).
-* With ``recompute = L_r``: a ``lax.scan`` over blocks of L_r layers (then one block of the
-  L mod L_r last layers), each one ``custom_vjp`` (:func:`_block`) whose forward runs its layers
-  with the single layer's forward (``_fused_layer_fwd``) and keeps, of the streams, only its
-  input x_b; per layer it keeps what the layer saves anyway (the sublayer output y_j, the
-  coefficient tensors stats, H_pre, H_post, H_res, f's VJP residuals).  Its backward first
-  rebuilds x_{b+1} .. with the post op's forward (the same kernel on the same inputs as in the
-  forward: bitwise the same streams), then runs each layer's backward (``_fused_layer_bwd``)
-  in reverse.  Same kernels in the same order: gradients bitwise those without recompute.
+* With ``recompute = L_r``: a ``lax.scan`` over the first ceil(L / L_r) - 1 blocks of L_r layers,
+  then the last block (the 1 .. L_r last layers), each one ``custom_vjp`` (:func:`_block`) whose
+  forward runs its layers with the single layer's forward (``_layer_fwd``) and keeps, of the
+  streams, only its input x_b; per layer it keeps what the layer saves anyway (the sublayer
+  output y_j, the coefficient tensors stats, H_pre, H_post, H_res, f's VJP residuals).  Its
+  backward first rebuilds x_{b+1} .. with the post op's forward (the same kernel on the same
+  inputs as in the forward: bitwise the same streams), then runs each layer's backward
+  (``_fused_layer_bwd``) in reverse.  Same kernels in the same order: gradients bitwise those
+  without recompute.
+* ``fuse_boundaries=True``: the same blocks (of one layer without recompute), layer 0's pre piece
+  before the scan, and each layer's residual update run with the next layer's pre piece as one
+  op, ``mhc_boundary_fwd`` (OPS.md section 12), whose outputs (the next streams and that
+  layer's layer_in, H_pre, H_post, H_res, stats) go where the next pre piece's would; the
+  scanned blocks end with the next block's first pre piece, the last layer with the post op
+  alone.  The backward is unchanged (the boundary's streams have the post op's bits, so the
+  rebuilt ones are the forward's; the coefficients are the saved ones).
 
 f is traced once per call as ``f(f_params_l, layer_in)`` with one layer's f_params as explicit
 arguments (:func:`mhc_cupy._jax_layer.sublayer`); traced values that it closes over (weights
@@ -39,7 +47,7 @@ __all__ = ["mhc_stack", "mhc_stack_init"]
 
 #: The per-layer parameters and their ranks once stacked: phi [L, n*C, m], alpha [L, 3], bias [L, m].
 _RANKS = {"phi": 3, "alpha": 2, "bias": 2}
-#: Where _fused_layer_fwd (mhc_cupy.jax) keeps x, y, H_post and H_res in its residuals
+#: Where _layer_fwd (mhc_cupy.jax) keeps x, y, H_post and H_res in its residuals
 #: (phi, alpha, bias, x, stats, H_pre, H_post, H_res, y, f_vjp).
 _X, _H_POST, _H_RES, _Y = 3, 6, 7, 8
 
@@ -105,35 +113,44 @@ def _stack(ds):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _block(f, settings, fold, phi, alpha, bias, leaves, x, consts, acc):
+def _block(f, settings, fold, phi, alpha, bias, leaves, x, consts, acc, pre, nxt):
     """L_r layers (phi [L_r, n*C, m], alpha [L_r, 3], bias [L_r, m], f's per-layer arguments
     ``leaves`` [L_r, ...]) on x [..., n, C]; f(layer_in, *leaves_j, *consts) is the sublayer.
 
-    Returns (x_out, acc).  ``acc`` holds the values of ``consts`` (what f closes over, the same
+    ``pre``: None (each layer runs its own pre piece), or the outputs of the first layer's pre piece
+    for x (layer_in, H_pre, H_post, H_res, stats): fused boundaries, each layer's residual update
+    runs with the next layer's pre piece (``mhc_boundary_fwd``), the last one's with ``nxt`` (phi,
+    alpha, bias of the next block's first layer), or alone where ``nxt`` is None.  Those outputs
+    are the layers' pre pieces: their gradients are the layers' backward's (pre and nxt get no
+    cotangent from here, and the returned pre's is ignored).
+
+    Returns (x_out, pre_out, acc): pre_out the next block's first layer's pre-piece outputs, or None
+    (unfused, or nxt None).  ``acc`` holds the values of ``consts`` (what f closes over, the same
     for every layer) and passes through unchanged: its cotangent carries the sum of the later
     layers' contributions to the consts' gradient, to which the backward adds this block's one
     layer at a time, in the order of the layer-by-layer backward (a per-block sum added to it
     would round differently); ``consts`` itself gets no cotangent from here.
     """
-    return _block_fwd(f, settings, fold, phi, alpha, bias, leaves, x, consts, acc)[0]
+    return _block_fwd(f, settings, fold, phi, alpha, bias, leaves, x, consts, acc, pre, nxt)[0]
 
 
-def _block_fwd(f, settings, fold, phi, alpha, bias, leaves, x, consts, acc):
-    mj, x0, saved = _mj(), x, []
-    for j in range(phi.shape[0]):
-        out, res = mj._fused_layer_fwd(f, settings, fold, phi[j], alpha[j], bias[j], x, *(a[j] for a in leaves),
-                                       *consts)
-        assert res[_X] is x, "mhc_cupy.jax._fused_layer_fwd's residuals changed: update mhc_cupy._jax_stack._X"
+def _block_fwd(f, settings, fold, phi, alpha, bias, leaves, x, consts, acc, pre, nxt):
+    mj, x0, saved, fused, L_b = _mj(), x, [], pre is not None, phi.shape[0]
+    for j in range(L_b):
+        following = (phi[j + 1], alpha[j + 1], bias[j + 1]) if j + 1 < L_b else nxt
+        out, pre, res = mj._layer_fwd(f, settings, phi[j], alpha[j], bias[j], x, (*(a[j] for a in leaves), *consts),
+                                      pre, following if fused else None)
+        assert res[_X] is x, "mhc_cupy.jax._layer_fwd's residuals changed: update mhc_cupy._jax_stack._X"
         saved.append(res[:_X] + (None,) + res[_X + 1:])  # not the streams: rebuilt in backward
         x = out
-    return (x, acc), (x0, saved)
+    return (x, pre, acc), (x0, saved)
 
 
 def _block_bwd(f, settings, fold, res, cts):
     mj = _mj()
     x0, saved = res
-    g, acc = cts
-    xs = [x0]  # the block's streams, rebuilt by the post op's forward as in _fused_layer_fwd
+    g, _, acc = cts
+    xs = [x0]  # the block's streams, rebuilt by the post op's forward (a fused boundary's out has its bits)
     for r in saved[:-1]:
         xs.append(mj._k("mhc_post_op_fwd", mj._conv(settings.convention), r[_Y], xs[-1], r[_H_POST], r[_H_RES])[0])
     acc, per_layer = list(acc), []
@@ -143,15 +160,16 @@ def _block_bwd(f, settings, fold, res, cts):
         acc = [_add(a, b) for a, b in zip(acc, d_consts)]
         per_layer.append((dphi, dalpha, dbias, *d_leaves))
     dphi, dalpha, dbias, *d_leaves = (_stack(ds[::-1]) for ds in zip(*per_layer))
-    return dphi, dalpha, dbias, tuple(d_leaves), g, None, tuple(acc)
+    return dphi, dalpha, dbias, tuple(d_leaves), g, None, tuple(acc), None, None
 
 
 _block.defvjp(_block_fwd, _block_bwd)
 
 
 # ------------------------------------------------------------------ public API
-def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT,
-              grad_mode: str = "unrolled", convention: str = "paper", hc_eps=DEFAULT, post_mult=DEFAULT):
+def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, fuse_boundaries: bool = False, num_iters=DEFAULT,
+              eps=DEFAULT, rms_eps=DEFAULT, grad_mode: str = "unrolled", convention: str = "paper", hc_eps=DEFAULT,
+              post_mult=DEFAULT):
     """L mHC layers applied in order, with optional stream recompute (JAX; paper section 4.3,
     docs/OPS.md section 12): x_{l+1} = H_res,l x_l + H_post,l^T f_l(H_pre,l x_l), l = 0 .. L-1.
 
@@ -182,6 +200,17 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, num_iters=DE
             1: no recompute), or "auto" (the paper's L_r* = round(sqrt(n L / (n + 2))), at least
             1).  L_r > L: one block.  Static, keyword only.  The sublayers are not recomputed
             (wrap f in ``jax.checkpoint`` for that).
+        fuse_boundaries: run each layer's residual update and the next layer's pre piece
+            (coefficients, Sinkhorn, aggregate) as one op, ``mhc_boundary_fwd`` (OPS.md section 12:
+            the streams are read once less per boundary), layers 1 .. L-1 taking its outputs instead
+            of running their own pre piece.  Each residual update's output (bitwise the post op's
+            of the same inputs) and the gradients' formulas are the same; on the GPU the next
+            layer's coefficients may differ in the last float32 bits (its sums run over other
+            channel ranges), and the later streams, the output and the gradients by what that
+            propagates.  The fused kernel itself runs only where the kernel choice in force at
+            trace time says ``boundary=True`` (``mhc_cupy._kernel_choice.kernel_choice``) until a
+            GPU run has checked it; otherwise the boundary op runs the two ops' kernels (the
+            unfused stack's bits, as on the CPU).  Default False; a bool, static, keyword only.
         num_iters, eps, rms_eps, grad_mode, convention, hc_eps, post_mult: as
             :func:`mhc_cupy.jax.mhc_layer` (the same for every layer), keyword only; left out, the
             convention's defaults (paper: 20, 1e-8, 1e-5, "unrolled", hc_eps 0, post_mult 2).
@@ -192,7 +221,7 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, num_iters=DE
     Raises:
         TypeError: params not a dict of phi / alpha / bias arrays; f neither callable nor None;
             f_params given with f None, or holding a non-array; recompute neither None, an int nor
-            a str.
+            a str; fuse_boundaries not a bool.
         ValueError: params not stacked (phi of rank 3, alpha and bias of rank 2) or of different
             L, L = 0; x not [..., n, C] for phi; an f_params leaf without the leading L axis;
             recompute < 1 or a str other than "auto"; f's output not of its input's shape; the
@@ -201,10 +230,12 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, num_iters=DE
     Notes:
         With recompute the stack saves ceil(L / L_r) copies of the streams instead of L (the
         other per-layer residuals are [..., C] and per-token coefficients), at the cost of
-        L - ceil(L / L_r) post-op forwards in backward.
+        L - ceil(L / L_r) post-op forwards in backward.  fuse_boundaries changes neither.
     """
     mj = _mj()
     L = _layers(params)
+    if not isinstance(fuse_boundaries, bool):
+        raise TypeError(f"fuse_boundaries must be a bool, got {type(fuse_boundaries).__name__} {fuse_boundaries!r}")
     settings = mj._layer_settings(num_iters, eps, rms_eps, grad_mode, _convention.check(convention), hc_eps,
                                   post_mult)
     _layer.check_x({"phi": jax.ShapeDtypeStruct(params["phi"].shape[1:], params["phi"].dtype)}, x)
@@ -215,27 +246,36 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, num_iters=DE
     g, consts = _layer.sublayer(f, x, stacked, arg=one)
     consts = tuple(consts)
     fold = fold_post_dx(n)
-    if L_r is None:
+    if L_r is None and not fuse_boundaries:
         def layer(x, p):
             phi, alpha, bias, leaves_l = p
             return mj._fused_layer(g, settings, fold, phi, alpha, bias, x, *leaves_l, *consts), None
 
         return jax.lax.scan(layer, x, (*stacked, leaves))[0]
 
-    L_r = min(L_r, L)
-    full = L // L_r * L_r
+    # Blocks of L_r layers (fused boundaries without recompute: of one layer, each saving its input
+    # streams): the first ceil(L / L_r) - 1 in a lax.scan, each ending with the next block's first
+    # pre piece where boundaries fuse, then the last block (1 .. L_r layers), which ends the stack.
+    L_r = min(L_r or 1, L)
+    head = (L - 1) // L_r * L_r
     per_layer = (*stacked, leaves)
+    pre = None
+    if fuse_boundaries:  # layer 0's pre piece, as a value: its gradient is layer 0's backward's (_block)
+        pre = mj._layer_pre(settings, *jax.lax.stop_gradient((x, *(a[0] for a in stacked))))
 
     def block(carry, p):
-        (x, acc), (phi, alpha, bias, leaves_b) = carry, p
-        return _block(g, settings, fold, phi, alpha, bias, leaves_b, x, consts, acc), None
+        (x, pre, acc), (phi, alpha, bias, leaves_b, nxt) = carry, p
+        x, pre, acc = _block(g, settings, fold, phi, alpha, bias, leaves_b, x, consts, acc, pre, nxt)
+        return (x, jax.lax.stop_gradient(pre), acc), None  # (pre: no tangent, no cotangent carried)
 
-    blocks = jax.tree.map(lambda a: a[:full].reshape((L // L_r, L_r) + a.shape[1:]), per_layer)
-    x, acc = jax.lax.scan(block, (x, consts), blocks)[0]
-    if full < L:
-        phi, alpha, bias, leaves_b = jax.tree.map(lambda a: a[full:], per_layer)
-        x, _ = _block(g, settings, fold, phi, alpha, bias, leaves_b, x, consts, acc)
-    return x
+    carry = (x, pre, consts)
+    if head:
+        blocks = jax.tree.map(lambda a: a[:head].reshape((head // L_r, L_r) + a.shape[1:]), per_layer)
+        nxts = jax.tree.map(lambda a: a[L_r:head + 1:L_r], stacked) if fuse_boundaries else None
+        carry = jax.lax.scan(block, carry, (*blocks, nxts))[0]
+    x, pre, acc = carry
+    phi, alpha, bias, leaves_b = jax.tree.map(lambda a: a[head:], per_layer)
+    return _block(g, settings, fold, phi, alpha, bias, leaves_b, x, consts, acc, pre, None)[0]
 
 
 def mhc_stack_init(key, L: int, dim: int, n_streams: int = 4, alpha_init: float = 0.01,

@@ -430,10 +430,28 @@ def _fused_layer(f, settings, fold, phi, alpha, bias, x, *consts):
 
 
 def _fused_layer_fwd(f, settings, fold, phi, alpha, bias, x, *consts):
-    layer_in, H_pre, H_post, H_res, stats = _k("mhc_layer_pre_fwd", (("settings", settings),), x, phi, alpha, bias)
+    out, _, res = _layer_fwd(f, settings, phi, alpha, bias, x, consts)
+    return out, res
+
+
+def _layer_pre(settings, x, phi, alpha, bias) -> tuple:
+    """The layer's pre piece (OPS.md section 9): (layer_in, H_pre, H_post, H_res, stats)."""
+    return _k("mhc_layer_pre_fwd", (("settings", settings),), x, phi, alpha, bias)
+
+
+def _layer_fwd(f, settings, phi, alpha, bias, x, consts, pre=None, nxt=None) -> tuple:
+    """One layer's forward: its pre piece (``pre``: its outputs for x, already computed), the sublayer
+    ``f(layer_in, *consts)``, the residual update; with ``nxt`` (the next layer's phi, alpha, bias) the
+    residual update and the next layer's pre piece as one op (``mhc_boundary_fwd``, OPS.md section 12:
+    ``out`` bitwise the post op's).  Returns (out, the next layer's pre-piece outputs or None, the
+    residuals of :func:`_fused_layer_bwd`)."""
+    layer_in, H_pre, H_post, H_res, stats = _layer_pre(settings, x, phi, alpha, bias) if pre is None else pre
     y, f_vjp = _jax.vjp(lambda li, *c: f(li, *c).astype(x.dtype), layer_in, *consts)
-    (out,) = _k("mhc_post_op_fwd", _conv(settings.convention), y, x, H_post, H_res)
-    return out, (phi, alpha, bias, x, stats, H_pre, H_post, H_res, y, f_vjp)
+    res = (phi, alpha, bias, x, stats, H_pre, H_post, H_res, y, f_vjp)
+    if nxt is None:
+        return _k("mhc_post_op_fwd", _conv(settings.convention), y, x, H_post, H_res)[0], None, res
+    out, *pre_next = _k("mhc_boundary_fwd", (("settings", settings),), y, x, H_post, H_res, *nxt)
+    return out, tuple(pre_next), res
 
 
 def _fused_layer_bwd(f, settings, fold, res, g):

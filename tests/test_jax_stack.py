@@ -199,13 +199,15 @@ def _ref_layer(p, x, w, convention):
     return mixed + H_post[..., :, None] * y[..., None, :]
 
 
+@pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("convention", ["paper", "deepseek"])
 @pytest.mark.parametrize("case", [c for c in CASES if c[-1] == "float32"], ids=_id)
-def test_stack_matches_a_float64_chain(rng, case, convention):
+def test_stack_matches_a_float64_chain(rng, case, convention, fuse):
+    """Also with fused boundaries (tests/test_jax_stack_fused.py)."""
     lead, n, C, L, dt = case
     params, x, g, W = make(rng, lead, n, C, L, dt, convention)
-    got = vjp_all(lambda p, x, W: mj.mhc_stack(p, x, sub, W, recompute="auto", convention=convention),
-                  (params, x, W), g)
+    got = vjp_all(lambda p, x, W: mj.mhc_stack(p, x, sub, W, recompute="auto", fuse_boundaries=fuse,
+                                               convention=convention), (params, x, W), g)
     with jax.enable_x64(True):
         def chain(p, x, W):
             for l in range(L):
