@@ -61,6 +61,8 @@ if [ -n "${GPU_CHECK_TESTS_PART:-}" ]; then
     fi
 fi
 # -v: every result on its own line as it happens, so a run cut off by the step timeout still names its failures
+export MHC_TEST_FAILURES="$OUT/test_failures.txt"  # each failure's traceback as it happens (tests/conftest.py)
+rm -f "$MHC_TEST_FAILURES"
 step tests $PY -m pytest -p no:cacheprovider $XDIST ${GPU_CHECK_PYTEST_ARGS:--v -rf $TEST_PATHS $MULTI_IGNORE}
 if command -v compute-sanitizer > /dev/null; then
     step memcheck compute-sanitizer --tool memcheck --error-exitcode 9 $PY scripts/sanitize_subset.py

@@ -43,6 +43,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report):
+    """With MHC_TEST_FAILURES=<file>, append each failure's report to that file as it happens (the
+    controller's view under pytest-xdist): a run cut by a time limit keeps its tracebacks, which
+    pytest only prints at the end (scripts/gpu_check.sh sets it)."""
+    path = os.environ.get("MHC_TEST_FAILURES")
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
+
+
 @pytest.fixture
 def rng(request):
     """A NumPy generator seeded from the test id: fresh data per test, reproducible per test."""
