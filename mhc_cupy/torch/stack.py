@@ -170,10 +170,15 @@ class MHCStack(nn.Module):
         return NextPre(_as_f32(nxt.phi), _as_f32(nxt.alpha), _as_f32(nxt.bias), nxt.settings)
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
-        compiling = torch.compiler.is_compiling()
-        # (compiled: the graph is traced without the saved-tensor hooks, so without recompute)
-        L_r = None if compiling or not torch.is_grad_enabled() else self.block_layers
-        fuse = self.fuse_boundaries and not compiling
+        if torch.compiler.is_compiling():
+            # traced without the saved-tensor hooks (no recompute) and without the boundary op (eager
+            # only), nor the per-call layer attributes below (torch 2.11's Dynamo cannot trace
+            # ``__dict__.pop``): the layers in sequence
+            for layer in self.layers:
+                x = layer(x, *args, **kwargs)
+            return x
+        L_r = self.block_layers if torch.is_grad_enabled() else None
+        fuse = self.fuse_boundaries
         slot = nxt = None
         for l, layer in enumerate(self.layers):
             if L_r is not None:  # a new block every L_r layers, or where a hook changed the streams
