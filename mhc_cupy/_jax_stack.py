@@ -180,6 +180,9 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, fuse_boundar
     gradient of a value that f closes over, shared by all layers, is summed over the layers in
     the same order, but XLA may fuse an addition of that sum with f's last gradient op (into an
     FMA on the CPU) differently in another program: there it can differ by a rounding of the sum.
+    On the GPU, XLA also compiles and autotunes f's own matmuls per program, so the gradients of f's
+    parameters may differ in rounding from another program's (seen: 2.4e-7 of their max on the H200,
+    with the output and the gradients of x and the mHC parameters bitwise).
     A ``lax.scan`` over the layers: one trace of the layer whatever L; usable under ``jax.jit``,
     ``jax.grad``, ``jax.checkpoint``, inside an outer ``lax.scan``, and under ``jax.vmap`` (of x or
     of the parameters; batched parameters run the kernels once per example).

@@ -1,9 +1,10 @@
 """GPU tests of ``mhc_cupy.jax.mhc_stack`` (issue 44 items 1 and 3, JAX side): the CUDA kernels
 through XLA's buffer_callback.
 
-* stream recompute (L_r = 2, 3, "auto") gives the value and gradients (x, phi, alpha, bias, the
-  per-layer f_params) of the run without recompute bitwise, and both those of a loop of
-  ``mhc_layer`` (all under ``jax.jit``), in bfloat16 and float32, both conventions;
+* stream recompute (L_r = 2, 3, "auto") gives the value and gradients (x, phi, alpha, bias) of the
+  run without recompute bitwise, and both those of a loop of ``mhc_layer`` (all under ``jax.jit``),
+  in bfloat16 and float32, both conventions; the sublayer's own weight gradient to XLA's
+  per-program rounding (F_GRAD_TOL);
 * float32: close to the float64 plain-jnp chain of tests/test_jax_stack.py, within the layer's
   GPU bound (harness.TOL["layer_gpu"], float32) per layer;
 * fuse_boundaries=True (issue 44, "JAX: mhc_stack with fused boundaries"): without
@@ -24,6 +25,23 @@ from .helpers import ACT_TOL, JAX_GPU
 
 pytestmark = JAX_GPU
 
+#: The sublayer's own weight gradient dW (the last of vjp_all's leaves) relative to max|dW|: XLA
+#: compiles and autotunes the sublayer's matmuls per program, so two programs (the stack with or
+#: without recompute or fused boundaries, the loop) may sum dW = h^T dy in different orders.  Seen on
+#: the H200: 2.4e-7 of max|dW| at bfloat16, n 8, while out, dx, dphi, dalpha and dbias were bitwise.
+F_GRAD_TOL = 1e-5
+
+
+def same(got, want, what):
+    """mhc_cupy's results bitwise (out and the gradients of params and x); the sublayer's dW to XLA's
+    per-program rounding (F_GRAD_TOL)."""
+    import test_jax_stack as S
+
+    S.assert_same(got[:-1], want[:-1], what)
+    w = np.asarray(want[-1], np.float64)
+    np.testing.assert_allclose(np.asarray(got[-1], np.float64), w, rtol=0, atol=F_GRAD_TOL * np.abs(w).max(),
+                               err_msg=f"{what}: dW")
+
 
 @pytest.mark.parametrize("convention", ["paper", "deepseek"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -42,7 +60,7 @@ def test_gpu_stack_recompute_is_bitwise_no_recompute(lead, n, C, L, dtype, conve
     for recompute in (None, 2, 3, "auto"):
         got = S.vjp_all(lambda p, x, W: mj.mhc_stack(p, x, S.sub, W, recompute=recompute, convention=convention),
                         args, g)
-        S.assert_same(got, want, f"recompute={recompute!r}")
+        same(got, want, f"recompute={recompute!r}")
         assert np.isfinite(np.asarray(got[0], np.float32)).all()
 
 
@@ -110,12 +128,12 @@ def test_gpu_stack_fused_boundaries(lead, n, C, L, dtype, convention):
     with jax.default_matmul_precision("highest"):  # no TF32 in the sublayer: its inputs differ slightly
         want = run(False)
         for recompute in (None, 2):
-            S.assert_same(run(True, recompute), want, f"the kernel off: the unfused bits, recompute={recompute!r}")
+            same(run(True, recompute), want, f"the kernel off: the unfused bits, recompute={recompute!r}")
         with kernel_choice(boundary=True):  # (off by default until a GPU run has checked it)
             got = run(True)
-            S.assert_same(run(True), got, "repeatable")
-            S.assert_same(run(True, 2), got, "recompute: the rebuilt streams are the boundary's")
-            S.assert_same(run(True, "auto"), got, "recompute auto")
+            same(run(True), got, "repeatable")
+            same(run(True, 2), got, "recompute: the rebuilt streams are the boundary's")
+            same(run(True, "auto"), got, "recompute auto")
             # the JAX op itself on layer 0's pieces: out has the post op's bits
             settings = mj._layer_settings(DEFAULT, DEFAULT, DEFAULT, "unrolled", convention)
             p0, p1 = (jax.tree.map(lambda a: a[i], args[0]) for i in (0, 1))
@@ -133,7 +151,7 @@ def test_gpu_stack_fused_boundaries(lead, n, C, L, dtype, convention):
                 assert_close(a, b, 2e-4, what)
             assert_close(fused[5], sep[4], 1e-4, "stats", scale="max")
     if boundary_layout(int(np.prod(lead)), n, C) is None:
-        S.assert_same(got, want, "no fused kernel for this shape: the unfused bits")
+        same(got, want, "no fused kernel for this shape: the unfused bits")
     for a, b, what in zip(got, want, ("out", "dalpha", "dbias", "dphi", "dx", "dW")):
         assert np.isfinite(np.asarray(a, np.float32)).all(), what
         assert_close(np.asarray(a, np.float32), np.asarray(b, np.float32), FUSED_TOL[dtype], what, scale="max")
