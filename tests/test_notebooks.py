@@ -39,7 +39,7 @@ def test_notebook_is_saved_executed_from_one_clean_run(path):
     """Every code cell ran, in order, in one kernel (execution counts 1, 2, ...), and has what it
     printed; no errors, nothing on stderr (the demo's progress bar printed ~60 chunks there in
     notebook 04), no execution timestamps; the file stays small."""
-    nbformat = pytest.importorskip("nbformat")  # in the test extra (nbmake); absent elsewhere (likely why all five failed on the H200 machine)
+    nbformat = pytest.importorskip("nbformat")  # test extra; likely missing where all 5 failed (H200)
 
     nbformat.validate(nbformat.read(str(path), as_version=4))
     cells = _code_cells(path)
