@@ -2,7 +2,8 @@
 //   out_i = sum_j H_res[i, j] x_j + H_post[i] y          (post op, section 6)
 // of which stream mix (section 3, no y) and stream distribute (section 5, no x)
 // are special cases, and stream aggregate out = sum_i h_i x_i (section 4; with
-// ACT=1 it is the pre op's layer input, h = sigmoid(h_pre_raw), section 7).
+// ACT=1 it is the pre op's layer input, h = sigmoid(h_pre_raw), section 7; followed
+// by the next GEMM's RMSNorm and / or float8 quantisation of each row, section 13).
 //
 // Launch layout: one block per token (grid-stride over tokens), blockDim.x a
 // multiple of 32; each thread owns E contiguous columns at a time for all N
