@@ -2,7 +2,8 @@
 //   out_i = sum_j H_res[i, j] x_j + H_post[i] y          (post op, section 6)
 // of which stream mix (section 3, no y) and stream distribute (section 5, no x)
 // are special cases, and stream aggregate out = sum_i h_i x_i (section 4; with
-// ACT=1 it is the pre op's layer input, h = sigmoid(h_pre_raw), section 7).
+// ACT=1 it is the pre op's layer input, h = sigmoid(h_pre_raw), section 7; followed
+// by the next GEMM's RMSNorm and / or float8 quantisation of each row, section 13).
 //
 // Launch layout: one block per token (grid-stride over tokens), blockDim.x a
 // multiple of 32; each thread owns E contiguous columns at a time for all N
@@ -328,6 +329,210 @@ __global__ void mhc_stream_aggregate_fwd_kernel(const T* __restrict__ x, const f
                 o[e] = s;
             }
             mhc::store_vec<T, E>(out + t * (i64)C + c, o);
+        }
+    }
+}
+
+// ------------------------------------------ stream aggregate for the next GEMM (OPS.md section 13)
+namespace {
+// layer_in at columns c .. c + E - 1 of token row xt (its N rows; s_h its H_pre), rounded to T as
+// mhc_stream_aggregate_fwd_kernel stores it (the same fmaf chain); x loaded at cache priority H.
+template <typename T, int N, int E, mhc::Evict H>
+__device__ __forceinline__ void aggregate_vec(const T* __restrict__ xt, const float* s_h, int C, unsigned c,
+                                              float (&v)[E]) {
+    float xv[N][E];
+#pragma unroll
+    for (int i = 0; i < N; ++i) mhc::load_vec<T, E, H>(xt + (i64)i * C + c, xv[i]);
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < N; ++i) s = fmaf(s_h[i], xv[i][e], s);
+        v[e] = mhc::to_float<T>(mhc::from_float<T>(s));
+    }
+}
+
+// The kept row: element e of vector vi (of V) in cell e V + vi, so a warp's cells are consecutive
+// (no bank conflicts); a thread reads back only the cells it wrote (no barrier).
+template <typename T, int E>
+__device__ __forceinline__ void keep_store(T* s_row, unsigned V, unsigned vi, const float (&v)[E]) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) s_row[e * V + vi] = mhc::from_float<T>(v[e]);
+}
+template <typename T, int E>
+__device__ __forceinline__ void keep_load(const T* s_row, unsigned V, unsigned vi, float (&v)[E]) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) v[e] = mhc::to_float<T>(s_row[e * V + vi]);
+}
+
+// u = T((v rstd) w) of E columns (two float32 products, then one rounding to T).
+template <typename T, int E>
+__device__ __forceinline__ void normalise_vec(float (&v)[E], float rstd, const float* __restrict__ w) {
+    float wv[E];
+    mhc::load_vec<float, E>(w, wv);
+#pragma unroll
+    for (int e = 0; e < E; ++e) v[e] = mhc::to_float<T>(mhc::from_float<T>(__fmul_rn(__fmul_rn(v[e], rstd), wv[e])));
+}
+
+// max(a, b) of |values|, NaN once either is NaN (so the result does not depend on the order).
+__device__ __forceinline__ float amax_of(float a, float b) { return (b > a || b != b) ? b : a; }
+
+// The block's total of a (mhc::block_sum's fixed order) / its amax_of, in every thread; red: 32 floats,
+// free again on return.
+__device__ __forceinline__ float block_total(float a, float* red) {
+    float acc[1] = {a};
+    mhc::block_sum<1>(acc, red);
+    const float s = red[0];
+    __syncthreads();
+    return s;
+}
+__device__ __forceinline__ float block_amax(float a, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) a = amax_of(a, __shfl_xor_sync(0xffffffffu, a, off));
+    if (lane == 0) red[warp] = a;
+    __syncthreads();
+    float m = 0.f;
+    for (int k = 0; k < nwarps; ++k) m = amax_of(m, red[k]);
+    __syncthreads();
+    return m;
+}
+
+// float32 -> float8 e4m3fn bits (OPS.md section 13): to nearest even, saturating (+-inf too) to +-448,
+// NaN -> NaN (0x7f with the sign).  Integer arithmetic, one path on every GPU (sm_89+ has
+// cvt.rn.satfinite.e4m3x2.f32, with these bits); the kernel around it is memory bound.
+__device__ __forceinline__ unsigned int to_e4m3(float f) {
+    const unsigned int u = __float_as_uint(f), a = u & 0x7fffffffu, sign = (u >> 24) & 0x80u;
+    if (a > 0x7f800000u) return sign | 0x7fu;  // NaN
+    if (a >= 0x43e00000u) return sign | 0x7eu;  // |f| >= 448: 448
+    if (a >= 0x3c800000u)                       // |f| >= 2^-6: a normal e4m3 (a carry may round 2^k up)
+        return sign | (((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - (120u << 3));
+    return sign | __float2uint_rn(__uint_as_float(a) * 512.f);  // multiples of 2^-9 (8: the least normal)
+}
+
+// E bytes (low 8 bits of b) to p in accesses of up to 16 bytes (p aligned to them).
+template <int E>
+__device__ __forceinline__ void store_bytes(unsigned char* __restrict__ p, const unsigned int (&b)[E]) {
+    if constexpr (E >= 4) {
+        constexpr int W = E / 4, L = W < 4 ? W : 4;
+#pragma unroll
+        for (int k0 = 0; k0 < W; k0 += L) {
+            unsigned int w[L];
+#pragma unroll
+            for (int k = 0; k < L; ++k) {
+                const int e = 4 * (k0 + k);
+                w[k] = b[e] | (b[e + 1] << 8) | (b[e + 2] << 16) | (b[e + 3] << 24);
+            }
+            mhc::store_words<L>(p + 4 * k0, w);
+        }
+    } else if constexpr (E == 2) {
+        *reinterpret_cast<unsigned short*>(p) = (unsigned short)(b[0] | (b[1] << 8));
+    } else {
+        *p = (unsigned char)b[0];
+    }
+}
+}  // namespace
+
+// v = layer_in = sum_i h_i x_i, each element as mhc_stream_aggregate_fwd_kernel computes and rounds it
+// (h = H_pre per token [tokens, N]), then per token row (one block, grid-stride over tokens):
+//   NORM: rstd = 1 / sqrt(sum_c v_c^2 / C + eps) in float32 (block_sum's fixed order; a sum that
+//         overflows is summed again with v scaled by 2^-100, as RMSNorm), u_c = T((v_c rstd) w_c),
+//         written to out unless FP8; stat[t] = rstd.
+//   FP8:  amax = max_c |u_c| (u = v without NORM; NaN if some u_c is), scale = amax / 448, 1 where
+//         that is 0; q_c = to_e4m3(u_c / scale) (float32 division); stat[t] = scale.
+// Each reduction needs the whole row before the next pass.  keep: the row stays in dynamic shared
+// memory between passes, as T (the rounded values are all a later pass reads: nothing is lost), at
+// C sizeof(T) bytes (the host keeps rows of at most 32 KiB: 8 KiB at C = 4096 in bf16).  Registers
+// would need the columns per thread at compile time (a specialisation per row size class); reading x
+// again costs n rows a pass.  keep = 0 (longer rows): each pass recomputes the row from x (the same
+// fmaf chain, the same bits), the first loading it evict_last so that the others find it in L2.
+// Needs C % E == 0 and every pointer aligned to its E-element access.
+template <typename T, int N, int E, bool NORM, bool FP8>
+__global__ void mhc_stream_aggregate_out_kernel(const T* __restrict__ x, const float* __restrict__ h,
+                                                const float* __restrict__ w, T* __restrict__ out,
+                                                unsigned char* __restrict__ q, float* __restrict__ stat,
+                                                i64 tokens, int C, float eps, int keep) {
+    static_assert(NORM || FP8, "the plain aggregate is mhc_stream_aggregate_fwd_kernel");
+    extern __shared__ __align__(16) unsigned char s_dyn[];
+    T* s_row = reinterpret_cast<T*>(s_dyn);
+    __shared__ float s_h[N];
+    __shared__ float red[32];
+    const unsigned V = (unsigned)C / E, step = blockDim.x * E;
+    for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
+        __syncthreads();
+        for (int k = threadIdx.x; k < N; k += blockDim.x) s_h[k] = h[t * N + k];
+        __syncthreads();
+        const T* xt = x + t * N * (i64)C;
+        // the row as a pass after the first reads it: kept, or recomputed (from L2 mostly)
+        auto again = [&](unsigned c, float (&v)[E]) {
+            if (keep) keep_load<T, E>(s_row, V, c / E, v);
+            else aggregate_vec<T, N, E, mhc::Evict::normal>(xt, s_h, C, c, v);
+        };
+        // first pass: v; the sum of squares (NORM) or the amax (FP8 alone)
+        float acc = 0.f;
+        for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += step) {
+            float v[E];
+            if (keep) {
+                aggregate_vec<T, N, E, mhc::Evict::normal>(xt, s_h, C, c, v);
+                keep_store<T, E>(s_row, V, c / E, v);
+            } else {
+                aggregate_vec<T, N, E, mhc::Evict::last>(xt, s_h, C, c, v);
+            }
+#pragma unroll
+            for (int e = 0; e < E; ++e) acc = NORM ? fmaf(v[e], v[e], acc) : amax_of(acc, fabsf(v[e]));
+        }
+        float rstd = 1.f;
+        if (NORM) {
+            const float ss = block_total(acc, red);
+            if (isinf(ss)) {  // rare: v scaled by 2^-100 (a NaN sum stays NaN: rstd NaN)
+                acc = 0.f;
+                for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += step) {
+                    float v[E];
+                    again(c, v);
+#pragma unroll
+                    for (int e = 0; e < E; ++e) {
+                        const float s = v[e] * mhc::STAT_SCALE;
+                        acc = fmaf(s, s, acc);
+                    }
+                }
+                rstd = mhc::rms_inv_scaled(block_total(acc, red), (float)C, eps);
+            } else {
+                rstd = 1.f / sqrtf(ss / (float)C + eps);
+            }
+            // second pass: u; written out (NORM alone) or kept for the quantisation and its amax
+            acc = 0.f;
+            for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += step) {
+                float v[E];
+                again(c, v);
+                normalise_vec<T, E>(v, rstd, w + c);
+                if (FP8) {
+                    if (keep) keep_store<T, E>(s_row, V, c / E, v);
+#pragma unroll
+                    for (int e = 0; e < E; ++e) acc = amax_of(acc, fabsf(v[e]));
+                } else {
+                    mhc::store_vec<T, E>(out + t * (i64)C + c, v);
+                }
+            }
+        }
+        if (FP8) {
+            float scale = __fdiv_rn(block_amax(acc, red), 448.f);
+            if (scale == 0.f) scale = 1.f;
+            for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += step) {
+                float u[E];
+                if (keep) {
+                    keep_load<T, E>(s_row, V, c / E, u);
+                } else {
+                    aggregate_vec<T, N, E, mhc::Evict::first>(xt, s_h, C, c, u);
+                    if (NORM) normalise_vec<T, E>(u, rstd, w + c);
+                }
+                unsigned int b[E];
+#pragma unroll
+                for (int e = 0; e < E; ++e) b[e] = to_e4m3(__fdiv_rn(u[e], scale));
+                store_bytes<E>(q + t * (i64)C + c, b);
+            }
+            if (threadIdx.x == 0) stat[t] = scale;
+        } else if (threadIdx.x == 0) {
+            stat[t] = rstd;
         }
     }
 }

@@ -390,5 +390,5 @@ def _run(planner, arrays: dict, fast_key, params: dict):
         _fast[fast_key] = _Entry(plan, afe, dev, replay)
     if out_fw == "jax":
         jfe = _interop.frontend("jax")
-        outs = [jfe.from_cupy(o) for o in outs]
+        outs = [jfe.from_cupy(o, dt) for o, (_, dt) in zip(outs, plan.outputs)]
     return outs[0] if plan.single else tuple(outs)

@@ -53,11 +53,17 @@ def is_contiguous(shape, strides) -> bool:
 
 
 def numpy_dtype(name: str):
-    if name == "bfloat16":
+    if name in ("bfloat16", "float8_e4m3fn"):
         import ml_dtypes
 
-        return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(getattr(ml_dtypes, name))
     return np.dtype(name)
+
+
+#: Output dtypes some frameworks cannot hold, and what holds their bits there: CuPy (which has no
+#: float8 dtype, nor its DLPack code) returns a float8 e4m3fn output as uint8 bits, and the JAX
+#: kernel calls (mhc_cupy._jax_kernels) let XLA allocate it as uint8, viewed as float8 after the call.
+BITS_OF = {"float8_e4m3fn": "uint8"}
 
 
 _NAMES: dict = {}
@@ -81,7 +87,8 @@ class _Torch:
         self.torch = torch
         self.to_name = {
             torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-            torch.float64: "float64", torch.uint8: "uint8",  # uint8: the temporaries' buffer (_dispatch.Plan)
+            torch.float64: "float64", torch.float8_e4m3fn: "float8_e4m3fn",
+            torch.uint8: "uint8",  # the temporaries' buffer (_dispatch.Plan.scratch_ptrs)
         }
         self.from_name = {v: k for k, v in self.to_name.items()}
 
@@ -120,6 +127,8 @@ class _Torch:
     def from_numpy(self, a, like):
         if a.dtype.name == "bfloat16":
             return self.torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(self.torch.bfloat16)
+        if a.dtype.name == "float8_e4m3fn":
+            return self.torch.from_numpy(np.ascontiguousarray(a).view(np.uint8)).view(self.torch.float8_e4m3fn)
         return self.torch.from_numpy(np.ascontiguousarray(a))
 
 
@@ -142,8 +151,8 @@ class _Cupy:
         return self.cupy.ascontiguousarray(x)
 
     def empty(self, shape, dtype: str, like=None):
-        """On the current device (the caller enters the right one)."""
-        return self.cupy.empty(shape, dtype=numpy_dtype(dtype))
+        """On the current device (the caller enters the right one); float8: its bits (``BITS_OF``)."""
+        return self.cupy.empty(shape, dtype=numpy_dtype(BITS_OF.get(dtype, dtype)))
 
     @staticmethod
     def ptr(x) -> int:
@@ -200,10 +209,15 @@ class _Jax:
         with cupy.cuda.Device(self._ordinal(self._device(x))):
             return cupy.from_dlpack(x)
 
-    def from_cupy(self, a):
+    def from_cupy(self, a, dtype: str | None = None):
+        """A JAX view of CuPy array ``a``; ``dtype``: the output's dtype, of which ``a`` may hold the bits
+        (``BITS_OF``)."""
         import jax.dlpack
 
-        return jax.dlpack.from_dlpack(a)
+        out = jax.dlpack.from_dlpack(a)
+        if dtype in BITS_OF:
+            out = self.jax.lax.bitcast_convert_type(out, numpy_dtype(dtype))
+        return out
 
     def to_numpy(self, x):
         return np.asarray(x)

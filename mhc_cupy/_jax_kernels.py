@@ -146,6 +146,12 @@ def _jnp_dtype(name: str):
     return _jnp.dtype(_interop.numpy_dtype(name))
 
 
+def _buffer_dtype(name: str):
+    """The dtype XLA allocates an output of dtype ``name`` as: float8 as its bits (``_interop.BITS_OF``:
+    the callback then sees plain bytes on any jaxlib), viewed as float8 after the call."""
+    return _jnp_dtype(_interop.BITS_OF.get(name, name))
+
+
 def _make_callback(plan, names: tuple, present: tuple):
     """The buffer_callback body for one plan.
 
@@ -166,7 +172,8 @@ def _make_callback(plan, names: tuple, present: tuple):
             arrays.update({k: np.asarray(b) for k, b in zip(present, ins)})
             results = plan.reference(arrays)
             for b, r, (shape, dt) in zip(outs[:n_out], results, plan.outputs):
-                np.asarray(b)[...] = np.asarray(r).astype(_interop.numpy_dtype(dt)).reshape(shape)
+                host = np.asarray(b)
+                host[...] = np.asarray(r).astype(_interop.numpy_dtype(dt)).reshape(shape).view(host.dtype)
             return
         import cupy
 
@@ -225,7 +232,7 @@ def _bind(name: str, params: tuple, arrays: tuple) -> tuple:
     if _buffer_callback is None:  # pragma: no cover - depends on the installed jax
         raise ImportError(f"mhc_cupy.jax needs jax.experimental.buffer_callback (jax >= 0.6.1); "
                           f"this is jax {_jax.__version__}")
-    results = [_jax.ShapeDtypeStruct(tuple(shape), _jnp_dtype(dt))
+    results = [_jax.ShapeDtypeStruct(tuple(shape), _buffer_dtype(dt))
                for shape, dt in plan.outputs + list(plan.scratch.values())]
     # vmap never reaches this primitive (custom_vmap above it batches by
     # re-planning); "sequential" is the safe statement should it ever do.
@@ -233,7 +240,8 @@ def _bind(name: str, params: tuple, arrays: tuple) -> tuple:
     # kernels on first use, and jaxlib's command-buffer target name has varied.
     call = _buffer_callback(callback, results, vmap_method="sequential")
     outs = call(*[a for a in arrays if a is not None])
-    return tuple(outs[:len(plan.outputs)])
+    return tuple(o if dt not in _interop.BITS_OF else _jax.lax.bitcast_convert_type(o, _jnp_dtype(dt))
+                 for o, (_, dt) in zip(outs, plan.outputs))
 
 
 @functools.lru_cache(maxsize=None)

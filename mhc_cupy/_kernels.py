@@ -39,7 +39,8 @@ def _infos(kernel, lead: tuple, sizes: dict, dt: str, tg: str, ptr: int, shared:
 #: Kernel variants that are off by default (mhc_cupy._kernel_choice) and which ops' plans use them: the
 #: dry runs plan those ops under the default choice and with the variant on, so CI compiles it too.
 _OPT_IN = {"mhc_boundary_fwd": ({"boundary": True}, {"small": True}), "mhc_layer_pre_fwd": ({"small": True},),
-           "mhc_coeffs_fwd": ({"small": True},)}
+           "mhc_coeffs_fwd": ({"small": True},), "mhc_layer_pre_norm_fwd": ({"small": True},),
+           "mhc_layer_pre_fp8_fwd": ({"small": True},)}
 
 
 def _cases(dt: str, n: int, C: int, ptr: int, tg: str):

@@ -31,6 +31,7 @@ from ._reference_ops import (  # noqa: F401 - sections 1-7
 from ._reference_coeffs import (  # noqa: F401 - sections 8, 9, 11, 12
     mhc_boundary_fwd, mhc_coeffs_bwd, mhc_coeffs_fwd, mhc_head_bwd, mhc_head_fwd, mhc_layer_pre_bwd, mhc_layer_pre_fwd,
 )
+from ._reference_layer_in import mhc_layer_pre_fp8_fwd, mhc_layer_pre_norm_fwd  # noqa: F401 - section 13
 
 __all__ = [
     "sinkhorn_knopp_fwd",
@@ -51,4 +52,6 @@ __all__ = [
     "mhc_coeffs_bwd",
     "mhc_head_fwd",
     "mhc_head_bwd",
+    "mhc_layer_pre_norm_fwd",
+    "mhc_layer_pre_fp8_fwd",
 ]

@@ -17,7 +17,7 @@ import numpy as np
 from .._jit import launch  # noqa: F401 - the op modules import it from here
 
 CTYPE = {"bfloat16": "__nv_bfloat16", "float16": "__half", "float32": "float"}
-ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 MAX_GRID = 2**31 - 1
 MAX_THREADS = 256
 

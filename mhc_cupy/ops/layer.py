@@ -24,6 +24,7 @@ and the pre / post op kernels.
 
 from __future__ import annotations
 
+from typing import NamedTuple
 
 from .. import _checks, reference
 from .._convention import DEFAULT
@@ -67,25 +68,30 @@ PRE_TAIL = KernelSpec(
 
 
 def launch_pre_from_sums(dt, n, C, D, K, tokens, rms_eps, s: LayerSettings, *, x, part, splits, alpha, bias, outs, sc,
-                         stream, small: bool = False):
+                         stream, small: bool = False, aggregate=None):
     """The layer's pre piece from the forward GEMM's per-range sums part [splits, T, K+1]: the raw
     coefficients (and stats), Sinkhorn and the activations, then layer_in = sum_i H_pre_i x_i.
     ``outs``: (layer_in, H_pre, H_post, H_res, stats); ``sc``: :func:`raw_coefficient_scratch`.
     ``small`` (a few tokens, the kernel choice ``small``): all in one launch, mhc_layer_pre_tail_kernel,
-    with the three kernels' bits; else three launches."""
+    with the three kernels' bits; else three launches.  ``aggregate(H_pre)``: launches what replaces
+    the aggregate (layer_in for the next GEMM, ``ops.layer_in``), after the tail kernel where ``small``
+    (whose layer_in then goes to scratch)."""
     layer_in, H_pre, H_post, H_res, stats = outs
     if small:
         PRE_TAIL.bind(T=dt, N=n, G=fwd_group(n), DS=s.deepseek).launch(
             (min(tokens, MAX_GRID), 1, 1), (256, 1, 1), stream, part=part, alpha=alpha, bias=bias, x=x, stats=stats,
             H_pre=H_pre, H_post=H_post, H_res=H_res, layer_in=layer_in, tokens=tokens, C=C, splits=splits,
             rms_eps=rms_eps, iters=s.num_iters, eps=s.eps, hc_eps=s.hc_eps, post_mult=s.post_mult)
-        return
-    launch_finish(tokens, D, n, K, rms_eps, part=part, splits=splits, alpha=alpha, bias=bias, h_pre=sc["h_pre"],
-                  h_post=sc["h_post"], h_res=sc["h_res"], stats=stats, stream=stream)
-    launch_fwd(n, tokens, s.num_iters, s.eps, logits=sc["h_res"], P=H_res, stream=stream, h_pre_raw=sc["h_pre"],
-               h_post_raw=sc["h_post"], H_pre=H_pre, H_post=H_post, ds=s.deepseek, hc_eps=s.hc_eps,
-               post_mult=s.post_mult)
-    launch_aggregate_fwd(dt, n, C, tokens, x=x, h=H_pre, h_stride=n, out=layer_in, stream=stream)
+    else:
+        launch_finish(tokens, D, n, K, rms_eps, part=part, splits=splits, alpha=alpha, bias=bias, h_pre=sc["h_pre"],
+                      h_post=sc["h_post"], h_res=sc["h_res"], stats=stats, stream=stream)
+        launch_fwd(n, tokens, s.num_iters, s.eps, logits=sc["h_res"], P=H_res, stream=stream, h_pre_raw=sc["h_pre"],
+                   h_post_raw=sc["h_post"], H_pre=H_pre, H_post=H_post, ds=s.deepseek, hc_eps=s.hc_eps,
+                   post_mult=s.post_mult)
+        if aggregate is None:
+            launch_aggregate_fwd(dt, n, C, tokens, x=x, h=H_pre, h_stride=n, out=layer_in, stream=stream)
+    if aggregate is not None:
+        aggregate(H_pre)
 
 
 def pre_outputs(lead: tuple, n: int, C: int, K: int, dt: str) -> list:
@@ -94,25 +100,56 @@ def pre_outputs(lead: tuple, n: int, C: int, K: int, dt: str) -> list:
             (lead + (K + 1,), "float32")]
 
 
+class PrePiece(NamedTuple):
+    """The forward of the pre piece for checked inputs: shapes, the GEMM's layout and the scratch it needs."""
+
+    dt: str
+    lead: tuple
+    n: int
+    C: int
+    D: int
+    K: int
+    tokens: int
+    rms_eps: float
+    mma: object  # ops.coeffs.mma_layout's
+
+    @property
+    def small(self) -> bool:
+        """The small-token path (the kernel choice ``small``): the GEMV, then mhc_layer_pre_tail_kernel."""
+        return self.mma.gemv is not None
+
+    def scratch(self) -> dict:
+        return {"part": ((self.mma.splits, self.tokens, self.K + 1), "float32"), "planes": self.mma.planes_shape,
+                **raw_coefficient_scratch(self.tokens, self.n)}
+
+    def launch(self, s: LayerSettings, p: dict, outs, sc: dict, stream, aggregate=None):
+        """The GEMM, then :func:`launch_pre_from_sums` (``outs``, ``aggregate``: as there)."""
+        launch_mma_gemm(self.dt, self.D, self.K, self.tokens, x=p["x"], phi=p["phi"], part=sc["part"],
+                        planes=sc["planes"], mma=self.mma, stream=stream)
+        launch_pre_from_sums(self.dt, self.n, self.C, self.D, self.K, self.tokens, self.rms_eps, s, x=p["x"],
+                             part=sc["part"], splits=self.mma.splits, alpha=p["alpha"], bias=p["bias"], outs=outs,
+                             sc=sc, stream=stream, small=self.small, aggregate=aggregate)
+
+
+def pre_piece(infos, s: LayerSettings) -> PrePiece:
+    """:class:`PrePiece` of mhc_layer_pre_fwd's inputs x, phi, alpha, bias (TypeError / ValueError: as it)."""
+    dt, lead, n, C, D, K, tokens, rms_eps = _check_coeffs(infos, s.rms_eps, False, eps_name="rms_eps")
+    return PrePiece(dt, lead, n, C, D, K, tokens, rms_eps, mma_layout(tokens, D, K, dt))
+
+
 @takes_settings
 def _plan_pre_fwd(infos, s: LayerSettings):
-    dt, lead, n, C, D, K, tokens, rms_eps = _check_coeffs(infos, s.rms_eps, False, eps_name="rms_eps")
+    pp = pre_piece(infos, s)
+    dt, lead, n, C, K, rms_eps = pp.dt, pp.lead, pp.n, pp.C, pp.K, pp.rms_eps
     iters, eps, hc_eps, post_mult = s.num_iters, s.eps, s.hc_eps, s.post_mult
-    mma = mma_layout(tokens, D, K, dt)
-    scratch = {"part": ((mma.splits, tokens, K + 1), "float32"), "planes": mma.planes_shape,
-               **raw_coefficient_scratch(tokens, n)}
 
     def run_kernels(p, outs, sc, stream):
-        launch_mma_gemm(dt, D, K, tokens, x=p["x"], phi=p["phi"], part=sc["part"], planes=sc["planes"], mma=mma,
-                        stream=stream)
-        launch_pre_from_sums(dt, n, C, D, K, tokens, rms_eps, s, x=p["x"], part=sc["part"], splits=mma.splits,
-                             alpha=p["alpha"], bias=p["bias"], outs=outs, sc=sc, stream=stream,
-                             small=mma.gemv is not None)
+        pp.launch(s, p, outs, sc, stream)
 
     return Plan(pre_outputs(lead, n, C, K, dt), run_kernels,
                 lambda a: reference.mhc_layer_pre_fwd(a["x"], a["phi"], a["alpha"], a["bias"], iters, eps, rms_eps,
                                                       s.convention, hc_eps, post_mult),
-                scratch=scratch, empty=tokens == 0)
+                scratch=pp.scratch(), empty=pp.tokens == 0)
 
 
 def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, *, convention="paper",

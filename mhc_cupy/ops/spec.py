@@ -11,7 +11,7 @@ may be a product (``"nC,K"`` = [n*C, K]).  ``K`` = n*n + 2n (the columns of phi,
 section 8); a dim may also be a number (``"3"``) or ``"K+1"``.
 
 Kinds: "activation" (bfloat16 / float16 / float32, the dtype of x), "coefficient" (float32,
-per token), "parameter" (float32, without token dims).
+per token), "parameter" (float32, without token dims), "fp8" (float8 e4m3fn; an output only).
 """
 
 from __future__ import annotations

@@ -171,7 +171,8 @@ def register(name: str, kernel, signature=None, params: dict | None = None, with
         """Run the functional API's checks (:func:`_validate`), then return empty outputs of the spec's
         shapes and dtypes: the gradient of an input shaped like that input (its dtype for an
         activation, else float32; none for an absent optional input), a new output over the token
-        dims of the spec's reference input (x's dtype for an activation, else float32)."""
+        dims of the spec's reference input (x's dtype for an activation, float8_e4m3fn for "fp8", else
+        float32)."""
         kw = bound(args)
         tensors = {a.name: kw.get(a.name) for a in kernel.args}
         _validate(kernel.planner, tensors, **{k: kw[k] for k in kernel.params})
@@ -184,7 +185,8 @@ def register(name: str, kernel, signature=None, params: dict | None = None, with
             if t is None:
                 continue
             shape = tuple(t.shape) if kernel.is_grad(o) else _shape_of(o, lead, sizes)
-            outs.append(t.new_empty(shape, dtype=t.dtype if o.kind == "activation" else _F32))
+            dtype = {"activation": t.dtype, "fp8": torch.float8_e4m3fn}.get(o.kind, _F32)
+            outs.append(t.new_empty(shape, dtype=dtype))
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     returns = "Tensor" if len(outputs) == 1 else f"({', '.join(['Tensor'] * len(outputs))})"

@@ -303,8 +303,10 @@ _SPEC_OF = {name: r.kernel.name for name, r in _REGISTERED.items() if name != r.
 # post op's part of dx back along it: for n <= 4 g, the gradient of the layer's output, from
 # which the pre piece's backward computes H_res^T g itself (grad_out); above, the post op's dx
 # from its own backward, which the pre piece's backward adds (grad_x; ops.layer.fold_post_dx).
-for _name in ("mhc_layer_pre_fwd", "mhc_layer_pre_bwd", "mhc_layer_post_bwd", "mhc_boundary_fwd"):
-    _register(_name, _ops.SPECS[_name])  # (the boundary: layer_post and layer_pre's forwards in one, NextPre)
+# (the boundary: layer_post and layer_pre's forwards in one, NextPre; the layer_in forms for inference, forward only)
+for _name in ("mhc_layer_pre_fwd", "mhc_layer_pre_bwd", "mhc_layer_post_bwd", "mhc_boundary_fwd",
+              "mhc_layer_pre_norm_fwd", "mhc_layer_pre_fp8_fwd"):
+    _register(_name, _ops.SPECS[_name])
 
 
 def _same_tensor(a: Tensor, b) -> bool:
