@@ -26,6 +26,10 @@ wherever it applies; ``False``: never):
   and the layer's pre piece after it (finish, Sinkhorn, activations, aggregate) in one kernel
   (``mhc_layer_pre_tail_kernel``): ``mhc_layer_pre_fwd`` in two launches.  Else the tensor-core GEMM
   and the separate kernels.  Off by default until a GPU run has checked the kernels.
+* ``layer_in``: ``mhc_layer_pre_norm_fwd`` / ``mhc_layer_pre_fp8_fwd`` (OPS.md section 13) run their
+  kernel (``mhc_stream_aggregate_out_kernel``) on the GPU; else they raise NotImplementedError there
+  (no other GPU route; CPU inputs run the reference either way).  Off by default until a GPU run has
+  checked the kernel.
 
 When it is read: once, when what runs the kernels is built.  The coefficient path's layouts
 (``ops.coeffs.fwd.mma_layout``, ``ops.coeffs.split_bwd.SplitBwd``) read ``wg_fwd`` / ``wg_dx`` when
@@ -45,7 +49,8 @@ import dataclasses
 __all__ = ["KernelChoice", "LIBRARY_CHOICE", "current", "kernel_choice"]
 
 #: What ``None`` means for each variant: the library's own choice.
-LIBRARY_CHOICE = {"wg_fwd": True, "wg_dx": True, "fused": True, "boundary": False, "small": False}
+LIBRARY_CHOICE = {"wg_fwd": True, "wg_dx": True, "fused": True, "boundary": False, "small": False,
+                  "layer_in": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +58,8 @@ class KernelChoice:
     """The variants asked for (see the module docstring); hashable, a plan-cache key as it is.
 
     Attributes:
-        wg_fwd, wg_dx, fused, boundary, small: True, False or None (default: the library's choice).
+        wg_fwd, wg_dx, fused, boundary, small, layer_in: True, False or None (default: the library's
+            choice).
 
     Raises:
         TypeError: a variant that is not True, False or None (named).
@@ -64,6 +70,7 @@ class KernelChoice:
     fused: bool | None = None
     boundary: bool | None = None
     small: bool | None = None
+    layer_in: bool | None = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -73,7 +80,7 @@ class KernelChoice:
                                 f"got {v!r}")
 
     def runs(self, variant: str) -> bool:
-        """Whether ``variant`` ("wg_fwd", "wg_dx", "fused", "boundary", "small") runs where it applies: its value, or
+        """Whether ``variant`` ("wg_fwd", "wg_dx", "fused", "boundary", "small", "layer_in") runs where it applies: its value, or
         for None :data:`LIBRARY_CHOICE`'s.  ValueError: not a variant."""
         if variant not in LIBRARY_CHOICE:
             raise ValueError(f"variant must be one of {', '.join(LIBRARY_CHOICE)}, got {variant!r}")

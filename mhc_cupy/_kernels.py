@@ -39,8 +39,12 @@ def _infos(kernel, lead: tuple, sizes: dict, dt: str, tg: str, ptr: int, shared:
 #: Kernel variants that are off by default (mhc_cupy._kernel_choice) and which ops' plans use them: the
 #: dry runs plan those ops under the default choice and with the variant on, so CI compiles it too.
 _OPT_IN = {"mhc_boundary_fwd": ({"boundary": True}, {"small": True}), "mhc_layer_pre_fwd": ({"small": True},),
-           "mhc_coeffs_fwd": ({"small": True},), "mhc_layer_pre_norm_fwd": ({"small": True},),
-           "mhc_layer_pre_fp8_fwd": ({"small": True},)}
+           "mhc_coeffs_fwd": ({"small": True},),
+           "mhc_layer_pre_norm_fwd": ({"layer_in": True}, {"layer_in": True, "small": True}),
+           "mhc_layer_pre_fp8_fwd": ({"layer_in": True}, {"layer_in": True, "small": True})}
+#: Ops that launch nothing on a GPU under the default choice (their only kernel is opt-in): planned with
+#: their _OPT_IN variants only.
+_GATED = {"mhc_layer_pre_norm_fwd", "mhc_layer_pre_fp8_fwd"}
 
 
 def _cases(dt: str, n: int, C: int, ptr: int, tg: str):
@@ -58,7 +62,7 @@ def _cases(dt: str, n: int, C: int, ptr: int, tg: str):
         absent = (False, True) if any(a.optional for a in k.args) else (False,)
         for mode, conv, sh, ab in itertools.product(modes, conventions, shared, absent):
             params = dict(k.params, **({"grad_mode": mode} if mode else {}), **({"convention": conv} if conv else {}))
-            for variants in ({}, *_OPT_IN.get(k.name, ())):
+            for variants in (() if k.name in _GATED else ({},)) + _OPT_IN.get(k.name, ()):
                 cases.append((k.planner, _infos(k, (3,), sizes, dt, tg, ptr, sh, ab), params, variants))
     # RMSNorm of vec(x), as the mHC paper (OPS.md 2), with a weight too where its dw row fits every
     # supported GPU; the coefficient backward over many tokens (the narrow column sums over tokens:

@@ -41,6 +41,7 @@ if __package__ in (None, ""):  # run as a script: the worktree's package
 from mhc_cupy import _jit, reference  # noqa: E402
 from mhc_cupy import _reference_layer_in as rli  # noqa: E402
 from mhc_cupy._interop import BITS_OF, ArrayInfo, numpy_dtype  # noqa: E402
+from mhc_cupy._kernel_choice import kernel_choice  # noqa: E402
 from mhc_cupy._settings import LayerSettings  # noqa: E402
 from mhc_cupy.ops import SPECS  # noqa: E402
 from mhc_cupy.ops.spec import shape_of  # noqa: E402
@@ -250,7 +251,7 @@ def plan_launch(op, arrays, H_pre, misalign=False, blocks=None, settings=None, n
         mem[p] = Buffer(arg.name, np.ascontiguousarray(v).copy())
         infos[arg.name] = ArrayInfo(v.shape, {np.dtype(t): nm for nm, t in NP_DTYPE.items()}[v.dtype], ("cuda", 0), p,
                                     None)
-    with _jit.dry_run() as launches:
+    with _jit.dry_run() as launches, kernel_choice(layer_in=True):  # the kernel emulated (opt-in on a GPU)
         plan = k.planner(infos, settings=settings or LayerSettings.resolve(), norm_eps=norm_eps)
         outs = []
         for shape, dtn in list(plan.outputs) + list(plan.scratch.values()):

@@ -114,6 +114,7 @@ def test_every_plan_launches_with_any_optional_inputs_absent_and_any_token_count
     import itertools
 
     from mhc_cupy import _jit, _kernels
+    from mhc_cupy._kernel_choice import kernel_choice
     from mhc_cupy.ops import SPECS, coeffs
 
     count = 0
@@ -127,7 +128,7 @@ def test_every_plan_launches_with_any_optional_inputs_absent_and_any_token_count
             infos = _kernels._infos(k, lead, {"n": n, "C": 33, "K": coeffs.columns(n)}, dt, tg,
                                     _kernels._MISALIGNED, sh)
             infos.update(dict.fromkeys(absent))
-            with _jit.dry_run() as launches:
+            with _jit.dry_run() as launches, kernel_choice(layer_in=True):  # (those ops' kernel: opt-in)
                 plan = k.planner(infos, **k.params)
                 if not plan.empty:
                     plan.launch({a: (None if v is None else v.ptr) for a, v in infos.items()},

@@ -265,7 +265,7 @@ def test_plans_replace_the_aggregate(small):
     """Both ops launch mhc_layer_pre_fwd's kernels with its arguments up to the aggregate, which one
     mhc_stream_aggregate_out_kernel replaces (NORM, FP8 as the op; the row kept: C * 2 bytes of shared
     memory); under small=True the tail kernel (its layer_in to scratch) comes first: three launches."""
-    with kernel_choice(small=small):
+    with kernel_choice(small=small, layer_in=True):
         base = _launched("mhc_layer_pre_fwd", 5, 4, 64)
         runs = {"norm": _launched("mhc_layer_pre_norm_fwd", 5, 4, 64),
                 "fp8": _launched("mhc_layer_pre_fp8_fwd", 5, 4, 64, norm_weight=None),
@@ -282,6 +282,16 @@ def test_plans_replace_the_aggregate(small):
         expr, args, smem = got[-1]
         assert expr == f"mhc_stream_aggregate_out_kernel<__nv_bfloat16,4,8,{flags}>" and smem == 64 * 2, key
         assert int(args[-1]) == 1  # keep
+
+
+@pytest.mark.parametrize("op", ["mhc_layer_pre_norm_fwd", "mhc_layer_pre_fp8_fwd"])
+def test_gpu_kernel_is_off_by_default(op):
+    """On a GPU the ops launch nothing but raise NotImplementedError naming the kernel choice that runs
+    their kernel (layer_in: off until a GPU run has checked it), before any launch."""
+    with pytest.raises(NotImplementedError, match=r"kernel_choice\(layer_in=True\)"):
+        _launched(op, 5, 4, 64)
+    with kernel_choice(layer_in=False), pytest.raises(NotImplementedError):
+        _launched(op, 5, 4, 64)
 
 
 def test_every_kernel_specialisation_is_listed_for_ci():

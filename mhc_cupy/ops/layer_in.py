@@ -13,7 +13,8 @@ H_pre, H_post, H_res, stats are mhc_layer_pre_fwd's, bitwise.  One kernel
 (``mhc_stream_aggregate_out_kernel``) replaces the aggregate: the row reductions (sum of squares,
 amax) and their second passes in one block per token, the row kept in shared memory.  Under the kernel
 choice ``small`` (at most 64 tokens) the GEMV and the tail kernel run first (the tail's layer_in goes
-to scratch), then this kernel: three launches.
+to scratch), then this kernel: three launches.  On a GPU the kernel runs only under the kernel choice
+``layer_in`` (off by default until a GPU run has checked it; else NotImplementedError).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 from .. import _checks, reference
 from .._convention import DEFAULT
 from .._dispatch import Plan, run
+from .._kernel_choice import current as current_choice
 from .._settings import LayerSettings
 from ._launch import CTYPE, ITEMSIZE, f32, grid_for, i32, i64, launch, threads_for, vec_width
 from .layer import _PARAMS, _STATS, pre_outputs, pre_piece
@@ -66,7 +68,14 @@ def _plan(infos, s: LayerSettings, norm_eps, fp8: bool):
     outputs = [(lead + (C,), "float8_e4m3fn" if fp8 else dt), (lead + (1,), "float32")] + \
         pre_outputs(lead, n, C, K, dt)[1:]
 
+    gpu_ok = current_choice().runs("layer_in")
+
     def run_kernels(p, outs, sc, stream):
+        if not gpu_ok:
+            raise NotImplementedError(
+                f"mhc_layer_pre_{'fp8' if fp8 else 'norm'}_fwd on a GPU: its kernel (mhc_stream_aggregate_out_kernel) "
+                "has not been checked on a GPU yet, so it runs only under "
+                "mhc_cupy._kernel_choice.kernel_choice(layer_in=True); CPU inputs run the reference")
         row, stat, *pre = outs
 
         def aggregate(H_pre):

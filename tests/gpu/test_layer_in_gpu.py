@@ -28,6 +28,23 @@ pytestmark = pytest.mark.gpu
 F8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
+@pytest.fixture(autouse=True)
+def _kernel_on():
+    """The kernel runs on a GPU only under the kernel choice layer_in (off by default until a GPU run
+    has checked it; mhc_cupy._kernel_choice): in force for every test here."""
+    with kernel_choice(layer_in=True):
+        yield
+
+
+def test_off_by_default_raises(rng):
+    x, phi, alpha, bias, w = (to_gpu(a) for a in _case(rng, 3, 4, 64, "bfloat16"))
+    with kernel_choice(layer_in=None):
+        for f, args in ((m.mhc_layer_pre_norm_fwd, (x, phi, alpha, bias, w)),
+                        (m.mhc_layer_pre_fp8_fwd, (x, phi, alpha, bias))):
+            with pytest.raises(NotImplementedError, match=r"kernel_choice\(layer_in=True\)"):
+                f(*args)
+
+
 def _case(rng, T, n, C, dt):
     K = n * n + 2 * n
     x = rounded(rng, (T, n, C), dt)
