@@ -143,11 +143,14 @@ def _autograd_dropped(planner, depth: int) -> None:
     _autograd_warned.add(planner)
     op = sys._getframe(depth).f_code.co_name
     base = op.rsplit("_", 1)[0] if op.endswith(("_fwd", "_bwd")) else op
+    import importlib
+
+    use = (f"Use mhc_cupy.torch.{base} for gradients" if hasattr(importlib.import_module("mhc_cupy.torch"), base)
+           else f"mhc_cupy.{op} has no gradient (forward only)")
     warnings.warn(AutogradNotRecordedWarning(
         f"mhc_cupy.{op} got torch tensors that require grad, but the functional API records no autograd "
-        f"graph: its outputs have no grad_fn and backward() will not reach its inputs. Use "
-        f"mhc_cupy.torch.{base} for gradients; pass detached tensors or call it under torch.no_grad() "
-        "to silence this warning."), stacklevel=depth + 2)
+        f"graph: its outputs have no grad_fn and backward() will not reach its inputs. {use}; pass detached "
+        "tensors or call it under torch.no_grad() to silence this warning."), stacklevel=depth + 2)
 
 
 def _cast(a, dtype: str):

@@ -213,7 +213,7 @@ def test_torch_dtypes_and_scaled_mm(rng):
     got = torch._scaled_mm(q, Wq.t(), scale_a=scale, scale_b=Ws, out_dtype=torch.float32)
     want = li @ Wq.float().t()
     assert ((got - want).abs() <= 2.0**-3 * (li.abs() @ Wq.float().abs().t())).all()
-    with pytest.warns(m.AutogradNotRecordedWarning, match="mhc_layer_pre_fp8_fwd"):
+    with pytest.warns(m.AutogradNotRecordedWarning, match=r"mhc_layer_pre_fp8_fwd .* has no gradient \(forward only\)"):
         out = m.mhc_layer_pre_fp8_fwd(args[0].requires_grad_(), *args[1:])
     assert out[0].grad_fn is None
 
