@@ -101,7 +101,11 @@ def test_stack_matches_a_chain_of_float64_reference_layers(rng, lead, n, C, L, f
     g = torch.from_numpy(rng.standard_normal(lead + (n, C))).float()
     out, dx, grads = run(mt.MHCStack(layers, recompute=2, fuse_boundaries=fuse), x, g)
     out_ref, dx_ref, grads_ref = run(refs, x.double(), g.double())
-    tol = TOL["float32_layer"].value * L  # one layer's bound per layer: errors compound over the chain
+    # one layer's bound per layer (errors compound over the chain), times 4: over 120 seeds per case the
+    # worst error / (bound without the 4) was 1.2 (n 1, C 5), 0.47 (n 16), 0.42 (n 5, C 3); the layers'
+    # weights come from torch's RNG, whose numbers differ between torch versions (torch 2.11 gave
+    # [lead4-5-3-4-True] data past the bound without the 4)
+    tol = TOL["float32_layer"].value * L * 4
     assert_close(out, out_ref, tol, "out")
     assert_close(dx, dx_ref, tol, "dx")
     for i, (p, q) in enumerate(zip(grads, grads_ref)):
