@@ -28,7 +28,6 @@ Usage (repo root, CPU only):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -46,13 +45,9 @@ from mhc_cupy._settings import LayerSettings  # noqa: E402
 from mhc_cupy.ops import SPECS  # noqa: E402
 from mhc_cupy.ops.spec import shape_of  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("emulate_small", Path(__file__).with_name("emulate_small.py"))
-_es = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_es)
-Buffer, Shared, fmaf, round_to = _es.Buffer, _es.Shared, _es.fmaf, _es.round_to
-NP_DTYPE, STAT_SCALE, EmulationError, _require, _cdiv = _es.NP_DTYPE, _es.STAT_SCALE, _es.EmulationError, \
-    _es._require, _es._cdiv
-F32 = np.float32
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, emulate_small
+from emulate_small import (F32, NP_DTYPE, STAT_SCALE, Buffer, EmulationError, Shared, _cdiv,  # noqa: E402
+                           _require, fmaf, round_to)
 _CTYPE = {"__nv_bfloat16": "bfloat16", "__half": "float16", "float": "float32"}
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 KERNEL = "mhc_stream_aggregate_out_kernel"
