@@ -41,6 +41,7 @@ it runs the cached plan).
 
 from __future__ import annotations
 
+import importlib
 import math
 import sys
 import warnings
@@ -143,8 +144,6 @@ def _autograd_dropped(planner, depth: int) -> None:
     _autograd_warned.add(planner)
     op = sys._getframe(depth).f_code.co_name
     base = op.rsplit("_", 1)[0] if op.endswith(("_fwd", "_bwd")) else op
-    import importlib
-
     use = (f"Use mhc_cupy.torch.{base} for gradients" if hasattr(importlib.import_module("mhc_cupy.torch"), base)
            else f"mhc_cupy.{op} has no gradient (forward only)")
     warnings.warn(AutogradNotRecordedWarning(
