@@ -39,15 +39,14 @@ if __package__ in (None, ""):  # run as a script: the worktree's package
 
 from mhc_cupy import _jit, reference  # noqa: E402
 from mhc_cupy import _reference_layer_in as rli  # noqa: E402
-from mhc_cupy._interop import BITS_OF, ArrayInfo, numpy_dtype  # noqa: E402
+from mhc_cupy._interop import BITS_OF, numpy_dtype  # noqa: E402
 from mhc_cupy._kernel_choice import kernel_choice  # noqa: E402
 from mhc_cupy._settings import LayerSettings  # noqa: E402
 from mhc_cupy.ops import SPECS  # noqa: E402
-from mhc_cupy.ops.spec import shape_of  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, emulate_small
-from emulate_small import (F32, NP_DTYPE, STAT_SCALE, Buffer, EmulationError, Shared, _cdiv,  # noqa: E402
-                           _require, fmaf, round_to)
+from emulate_small import (F32, NP_DTYPE, STAT_SCALE, Buffer, EmulationError, Shared, _cdiv,  # noqa: E402, F401
+                           _require, emulated_inputs, fmaf, round_to)
 _CTYPE = {"__nv_bfloat16": "bfloat16", "__half": "float16", "float": "float32"}
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 KERNEL = "mhc_stream_aggregate_out_kernel"
@@ -231,21 +230,9 @@ def plan_launch(op, arrays, H_pre, misalign=False, blocks=None, settings=None, n
     launch of mhc_stream_aggregate_out_kernel (on ``blocks`` blocks instead of the host's one a token: the
     grid-stride loop).  Returns (the plan's output Buffers, the kernel's template
     arguments, grid, block, args by name, its emulated (layer_in, rstd))."""
-    k = SPECS[op]
-    T = arrays["x"].shape[0]
-    n, C = arrays["x"].shape[-2:]
-    sizes = {"n": n, "C": C, "K": n * n + 2 * n}
-    mem, infos, base = {}, {}, iter(range(1 << 32, 1 << 48, 1 << 32))
-    for arg in k.args:
-        v = arrays.get(arg.name)
-        if v is None:
-            infos[arg.name] = None
-            continue
-        assert v.shape == shape_of(arg, (T,), sizes), (arg.name, v.shape)
-        p = next(base) + (v.itemsize if misalign and arg.name == "x" else 0)
-        mem[p] = Buffer(arg.name, np.ascontiguousarray(v).copy())
-        infos[arg.name] = ArrayInfo(v.shape, {np.dtype(t): nm for nm, t in NP_DTYPE.items()}[v.dtype], ("cuda", 0), p,
-                                    None)
+    k, T = SPECS[op], arrays["x"].shape[0]
+    base = iter(range(1 << 32, 1 << 48, 1 << 32))
+    mem, infos = emulated_inputs(k, arrays, base, ("x",) if misalign else ())
     with _jit.dry_run() as launches, kernel_choice(layer_in=True):  # the kernel emulated (opt-in on a GPU)
         plan = k.planner(infos, settings=settings or LayerSettings.resolve(), norm_eps=norm_eps)
         outs = []

@@ -469,6 +469,28 @@ KERNELS = {"mhc_coeffs_gemv_fwd_kernel": run_gemv, "mhc_layer_pre_tail_kernel": 
 
 # ------------------------------------------------------------------ the host's plan, run on emulated memory
 
+def emulated_inputs(k, arrays, ptr, misalign=()):
+    """(mem, infos): op spec ``k``'s inputs (NumPy arrays by name; absent or None: a null input) as
+    Buffers at the fake device pointers ``ptr`` yields, and their ArrayInfo (the names in ``misalign``
+    one element past their pointer: the kernels' unaligned path)."""
+    T = arrays["x"].shape[0]
+    n, C = arrays["x"].shape[-2:]
+    sizes = {"n": n, "C": C, "K": n * n + 2 * n}
+    mem, infos = {}, {}
+    for arg in k.args:
+        v = arrays.get(arg.name)
+        if v is None:
+            infos[arg.name] = None
+            continue
+        v = np.ascontiguousarray(v)
+        assert v.shape == shape_of(arg, (T,), sizes), (arg.name, v.shape)
+        p = next(ptr) + (v.itemsize if arg.name in misalign else 0)
+        mem[p] = Buffer(arg.name, v.copy())
+        dtn = {np.dtype(t): name for name, t in NP_DTYPE.items()}[v.dtype]
+        infos[arg.name] = ArrayInfo(v.shape, dtn, ("cuda", 0), p, None)
+    return mem, infos
+
+
 def plan_launches(op, arrays, conv, tail_grid=None):
     """Run SPECS[op]'s plan under kernel_choice(small=True) in _jit.dry_run on fake pointers, one per
     array; then each launch on the emulated memory.  arrays: the op's inputs by name (NumPy).
@@ -476,17 +498,8 @@ def plan_launches(op, arrays, conv, tail_grid=None):
     args by name, extra)]).  tail_grid: run the tail on this many blocks instead of the host's (the
     grid-stride loop)."""
     k = SPECS[op]
-    T = arrays["x"].shape[0]
-    n, C = arrays["x"].shape[-2:]
-    sizes = {"n": n, "C": C, "K": n * n + 2 * n}
-    mem, infos, ptr = {}, {}, iter(range(1 << 32, 1 << 48, 1 << 32))
-    for arg in k.args:
-        v = np.ascontiguousarray(arrays[arg.name])
-        assert v.shape == shape_of(arg, (T,), sizes), (arg.name, v.shape)
-        p = next(ptr)
-        mem[p] = Buffer(arg.name, v.copy())
-        dtn = {np.dtype(t): name for name, t in NP_DTYPE.items()}[v.dtype]
-        infos[arg.name] = ArrayInfo(v.shape, dtn, ("cuda", 0), p, None)
+    ptr = iter(range(1 << 32, 1 << 48, 1 << 32))
+    mem, infos = emulated_inputs(k, arrays, ptr)
     with kernel_choice(small=True), _jit.dry_run() as launches:
         plan = k.planner(infos, settings=LayerSettings.resolve(conv))
         outs = []
