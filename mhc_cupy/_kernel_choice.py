@@ -20,7 +20,8 @@ wherever it applies; ``False``: never):
   separate ops (coefficients -> pre op -> sublayer -> post op).
 * ``boundary``: ``mhc_boundary_fwd`` runs ``mhc_boundary_fwd_kernel`` (the post op and the next
   coefficient GEMM in one pass; n <= 6, C % 8 == 0, aligned), else the two ops' kernels.  Off by
-  default: checked correct on the H200 but slower there than the two ops' kernels, 0.890 vs 0.698 ms at 16384 x 4096 x 4 bf16 (OPS.md section 12).
+  default: checked correct on the H200 but slower there than the two ops' kernels (a microbenchmark:
+  0.890 vs 0.698 ms at 16384 x 4096 x 4 bf16; OPS.md section 12).
 * ``small``: the small-token forward (at most 64 tokens): the coefficient GEMM on CUDA cores, phi
   read as float32 (``mhc_coeffs_gemv_fwd_kernel``, no bf16 planes pass; ``ops.coeffs.fwd.gemv_layout``)
   and the layer's pre piece after it (finish, Sinkhorn, activations, aggregate) in one kernel
@@ -80,8 +81,8 @@ class KernelChoice:
                                 f"got {v!r}")
 
     def runs(self, variant: str) -> bool:
-        """Whether ``variant`` ("wg_fwd", "wg_dx", "fused", "boundary", "small", "layer_in") runs where it applies: its value, or
-        for None :data:`LIBRARY_CHOICE`'s.  ValueError: not a variant."""
+        """Whether ``variant`` ("wg_fwd", "wg_dx", "fused", "boundary", "small", "layer_in") runs where it
+        applies: its value, or for None :data:`LIBRARY_CHOICE`'s.  ValueError: not a variant."""
         if variant not in LIBRARY_CHOICE:
             raise ValueError(f"variant must be one of {', '.join(LIBRARY_CHOICE)}, got {variant!r}")
         v = getattr(self, variant)

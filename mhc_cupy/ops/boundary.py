@@ -10,9 +10,11 @@ bits; the coefficient sums run over other D ranges than ``mhc_layer_pre_fwd``'s,
 coefficients may differ from it in the last float32 bits (both float32-accurate, bitwise repeatable).
 Shapes the fused kernel does not take (n > 6, C % 8 != 0, unaligned views, more shared memory than
 the GPU has) run the two ops' kernels, with their bits; so does every call unless the kernel choice in
-force says ``boundary=True`` (``mhc_cupy._kernel_choice``: off by default, checked correct on the H200 but slower there than the two ops' kernels, 0.890 vs 0.698 ms at 16384 x 4096 x 4 bf16).  At most 64 tokens under ``small=True``: the CUDA-core GEMV computes, stores and uses the
-residual update (``kernels_cu/coeffs_gemv.cu``, the post op's bits), then one kernel does the rest of
-the pre piece: two launches.
+force says ``boundary=True`` (``mhc_cupy._kernel_choice``: off by default, checked correct on the H200 but
+slower there than the two ops' kernels in a microbenchmark, not yet the benchmark module: CUDA-event medians
+0.890 vs 0.698 ms at 16384 x 4096 x 4 bf16).  At most 64 tokens under ``small=True``: the CUDA-core GEMV
+computes, stores and uses the residual update (``kernels_cu/coeffs_gemv.cu``, the post op's bits), then one
+kernel does the rest of the pre piece: two launches.
 """
 
 from __future__ import annotations
@@ -82,10 +84,10 @@ def boundary_layout(tokens: int, n: int, C: int) -> Optional[BoundaryLayout]:
 
 def boundary_pipeline(dt: str, n: int, ntile: int, smem_limit: int) -> Optional[tuple]:
     """(STAGES, SUB) of mhc_boundary_fwd_kernel: the smallest pipeline, 2 stages of 32 channels
-    (SUB 1), where it fits in ``smem_limit`` bytes, else None (the separate kernels run).  Neither
-    changes any sum's order.  Measured on the H200 at 16384 x 4096 x 4 bf16 (CUDA events, median of
-    20): (STAGES, SUB) = (2, 1) 0.890 ms, (2, 2) 1.118 ms, (3, 1) 1.156 ms: less shared memory per
-    block, more blocks per SM, beat deeper pipelines."""
+    (SUB 1), where it fits in ``smem_limit`` bytes, else None (the separate kernels run).  Neither changes any
+    sum's order.  A microbenchmark on the H200 at 16384 x 4096 x 4 bf16 (CUDA-event medians of 20; the
+    benchmark module has not timed the kernel yet): (STAGES, SUB) = (2, 1) 0.890 ms, (2, 2) 1.118 ms, (3, 1)
+    1.156 ms: less shared memory per block, more blocks per SM, beat deeper pipelines."""
     return (2, 1) if BOUNDARY_FWD.smem(T=dt, N=n, NTILE=ntile, STAGES=2, SUB=1) <= smem_limit else None
 
 

@@ -125,9 +125,9 @@ class MHCStack(nn.Module):
             eager only, between layers of one convention that run the fused layer pieces: not
             layers built under ``kernel_choice(fused=False)``).  The streams and the gradients' formulas
             are the same; the next layer's coefficients may differ in the last float32 bits.
-            Default False.  The fused kernel itself runs only where the kernel choice says
-            ``boundary=True`` (``mhc_cupy._kernel_choice``; off by default: checked correct on the H200
-            but slower there than the two ops' kernels); otherwise the boundary op runs the two ops' kernels (the chain's bits).
+            Default False.  The fused kernel itself runs only where the kernel choice says ``boundary=True``
+            (``mhc_cupy._kernel_choice``; off by default: checked correct on the H200 but slower there than
+            the two ops' kernels); otherwise the boundary op runs the two ops' kernels (the chain's bits).
 
     Shapes:
         x [..., n, C] (bfloat16 / float16 / float32) -> [..., n, C], dtype of x.
