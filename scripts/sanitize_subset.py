@@ -13,7 +13,8 @@ element-wise fills, n = 7 with C = 13, and the wgmma dx for bf16 at n = 7 and 8 
 64-token tile; C = 24: D not a multiple of a block's 128 positions)); the kernels that are off by
 default until checked on a GPU, under their kernel choice: the fused boundary (mhc_boundary_fwd_kernel,
 n <= 6 with C % 8 == 0; 65 tokens: a partial 64-token tile) and the small-token forward (the GEMV and
-the pre piece's tail kernel, every case here has <= 65 tokens).  Exits non-zero if any result is not finite.
+the pre piece's tail kernel, every case here has <= 65 tokens) and layer_in for the next GEMM
+(mhc_layer_pre_norm_fwd, mhc_layer_pre_fp8_fwd).  Exits non-zero if any result is not finite.
 """
 
 import cupy as cp
@@ -76,6 +77,12 @@ for T, n, C, dt in [(3, 3, 13, bf16), (5, 4, 1536, bf16), (2, 4, 2560, bf16), (2
         check("boundary", *m.mhc_boundary_fwd(y, x, H_post, H_res, phi, alpha, bias))
         check("boundary deepseek", *m.mhc_boundary_fwd(y, x, H_post, H_res, phi, alpha, bias, convention="deepseek"))
         check("small layer", *m.mhc_layer_pre_fwd(x, phi, alpha, bias), *m.mhc_coeffs_fwd(x, phi, alpha, bias))
+    with kernel_choice(layer_in=True):  # layer_in for the next GEMM (off by default until checked on a GPU)
+        w = act(C)
+        check("layer_in norm", *m.mhc_layer_pre_norm_fwd(x, phi, alpha, bias, w))
+        check("layer_in fp8", *m.mhc_layer_pre_fp8_fwd(x, phi, alpha, bias, w)[1:])  # (float8 bits: uint8)
+        with kernel_choice(small=True):
+            check("layer_in fp8 small", *m.mhc_layer_pre_fp8_fwd(x, phi, alpha, bias)[1:])
     for iters in (20, 200):
         check("sinkhorn", m.sinkhorn_knopp_fwd(M, iters), m.sinkhorn_knopp_bwd(M, M, iters))
         check("sinkhorn deepseek", m.sinkhorn_knopp_bwd(M, M, iters, convention="deepseek"))
