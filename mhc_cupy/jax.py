@@ -80,6 +80,8 @@ op               by hand
                  of its convention ("deepseek")
 ``mhc_layer``    the fused layer: one ``custom_vjp`` around the fused pieces and
                  the sublayer's VJP (OPS.md section 9)
+``mhc_layer_in`` the layer's pre piece with layer_in for the next GEMM (normalised
+                 and / or float8; OPS.md section 13), forward only
 ===============  ==============================================================
 
 Notes:
@@ -111,6 +113,7 @@ from ._convention import DEFAULT  # noqa: E402
 from . import _jax_layer as _layer  # noqa: E402
 from . import _jax_shard as _shard  # noqa: E402
 from ._jax_stack import mhc_stack, mhc_stack_init  # noqa: E402,F401 - stacks of layers (OPS.md section 12)
+from ._jax_layer_in import mhc_layer_in  # noqa: E402,F401 - layer_in for the next GEMM (OPS.md section 13)
 from ._jax_kernels import _k  # noqa: E402 - one kernel entry point as a JAX function
 from ._settings import LayerSettings  # noqa: E402
 from . import ops as _ops  # noqa: E402
@@ -118,7 +121,7 @@ from . import ops as _ops  # noqa: E402
 __all__ = [
     "sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute",
     "mhc_post_op", "mhc_pre_op", "mhc_coeffs", "mhc_init", "mhc_layer", "mhc_from_deepseek", "mhc_to_deepseek",
-    "mhc_head", "mhc_head_init", "mhc_stack", "mhc_stack_init",
+    "mhc_head", "mhc_head_init", "mhc_stack", "mhc_stack_init", "mhc_layer_in",
 ]
 
 
