@@ -15,7 +15,7 @@ def test_parse_args_stack():
 
     a = bench.parse_args(["--stack"])
     assert (a.mode, a.stack_configs, a.baselines, a.sizes_given) == ("stack", list(STACK_CONFIGS),
-                                                                       ["torch.compile"], False)
+                                                                       ["torch.compile", "jax.jit"], False)
     a = bench.parse_args(["--stack", "--stack-configs", "2:16:2:24:1:4,3:8:2:8:2:2", "--no-baselines"])
     assert a.stack_configs == [(2, 16, 2, 24, 1, 4), (3, 8, 2, 8, 2, 2)] and a.baselines == [] and a.sizes_given
 
@@ -52,3 +52,26 @@ def test_stack_mode_runs_tiny_and_merges(tmp_path):
     merged = tmp_path / "m"
     assert bench.main(["--merge", str(out / "stack.json"), "--out", str(merged)]) == 0
     assert json.loads((merged / "stack.json").read_text())["results"] == res["results"]
+
+
+def test_stack_mode_jax_rows_tiny(tmp_path):
+    """With jax.jit among the baselines: JAX mhc_stack and the jax.numpy scan of the same maths, timed,
+    their speedup in the row, the target evaluated, the JAX table in the report."""
+    pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    out = tmp_path / "o"
+    argv = ["--stack", "--stack-configs", "2:16:2:24:1:3", "--streams", "4", "--reps", "2", "--warmup", "1",
+            "--min-calls", "1", "--dtype", "float32", "--baselines", "jax", "--out", str(out)]
+    assert bench.main(argv) == 0
+    res = json.loads((out / "stack.json").read_text())
+    (row,) = res["results"]
+    jx = row["jax"]
+    for name in ("jax mhc_stack", "jax.jit stack"):
+        for d in ("fwd", "fwd+bwd"):
+            assert jx[name][d]["us"] > 0, (name, d, jx[name][d])
+    assert jx["speedup"]["fwd+bwd"] == pytest.approx(jx["jax.jit stack"]["fwd+bwd"]["us"] / jx["jax mhc_stack"]["fwd+bwd"]["us"])
+    (t,) = [t for t in res["targets"] if t["name"].startswith("JAX mhc_stack")]
+    assert t["measured"] == pytest.approx(jx["speedup"]["fwd+bwd"]) and t["status"] in ("met", "missed")
+    assert t["status"] == ("met" if t["measured"] >= 2.0 else "missed")
+    text = (out / "stack.md").read_text()
+    assert "| 2 | 16 | 1 x 3 | jax mhc_stack |" in text and "| 2 | 16 | 1 x 3 | jax.jit stack |" in text

@@ -114,7 +114,7 @@ _BASELINE_ALIASES = {"torch": "torch", "eager": "torch", "torch.compile": "torch
                      "inductor": "torch.compile", "jax": "jax.jit", "jax.jit": "jax.jit",
                      "te": "transformer_engine", "transformer_engine": "transformer_engine"}
 _MODE_BASELINES = {"ops": BASELINES, "layer": LAYER_BASELINES, "block": ("torch.compile",),
-                   "stack": ("torch.compile",), "small": ("torch", "torch.compile")}
+                   "stack": ("torch.compile", "jax.jit"), "small": ("torch", "torch.compile")}
 #: Per mode other than "ops": (run, evaluate targets, format the report, the flag of its sizes).
 _MODES = {"layer": (layer.run_layer, layer.evaluate_layer_targets, layer.format_layer_report, "--shapes"),
           "block": (block.run_block, block.evaluate_block_targets, block.format_block_report, "--block-configs"),

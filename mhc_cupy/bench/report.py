@@ -284,11 +284,13 @@ def run_rows(result: dict, path, items, label, case, evaluate, t0: float) -> dic
     return result
 
 
-def target(name: str, measured, goal, detail: str = "") -> dict:
-    """A target's row: ``measured`` (None: not measured) against an upper bound ``goal``."""
+def target(name: str, measured, goal, detail: str = "", higher: bool = False) -> dict:
+    """A target's row: ``measured`` (None: not measured) against an upper bound ``goal`` (``higher``: a
+    lower bound)."""
     if measured is None:
         return {"name": name, "status": "not measured", "measured": None, "detail": ""}
-    return {"name": name, "status": "met" if measured <= goal else "missed", "measured": measured, "detail": detail}
+    met = measured >= goal if higher else measured <= goal
+    return {"name": name, "status": "met" if met else "missed", "measured": measured, "detail": detail}
 
 
 def mode_report(result: dict, mode: str, description: str, evaluate, columns, cells) -> str:

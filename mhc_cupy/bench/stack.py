@@ -11,7 +11,12 @@ all with the same weights:
 * ``MHCStack recompute``: with ``recompute="auto"`` (the paper's L_r*; section 4.3);
 * ``MHCStack fused`` / ``MHCStack fused recompute``: the same with ``fuse_boundaries=True`` (each
   residual update with the next layer's pre piece, ``mhc_boundary_fwd``; OPS.md section 12);
-* with ``torch.compile`` among the baselines: ``plain compiled`` and ``mhc chain compiled``.
+* with ``torch.compile`` among the baselines: ``plain compiled`` and ``mhc chain compiled``;
+* with ``jax.jit`` among the baselines, the mHC layers alone in JAX (2L layers, the sublayer ``tanh``):
+  ``jax mhc_stack``, :func:`mhc_cupy.jax.mhc_stack` (a ``lax.scan`` over the layers), against ``jax.jit
+  stack``, a ``lax.scan`` of :func:`mhc_cupy.bench.baselines.jnp_mhc_layer` (the same maths in plain
+  ``jax.numpy``) over the same stacked parameters; ``jax.jit`` of the forward and of its VJP (wall clock +
+  ``block_until_ready``), ``speedup`` = jax.jit's time / mhc_stack's.
 
 Timed: a training step of the model, ``torch.autograd.grad(model(x), [x, *weights], g)`` (CUDA events
 around ``calls`` eager calls, median of ``reps`` after warm-up; wall clock on the CPU), and the peak of
@@ -36,6 +41,8 @@ from .report import mode_report, run_rows, target
 STACK_CONFIGS = ((8, 2048, 16, 5504, 4, 2048), (4, 4096, 32, 11008, 1, 4096))
 #: Targets (model fwd+bwd over plain, n = 4): {(L, C): (time recompute off, time recompute on, memory on)}.
 STACK_TARGETS = {(8, 2048): (0.10, 0.13, 1.25), (4, 4096): (0.06, None, 1.3)}
+#: Target: JAX mhc_stack's jit(grad) at least this much faster than jax.jit of the same maths (n = 4).
+JAX_STACK_SPEEDUP = 2.0
 
 
 def build_models(L: int, C: int, heads: int, ffn: int, n: int, device, dtype) -> dict:
@@ -104,6 +111,8 @@ def stack_case(L: int, C: int, heads: int, ffn: int, batch: int, seq: int, cfg, 
                  + (f", peak {peak / 2**30:.2f} GiB" if peak else ""))
         del xs, gs
         env._free_gpu_memory()
+    if "jax.jit" in cfg.baselines:
+        row["jax"] = jax_stack_rows(2 * L, C, batch, seq, n, cfg)
     for name, v in row["impls"].items():
         base = row["impls"].get("plain compiled" if name.endswith("compiled") else "plain", {})
         if name.startswith("plain") or "us" not in v or "us" not in base:
@@ -112,6 +121,34 @@ def stack_case(L: int, C: int, heads: int, ffn: int, batch: int, seq: int, cfg, 
         if v.get("peak_bytes") and base.get("peak_bytes"):
             row["memory"][name] = v["peak_bytes"] / base["peak_bytes"]
     return row
+
+
+def jax_stack_rows(layers: int, C: int, batch: int, seq: int, n: int, cfg) -> dict:
+    """``jax mhc_stack`` and ``jax.jit stack`` (module docstring): {impl: {"fwd": row, "fwd+bwd": row}}
+    and ``speedup`` {direction: jax.jit's time / mhc_stack's}."""
+    import jax
+    import jax.numpy as jnp
+
+    import mhc_cupy.jax as mj
+
+    from .baselines import jnp_mhc_layer
+    from .layer import measure_jax
+
+    params = mj.mhc_stack_init(jax.random.PRNGKey(0), layers, dim=C, n_streams=n)
+    kx, kg = jax.random.split(jax.random.PRNGKey(1))
+    dt = getattr(jnp, cfg.dtype)
+    x = jax.random.normal(kx, (batch, seq, n, C), jnp.float32).astype(dt)
+    g = jax.random.normal(kg, (batch, seq, n, C), jnp.float32).astype(dt)
+    impls = {"jax mhc_stack": lambda p, x: mj.mhc_stack(p, x, jnp.tanh),
+             "jax.jit stack": lambda p, x: jax.lax.scan(lambda h, pl: (jnp_mhc_layer(pl, h, jnp.tanh), None), x, p)[0]}
+    out = {}
+    for name, fn in impls.items():
+        out[name] = measure_jax(fn, params, [x], [g], cfg.min_calls, cfg)[0]
+        env._log(f"  {name}: " + ", ".join(f"{d} {r['us'] / 1e3:.3f} ms" if "us" in r else f"{d} error"
+                                         for d, r in out[name].items()))
+    ours, base = out["jax mhc_stack"], out["jax.jit stack"]
+    out["speedup"] = {d: base[d]["us"] / ours[d]["us"] for d in ours if "us" in ours[d] and "us" in base.get(d, {})}
+    return out
 
 
 def run_stack(cfg) -> dict:
@@ -137,6 +174,11 @@ def evaluate_stack_targets(result: dict) -> list[dict]:
             got = None if row is None else row[kind].get(impl)
             out.append(target(name, got, goal, "" if got is None else f"{got:+.1%}" if kind == "overhead"
                               else f"{got:.2f}x"))
+    row = next((r for r in result.get("results", []) if r["n"] == 4 and "jax" in r), None)
+    got = None if row is None else row["jax"]["speedup"].get("fwd+bwd")
+    out.append(target(f"JAX mhc_stack (lax.scan) jit(grad) >= {JAX_STACK_SPEEDUP:g}x faster than jax.jit of the same "
+                      "maths" + ("" if row is None else f" ({row['L']} blocks, C {row['C']})"), got, JAX_STACK_SPEEDUP,
+                      "" if got is None else f"{got:.2f}x", higher=True))
     return out
 
 
@@ -150,9 +192,24 @@ def format_stack_report(result: dict) -> str:
                 f"{v['us'] / 1e3:.3f}" if "us" in v else "err", "" if ov is None else f"{ov:+.1%}",
                 "" if not peak else f"{peak / 2**30:.2f}", "" if mem is None else f"{mem:.2f}x"]
 
-    return mode_report(
+    text = mode_report(
         result, "stack",
         f"L pre-norm blocks (attention + SwiGLU), mHC n = {st.get('n')} around every sublayer; fwd+bwd of the model "
         f"({timing_words(result)}, median of {st.get('reps')}); overhead = time / plain time - 1; memory = peak "
         "allocator bytes of a step beyond weights and inputs / plain's",
         evaluate_stack_targets, ("L", "C", "tokens", "impl", "fwd+bwd ms", "overhead", "peak GiB", "memory"), cells)
+    jax_rows = [r for r in result.get("results", []) if "jax" in r]
+    if not jax_rows:
+        return text
+    lines = ["", "JAX, the 2L mHC layers alone (sublayer tanh; lax.scan over the layers; jax.jit, wall clock + "
+             "block_until_ready): speedup = jax.jit stack's time / jax mhc_stack's", "",
+             "| L | C | tokens | impl | fwd ms | fwd+bwd ms | speedup fwd / fwd+bwd |", "|---|---|---|---|---|---|---|"]
+    for r in jax_rows:
+        sp = r["jax"]["speedup"]
+        for name in ("jax mhc_stack", "jax.jit stack"):
+            v = r["jax"][name]
+            ms = [f"{v[d]['us'] / 1e3:.3f}" if "us" in v.get(d, {}) else "err" for d in ("fwd", "fwd+bwd")]
+            spd = " / ".join(f"{sp[d]:.2f}x" if d in sp else "-" for d in ("fwd", "fwd+bwd"))
+            lines.append(f"| {r['L']} | {r['C']} | {r['batch']} x {r['seq']} | {name} | {ms[0]} | {ms[1]} | "
+                         f"{spd if name == 'jax mhc_stack' else ''} |")
+    return text + "\n".join(lines) + "\n"
