@@ -154,6 +154,12 @@ def jax_stack_rows(layers: int, C: int, batch: int, seq: int, n: int, cfg) -> di
 def run_stack(cfg) -> dict:
     """Run the stack mode ``cfg`` asks for (parsed arguments); returns the result dict."""
     result, on_gpu, compile_, t0 = env.torch_mode_start(cfg, "stack", n=cfg.streams, configs=[list(c) for c in cfg.stack_configs])
+    if "jax.jit" in cfg.baselines:
+        why = env._jax_status() if on_gpu else env._import_status("jax")
+        if why:
+            result["skipped"].append(f"jax rows skipped: {why}")
+            env._log(result["skipped"][-1])
+            cfg.baselines = [b for b in cfg.baselines if b != "jax.jit"]
     return run_rows(result, Path(cfg.out) / "stack.json", cfg.stack_configs,
                     lambda c: f"stack of {c[0]} blocks, C {c[1]}, {c[4]} x {c[5]} tokens",
                     lambda c: stack_case(*c, cfg, on_gpu, compile_), evaluate_stack_targets, t0)
