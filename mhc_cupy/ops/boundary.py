@@ -28,7 +28,7 @@ from .._dispatch import Plan, run
 from .._jit import uses_wgmma
 from .._kernel_choice import current as current_choice
 from .._settings import LayerSettings, takes_settings
-from ._launch import ITEMSIZE, MAX_GRID, KernelSpec, vec8
+from ._launch import MAX_GRID, KernelSpec, vec8
 from .coeffs import check as _check_coeffs, launch_mma_gemm, mma_layout
 from .coeffs.common import _MAX_SPLITS, _MMA_TARGET_BLOCKS, _SMEM_PORTABLE, _cdiv
 from .coeffs.fwd import SPLIT_PHI_FWD, launch_gemv
@@ -43,14 +43,14 @@ _MAX_NTILE = 6  # 8-column tiles: every column in one block (K = n*n + 2n <= 48:
 _UNIT = 64  # channels: the D ranges (splits) are whole multiples, whatever the stage size
 _SMEM_SM90 = 227 * 1024  # opt-in dynamic shared memory of a block on sm_90
 
-#: per stage x and y [n + 1][64 tokens][32 SUB] T and phi [n][3][8 NTILE][32 SUB] bf16, then the
-#: block's H_post and H_res rows [64][n + n*n] float32
+#: per stage phi [n][3][8 NTILE][32 SUB] bf16 (x and y go straight to registers), then the block's
+#: H_post and H_res rows [64][n + n*n] float32
 BOUNDARY_FWD = KernelSpec(
     _FILE, "mhc_boundary_fwd_kernel", "typename T, int N, int NTILE, int STAGES, int SUB",
     "const T* x, const T* y, const float* h_post, const float* h_res, T* out, const __nv_bfloat16* planes, "
     "float* part, i64 tokens, int C, int Dp, int K, i64 tiles, int c_split, int res_t",
-    smem=(lambda T, N, NTILE, STAGES, SUB: STAGES * ((N + 1) * 64 * 32 * SUB * ITEMSIZE[T] + N * 3 * NTILE * 8 * 64 * SUB)
-          + 64 * (N + N * N) * 4, "mhc_boundary::fwd_smem"))
+    smem=(lambda T, N, NTILE, STAGES, SUB: STAGES * N * 3 * NTILE * 8 * 64 * SUB + 64 * (N + N * N) * 4,
+          "mhc_boundary::fwd_smem"))
 
 
 class BoundaryLayout(NamedTuple):
@@ -83,12 +83,13 @@ def boundary_layout(tokens: int, n: int, C: int) -> Optional[BoundaryLayout]:
 
 
 def boundary_pipeline(dt: str, n: int, ntile: int, smem_limit: int) -> Optional[tuple]:
-    """(STAGES, SUB) of mhc_boundary_fwd_kernel: the smallest pipeline, 2 stages of 32 channels
-    (SUB 1), where it fits in ``smem_limit`` bytes, else None (the separate kernels run).  Neither changes any
-    sum's order.  A microbenchmark on the H200 at 16384 x 4096 x 4 bf16 (CUDA-event medians of 20; the
-    benchmark module has not timed the kernel yet): (STAGES, SUB) = (2, 1) 0.890 ms, (2, 2) 1.118 ms, (3, 1)
-    1.156 ms: less shared memory per block, more blocks per SM, beat deeper pipelines."""
-    return (2, 1) if BOUNDARY_FWD.smem(T=dt, N=n, NTILE=ntile, STAGES=2, SUB=1) <= smem_limit else None
+    """(STAGES, SUB) of mhc_boundary_fwd_kernel: 3 stages of phi's rows for 32 channels (SUB 1) where
+    they fit in ``smem_limit`` bytes, else 2, else None (the separate kernels run).  Neither changes any
+    sum's order.  (At n = 4, bf16: 60 KiB a block, 150 registers: 3 blocks an SM on an H200.)"""
+    for stages in (3, 2):
+        if BOUNDARY_FWD.smem(T=dt, N=n, NTILE=ntile, STAGES=stages, SUB=1) <= smem_limit:
+            return stages, 1
+    return None
 
 
 def launch_boundary_gemm(dt, n, C, K, tokens, res_t, b: BoundaryLayout, pipe: tuple, *, x, y, H_post, H_res, phi,
