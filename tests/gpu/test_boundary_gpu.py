@@ -96,16 +96,22 @@ def test_boundary_offset_views_fall_back_with_the_same_values(rng):
         assert_close(u, v, 2e-3 if name == "layer_in" else 2e-4, name, scale="max")
 
 
-def test_boundary_huge_values_keep_the_scaled_sum_of_squares(rng):
+@pytest.mark.parametrize("dt", ["float32", "bfloat16"])  # (the two sum orders of the kernel)
+def test_boundary_huge_values_keep_the_scaled_sum_of_squares(rng, dt):
     """Streams past float32's square range: the saved sum of squares is minus the scaled sum (as
-    mhc_layer_pre_fwd keeps it), and the coefficients stay finite."""
-    T, n, C, dt = 3, 4, 512, "float32"
+    mhc_layer_pre_fwd keeps it; the kernel sums it again from out only then), and the coefficients stay
+    finite."""
+    T, n, C = 67, 4, 512
     y, x, H_post, H_res, phi, alpha, bias = _case(rng, T, n, C, dt)
-    x = (x * 1e20).astype(np.float32)
+    x = (f64(x) * 1e20).astype(x.dtype)
+    x[1::2] /= 1e20  # every other token's rows stay in range (their sums are not scaled)
+    g = [to_gpu(a) for a in (y, x, H_post, H_res, phi, alpha, bias)]
     with poisoned_allocations():
-        got = m.mhc_boundary_fwd(*(to_gpu(a) for a in (y, x, H_post, H_res, phi, alpha, bias)))
-    q = f64(to_host(got[5]))[..., -1]
-    assert np.all(np.isfinite(q) & (q < 0)), q
+        got = m.mhc_boundary_fwd(*g)
+        sep = m.mhc_layer_pre_fwd(m.mhc_post_op_fwd(*g[:4]), *g[4:])
+    q, q_sep = f64(to_host(got[5]))[..., -1], f64(to_host(sep[4]))[..., -1]
+    assert np.all(np.isfinite(q) & (q[0::2] < 0) & (q[1::2] > 0)), q
+    np.testing.assert_allclose(q, q_sep, rtol=1e-5)
     ref = R.mhc_boundary_fwd(y, x, H_post, H_res, phi, alpha, bias)
     for a, b, name in zip(got[2:5], ref[2:5], ("H_pre", "H_post", "H_res")):
         assert_close(a, b, 1e-3, name)
