@@ -20,8 +20,7 @@ wherever it applies; ``False``: never):
   separate ops (coefficients -> pre op -> sublayer -> post op).
 * ``boundary``: ``mhc_boundary_fwd`` runs ``mhc_boundary_fwd_kernel`` (the post op and the next
   coefficient GEMM in one pass; n <= 6, C % 8 == 0, aligned), else the two ops' kernels.  Off by
-  default: checked correct on the H200 but slower there than the two ops' kernels (a microbenchmark:
-  0.890 vs 0.698 ms at 16384 x 4096 x 4 bf16; OPS.md section 12).
+  default until a GPU run shows it correct and faster than the two ops' kernels (OPS.md section 12).
 * ``small``: the small-token forward (at most 64 tokens): the coefficient GEMM on CUDA cores, phi
   read as float32 (``mhc_coeffs_gemv_fwd_kernel``, no bf16 planes pass; ``ops.coeffs.fwd.gemv_layout``)
   and the layer's pre piece after it (finish, Sinkhorn, activations, aggregate) in one kernel

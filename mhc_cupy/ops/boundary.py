@@ -10,9 +10,8 @@ bits; the coefficient sums run over other D ranges than ``mhc_layer_pre_fwd``'s,
 coefficients may differ from it in the last float32 bits (both float32-accurate, bitwise repeatable).
 Shapes the fused kernel does not take (n > 6, C % 8 != 0, unaligned views, more shared memory than
 the GPU has) run the two ops' kernels, with their bits; so does every call unless the kernel choice in
-force says ``boundary=True`` (``mhc_cupy._kernel_choice``: off by default, checked correct on the H200 but
-slower there than the two ops' kernels in a microbenchmark, not yet the benchmark module: CUDA-event medians
-0.890 vs 0.698 ms at 16384 x 4096 x 4 bf16).  At most 64 tokens under ``small=True``: the CUDA-core GEMV
+force says ``boundary=True`` (``mhc_cupy._kernel_choice``: off by default; OPS.md section 12 gives the
+kernel's status).  At most 64 tokens under ``small=True``: the CUDA-core GEMV
 computes, stores and uses the residual update (``kernels_cu/coeffs_gemv.cu``, the post op's bits), then one
 kernel does the rest of the pre piece: two launches.
 """
