@@ -211,9 +211,9 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, fuse_boundar
             layer's coefficients may differ in the last float32 bits (its sums run over other
             channel ranges), and the later streams, the output and the gradients by what that
             propagates.  The fused kernel itself runs only where the kernel choice in force at trace time says
-            ``boundary=True`` (``mhc_cupy._kernel_choice.kernel_choice``; off by default: checked correct on
-            the H200 but slower there than the two ops' kernels); otherwise the boundary op runs the two ops'
-            kernels (the unfused stack's bits, as on the CPU).  Default False; a bool, static, keyword only.
+            ``boundary=True`` (``mhc_cupy._kernel_choice.kernel_choice``; off by default, OPS.md section 12
+            gives its status); otherwise the boundary op runs the two ops' kernels (the unfused stack's
+            bits, as on the CPU).  Default False; a bool, static, keyword only.
         num_iters, eps, rms_eps, grad_mode, convention, hc_eps, post_mult: as
             :func:`mhc_cupy.jax.mhc_layer` (the same for every layer), keyword only; left out, the
             convention's defaults (paper: 20, 1e-8, 1e-5, "unrolled", hc_eps 0, post_mult 2).

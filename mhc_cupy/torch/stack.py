@@ -126,8 +126,8 @@ class MHCStack(nn.Module):
             layers built under ``kernel_choice(fused=False)``).  The streams and the gradients' formulas
             are the same; the next layer's coefficients may differ in the last float32 bits.
             Default False.  The fused kernel itself runs only where the kernel choice says ``boundary=True``
-            (``mhc_cupy._kernel_choice``; off by default: checked correct on the H200 but slower there than
-            the two ops' kernels); otherwise the boundary op runs the two ops' kernels (the chain's bits).
+            (``mhc_cupy._kernel_choice``; off by default, OPS.md section 12 gives its status); otherwise
+            the boundary op runs the two ops' kernels (the chain's bits).
 
     Shapes:
         x [..., n, C] (bfloat16 / float16 / float32) -> [..., n, C], dtype of x.
