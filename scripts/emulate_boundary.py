@@ -6,35 +6,51 @@ in NumPy, vectorised over the block's 128 threads but with each thread's own ind
 kernel's formulas:
 
 * the phi planes [3, Kp, Dp] as mhc_coeffs_split_phi_fwd_kernel writes them (split_bits<3>);
-* shared memory as bytes at the exact offsets the fill lambda's cp_async16 copies write (with the
-  swizzle ``q ^ ((r & 1) * SWZ)``, zeros where the copy is not valid), landing only when their
-  commit group is waited for (pipeline_start / pipeline_next / cp_async_wait);
-* each lane's reads at x_o / phi_o, the post op mix in float32 (fmaf exactly: one rounding), the
-  rounding to the activation dtype, split_bits<P>, the packed A fragments and the B fragments, the
-  mma.sync m16n8k16 as its definition on the PTX ISA's fragment layout (float64 sum, rounded to
-  float32 per MMA), the fresh accumulator of each 32-channel unit and stream added to acc, the
-  sums of squares with their shuffles and the epilogue's writes to part[split, t, k].
+* shared memory as bytes: phi's rows of a step (N streams x 3 planes x 8 NTILE columns, PROW =
+  64 SUB bytes each) at the exact offsets the fill lambda's cp_async16 copies write (swizzle
+  ``q ^ ((kk & 1) * SWZ)``, SWZ = 4 where PROW is 128, zeros where the copy is not valid), landing
+  only when their commit group is waited for (pipeline_start / pipeline_next / cp_async_wait), and
+  the coefficients s_coef;
+* x and y straight from global memory: per 32-channel unit of the split, each lane's 16-byte loads
+  of its 8 channels c = c_begin + 32 u + 8 tq of rows g, g + 8 of the N streams of x and of y
+  (zeros past the last token or c_end);
+* the post op mix in float32 (fmaf exactly: one rounding) and the rounding to the dtype.  bf16:
+  every stream of a channel from the same inputs, the sum of squares ss over (unit, channel,
+  stream), the rounded bits packed into out's 16-byte words, which are also the A fragments.
+  float16 / float32: one stream at a time, ss over (unit, stream, channel), store_vec, split_bits<P>
+  packed into the A fragments;
+* the B fragments at phi_o, the mma.sync m16n8k16 as its definition on the PTX ISA's fragment
+  layout (float64 sum, rounded to float32 per MMA), the fresh accumulator of each unit and stream
+  added to acc;
+* the epilogue: ss's quad shuffles; where the quad's sum is inf, each lane's sum of
+  (out 2^-100)^2 read back from the out values it stored (per unit in ss's order) and shuffled;
+  the writes to part[split, t, k].
 
-Asserted on the way: every global read in bounds and inside its row, 16-byte alignment of every
-vector access, every shared-memory read inside its stage and row, of bytes the current step's fill
-wrote (no copy in flight, no stale stage), every out[t, i, c] written exactly once, every
-part[split, t, k] (k <= K) written exactly once.  Then out is compared bitwise with a vectorised
-float32 fmaf chain (and with mhc_cupy.reference.mhc_post_op_fwd, float64, to within one ulp of the
-dtype plus the chain's float32 rounding), and the partial sums per split and summed over the splits
-with the float64 reference out~ phi and sum out~^2 (also after a float32 overflow: minus the scaled
-sum).  Hooks a test may replace to check that the emulation catches a fault: swizzle, wait_depth,
-lane_offsets, a_fragment.
+Asserted on the way: every global access in bounds, inside its row and aligned (16 bytes for the
+vector loads, stores and cp.async sources), every x and y element loaded exactly once by the
+launch, every shared-memory read inside its stage and row, of bytes the current step's fill wrote
+(no copy in flight, no stale stage), every out[t, i, c] written exactly once and read back only by
+the thread that stored it, the re-sum after an overflow equal in bits to the scaled sum of ss's
+terms in ss's order (kept beside ss by the emulation), every part[split, t, k] (k <= K) written
+exactly once.  Then out is compared bitwise with a vectorised float32 fmaf chain (and with
+mhc_cupy.reference.mhc_post_op_fwd, float64, to within one ulp of the dtype plus the chain's float32
+rounding), and the partial sums per split and summed over the splits with the float64 reference
+out~ phi and sum out~^2 (also after a float32 overflow: minus the scaled sum).  Hooks a test may
+replace to check that the emulation catches a fault: swizzle, wait_depth, lane_offsets, pack2,
+a_fragment, overflowed, resum_order.
 
 Not covered: the tensor cores' own accumulation order and rounding inside one MMA, the compiler
-(registers, unrolling), timing beyond the commit-group model, 32-bit index overflow at large shapes,
-split_bits' overflow case, NaN / inf inputs.
+(registers, unrolling, whether the read-back of out stays a coherent load), timing beyond the
+commit-group model, 32-bit index overflow at large shapes, split_bits' overflow case, NaN / inf
+inputs.
 
 Usage (repo root, CPU only):
     python scripts/emulate_boundary.py                 # a set of small cases (CASES)
     python scripts/emulate_boundary.py --all           # grid(): 225 cases
     python scripts/emulate_boundary.py --T 65 --n 4 --C 200 --dtype float16 --stages 2 --sub 2
 
-Importable: ``emulate(...)`` returns the emulated outputs, ``check(...)`` runs and verifies one case.
+Importable: ``emulate(...)`` returns the emulated outputs, ``check(...)`` / ``check_arrays(...)`` run and
+verify one case.
 """
 
 from __future__ import annotations
@@ -186,35 +202,51 @@ def mma_m16n8k16(d, a, b0, b1):
 
 class Global:
     """A global array as bytes: vector reads and writes at element indices, with bounds, row and
-    alignment checks (the base pointer is taken as 16-byte aligned, as the host requires)."""
+    alignment checks (the base pointer is taken as 16-byte aligned, as the host requires), a count
+    of the lanes' loads of each element and the thread (block * 128 + tid) that stored each."""
 
     def __init__(self, name, values, row=None):
         self.name, self.a = name, np.ascontiguousarray(values)
         self.bytes = self.a.reshape(-1).view(np.uint8)
         self.isz = self.a.dtype.itemsize
         self.row = row  # elements per row that no access may cross (None: the whole array)
+        self.reads = np.zeros(self.a.size, np.int64)
         self.writes = np.zeros(self.a.size, np.int64)
+        self.owner = np.full(self.a.size, -1, np.int64)
 
     def _span(self, idx, count, what):
         idx = np.asarray(idx, np.int64)
         _require((idx >= 0) & (idx + count <= self.a.size), f"{what}: {self.name} index out of bounds")
-        _require((idx * self.isz) % 16 == 0 if count * self.isz >= 16 else True,
-                 f"{what}: {self.name} access not 16-byte aligned")
+        _require((idx * self.isz) % min(16, count * self.isz) == 0, f"{what}: {self.name} access misaligned")
         if self.row is not None:
             _require(idx // self.row == (idx + count - 1) // self.row, f"{what}: {self.name} access crosses a row")
         return idx
 
-    def read16(self, idx):
+    def read16(self, idx, what="cp.async source"):
         """16 bytes from element idx [m] -> [m, 16] uint8."""
-        idx = self._span(idx, 16 // self.isz, "cp.async source")
+        idx = self._span(idx, 16 // self.isz, what)
         return self.bytes[(idx * self.isz)[:, None] + np.arange(16)]
 
-    def write(self, idx, values, count):
-        """count elements from element idx [m] (values [m, count] of the array's dtype)."""
+    def load(self, idx, count, what):
+        """A lane's count elements from element idx [m] in 16-byte loads (mhc::Packed::load) -> [m, count]."""
+        idx = self._span(idx, count, what)
+        raw = np.concatenate([self.read16(idx + k, what) for k in range(0, count, 16 // self.isz)], axis=1)
+        np.add.at(self.reads, (idx[:, None] + np.arange(count)).reshape(-1), 1)
+        return raw.view(self.a.dtype)
+
+    def write(self, idx, values, count, who):
+        """count elements from element idx [m] (values [m, count] of the array's dtype) by threads who [m]."""
         idx = self._span(idx, count, "store")
         el = idx[:, None] + np.arange(count)
         self.a.reshape(-1)[el] = values
         np.add.at(self.writes, el.reshape(-1), 1)
+        self.owner[el] = np.asarray(who, np.int64)[:, None]
+
+    def read_back(self, idx, who, what):
+        """One element at idx [m] per thread who [m], which must be the thread that stored it."""
+        idx = self._span(idx, 1, what)
+        _require(self.owner[idx] == who, f"{what}: {self.name} element not stored by the reading thread")
+        return self.a.reshape(-1)[idx]
 
 
 class Shared:
@@ -258,11 +290,11 @@ class Shared:
         return self.mem[b]
 
 
-# ------------------------------------------------------------------ the kernel
+# ------------------------------------------------------------------ the kernel (hooks a test may replace)
 
-def swizzle(q, r, SWZ):
-    """The fill's 16-byte chunk of chunk q in row r (x: token row; phi: column)."""
-    return q ^ ((r & 1) * SWZ)
+def swizzle(q, kk, SWZ):
+    """The fill's 16-byte chunk of chunk q in the phi row of column kk."""
+    return q ^ ((kk & 1) * SWZ)
 
 
 def wait_depth(STAGES):
@@ -270,11 +302,15 @@ def wait_depth(STAGES):
     return STAGES - 2
 
 
-def lane_offsets(sub, g, tq, SWZ, isz):
-    """(phi_o, x_o): byte offsets of a lane's 8 positions in a phi row / an x or y row."""
-    phi_o = (sub * 64 + tq * 16) ^ ((g & 1) * SWZ * 16)
-    x_o = phi_o if SWZ else (sub * 32 + tq * 8) * isz
-    return phi_o, x_o
+def lane_offsets(s, sub, SUB, g, tq, SWZ):
+    """(phi_o, cu): the byte offset of a lane's 8 positions in a phi row of the stage, and its first
+    channel in the split, c - c_begin, at step s, unit sub."""
+    return (sub * 64 + tq * 16) ^ ((g & 1) * SWZ * 16), (s * SUB + sub) * 32 + tq * 8
+
+
+def pack2(lo, hi):
+    """Two elements' 16-bit bits -> a 32-bit word, the first element in the low half."""
+    return np.asarray(lo, np.uint32) | (np.asarray(hi, np.uint32) << 16)
 
 
 def a_fragment(aw, pa, j):
@@ -283,18 +319,28 @@ def a_fragment(aw, pa, j):
                     axis=-1)
 
 
+def overflowed(s_quad, s_lane):
+    """The epilogue's test for re-summing a row half scaled: the quad's sum is inf."""
+    return np.isinf(s_quad)
+
+
+def resum_order(P, N):
+    """The epilogue's (stream i, channel e) order within a unit: bf16 (P 1) (e, i), else (i, e)."""
+    if P == 1:
+        return [(i, e) for e in range(8) for i in range(N)]
+    return [(i, e) for i in range(N) for e in range(8)]
+
+
 def run_block(bid, gm, planes, part, *, dt, N, C, K, Dp, tokens, tiles, c_split, res_t, NTILE, STAGES, SUB):
     """One block blockIdx.x = bid of mhc_boundary_fwd_kernel<T, N, NTILE, STAGES, SUB>."""
-    isz = np.dtype(NP_DTYPE[dt]).itemsize
+    T_ = NP_DTYPE[dt]
+    isz = np.dtype(T_).itemsize
     P = PARTS[dt]
-    KC, STEP = NTILE * 8, 32 * SUB
-    XROW, PROW = STEP * isz, STEP * 2
-    XB = (N + 1) * TOK * XROW
-    SB = XB + N * 3 * KC * PROW
+    KC, PROW = NTILE * 8, 64 * SUB
+    SB = N * 3 * KC * PROW
     CW = N + N * N
-    SWZ = 4 if (XROW == 128 and PROW == 128) else 0
-    E16 = 16 // isz
-    XC, PC = XROW // 16, PROW // 16
+    SWZ = 4 if PROW == 128 else 0
+    PC = PROW // 16
     assert N >= 1 and KC >= N * N + 2 * N and NTILE <= 6
     smem_size = STAGES * SB + TOK * CW * 4
     assert smem_size == BOUNDARY_FWD.smem(T=dt, N=N, NTILE=NTILE, STAGES=STAGES, SUB=SUB), "the launch's smem"
@@ -302,12 +348,13 @@ def run_block(bid, gm, planes, part, *, dt, N, C, K, Dp, tokens, tiles, c_split,
     coef0 = STAGES * SB
 
     tid = np.arange(THREADS)
+    who = bid * THREADS + tid
     lane, warp = tid & 31, tid >> 5
     g, tq = lane >> 2, lane & 3
     split, tile = bid // tiles, bid % tiles
     c_begin = split * c_split
     c_end = min(C, c_begin + c_split)
-    steps = (c_end - c_begin + STEP - 1) // STEP
+    steps = (c_end - c_begin + 32 * SUB - 1) // (32 * SUB)
     t0 = tile * TOK
     plane = KC * Dp
     x, y, h_post, h_res, out = gm["x"], gm["y"], gm["h_post"], gm["h_res"], gm["out"]
@@ -329,42 +376,64 @@ def run_block(bid, gm, planes, part, *, dt, N, C, K, Dp, tokens, tiles, c_split,
     def coef(rows, idx):  # s_coef[rows * CW + idx]
         return sm.read(coef0 + 4 * (rows * CW + idx), 4, coef0, smem_size, _COEF, "s_coef").view(np.float32)[:, 0]
 
-    def fill(step, stage):
+    def fill(step, stage):  # phi: stream i, plane p, column kk, chunk q
         st = stage * SB
-        c0 = c_begin + step * STEP
-        k = np.arange((N + 1) * TOK * XC)  # stream j (N: y), row r, chunk q
-        q, jr = k % XC, k // XC
-        r, j = jr % TOK, jr // TOK
-        c = c0 + q * E16
-        t = t0 + r
-        ok = (t < tokens) & (c < c_end)
-        dst = st + jr * XROW + swizzle(q, r, SWZ) * 16
-        _require((dst >= st) & (dst + 16 <= st + XB), "x fill outside the stage's x")
-        data = np.zeros((k.size, 16), np.uint8)
-        xs, ys = ok & (j < N), ok & (j == N)
-        data[xs] = x.read16(((t * N + j) * C + c)[xs])
-        data[ys] = y.read16((t * C + c)[ys])
-        sm.cp_async16(dst, data, step)
-        k = np.arange(N * 3 * KC * PC)  # stream i, plane p, column kk, chunk q
+        c0 = c_begin + step * 32 * SUB
+        k = np.arange(N * 3 * KC * PC)
         q, row = k % PC, k // PC
         kk, ip = row % KC, row // KC
         p, i = ip % 3, ip // 3
         c = c0 + q * 8
         ok = c < c_end
-        dst = st + XB + row * PROW + swizzle(q, kk, SWZ) * 16
-        _require((dst >= st + XB) & (dst + 16 <= st + SB), "phi fill outside the stage's phi")
+        dst = st + row * PROW + swizzle(q, kk, SWZ) * 16
+        _require((dst >= st) & (dst + 16 <= st + SB), "phi fill outside its stage")
         data = np.zeros((k.size, 16), np.uint8)
         data[ok] = planes.read16((p * plane + kk * Dp + i * C + c)[ok])
         sm.cp_async16(dst, data, step)
         seen = np.zeros(SB, np.int64)  # the fill's copies do not overlap
-        b = np.concatenate([blk for blk, _, s in sm.open if s == step]) - st
-        np.add.at(seen, b, 1)
+        np.add.at(seen, sm.open[-1][0] - st, 1)
         _require(seen <= 1, "two copies of one fill write the same bytes")
 
     acc = np.zeros((THREADS, NTILE, 4), np.float32)
     ss = np.zeros((THREADS, 2), np.float32)
-    qs = np.zeros((THREADS, 2), np.float32)
+    qs = np.zeros((THREADS, 2), np.float32)  # not the kernel's: ss's terms (x 2^-100)^2 in ss's order
     row0 = warp * 16 + g
+    trow = [t0 + row0, t0 + row0 + 8]
+
+    def add_sq(h, o):  # ss[h] += o^2 for o [128]
+        ss[:, h] = fmaf(o, o, ss[:, h])
+        sc = (o * STAT_SCALE).astype(np.float32)
+        qs[:, h] = fmaf(sc, sc, qs[:, h])
+
+    def mix(h, i, xv):  # stream i's 8 outputs of row half h, float32 before rounding: [128, 8]
+        rr = row0 + 8 * h
+        v = coef(rr, i)[:, None] * xv[N, h]
+        for jj in range(N):
+            v = fmaf(coef(rr, N + i * N + jj)[:, None], xv[jj, h], v)
+        return v
+
+    def store(h, i, c, ok, vals):  # out[trow[h], i, c .. c + 7] = vals [128, 8] in 16-byte stores
+        idx = (trow[h] * N + i) * C + c
+        for e0 in range(0, 8, 16 // isz):
+            out.write(idx[ok] + e0, vals[ok, e0:e0 + 16 // isz], 16 // isz, who[ok])
+
+    def gemm(s, i, aw, phi_o):  # phi's words of stream i at phi_o, every plane and column; the MMAs
+        st = (s % STAGES) * SB
+        bw = np.zeros((THREADS, NTILE, 3, 4), np.uint32)
+        for q in range(NTILE):
+            for p in range(3):
+                base = st + ((i * 3 + p) * KC + 8 * q + g) * PROW
+                bw[:, q, p] = sm.read(base + phi_o, 16, base, base + PROW, s, "phi").view(np.uint32)
+        stp = np.zeros((THREADS, NTILE, 4), np.float32)
+        for j in range(2):
+            for pa in range(P):
+                for pb in range(3 - pa):
+                    a = a_fragment(aw, pa, j)
+                    for q in range(NTILE):
+                        d = stp[:, q].copy()
+                        mma_m16n8k16(d, a, bw[:, q, pb, 2 * j], bw[:, q, pb, 2 * j + 1])
+                        stp[:, q] = d
+        acc[:] = (acc + stp).astype(np.float32)
 
     for s in range(STAGES - 1):  # pipeline_start
         if s < steps:
@@ -375,71 +444,70 @@ def run_block(bid, gm, planes, part, *, dt, N, C, K, Dp, tokens, tiles, c_split,
         if s + STAGES - 1 < steps:
             fill(s + STAGES - 1, (s + STAGES - 1) % STAGES)
         sm.commit()
-        st = (s % STAGES) * SB
         for sub in range(SUB):
-            c = c_begin + s * STEP + sub * 32 + tq * 8
-            phi_o, x_o = lane_offsets(sub, g, tq, SWZ, isz)
-            xv = np.zeros((N + 1, 2, THREADS, 8), np.float32)
-            for jj in range(N + 1):
+            phi_o, cu = lane_offsets(s, sub, SUB, g, tq, SWZ)
+            c = c_begin + cu
+            xv = np.zeros((N + 1, 2, THREADS, 8), np.float32)  # streams of x, then y; zeros where not ok
+            ok = [(trow[h] < tokens) & (c < c_end) for h in range(2)]
+            for h in range(2):
+                for jj in range(N + 1):
+                    src, idx = (x, (trow[h] * N + jj) * C + c) if jj < N else (y, trow[h] * C + c)
+                    xv[jj, h, ok[h]] = src.load(idx[ok[h]], 8, "x / y load").astype(np.float32)
+            if P == 1:  # every stream of a channel at once; the bf16 bits are out's words and the A fragments
+                ow = np.zeros((N, THREADS, 1, 2, 4), np.uint32)
                 for h in range(2):
-                    rows = jj * TOK + row0 + 8 * h
-                    raw = sm.read(st + rows * XROW + x_o, 8 * isz, st + rows * XROW, st + (rows + 1) * XROW, s,
-                                  "x / y")
-                    xv[jj, h] = raw.view(NP_DTYPE[dt]).astype(np.float32)
-            for i in range(N):
-                aw = np.zeros((THREADS, P, 2, 4), np.uint32)
-                for h in range(2):
-                    rr = row0 + 8 * h
-                    v = coef(rr, i)[:, None] * xv[N, h]
-                    for jj in range(N):
-                        v = fmaf(coef(rr, N + i * N + jj)[:, None], xv[jj, h], v)
-                    o = round_to(v, dt)  # [128, 8]
+                    bits = [mix(h, i, xv).astype(BF16).view(np.uint16) for i in range(N)]  # to_bits
                     for e in range(8):
-                        ss[:, h] = fmaf(o[:, e], o[:, e], ss[:, h])
-                        sc = (o[:, e] * STAT_SCALE).astype(np.float32)
-                        qs[:, h] = fmaf(sc, sc, qs[:, h])
-                    t = t0 + rr
-                    st_ok = (t < tokens) & (c < c_end)
-                    for e0 in range(0, 8, E16):  # store_vec: 16-byte stores
-                        out.write(((t * N + i) * C + c + e0)[st_ok], o[st_ok, e0:e0 + E16].astype(NP_DTYPE[dt]), E16)
-                    bits = split_bits(o, P)  # [128, 8, P]
-                    for p in range(P):
-                        for w in range(4):
-                            aw[:, p, h, w] = bits[:, 2 * w, p] | (bits[:, 2 * w + 1, p] << 16)
-                bw = np.zeros((THREADS, NTILE, 3, 4), np.uint32)
-                for q in range(NTILE):
-                    for p in range(3):
-                        rows = (i * 3 + p) * KC + 8 * q + g
-                        base = st + XB + rows * PROW
-                        raw = sm.read(base + phi_o, 16, base, base + PROW, s, "phi")
-                        bw[:, q, p] = raw.view(np.uint32)
-                stp = np.zeros((THREADS, NTILE, 4), np.float32)
-                for j in range(2):
-                    for pa in range(P):
-                        for pb in range(3 - pa):
-                            a = a_fragment(aw, pa, j)
-                            for q in range(NTILE):
-                                d = stp[:, q].copy()
-                                mma_m16n8k16(d, a, bw[:, q, pb, 2 * j], bw[:, q, pb, 2 * j + 1])
-                                stp[:, q] = d
-                acc = (acc + stp).astype(np.float32)
+                        for i in range(N):
+                            add_sq(h, bits[i][:, e].view(BF16).astype(np.float32))  # from_bits
+                    for i in range(N):
+                        ow[i, :, 0, h] = pack2(bits[i][:, 0::2], bits[i][:, 1::2])
+                        store(h, i, c, ok[h], np.ascontiguousarray(ow[i, :, 0, h]).view(T_))  # store_words<4>
+                for i in range(N):
+                    gemm(s, i, ow[i], phi_o)
+            else:  # one stream at a time
+                for i in range(N):
+                    aw = np.zeros((THREADS, P, 2, 4), np.uint32)  # [thread][part][row half][word]
+                    for h in range(2):
+                        o = round_to(mix(h, i, xv), dt)
+                        for e in range(8):
+                            add_sq(h, o[:, e])
+                        store(h, i, c, ok[h], o.astype(T_))  # store_vec<T, 8>
+                        bits = split_bits(o, P)  # [128, 8, P]
+                        for p in range(P):
+                            aw[:, p, h] = pack2(bits[:, 0::2, p], bits[:, 1::2, p])
+                    gemm(s, i, aw, phi_o)
     sm.wait(0)
 
     for h in range(2):
-        s_, sq = ss[:, h].copy(), qs[:, h].copy()
+        s_ = ss[:, h].copy()
         for off in (1, 2):  # __shfl_xor_sync
-            s_ = (s_ + s_[tid ^ off]).astype(np.float32)
-            sq = (sq + sq[tid ^ off]).astype(np.float32)
-        t = t0 + row0 + 8 * h
+            with np.errstate(over="ignore"):
+                s_ = (s_ + s_[tid ^ off]).astype(np.float32)
+        t = trow[h]
         live = t < tokens
+        # after an overflow: the lane's sum of (out 2^-100)^2 re-read from out, per unit in resum_order
+        redo = overflowed(s_, ss[:, h]) & live
+        sq = np.zeros(THREADS, np.float32)
+        for u in range(-(-(c_end - c_begin) // 32) if redo.any() else 0):
+            c = c_begin + u * 32 + tq * 8
+            on = redo & (c < c_end)
+            for i, e in resum_order(P, N):
+                v = out.read_back(((t * N + i) * C + c + e)[on], who[on], "overflow re-sum").astype(np.float32)
+                v = (v * STAT_SCALE).astype(np.float32)
+                sq[on] = fmaf(v, v, sq[on])
+        _require(sq[redo].view(np.uint32) == qs[redo, h].view(np.uint32),
+                 "the overflow's re-sum differs in bits from the scaled sum in ss's order")
+        for off in (1, 2):
+            sq = (sq + sq[tid ^ off]).astype(np.float32)
         base = (split * tokens + t) * (K + 1)
         w0 = live & (tq == 0)
-        part.write((base + K)[w0], np.where(np.isinf(s_), -sq, s_)[w0, None], 1)
+        part.write((base + K)[w0], np.where(np.isinf(s_), -sq, s_)[w0, None], 1, who[w0])
         for q in range(NTILE):
             for e in range(2):
                 kk = 8 * q + 2 * tq + e
                 ok = live & (kk < K)
-                part.write((base + kk)[ok], acc[ok, q, 2 * h + e][:, None], 1)
+                part.write((base + kk)[ok], acc[ok, q, 2 * h + e][:, None], 1, who[ok])
 
 
 def make_inputs(T, n, C, dt, seed=0, scale=1.0):
@@ -482,6 +550,8 @@ def emulate(x, y, h_post, h_res, phi, *, res_t, stages, sub, c_split=None):
     for bid in range(b.tiles * b.splits):
         run_block(bid, gm, planes, part, dt=dt, N=n, C=C, K=K, Dp=b.Dp, tokens=T, tiles=b.tiles, c_split=b.c_split,
                   res_t=int(res_t), NTILE=b.ntile, STAGES=stages, SUB=sub)
+    _require(gm["x"].reads == 1, "an x element not loaded exactly once")
+    _require(gm["y"].reads == 1, "a y element not loaded exactly once")
     _require(gm["out"].writes == 1, "an out element not written exactly once")
     _require(part.writes == 1, "a part element not written exactly once")
     return gm["out"].a, part.a, dict(b._asdict(), K=K, dt=dt)
@@ -505,10 +575,18 @@ def saved_sumsq(v):
 
 
 def check(T, n, C, dt, res_t=False, stages=2, sub=1, c_split=None, seed=0, scale=1.0, verbose=False):
-    """Emulate one case and compare with the references; returns a dict of the measured errors
-    (relative: H to sum |out~| |phi|, the sums of squares to themselves) and the share of out
-    equal to the float64 post op rounded once to the dtype."""
-    x, y, h_post, h_res, phi = make_inputs(T, n, C, dt, seed, scale)
+    """Emulate one case of make_inputs(T, n, C, dt, seed, scale) and compare with the references
+    (check_arrays)."""
+    return check_arrays(*make_inputs(T, n, C, dt, seed, scale), res_t=res_t, stages=stages, sub=sub,
+                        c_split=c_split, verbose=verbose)
+
+
+def check_arrays(x, y, h_post, h_res, phi, *, res_t=False, stages=2, sub=1, c_split=None, verbose=False):
+    """Emulate the launch for these arrays (as emulate takes them) and compare with the references;
+    returns a dict of the measured errors (relative: H to sum |out~| |phi|, the sums of squares to
+    themselves) and the share of out equal to the float64 post op rounded once to the dtype."""
+    T, n, C = x.shape
+    dt = {np.dtype(v): k for k, v in NP_DTYPE.items()}[x.dtype]
     out, part, lay = emulate(x, y, h_post, h_res, phi, res_t=res_t, stages=stages, sub=sub, c_split=c_split)
     chain = post_chain(x, y, h_post, h_res, res_t)
     _require(out.view(np.uint8) == chain.view(np.uint8), "out differs in bits from the float32 fmaf chain")

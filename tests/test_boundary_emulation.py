@@ -1,7 +1,9 @@
 """mhc_boundary_fwd_kernel (kernels_cu/boundary.cu) emulated on the CPU thread by thread
-(scripts/emulate_boundary.py): its index maths, shared-memory layout, swizzle, pipeline, MMA
-fragments and epilogue against the references, without a GPU.  Also checks that the emulation
-catches a wrong swizzle, a wrong A fragment order and a too shallow cp.async wait (it has teeth)."""
+(scripts/emulate_boundary.py): its index maths, x and y loads, phi's shared-memory layout, swizzle,
+pipeline, MMA fragments, bf16 word packing and epilogue (with the overflow's re-sum from out) against
+the references, without a GPU.  Also checks that the emulation catches each injected fault (it has
+teeth): a wrong swizzle, lane channel, word packing or A fragment order, a too shallow cp.async wait,
+a re-sum in another order or for the wrong lanes, a read-back of another thread's out."""
 
 from __future__ import annotations
 
@@ -57,21 +59,91 @@ def test_fmaf_rounds_once():
     assert np.isinf(emu.fmaf(big, big, np.float32(0)))
 
 
-@pytest.mark.parametrize("fault", ["no_read_swizzle", "fill_swizzle_parity", "a_fragment_order", "shallow_wait"])
-def test_emulation_catches_layout_faults(monkeypatch, fault):
-    """Each fault is one wrong index a kernel edit could make; the emulation must reject it."""
-    if fault == "no_read_swizzle":
-        orig = emu.lane_offsets
-        monkeypatch.setattr(emu, "lane_offsets", lambda sub, g, tq, SWZ, isz: orig(sub, 0 * g, tq, SWZ, isz))
-    elif fault == "fill_swizzle_parity":
-        monkeypatch.setattr(emu, "swizzle", lambda q, r, SWZ: q ^ (((r >> 1) & 1) * SWZ))
-    elif fault == "a_fragment_order":
-        monkeypatch.setattr(emu, "a_fragment", lambda aw, pa, j: np.stack(
-            [aw[:, pa, 0, 2 * j], aw[:, pa, 0, 2 * j + 1], aw[:, pa, 1, 2 * j], aw[:, pa, 1, 2 * j + 1]], axis=-1))
+def _big_rows(dt, seed=2):
+    """Inputs at T 65, n 2, C 72 whose tokens t % 3 == 0 have out ~ 2.2e18 everywhere: in split 0
+    (64 channels) each lane's 32 squares stay finite in float32 (1.6e38), two lanes' too (3.2e38),
+    the quad's overflow (6.4e38): the re-sum must run for every lane of the quad."""
+    x, y, hp, hr, phi = emu.make_inputs(65, 2, 72, dt, seed=seed)
+    x[::3] = np.asarray(2.236e18, x.dtype)  # H_res rows sum to 1 (paper convention): out_i ~ x
+    y[::3] = 0
+    return x, y, hp, hr, phi
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float32"])
+def test_overflow_of_the_quad_sum_alone_resums_every_lane(dt):
+    x, y, hp, hr, phi = _big_rows(dt)
+    out, part, lay = emu.emulate(x, y, hp, hr, phi, res_t=False, stages=3, sub=1)
+    assert lay["c_split"] == 64 and lay["splits"] == 2
+    sq = out[::3, :, :64].astype(np.float64) ** 2  # the premise: per lane (tq) finite, per quad inf
+    lanes = sq.reshape(sq.shape[0], 2, 2, 4, 8).sum((1, 2, 4))  # [token, tq] over (stream, unit, e)
+    big = float(np.finfo(np.float32).max)
+    assert (lanes.max(1) < big).all() and (lanes[:, :2].sum(1) < big).all() and (lanes.sum(1) > big).all()
+    over = np.zeros(65, bool)
+    over[::3] = True
+    assert ((part[0, :, -1] < 0) == over).all() and (part[1, :, -1] > 0).all()  # split 1: 16 squares, finite
+    emu.check_arrays(x, y, hp, hr, phi, stages=3, sub=1)
+
+
+def test_global_memory_checks_catch_a_foreign_read_back_and_a_load_across_rows():
+    """out read back by a thread that did not store it; an 8-element float32 load (two 16-byte
+    loads, each inside a row) that crosses a row."""
+    out = emu.Global("out", np.zeros(64, np.float32), row=32)
+    out.write(np.array([0]), np.ones((1, 4), np.float32), 4, np.array([5]))
+    assert out.read_back(np.array([3]), np.array([5]), "test") == 1
+    with pytest.raises(emu.EmulationError, match="not stored by the reading thread"):
+        out.read_back(np.array([3]), np.array([6]), "test")
+    with pytest.raises(emu.EmulationError, match="crosses a row"):
+        out.load(np.array([28]), 8, "test")
+
+
+def _swap_halves(lo, hi):
+    return np.asarray(hi, np.uint32) | (np.asarray(lo, np.uint32) << 16)
+
+
+_H = r"^H(_total)?: relative error"
+_FAULTS = {  # fault: (hook, replacement(original), the check that must catch it at 65 x 2 x 72, sub 2)
+    "no_read_swizzle": ("lane_offsets", lambda f: lambda s, sub, SUB, g, tq, SWZ: f(s, sub, SUB, 0 * g, tq, SWZ), _H),
+    "fill_swizzle_parity": ("swizzle", lambda f: lambda q, kk, SWZ: q ^ (((kk >> 1) & 1) * SWZ), _H),
+    "lane_channel_without_sub": ("lane_offsets", lambda f: lambda s, sub, SUB, g, tq, SWZ: (
+        f(s, sub, SUB, g, tq, SWZ)[0], s * SUB * 32 + tq * 8), "an x element not loaded exactly once"),
+    "a_fragment_order": ("a_fragment", lambda f: lambda aw, pa, j: np.stack(
+        [aw[:, pa, 0, 2 * j], aw[:, pa, 0, 2 * j + 1], aw[:, pa, 1, 2 * j], aw[:, pa, 1, 2 * j + 1]], axis=-1), _H),
+    "word_halves_swapped": ("pack2", lambda f: _swap_halves, None),  # bf16: out's bits; float16: H
+    "shallow_wait": ("wait_depth", lambda f: lambda stages: stages - 1, "in flight"),
+}
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float16"])
+@pytest.mark.parametrize("fault", sorted(_FAULTS))
+def test_emulation_catches_layout_faults(monkeypatch, fault, dt):
+    """Each fault is one wrong index a kernel edit could make; the emulation must reject it, by the
+    check named (bf16 and float16 take different paths: one conversion for every stream, or one stream
+    at a time)."""
+    hook, fake, check = _FAULTS[fault]
+    if check is None:
+        check = "out differs in bits" if dt == "bfloat16" else _H
+    emu.check(65, 2, 72, dt, stages=3, sub=2)  # the case passes without the fault
+    monkeypatch.setattr(emu, hook, fake(getattr(emu, hook)))
+    with pytest.raises(emu.EmulationError, match=check):
+        emu.check(65, 2, 72, dt, stages=3, sub=2)
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float32"])
+@pytest.mark.parametrize("fault", ["resum_in_the_other_order", "resum_where_the_lane_overflowed"])
+def test_emulation_catches_overflow_faults(monkeypatch, fault, dt):
+    """The epilogue's re-sum in the other order of (stream, channel) than ss (caught by the bitwise
+    comparison with ss's order), or only for lanes whose own sum is inf (part's scaled sum short)."""
+    if fault == "resum_in_the_other_order":  # (random values: equal ones sum alike in any order)
+        args = emu.make_inputs(65, 2, 72, dt, seed=1, scale=1e20)
+        orig = emu.resum_order
+        hook, fake, check = "resum_order", lambda P, N: orig(2 if P == 1 else 1, N), "re-sum differs in bits"
     else:
-        monkeypatch.setattr(emu, "wait_depth", lambda stages: stages - 1)
-    with pytest.raises(emu.EmulationError):
-        emu.check(65, 2, 72, "bfloat16", stages=3, sub=2)
+        args = _big_rows(dt)
+        hook, fake, check = "overflowed", lambda s_quad, s_lane: np.isinf(s_lane), r"^sumsq(_total)?: relative error"
+    emu.check_arrays(*args, stages=3, sub=1)  # the case passes without the fault
+    monkeypatch.setattr(emu, hook, fake)
+    with pytest.raises(emu.EmulationError, match=check):
+        emu.check_arrays(*args, stages=3, sub=1)
 
 
 @pytest.mark.slow
