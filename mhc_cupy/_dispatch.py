@@ -41,6 +41,7 @@ it runs the cached plan).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import sys
@@ -67,20 +68,17 @@ class Plan:
         """Queue the kernels; ``scratch``: the temporaries' pointers in the order of ``self.scratch``."""
         self.kernels(ptrs, outs, dict(zip(self.scratch, scratch)), stream)
 
-    @property
+    @functools.cached_property
     def scratch_layout(self) -> tuple:
         """(bytes, offsets): the temporaries as pieces of one byte buffer, in the order of
         ``self.scratch``, each at a multiple of SCRATCH_ALIGN bytes: a GPU call allocates them at
         once (each allocation costs host time: a torch one about 1.4 us on the CPU)."""
-        layout = self.__dict__.get("_scratch_layout")
-        if layout is None:
-            offsets, end = [], 0
-            for shape, dt in self.scratch.values():
-                offsets.append(end)
-                size = max(math.prod(shape) * _interop.numpy_dtype(dt).itemsize, 1)
-                end += -(-size // SCRATCH_ALIGN) * SCRATCH_ALIGN
-            layout = self.__dict__["_scratch_layout"] = (end, tuple(offsets))
-        return layout
+        offsets, end = [], 0
+        for shape, dt in self.scratch.values():
+            offsets.append(end)
+            size = max(math.prod(shape) * _interop.numpy_dtype(dt).itemsize, 1)
+            end += -(-size // SCRATCH_ALIGN) * SCRATCH_ALIGN
+        return end, tuple(offsets)
 
     def scratch_ptrs(self, fe, like) -> tuple:
         """(buffer, pointers): the temporaries allocated in ``fe`` (a front end, on ``like``'s device

@@ -83,6 +83,12 @@ def _describe(out) -> str:
     return f"a {type(out).__name__} of {len(leaves)} array(s)" if leaves else f"{type(out).__name__} {out!r}"
 
 
+def check_params(params) -> None:
+    """``params`` is the dict of :func:`mhc_cupy.jax.mhc_init` (phi, alpha, bias).  TypeError if not."""
+    if not isinstance(params, dict) or any(k not in params for k in ("phi", "alpha", "bias")):
+        raise TypeError(f"params must be the dict of mhc_init (phi, alpha, bias), got {type(params).__name__}")
+
+
 def check_x(params: dict, x) -> None:
     """``x`` is an array [..., n, C] with the n and C of ``params["phi"]`` [n*C, n*n + 2n].
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ._convention import DEFAULT
 from ._jax_kernels import _k
-from ._jax_layer import check_x
+from ._jax_layer import check_params, check_x
 from .ops.layer_in import NORM_EPS
 
 
@@ -39,8 +39,7 @@ def mhc_layer_in(params: dict, x, norm_weight=None, *, fp8: bool = False, num_it
     """
     from .jax import _layer_settings
 
-    if not isinstance(params, dict) or any(k not in params for k in ("phi", "alpha", "bias")):
-        raise TypeError(f"params must be the dict of mhc_init (phi, alpha, bias), got {type(params).__name__}")
+    check_params(params)
     if not fp8 and norm_weight is None:
         raise ValueError("norm_weight is None with fp8=False; mhc_layer_in needs a norm weight float32 [C] to "
                          "normalise layer_in, or fp8=True")

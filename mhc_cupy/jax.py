@@ -511,8 +511,7 @@ def mhc_layer(params: dict, x, f, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAUL
         rms_eps, hc_eps, post_mult, grad_mode or convention, or shapes (x's n and C must match
         params["phi"]); f neither callable nor None, or not returning one array of its input's shape.
     """
-    if not isinstance(params, dict) or any(k not in params for k in ("phi", "alpha", "bias")):
-        raise TypeError(f"params must be the dict of mhc_init (phi, alpha, bias), got {type(params).__name__}")
+    _layer.check_params(params)
     settings = _layer_settings(num_iters, eps, rms_eps, grad_mode, convention, hc_eps, post_mult)
     _layer.check_x(params, x)
     # the fused pieces (OPS.md section 9), one custom_vjp around the whole layer with f's VJP inside
