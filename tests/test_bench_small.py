@@ -33,8 +33,42 @@ def test_small_mode_runs_tiny(tmp_path):
     assert res["schema"] == "mhc_cupy.bench.small/1" and [r["tokens"] for r in res["results"]] == [1, 3]
     for row in res["results"]:
         assert set(row["impls"]) == {"mhc_cupy", "mhc_cupy small", "torch"} and (row["C"], row["n"]) == (24, 2)
-        for v in row["impls"].values():  # graph replay where a GPU runs them, not on the CPU
-            assert v["eager_us"] > 0 and (v["graph_us"] > 0 if torch.cuda.is_available() else "graph_us" not in v), v
+        for name, v in row["impls"].items():  # graph replay where a GPU runs them, not on the CPU
+            gpu = torch.cuda.is_available()
+            assert v["eager_us"] > 0 and (v["graph_us"] > 0 if gpu else "graph_us" not in v), v
+            # the driver floor of mhc_cupy's rows (GPU only): every call launches and allocates
+            if gpu and name.startswith("mhc_cupy"):
+                assert v["launches"] >= 1 and v["allocations"] >= 1 and v["driver_floor_us"] > 0, v
+            else:
+                assert "driver_floor_us" not in v, v
     assert all(t["status"] == "not measured" for t in res["targets"])  # C 24, not 7168
     text = (out / "small.md").read_text()
     assert "| 3 | mhc_cupy |" in text and "eager us" in text
+
+
+def test_host_counts_counts_replayed_and_planned_launches_and_allocations(monkeypatch):
+    """host_counts: the launches of one call, through the replay path's cuLaunchKernel and through
+    _jit.launch (noted to _replay), and the allocations PyTorch's allocator counts (faked here)."""
+    torch = pytest.importorskip("torch")
+    from mhc_cupy import _replay
+    from mhc_cupy.bench.small import host_counts
+
+    calls, stats = [], {"allocation.all.allocated": 0}
+
+    class Driver:
+        @staticmethod
+        def launchKernel(*args):
+            calls.append(args)
+
+    monkeypatch.setattr(_replay, "_driver", Driver)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: dict(stats))
+
+    def call():  # 3 replayed launches, 2 planned ones, 4 allocations
+        for _ in range(3):
+            _replay._driver_launch()(0, 1, 1, 1, 32, 1, 1, 0, 0, 0, 0)
+        for _ in range(2):
+            _replay.note(None, (1, 1, 1), (32, 1, 1), (), 0)
+        stats["allocation.all.allocated"] += 4
+
+    assert host_counts(call) == {"launches": 5, "allocations": 4}
+    assert len(calls) == 6 and _replay._driver is Driver  # the warm-up call too; the driver put back

@@ -15,6 +15,10 @@ forward of one layer with an identity sublayer, without autograd (``torch.no_gra
 Two times per row: ``eager us``, the wall clock per call of back-to-back calls (host dispatch
 included: what an eager decode loop pays), and ``graph us``, the CUDA-event time per replayed call
 of a CUDA graph of ``calls`` calls (host excluded: what a captured decode step pays; GPU only).
+For mhc_cupy's rows on a GPU, what bounds the eager time from below whatever the Python around it
+(:func:`host_counts`, :func:`host_unit_costs`): the kernel launches and the PyTorch allocations of
+one call, and ``driver floor us`` = launches x the host time of one ``cuLaunchKernel`` (an empty
+kernel) + allocations x that of one ``torch.empty`` on the GPU, both measured in the same run.
 Targets (issue 43): T <= 64 at C 7168 graph replay <= 8 us, eager <= 30 us and <= torch.compile's.
 """
 
@@ -66,10 +70,76 @@ def small_case(T: int, C: int, n: int, cfg, on_gpu: bool, compile_: bool) -> dic
                                                 graph=True)["us"]
         except Exception as e:  # noqa: BLE001 - report and go on
             v.update(env._error(e))
-        env._log(f"  {name}: " + ", ".join(f"{k} {v[k]:.1f}" for k in ("eager_us", "graph_us") if k in v)
+        if on_gpu and name.startswith("mhc_cupy") and "error" not in v:
+            with torch.no_grad():
+                v.update(host_counts(lambda: fn(x)))
+            unit = host_unit_costs()
+            v["driver_floor_us"] = v["launches"] * unit["launch_us"] + v["allocations"] * unit["allocation_us"]
+        env._log(f"  {name}: " + ", ".join(f"{k} {v[k]:.1f}" for k in ("eager_us", "graph_us", "driver_floor_us")
+                                           if k in v)
                  + (f" {v['error']}" if "error" in v else ""))
         env._free_gpu_memory()
+    if on_gpu:
+        row["host_unit_us"] = host_unit_costs()
     return row
+
+
+def host_counts(call) -> dict:
+    """{"launches", "allocations"}: the kernel launches mhc_cupy queues (replayed or not) and the
+    allocations PyTorch's CUDA allocator serves during one ``call()`` (GPU only; warmed up first, so
+    a steady-state call, compiled and planned)."""
+    import torch
+
+    from .. import _replay
+
+    call()
+    _replay._driver_launch()  # (binds _replay._driver)
+    real, count = _replay._driver, [0]
+
+    class Counting:  # the replay path's cuLaunchKernel, counted
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def launchKernel(*args):
+            count[0] += 1
+            return real.launchKernel(*args)
+
+    def allocated():
+        return torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+
+    _replay._driver = Counting()
+    try:
+        with _replay.recording() as general:  # the general path's launches
+            before = allocated()
+            call()
+            allocations = allocated() - before
+    finally:
+        _replay._driver = real
+    return {"launches": count[0] + len(general), "allocations": allocations}
+
+
+_UNIT_COSTS: dict = {}
+
+
+def host_unit_costs() -> dict:
+    """{"launch_us", "allocation_us"}: host wall time of one ``cuLaunchKernel`` of an empty kernel
+    (CuPy's driver binding, as mhc_cupy's replayed launches) and of one ``torch.empty(64)`` on the
+    current GPU, per call of back-to-back calls (median of 5 bursts); measured once per process."""
+    if not _UNIT_COSTS:
+        import cupy
+        import torch
+
+        from .. import _replay
+        from .timing import per_call_us
+
+        kernel = cupy.RawKernel(r'extern "C" __global__ void mhc_bench_empty() {}', "mhc_bench_empty")
+        kernel((1,), (32,), ())  # loaded
+        fn, stream, launch = kernel.kernel.ptr, torch.cuda.current_stream().cuda_stream, _replay._driver_launch()
+        sync = lambda _: torch.cuda.synchronize()  # noqa: E731
+        _UNIT_COSTS["launch_us"] = per_call_us(lambda: launch(fn, 1, 1, 1, 32, 1, 1, 0, stream, 0, 0), sync)
+        _UNIT_COSTS["allocation_us"] = per_call_us(lambda: torch.empty(64, device="cuda"), sync)
+    return dict(_UNIT_COSTS)
 
 
 def _chosen(fn, **variants):
@@ -108,11 +178,16 @@ def format_small_report(result: dict) -> str:
     st = result.get("meta", {}).get("settings", {})
 
     def cells(r, name, v):
-        return [str(r["tokens"]), name, *(f"{v[k]:.1f}" if k in v else ("err" if "error" in v else "")
-                                          for k in ("eager_us", "graph_us"))]
+        times = [f"{v[k]:.1f}" if k in v else ("err" if "error" in v else "") for k in ("eager_us", "graph_us")]
+        floor = f"{v['launches']} / {v['allocations']} / {v['driver_floor_us']:.1f}" if "driver_floor_us" in v else ""
+        return [str(r["tokens"]), name, *times, floor]
 
     return mode_report(
         result, "small",
         f"one mHC layer forward (identity sublayer, no autograd), C {st.get('C')}, n {st.get('n')}; eager = wall clock "
-        "per back-to-back call (host included); graph = CUDA-event time per replayed call (GPU only)",
-        evaluate_small_targets, ("tokens", "impl", "eager us", "graph us"), cells)
+        "per back-to-back call (host included); graph = CUDA-event time per replayed call (GPU only); "
+        "launches / allocations / driver floor us = kernel launches and PyTorch allocations of one call, and their "
+        "host time at this run's cost of one cuLaunchKernel and one torch.empty (mhc_cupy on a GPU: what bounds "
+        "eager from below)",
+        evaluate_small_targets, ("tokens", "impl", "eager us", "graph us", "launches / allocations / driver floor us"),
+        cells)
