@@ -108,6 +108,13 @@ def num_iters(value) -> int:
     return value
 
 
+def flag(name: str, value) -> bool:
+    """A Python or NumPy bool, as a bool (an int, None, a str or a traced value raise TypeError)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
 def eps(name: str, value) -> float:
     """A finite real >= 0 (Python or NumPy int / float; not bool, not str)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):

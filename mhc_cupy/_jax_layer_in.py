@@ -5,6 +5,7 @@ e4m3 with one scale per token, under ``jax.jit`` (the kernels ``mhc_layer_pre_no
 
 from __future__ import annotations
 
+from . import _checks
 from ._convention import DEFAULT
 from ._jax_kernels import _k
 from ._jax_layer import check_params, check_x
@@ -24,7 +25,7 @@ def mhc_layer_in(params: dict, x, norm_weight=None, *, fp8: bool = False, num_it
         fp8: False (default): layer_in RMS-normalised, in x's dtype, and its rstd; True: layer_in (or,
             given norm_weight, the normalised one) as float8 e4m3fn and its per-token scale.
         num_iters, eps, rms_eps, convention, hc_eps, post_mult: as :func:`mhc_cupy.jax.mhc_layer`.
-        norm_eps: the RMSNorm's eps, finite and >= 0 (default 1e-6).
+        norm_eps: the RMSNorm's eps, a float (static, not a JAX array), finite and >= 0 (default 1e-6).
 
     Returns:
         fp8=False: (layer_in_normed [..., C] dtype of x, rstd float32 [..., 1], H_pre, H_post, H_res,
@@ -34,12 +35,16 @@ def mhc_layer_in(params: dict, x, norm_weight=None, *, fp8: bool = False, num_it
 
     Raises:
         TypeError / ValueError: as :func:`mhc_cupy.jax.mhc_layer` for params, x and the settings;
-        norm_weight not float32 [C]; norm_weight None with fp8=False; norm_eps negative or not finite.
+        norm_weight not float32 [C]; norm_weight None with fp8=False; fp8 not a bool (TypeError);
+        norm_eps not a Python / NumPy real (TypeError: a JAX array or traced value included; it is
+        static), negative or not finite.
         NotImplementedError: on a GPU while the kernel choice ``layer_in`` is off.
     """
     from .jax import _layer_settings
 
     check_params(params)
+    fp8 = _checks.flag("fp8", fp8)
+    norm_eps = _checks.eps("norm_eps", norm_eps)
     if not fp8 and norm_weight is None:
         raise ValueError("norm_weight is None with fp8=False; mhc_layer_in needs a norm weight float32 [C] to "
                          "normalise layer_in, or fp8=True")

@@ -54,3 +54,27 @@ def test_bad_arguments_are_named():
         mj.mhc_layer_in(p, x, w[:5])
     with pytest.raises((TypeError, ValueError), match="norm_eps"):
         mj.mhc_layer_in(p, x, w, norm_eps=-1.0)
+
+
+@pytest.mark.parametrize("fp8", ["yes", None, 0, 1])
+def test_fp8_must_be_a_bool(fp8):
+    """A truthy str or an int used to pick a variant silently, None the normalised one."""
+    p, x, w = _case(3, 4, 16, 0)
+    with pytest.raises(TypeError, match="fp8 must be a bool"):
+        mj.mhc_layer_in(p, x, w, fp8=fp8)
+    with pytest.raises(TypeError, match="fp8 must be a bool"):  # not jax's TracerBoolConversionError
+        jax.jit(lambda x, f: mj.mhc_layer_in(p, x, w, fp8=f))(x, True)
+    assert mj.mhc_layer_in(p, x, w, fp8=np.bool_(True))[0].dtype == jnp.float8_e4m3fn
+
+
+def test_norm_eps_as_a_jax_value_is_named():
+    """A JAX scalar or a traced norm_eps used to fail with 'unhashable type'; it is static: a float."""
+    p, x, w = _case(3, 4, 16, 0)
+    with pytest.raises(TypeError, match="norm_eps must be a float"):
+        mj.mhc_layer_in(p, x, w, norm_eps=jnp.float32(1e-6))
+    with pytest.raises(TypeError, match="norm_eps must be a float"):
+        jax.jit(lambda e: mj.mhc_layer_in(p, x, w, norm_eps=e))(1e-6)
+    want = mj.mhc_layer_in(p, x, w, norm_eps=1e-3)
+    got = mj.mhc_layer_in(p, x, w, norm_eps=np.float32(1e-3))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
