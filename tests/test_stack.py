@@ -204,6 +204,17 @@ def test_second_backward_with_retain_graph_rebuilds_again(rng):
     assert torch.equal(dx1, dx2)
 
 
+@pytest.mark.parametrize("recompute,fuse", [(None, False), (2, False), (2, True)])
+def test_torch_func_transforms_are_refused_as_by_the_layers(rng, recompute, fuse):
+    """With recompute the stack used to fail on the functorch tensor's missing storage (RuntimeError)."""
+    stack = mt.MHCStack(make_layers(3, 4, 8, 4), recompute=recompute, fuse_boundaries=fuse)
+    x = torch.from_numpy(rng.standard_normal((3, 4, 8))).float()
+    for transform in (lambda: torch.func.vjp(stack, x), lambda: torch.func.grad(lambda x: stack(x).sum())(x),
+                      lambda: torch.func.vmap(stack)(x[None])):
+        with pytest.raises(NotImplementedError, match="does not support torch.func transforms"):
+            transform()
+
+
 def test_parameters_are_the_layers_and_load_a_chain_checkpoint(rng):
     layers = make_layers(3, 4, 8, 5)
     stack = mt.MHCStack(layers, recompute="auto")

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from .. import mhc_post_op_fwd
 from .._stack import recompute_blocks
+from . import _transforms
 from ._link import stream_key
 from .functions import NextPre
 from .layers import MHC, _as_f32
@@ -135,7 +136,8 @@ class MHCStack(nn.Module):
     Raises:
         ValueError: empty ``layers``; layers of different n or C; ``recompute`` not None / a
         positive int / "auto" (TypeError for a non-int).  TypeError: an element is not an MHC;
-        ``fuse_boundaries`` not a bool.
+        ``fuse_boundaries`` not a bool.  NotImplementedError: called under a ``torch.func`` transform
+        (as :class:`MHC`).
     """
 
     def __init__(self, layers: Sequence[MHC], recompute: Union[None, int, str] = None, fuse_boundaries: bool = False):
@@ -170,6 +172,8 @@ class MHCStack(nn.Module):
         return NextPre(_as_f32(nxt.phi), _as_f32(nxt.alpha), _as_f32(nxt.bias), nxt.settings)
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        if _transforms.active():  # as the layers would, before the recompute slots look at x's storage
+            _transforms.refuse()
         if torch.compiler.is_compiling():
             # traced without the saved-tensor hooks (no recompute) and without the boundary op (eager
             # only), nor the per-call layer attributes below (torch 2.11's Dynamo cannot trace
