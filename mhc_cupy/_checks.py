@@ -111,7 +111,7 @@ def num_iters(value) -> int:
 def flag(name: str, value) -> bool:
     """A Python or NumPy bool, as a bool (an int, None, a str or a traced value raise TypeError)."""
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool (True or False), got {type(value).__name__} {value!r}")
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
     return bool(value)
 
 
