@@ -109,10 +109,11 @@ def num_iters(value) -> int:
 
 
 def flag(name: str, value) -> bool:
-    """A Python or NumPy bool, as a bool (an int, None, a str or a traced value raise TypeError)."""
-    if not isinstance(value, (bool, np.bool_)):
+    """A Python bool (an int, None, a str, a NumPy bool or a traced value raise TypeError: a static
+    switch, as ``mhc_cupy.jax.mhc_stack``'s fuse_boundaries has always been)."""
+    if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return bool(value)
+    return value
 
 
 def eps(name: str, value) -> float:
