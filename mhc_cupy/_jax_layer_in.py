@@ -5,6 +5,10 @@ e4m3 with one scale per token, under ``jax.jit`` (the kernels ``mhc_layer_pre_no
 
 from __future__ import annotations
 
+import functools
+
+import jax
+
 from . import _checks
 from ._convention import DEFAULT
 from ._jax_kernels import _k
@@ -38,7 +42,8 @@ def mhc_layer_in(params: dict, x, norm_weight=None, *, fp8: bool = False, num_it
         norm_weight not float32 [C]; norm_weight None with fp8=False; fp8 not a bool (TypeError);
         norm_eps not a Python / NumPy real (TypeError: a JAX array or traced value included; it is
         static), negative or not finite.
-        NotImplementedError: on a GPU while the kernel choice ``layer_in`` is off.
+        ValueError: differentiated (jax.grad / jax.jvp of a function that reaches it with tangents:
+            forward only).  NotImplementedError: on a GPU while the kernel choice ``layer_in`` is off.
     """
     from .jax import _layer_settings
 
@@ -51,5 +56,19 @@ def mhc_layer_in(params: dict, x, norm_weight=None, *, fp8: bool = False, num_it
     settings = _layer_settings(num_iters, eps, rms_eps, "unrolled", convention, hc_eps, post_mult)
     check_x(params, x)
     op = "mhc_layer_pre_fp8_fwd" if fp8 else "mhc_layer_pre_norm_fwd"
-    return _k(op, (("settings", settings), ("norm_eps", norm_eps)), x, params["phi"], params["alpha"], params["bias"],
-              norm_weight)
+    return _forward_only(op, (("settings", settings), ("norm_eps", norm_eps)), x, params["phi"], params["alpha"],
+                         params["bias"], norm_weight)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _forward_only(op, params, *arrays):
+    """The kernel call, with a JVP rule that says why there is none (JAX's own refusal names buffer
+    callbacks)."""
+    return _k(op, params, *arrays)
+
+
+@_forward_only.defjvp
+def _no_jvp(op, params, primals, tangents):
+    raise ValueError("mhc_cupy.jax.mhc_layer_in is forward only (inference: no JVP / VJP, OPS.md section 13), "
+                     "but a gradient (jax.grad / jax.jvp) reached it; to train use mhc_cupy.jax.mhc_layer, or "
+                     "jax.lax.stop_gradient the arguments of mhc_layer_in")
