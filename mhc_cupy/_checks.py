@@ -108,6 +108,14 @@ def num_iters(value) -> int:
     return value
 
 
+def flag(name: str, value) -> bool:
+    """A Python bool (an int, None, a str, a NumPy bool or a traced value raise TypeError: a static
+    switch, as ``mhc_cupy.jax.mhc_stack``'s fuse_boundaries has always been)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
 def eps(name: str, value) -> float:
     """A finite real >= 0 (Python or NumPy int / float; not bool, not str)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):

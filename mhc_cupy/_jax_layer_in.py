@@ -5,6 +5,11 @@ e4m3 with one scale per token, under ``jax.jit`` (the kernels ``mhc_layer_pre_no
 
 from __future__ import annotations
 
+import functools
+
+import jax
+
+from . import _checks
 from ._convention import DEFAULT
 from ._jax_kernels import _k
 from ._jax_layer import check_params, check_x
@@ -24,7 +29,7 @@ def mhc_layer_in(params: dict, x, norm_weight=None, *, fp8: bool = False, num_it
         fp8: False (default): layer_in RMS-normalised, in x's dtype, and its rstd; True: layer_in (or,
             given norm_weight, the normalised one) as float8 e4m3fn and its per-token scale.
         num_iters, eps, rms_eps, convention, hc_eps, post_mult: as :func:`mhc_cupy.jax.mhc_layer`.
-        norm_eps: the RMSNorm's eps, finite and >= 0 (default 1e-6).
+        norm_eps: the RMSNorm's eps, a float (static, not a JAX array), finite and >= 0 (default 1e-6).
 
     Returns:
         fp8=False: (layer_in_normed [..., C] dtype of x, rstd float32 [..., 1], H_pre, H_post, H_res,
@@ -34,17 +39,36 @@ def mhc_layer_in(params: dict, x, norm_weight=None, *, fp8: bool = False, num_it
 
     Raises:
         TypeError / ValueError: as :func:`mhc_cupy.jax.mhc_layer` for params, x and the settings;
-        norm_weight not float32 [C]; norm_weight None with fp8=False; norm_eps negative or not finite.
-        NotImplementedError: on a GPU while the kernel choice ``layer_in`` is off.
+        norm_weight not float32 [C]; norm_weight None with fp8=False; fp8 not a bool (TypeError);
+        norm_eps not a Python / NumPy real (TypeError: a JAX array or traced value included; it is
+        static), negative or not finite.
+        ValueError: differentiated (jax.grad / jax.jvp of a function that reaches it with tangents:
+            forward only).  NotImplementedError: on a GPU while the kernel choice ``layer_in`` is off.
     """
     from .jax import _layer_settings
 
     check_params(params)
+    fp8 = _checks.flag("fp8", fp8)
+    norm_eps = _checks.eps("norm_eps", norm_eps)
     if not fp8 and norm_weight is None:
         raise ValueError("norm_weight is None with fp8=False; mhc_layer_in needs a norm weight float32 [C] to "
                          "normalise layer_in, or fp8=True")
     settings = _layer_settings(num_iters, eps, rms_eps, "unrolled", convention, hc_eps, post_mult)
     check_x(params, x)
     op = "mhc_layer_pre_fp8_fwd" if fp8 else "mhc_layer_pre_norm_fwd"
-    return _k(op, (("settings", settings), ("norm_eps", norm_eps)), x, params["phi"], params["alpha"], params["bias"],
-              norm_weight)
+    return _forward_only(op, (("settings", settings), ("norm_eps", norm_eps)), x, params["phi"], params["alpha"],
+                         params["bias"], norm_weight)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _forward_only(op, params, *arrays):
+    """The kernel call, with a JVP rule that says why there is none (JAX's own refusal names buffer
+    callbacks)."""
+    return _k(op, params, *arrays)
+
+
+@_forward_only.defjvp
+def _no_jvp(op, params, primals, tangents):
+    raise ValueError("mhc_cupy.jax.mhc_layer_in is forward only (inference: no JVP / VJP, OPS.md section 13), "
+                     "but a gradient (jax.grad / jax.jvp) reached it; to train use mhc_cupy.jax.mhc_layer, or "
+                     "jax.lax.stop_gradient the arguments of mhc_layer_in")

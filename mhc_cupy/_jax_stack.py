@@ -237,8 +237,7 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, fuse_boundar
     """
     mj = _mj()
     L = _layers(params)
-    if not isinstance(fuse_boundaries, bool):
-        raise TypeError(f"fuse_boundaries must be a bool, got {type(fuse_boundaries).__name__} {fuse_boundaries!r}")
+    fuse_boundaries = _checks.flag("fuse_boundaries", fuse_boundaries)
     settings = mj._layer_settings(num_iters, eps, rms_eps, grad_mode, _convention.check(convention), hc_eps,
                                   post_mult)
     _layer.check_x({"phi": jax.ShapeDtypeStruct(params["phi"].shape[1:], params["phi"].dtype)}, x)

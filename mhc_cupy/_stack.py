@@ -5,12 +5,13 @@ docs/OPS.md section 12), shared by :mod:`mhc_cupy.torch.stack` (``MHCStack``) an
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 
 def recompute_blocks(recompute, n: int, L: int) -> Optional[int]:
     """L_r, the layers per recompute block, for ``recompute`` None (no recompute), a positive
-    int, or "auto" (the paper's L_r* = sqrt(n L / (n + 2)) rounded, at least 1, section 4.3).
+    int (Python or NumPy), or "auto" (the paper's L_r* = sqrt(n L / (n + 2)) rounded, at least 1, section 4.3).
 
     Returns None where nothing is recomputed (None, or L_r = 1: every layer is a boundary).
 
@@ -23,11 +24,11 @@ def recompute_blocks(recompute, n: int, L: int) -> Optional[int]:
         if recompute != "auto":
             raise ValueError(f"recompute must be None, a positive int or 'auto', got {recompute!r}")
         L_r = max(1, round(math.sqrt(n * L / (n + 2))))
-    elif isinstance(recompute, bool) or not isinstance(recompute, int):
+    elif isinstance(recompute, bool) or not isinstance(recompute, numbers.Integral):
         raise TypeError(f"recompute must be None, a positive int or 'auto', got {type(recompute).__name__} "
                         f"{recompute!r}")
     elif recompute < 1:
         raise ValueError(f"recompute must be None, a positive int or 'auto', got {recompute}")
     else:
-        L_r = recompute
+        L_r = int(recompute)
     return L_r if L_r > 1 else None

@@ -28,6 +28,19 @@ def test_parse_args_stack_errors(argv):
     assert e.value.code != 0
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--stack", "--stack-configs", "2:16:2:24:1:4,1:16:3:24:1:2"], "--stack-configs: C = 16 is not a multiple of heads = 3"),
+    (["--block", "--block-configs", "16:5:24"], "--block-configs: C = 16 is not a multiple of heads = 5"),
+    (["--stack", "--streams", "33"], r"--streams: mHC takes n_streams in 1..32, got 33"),
+])
+def test_parse_args_refuses_what_would_stop_the_run(argv, message, capsys):
+    """These used to pass the parser and raise a traceback at that configuration (--stack), after
+    timing the ones before it, or at the first MHC built (--streams)."""
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_stack_mode_runs_tiny_and_merges(tmp_path):
     pytest.importorskip("torch")
     out = tmp_path / "o"

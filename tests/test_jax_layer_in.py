@@ -54,3 +54,44 @@ def test_bad_arguments_are_named():
         mj.mhc_layer_in(p, x, w[:5])
     with pytest.raises((TypeError, ValueError), match="norm_eps"):
         mj.mhc_layer_in(p, x, w, norm_eps=-1.0)
+
+
+@pytest.mark.parametrize("fp8", ["yes", None, 0, 1, np.bool_(True)])
+def test_fp8_must_be_a_bool(fp8):
+    """A truthy str or an int used to pick a variant silently, None the normalised one."""
+    p, x, w = _case(3, 4, 16, 0)
+    with pytest.raises(TypeError, match="fp8 must be a bool"):
+        mj.mhc_layer_in(p, x, w, fp8=fp8)
+    with pytest.raises(TypeError, match="fp8 must be a bool"):  # not jax's TracerBoolConversionError
+        jax.jit(lambda x, f: mj.mhc_layer_in(p, x, w, fp8=f))(x, True)
+
+
+def test_norm_eps_as_a_jax_value_is_named():
+    """A JAX scalar or a traced norm_eps used to fail with 'unhashable type'; it is static: a float."""
+    p, x, w = _case(3, 4, 16, 0)
+    with pytest.raises(TypeError, match="norm_eps must be a float"):
+        mj.mhc_layer_in(p, x, w, norm_eps=jnp.float32(1e-6))
+    with pytest.raises(TypeError, match="norm_eps must be a float"):
+        jax.jit(lambda e: mj.mhc_layer_in(p, x, w, norm_eps=e))(1e-6)
+    want = mj.mhc_layer_in(p, x, w, norm_eps=1e-3)
+    got = mj.mhc_layer_in(p, x, w, norm_eps=np.float32(1e-3))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_gradient_says_it_is_forward_only():
+    """jax.grad used to fail with JAX's 'Buffer callbacks do not support JVP' (naming no mhc_cupy API)."""
+    p, x, w = _case(3, 4, 16, 0)
+    xf = jnp.asarray(x, jnp.float32)
+    with pytest.raises(ValueError, match="mhc_layer_in is forward only"):
+        jax.grad(lambda x: mj.mhc_layer_in(p, x, w)[0].sum())(xf)
+    with pytest.raises(ValueError, match="mhc_layer_in is forward only"):
+        jax.jvp(lambda w: mj.mhc_layer_in(p, xf, w, fp8=True)[1], (jnp.asarray(w),), (jnp.asarray(w),))
+    # inputs without tangents still work under grad, and vmap / jit go through the wrapper
+    g = jax.grad(lambda s: s * mj.mhc_layer_in(p, jax.lax.stop_gradient(xf), w)[1].sum())(2.0)
+    assert g == mj.mhc_layer_in(p, xf, w)[1].sum()
+    xb = jnp.stack([xf, 2 * xf])
+    got = jax.jit(jax.vmap(lambda x: mj.mhc_layer_in(p, x, w, fp8=True)))(xb)
+    want = mj.mhc_layer_in(p, xb, w, fp8=True)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))

@@ -288,6 +288,20 @@ def test_stack_init_is_the_layers_init_stacked():
         mj.mhc_stack_init(key, 2, 5, 33)
 
 
+def test_recompute_takes_numpy_ints():
+    """np.int64(2) (a block size from a NumPy sweep) used to raise 'recompute must be ... got int64'."""
+    assert recompute_blocks(np.int64(2), 4, 8) == 2 and type(recompute_blocks(np.int32(3), 4, 8)) is int
+    assert recompute_blocks(np.int64(1), 4, 8) is None
+    with pytest.raises(ValueError, match="got 0"):
+        recompute_blocks(np.int64(0), 4, 8)
+    with pytest.raises(TypeError, match="got bool"):
+        recompute_blocks(np.bool_(True), 4, 8)
+    params = mj.mhc_stack_init(jax.random.PRNGKey(0), 3, 5, 4)
+    x = jnp.ones((2, 4, 5))
+    np.testing.assert_array_equal(mj.mhc_stack(params, x, jnp.tanh, recompute=np.int64(2)),
+                                  mj.mhc_stack(params, x, jnp.tanh, recompute=2))
+
+
 def test_bad_input_names_the_argument():
     params = mj.mhc_stack_init(jax.random.PRNGKey(0), 3, 5, 4)
     one = jax.tree.map(lambda a: a[0], params)

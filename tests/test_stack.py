@@ -139,7 +139,7 @@ def test_fused_boundaries_only_between_layers_of_one_convention(rng):
     x = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
     g = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
     assert_bitwise(run(mt.MHCStack(layers, fuse_boundaries=True), x, g), run(nn.Sequential(*layers), x, g), "mixed")
-    with pytest.raises(TypeError, match="fuse_boundaries must be a bool, got 1"):
+    with pytest.raises(TypeError, match="fuse_boundaries must be a bool, got int 1"):
         mt.MHCStack(layers, fuse_boundaries=1)
 
 
@@ -204,6 +204,17 @@ def test_second_backward_with_retain_graph_rebuilds_again(rng):
     assert torch.equal(dx1, dx2)
 
 
+@pytest.mark.parametrize("recompute,fuse", [(None, False), (2, False), (2, True)])
+def test_torch_func_transforms_are_refused_as_by_the_layers(rng, recompute, fuse):
+    """With recompute the stack used to fail on the functorch tensor's missing storage (RuntimeError)."""
+    stack = mt.MHCStack(make_layers(3, 4, 8, 4), recompute=recompute, fuse_boundaries=fuse)
+    x = torch.from_numpy(rng.standard_normal((3, 4, 8))).float()
+    for transform in (lambda: torch.func.vjp(stack, x), lambda: torch.func.grad(lambda x: stack(x).sum())(x),
+                      lambda: torch.func.vmap(stack)(x[None])):
+        with pytest.raises(NotImplementedError, match="does not support torch.func transforms"):
+            transform()
+
+
 def test_parameters_are_the_layers_and_load_a_chain_checkpoint(rng):
     layers = make_layers(3, 4, 8, 5)
     stack = mt.MHCStack(layers, recompute="auto")
@@ -247,6 +258,35 @@ def test_bad_input_names_the_argument(layers, recompute, exc, match):
         mt.MHCStack(layers, recompute=recompute)
     with pytest.raises(TypeError, match="layers must be a sequence of MHC modules, got one MHC"):
         mt.MHCStack(mt.MHC(8, 4))
+
+
+@pytest.mark.parametrize("layers", [None, 3])
+def test_layers_not_iterable_are_named(layers):
+    """Used to be Python's bare "'NoneType' object is not iterable"."""
+    with pytest.raises(TypeError, match=f"layers must be a sequence of MHC modules, got {type(layers).__name__}"):
+        mt.MHCStack(layers)
+
+
+def test_settings_assigned_later_are_checked_and_take_effect(rng):
+    """``stack.recompute = 2`` after construction used to be ignored (the block size was computed once,
+    also for the layers of that time), and any fuse_boundaries value was accepted."""
+    stack = mt.MHCStack(make_layers(4, 4, 8, 7))
+    x = torch.from_numpy(rng.standard_normal((3, 4, 8))).float()
+    stack.recompute = 2
+    assert stack.block_layers == 2 and "recompute=2" in repr(stack)
+    _, alive = _streams_alive_after_forward(stack, x.clone().requires_grad_())
+    assert alive == [True, False, True, False]  # block boundaries: layers 0 and 2
+    stack.recompute = "auto"
+    stack.layers.extend(make_layers(12, 4, 8, 8))  # 16 layers: L_r* = round(sqrt(4 * 16 / 6)) = 3
+    assert stack.block_layers == 3
+    for bad, exc in ((0, ValueError), (2.0, TypeError), ("sqrt", ValueError)):
+        with pytest.raises(exc, match="recompute must be None, a positive int or 'auto'"):
+            stack.recompute = bad
+    assert stack.recompute == "auto"
+    with pytest.raises(TypeError, match="fuse_boundaries must be a bool, got str 'yes'"):
+        stack.fuse_boundaries = "yes"
+    stack.fuse_boundaries = True
+    assert stack.fuse_boundaries is True and "fuse_boundaries=True" in repr(stack)
 
 
 # ---------------------------------------------------------------------------- GPU

@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from .._checks import MAX_N
 from .._kernel_choice import LIBRARY_CHOICE, kernel_choice
 from . import __doc__ as _PACKAGE_DOC
 from . import block, cases, env, layer, small, stack
@@ -104,9 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--small-tokens", default=None,
                       help=f"--small: token counts, comma-separated (default {','.join(map(str, SMALL_TOKENS))})")
     mode.add_argument("--small-C", type=int, default=SMALL_C, help=f"--small: hidden size C (default {SMALL_C})")
-    mode.add_argument("--batch", type=int, default=BLOCK_BATCH, help=f"--block: batch (default {BLOCK_BATCH})")
-    mode.add_argument("--seq", type=int, default=BLOCK_SEQ, help=f"--block: sequence length (default {BLOCK_SEQ})")
-    mode.add_argument("--streams", type=int, default=BLOCK_N, help=f"--block: mHC streams n (default {BLOCK_N})")
+    mode.add_argument("--batch", type=int, default=BLOCK_BATCH,
+                      help=f"--block: batch (default {BLOCK_BATCH}; --stack-configs give their own)")
+    mode.add_argument("--seq", type=int, default=BLOCK_SEQ,
+                      help=f"--block: sequence length (default {BLOCK_SEQ}; --stack-configs give their own)")
+    mode.add_argument("--streams", type=int, default=BLOCK_N,
+                      help=f"--block / --stack / --small: mHC streams n, 1..{MAX_N} (default {BLOCK_N})")
     return ap
 
 
@@ -185,6 +189,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                          else _ints(args.small_tokens, "--small-tokens"))
     if min(args.batch, args.seq, args.streams, args.small_C) < 1:
         ap.error("--batch, --seq, --streams and --small-C must be >= 1")
+    if args.streams > MAX_N:
+        ap.error(f"--streams: mHC takes n_streams in 1..{MAX_N}, got {args.streams}")
+    for flag, configs, at in (("--block-configs", args.block_configs, 0), ("--stack-configs", args.stack_configs, 1)):
+        for c in configs:  # (what would otherwise stop the run at that configuration, after the earlier ones)
+            if c[at] % c[at + 1]:
+                ap.error(f"{flag}: C = {c[at]} is not a multiple of heads = {c[at + 1]} in {':'.join(map(str, c))}")
     q = args.quick
     tokens = _ints(args.tokens or (QUICK["tokens"] if q else "4096,16384,32768"), "--tokens")
     Cs = _ints(args.C or (QUICK["C"] if q else "2560,4096,7168"), "--C")

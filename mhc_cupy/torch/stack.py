@@ -29,8 +29,9 @@ from typing import Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from .. import mhc_post_op_fwd
+from .. import _checks, mhc_post_op_fwd
 from .._stack import recompute_blocks
+from . import _transforms
 from ._link import stream_key
 from .functions import NextPre
 from .layers import MHC, _as_f32
@@ -134,15 +135,20 @@ class MHCStack(nn.Module):
 
     Raises:
         ValueError: empty ``layers``; layers of different n or C; ``recompute`` not None / a
-        positive int / "auto" (TypeError for a non-int).  TypeError: an element is not an MHC;
-        ``fuse_boundaries`` not a bool.
+        positive int / "auto" (TypeError for a non-int).  TypeError: ``layers`` not iterable, or an
+        element not an MHC; ``fuse_boundaries`` not a bool.  Assigning ``stack.recompute`` or
+        ``stack.fuse_boundaries`` later checks the value the same way.  NotImplementedError: called under a ``torch.func`` transform
+        (as :class:`MHC`).
     """
 
     def __init__(self, layers: Sequence[MHC], recompute: Union[None, int, str] = None, fuse_boundaries: bool = False):
         super().__init__()
         if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
             raise TypeError(f"layers must be a sequence of MHC modules, got one {type(layers).__name__}")
-        layers = list(layers)
+        try:
+            layers = list(layers)
+        except TypeError:
+            raise TypeError(f"layers must be a sequence of MHC modules, got {type(layers).__name__} {layers!r}") from None
         if not layers:
             raise ValueError("layers must hold at least one MHC layer, got an empty sequence")
         for i, layer in enumerate(layers):
@@ -154,10 +160,33 @@ class MHCStack(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.n_streams, self.dim = layers[0].n_streams, layers[0].dim
         self.recompute = recompute
-        self.block_layers = recompute_blocks(recompute, self.n_streams, len(layers))
-        if not isinstance(fuse_boundaries, bool):
-            raise TypeError(f"fuse_boundaries must be a bool, got {fuse_boundaries!r}")
         self.fuse_boundaries = fuse_boundaries
+
+    @property
+    def recompute(self) -> Union[None, int, str]:
+        """The ``recompute`` setting (see the class docstring); an assignment is checked as the argument
+        and takes effect at the next forward."""
+        return self._recompute
+
+    @recompute.setter
+    def recompute(self, value) -> None:
+        recompute_blocks(value, self.n_streams, len(self.layers))  # raises for a bad value
+        self._recompute = value
+
+    @property
+    def block_layers(self):
+        """L_r, the layers per recompute block, of ``recompute`` and the current number of layers; None
+        where nothing is recomputed."""
+        return recompute_blocks(self._recompute, self.n_streams, len(self.layers))
+
+    @property
+    def fuse_boundaries(self) -> bool:
+        """The ``fuse_boundaries`` setting; an assignment is checked as the argument."""
+        return self._fuse_boundaries
+
+    @fuse_boundaries.setter
+    def fuse_boundaries(self, value) -> None:
+        self._fuse_boundaries = _checks.flag("fuse_boundaries", value)
 
     def _next_pre(self, l: int):
         """Layer l + 1's pre piece to run inside layer l's residual update (both run the fused layer
@@ -170,6 +199,8 @@ class MHCStack(nn.Module):
         return NextPre(_as_f32(nxt.phi), _as_f32(nxt.alpha), _as_f32(nxt.bias), nxt.settings)
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
+        if _transforms.active():  # as the layers would, before the recompute slots look at x's storage
+            _transforms.refuse()
         if torch.compiler.is_compiling():
             # traced without the saved-tensor hooks (no recompute) and without the boundary op (eager
             # only), nor the per-call layer attributes below (torch 2.11's Dynamo cannot trace
