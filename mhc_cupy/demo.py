@@ -558,11 +558,19 @@ def _run(args, device, use_gpu, dp) -> dict:
     histories = {}
     runs = [("mhc", "mhc")] + ([("baseline", "plain")] if args.baseline else [])
     threads = torch.get_num_threads()
+    limits = contextlib.ExitStack()
     if not use_gpu:
         # The NumPy reference's BLAS has its own thread pool; a second (torch) pool on
         # the same cores makes both spin against each other: one torch thread is
         # faster (measured on 2 cores: 90 ms per step against 180 ms).
         torch.set_num_threads(1)
+        # and one BLAS thread (threadpoolctl, the demo extra): the reference's matrices are small, and
+        # BLAS threads spin against any other load (2 cores, one busy elsewhere: 35.0 s against 16.7 s
+        # for the default run; idle: 18.0 against 16.6 s, with half the CPU time)
+        with contextlib.suppress(ImportError):
+            from threadpoolctl import threadpool_limits
+
+            limits.enter_context(threadpool_limits(1, user_api="blas"))
     try:
         for name, residual in runs:
             torch.manual_seed(cfg.seed)
@@ -572,6 +580,7 @@ def _run(args, device, use_gpu, dp) -> dict:
             del model
     finally:
         torch.set_num_threads(threads)
+        limits.close()
     wall = time.perf_counter() - t_all
 
     summary = {
