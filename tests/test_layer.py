@@ -459,6 +459,19 @@ def test_double_backward_raises():
         g.sum().backward()
 
 
+@pytest.mark.parametrize("n", [4, 8])  # the post op's dx folded into the pre piece's backward, or not
+def test_double_backward_raises_from_a_linear_loss(n):
+    """A gradient penalty's start, create_graph=True from layer(x).sum(): no incoming gradient
+    requires grad, so torch's once_differentiable left dx unmarked, a constant; the penalty's
+    gradient to phi then silently dropped.  It must raise."""
+    torch.manual_seed(0)
+    layer = MHC(8, n_streams=n, sublayer=torch.nn.Linear(8, 8))
+    x = torch.randn(3, n, 8, requires_grad=True)
+    (g,) = torch.autograd.grad(layer(x).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.square().sum().backward()
+
+
 @pytest.mark.parametrize("kw,exc,match", [
     (dict(dim=4096, n_streams=33, num_iters=-1, eps=-1.0), ValueError, "n_streams must be in 1..32, got 33"),
     (dict(dim=64, n_streams=0), ValueError, "n_streams must be in 1..32"),

@@ -474,6 +474,20 @@ def test_double_backward_raises(rng, op):
         _double_backward(outs, args)
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_double_backward_raises_from_a_linear_loss(rng, op):
+    """create_graph=True from a loss linear in the outputs (out.sum(), how a gradient penalty
+    starts): no incoming gradient requires grad, yet the gradients depend on the inputs
+    (stream_mix's dx = M^T g on M).  A backward through them must raise, not treat them as
+    constants (torch's once_differentiable did: the penalty's gradient silently dropped)."""
+    c = case(op, rng, (3,), 4, 7)
+    args = c["args"]
+    loss = sum(o.float().sum() for o in as_tuple(call(c)))
+    grads = torch.autograd.grad(loss, args, create_graph=True, allow_unused=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        sum(g.float().square().sum() for g in grads if g is not None).backward()
+
+
 def test_double_backward_raises_issue_repro(rng):
     x = tensor(rng, (3, 4, 7))
     M = tensor(rng, (3, 4, 4), grad=False)

@@ -39,7 +39,8 @@ Gradients are first order only: the backward is not itself differentiable,
 so a second-order gradient through any of these ops (``create_graph=True``,
 then a backward through the result) raises ``RuntimeError`` ("trying to
 differentiate twice a function that was marked with @once_differentiable"
-eagerly; under ``torch.compile`` the custom op's missing double backward).
+eagerly, also from a loss linear in the outputs such as ``out.sum()``; under
+``torch.compile`` the custom op's missing double backward).
 
 ``torch.func`` transforms (grad, vmap, jacrev, jvp, ...) are not supported: every op (and so
 ``MHC`` / ``MHCHead``) raises ``NotImplementedError`` under one, saying what to use instead

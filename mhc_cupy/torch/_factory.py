@@ -18,6 +18,7 @@ The routes are described in :mod:`mhc_cupy.torch`; what an op needs beyond this 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 from typing import NamedTuple
@@ -32,7 +33,8 @@ from .._interop import ArrayInfo
 from ..ops.spec import shape_of as _shape_of
 from ._transforms import active as _transform_active, refuse as _refuse_transform
 
-__all__ = ["NAMESPACE", "register", "call", "Op", "use_custom_op", "needs_autograd", "is_compiling", "eager_apply"]
+__all__ = ["NAMESPACE", "register", "call", "Op", "use_custom_op", "needs_autograd", "is_compiling", "eager_apply",
+           "first_order"]
 
 #: Namespace of the custom operators: ``torch.ops.mhc_cupy.<name>``.
 NAMESPACE = "mhc_cupy"
@@ -83,6 +85,32 @@ def eager_apply(function):
         return super(torch.autograd.function._SingleLevelFunction, function).apply
     except AttributeError:  # another torch's layout: the public apply
         return function.apply
+
+
+def first_order(backward):
+    """``torch.autograd.function.once_differentiable`` for an eager Function's ``backward``, strict.
+
+    The backward runs the functional API (no graph), so its gradients must not be differentiated.
+    torch's decorator marks them (a second backward through them raises ``RuntimeError``) only when
+    an incoming gradient requires grad; with ``create_graph=True`` from a loss linear in the op's
+    outputs (``out.sum()``, a gradient penalty's usual start) none does, and the gradients came back
+    as constants: their dependence on the saved inputs (M of ``stream_mix``'s dx = M^T g) silently
+    dropped.  Here they are marked also when a saved input requires grad."""
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():  # no create_graph
+            return outputs
+        if not any(isinstance(g, Tensor) and g.requires_grad for g in grads) and \
+                not any(t is not None and t.requires_grad for t in ctx.saved_tensors):
+            return outputs  # nothing the gradients depend on is differentiable: constants, rightly
+        outs = outputs if isinstance(outputs, tuple) else (outputs,)
+        err = torch._C._functions.DelayedError(
+            b"trying to differentiate twice a function that was marked with @once_differentiable "
+            b"(mhc_cupy.torch gradients are first order only)", len(outs))
+        return err(*[None if o is None else o.detach().requires_grad_() for o in outs])
+    return wrapper
 
 
 # ------------------------------------------------------------ custom operators
@@ -328,8 +356,8 @@ def _function(name: str, forward, setup_context, backward):
 
     # The backward runs the functional API on raw pointers: it records no graph,
     # so a second-order gradient through it would silently treat it as a
-    # constant.  once_differentiable makes double backward raise instead.
+    # constant.  first_order makes double backward raise instead.
     return type(name, (torch.autograd.Function,), {
         "forward": staticmethod(fwd),
-        "backward": staticmethod(torch.autograd.function.once_differentiable(backward)),
+        "backward": staticmethod(first_order(backward)),
     })

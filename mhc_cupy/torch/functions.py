@@ -43,7 +43,8 @@ from ..ops.layer import fold_post_dx
 from ._factory import NAMESPACE  # noqa: F401 - re-exported: mhc_cupy.torch.NAMESPACE
 from ._factory import REGISTERED as _REGISTERED, Op as _Op, call as _call, is_compiling as _is_compiling
 from ._factory import register as _register
-from ._factory import eager_apply, needs_autograd as _needs_autograd, use_custom_op as _use_custom_op
+from ._factory import eager_apply, first_order as _first_order
+from ._factory import needs_autograd as _needs_autograd, use_custom_op as _use_custom_op
 from ._link import autograd_pre as _autograd_pre, check_convention as _check_convention, tag as _tag
 from ._link import link as _mark_link, stream_key as _stream_key, tensor_key as _tensor_key
 
@@ -355,7 +356,7 @@ class _LayerPreFn(torch.autograd.Function):
         return layer_in, x.view_as(x), H_post, H_res
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_first_order
     def backward(ctx, g_layer_in, g_out, g_H_post, g_H_res):
         x, phi, alpha, bias, stats, H_pre, H_res = ctx.saved_tensors
         sent, ctx.g_sent = getattr(ctx, "g_sent", None), None
@@ -388,7 +389,7 @@ class _LayerPostFn(torch.autograd.Function):
                                                  "H_res": H_res}, {"convention": convention})
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_first_order
     def backward(ctx, g):
         layer_out, x_link, H_post, H_res = ctx.saved_tensors
         arrays = {"grad": g, "layer_out": layer_out, "x": x_link, "H_post": H_post, "H_res": H_res}
