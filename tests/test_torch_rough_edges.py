@@ -118,6 +118,27 @@ def test_func_transforms_refused_by_the_ops_and_functional_call_works():
     torch.testing.assert_close(torch.func.functional_call(layer, params, (x,)), layer(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("where", ["x", "param"])
+def test_forward_ad_dual_tensors_refused(where):
+    """torch.autograd.forward_ad: a dual tensor's tangent never reaches the kernels.  An op given
+    one without requires_grad returned no tangent (read as zero: a silent wrong jvp); it raises,
+    like the torch.func transforms.  Inside dual_level, plain tensors still work."""
+    import torch.autograd.forward_ad as fwAD
+
+    layer = _module(MHC)
+    x = torch.randn(3, 4, 8)
+    with fwAD.dual_level():
+        torch.testing.assert_close(mt.rmsnorm(x), mt.rmsnorm(x))  # no tangent anywhere: fine
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            if where == "x":
+                mt.rmsnorm(fwAD.make_dual(x, torch.ones_like(x)))
+            else:
+                w = torch.ones(8)
+                mt.rmsnorm(x, 1e-5, fwAD.make_dual(w, torch.ones_like(w)))
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            layer(fwAD.make_dual(x, torch.ones_like(x)))
+
+
 # ------------------------------------------------------------------ item 3: the FSDP2 bf16 recipe
 _FSDP_SCRIPT = r"""
 import importlib.util, json, sys

@@ -44,7 +44,8 @@ eagerly, also from a loss linear in the outputs such as ``out.sum()``; under
 
 ``torch.func`` transforms (grad, vmap, jacrev, jvp, ...) are not supported: every op (and so
 ``MHC`` / ``MHCHead``) raises ``NotImplementedError`` under one, saying what to use instead
-(torch.autograd; leading dims for a batch).  ``torch.func.functional_call`` works.
+(torch.autograd; leading dims for a batch).  ``torch.func.functional_call`` works.  Forward-mode
+AD's dual tensors (``torch.autograd.forward_ad``) are refused the same way (a tangent is never dropped).
 
 The package (no module imports another in a circle):
 

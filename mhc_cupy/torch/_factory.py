@@ -31,7 +31,7 @@ from .._adapter import flat
 from .._dispatch import run as _run
 from .._interop import ArrayInfo
 from ..ops.spec import shape_of as _shape_of
-from ._transforms import active as _transform_active, refuse as _refuse_transform
+from ._transforms import active as _transform_active, refuse as _refuse_transform, refuse_dual as _refuse_dual
 
 __all__ = ["NAMESPACE", "register", "call", "Op", "use_custom_op", "needs_autograd", "is_compiling", "eager_apply",
            "first_order"]
@@ -49,12 +49,13 @@ is_compiling = torch.compiler.is_compiling
 # Both run on every eager call: plain loops (a generator in any() costs more).
 def use_custom_op(*tensors) -> bool:
     """True inside torch.compile / export, or for tensor subclasses (fake, functional, ...).  Every
-    public op calls it before any autograd Function or kernel: under a torch.func transform it raises
-    NotImplementedError (:mod:`mhc_cupy.torch._transforms`)."""
+    public op calls it before any autograd Function or kernel: under a torch.func transform, or given a
+    forward-AD dual tensor, it raises NotImplementedError (:mod:`mhc_cupy.torch._transforms`)."""
     if is_compiling():
         return True
     if _transform_active():
         _refuse_transform()
+    _refuse_dual(tensors)
     for t in tensors:
         if t is not None and type(t) not in _PLAIN and isinstance(t, Tensor):
             return True

@@ -7,11 +7,15 @@ are written in the classic ``forward(ctx, ...)`` style (a third of the per-call 
 otherwise fail inside ``Function.apply`` with its generic "must override the setup_context
 staticmethod" message, or on a batched tensor's missing storage.  ``torch.func.functional_call``
 is not a transform and works.
+
+Forward-mode AD (``torch.autograd.forward_ad`` dual tensors) is refused the same way: the kernels
+read the primal's memory only, so a tangent would be silently dropped (the output none, i.e. zero).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 #: True inside any torch.func transform (a C call, ~35 ns; what ``Function.apply`` checks itself).
 active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
@@ -27,3 +31,19 @@ MESSAGE = (
 def refuse() -> None:
     """Raise NotImplementedError (:data:`MESSAGE`); called where :data:`active` is true."""
     raise NotImplementedError(MESSAGE)
+
+
+FORWARD_AD_MESSAGE = (
+    "mhc_cupy.torch does not support forward-mode AD (torch.autograd.forward_ad dual tensors): its ops run "
+    "NumPy / CuPy kernels on the primal's memory and would drop the tangent.  Use reverse mode "
+    "(loss.backward() or torch.autograd.grad), or pass the primal (forward_ad.unpack_dual(t).primal)")
+
+
+def refuse_dual(tensors) -> None:
+    """Raise NotImplementedError (:data:`FORWARD_AD_MESSAGE`) if a tensor carries a forward-AD tangent;
+    a module attribute read (~30 ns) outside ``forward_ad.dual_level()``."""
+    if _forward_ad._current_level < 0:
+        return
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(FORWARD_AD_MESSAGE)
