@@ -6,8 +6,8 @@ instantiation with every baked-in constant (dtype, n, vector width, ...), e.g.
 
 Caches:
   * in process: one loaded function per (device, file, name expression);
-  * on disk: one entry per key under ``$MHC_CUPY_CACHE_DIR`` (default
-    ``~/.cache/mhc_cupy``); the key is the SHA-256 of the inlined kernel text,
+  * on disk: one entry per key under ``$MHC_CUPY_CACHE_DIR`` (``~`` expanded, a
+    relative path from the current folder; default ``~/.cache/mhc_cupy``); the key is the SHA-256 of the inlined kernel text,
     the NVRTC options, the include folders, the SHA-256 of every CUDA header the
     kernel includes from them (``_headers.digest``: ``cuda_bf16.h``,
     ``cuda_fp16.h``, their ``.hpp`` and what they include), the target
@@ -61,8 +61,11 @@ def normalise(name_expression: str) -> str:
 
 
 def cache_dir() -> Path:
+    """The disk cache's folder, absolute: ``$MHC_CUPY_CACHE_DIR`` with ``~`` expanded (the shell does not
+    when the value is quoted, or set by a Dockerfile's ENV: a folder named "~" in the current one, before)
+    and a relative path taken from the current folder; unset or empty: ``~/.cache/mhc_cupy``."""
     d = os.environ.get("MHC_CUPY_CACHE_DIR")
-    return Path(d) if d else Path.home() / ".cache" / "mhc_cupy"
+    return Path(os.path.abspath(os.path.expanduser(d))) if d else Path.home() / ".cache" / "mhc_cupy"
 
 
 def nvrtc_version() -> tuple[int, int]:

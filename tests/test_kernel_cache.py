@@ -52,6 +52,19 @@ def test_real_compile_then_disk_hit(tmp_path, monkeypatch):
     assert _jit.stats["compiles"] == before["compiles"] + 1 and _jit.stats["disk_hits"] == before["disk_hits"] + 1
 
 
+def test_cache_dir_expands_home_and_is_absolute(tmp_path, monkeypatch):
+    """A quoted "~/..." (or a Dockerfile ENV) reaches the process unexpanded: it made a folder named
+    "~" in the current one.  "~" is expanded, a relative path made absolute (so info names it)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MHC_CUPY_CACHE_DIR", "~/kc")
+    assert _jit.cache_dir() == tmp_path / "home" / "kc"
+    monkeypatch.setenv("MHC_CUPY_CACHE_DIR", "rel/kc")
+    assert _jit.cache_dir() == tmp_path / "rel" / "kc"
+    monkeypatch.setenv("MHC_CUPY_CACHE_DIR", "")
+    assert _jit.cache_dir() == tmp_path / "home" / ".cache" / "mhc_cupy"
+
+
 def test_folder_created_0700_and_entry_reused(cache):
     d, calls = cache
     first = _get()
