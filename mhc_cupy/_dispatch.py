@@ -334,9 +334,10 @@ def _run(planner, arrays: dict, fast_key, params: dict):
             return outs[0] if plan.single else tuple(outs)
         nps = {k: (None if v is None else _interop.frontend(objs[k][0]).to_numpy(objs[k][1]))
                for k, v in arrays.items()}
-        results = plan.reference(nps)
-        fe = _interop.frontend(out_fw if out_fw != "dlpack" else "numpy")
-        outs = [fe.from_numpy(_cast(r, dt).reshape(shape), like) for r, (shape, dt) in zip(results, plan.outputs)]
+        with np.errstate(all="ignore"):  # NaN / inf in, under- / overflow: values as the kernels', no
+            results = plan.reference(nps)  # RuntimeWarning (nor, under np.seterr(all="raise"), an error)
+            fe = _interop.frontend(out_fw if out_fw != "dlpack" else "numpy")
+            outs = [fe.from_numpy(_cast(r, dt).reshape(shape), like) for r, (shape, dt) in zip(results, plan.outputs)]
         return outs[0] if plan.single else tuple(outs)
 
     import cupy

@@ -288,3 +288,17 @@ def test_init_values_validated(bad, exc):
         mj.mhc_head_init(key, C, N, scale_init=bad)
     assert float(mj.mhc_init(key, C, N, alpha_init=-0.5)["alpha"][0]) == -0.5  # any finite value
     assert float(mj.mhc_head_init(key, C, N, scale_init=np.float32(0.25))["hc_scale"][0]) == 0.25
+
+
+def test_cpu_callback_quiet_on_non_finite_and_underflow():
+    """The jitted ops' CPU callback, like the functional API's CPU path: Sinkhorn's exp underflow
+    (logits at scale 1000) and an inf in x give values, no NumPy warning or np.seterr error."""
+    import warnings
+
+    L = jnp.asarray(np.random.default_rng(0).standard_normal((2, 4, 4)) * 1000, jnp.float32)
+    x = jnp.ones((2, C)).at[0, 0].set(jnp.inf)
+    with warnings.catch_warnings(), np.errstate(all="raise"):
+        warnings.simplefilter("error")
+        P = jax.jit(mj.sinkhorn_knopp)(L)
+        y = jax.jit(mj.rmsnorm)(x)
+    assert bool(jnp.isfinite(P).all()) and bool(jnp.isnan(y[0]).any()) and bool(jnp.isfinite(y[1]).all())

@@ -88,6 +88,29 @@ def test_zero_tokens_all_ops():
         np.testing.assert_array_equal(a, np.zeros(s))
 
 
+def test_cpu_path_quiet_on_non_finite_and_underflow():
+    """The CPU path gives the kernels' values without NumPy floating-point warnings: NaN / inf
+    propagate, exp underflows (Sinkhorn at scale 1000, OPS.md section 1).  It warned before (an
+    error under warnings-as-errors) and raised FloatingPointError under np.seterr(all="raise")."""
+    import warnings
+
+    import mhc_cupy as m
+
+    L = (np.random.default_rng(0).standard_normal((2, 4, 4)) * 1000).astype(np.float32)
+    x = np.ones((2, 4, 8), np.float32)
+    x[0, 0, 0] = np.inf
+    big = np.full((2, 4, 8), 6e4, np.float16)  # the mix overflows float16: inf, as on the GPU
+    with warnings.catch_warnings(), np.errstate(all="raise"):
+        warnings.simplefilter("error")
+        P = m.sinkhorn_knopp_fwd(L)
+        y = m.rmsnorm_fwd(x)
+        out = m.stream_mix_fwd(big, np.ones((2, 4, 4), np.float32))
+    cols = P.sum(-2)  # 1, or 0 for a column no row has its maximum in (OPS.md section 1)
+    assert np.isfinite(P).all() and np.allclose(cols * (1 - cols), 0, atol=1e-6)
+    assert np.isnan(y[0]).any() and np.isfinite(y[1]).all()
+    assert np.isinf(out).all()
+
+
 # ----------------------------------------------------------------------------------------------
 # the functional API on CPU inputs: bad input gets a clear error, never a hang or a silent answer
 # ----------------------------------------------------------------------------------------------
