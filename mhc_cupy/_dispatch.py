@@ -210,7 +210,7 @@ def _fast_inputs(arrays: dict):
         f = _FW_OF_TYPE.get(type(v))
         if f == "torch":
             dev = v.get_device()  # -1 on the CPU
-            if dev < 0 or not v.is_contiguous():
+            if dev < 0 or not v.is_contiguous() or v.is_neg():
                 return None
             parts.append((v.shape, v.dtype, dev))
             ptrs.append(v.data_ptr())
@@ -308,9 +308,12 @@ def _run(planner, arrays: dict, fast_key, params: dict):
         except TypeError as exc:
             raise TypeError(f"{name}: {exc}") from None
         fe = _interop.frontend(fw)
+        if fw == "torch":
+            if v.requires_grad:
+                grad = True
+            if v.is_neg():  # a negative view (z.conj().imag): its memory holds -v, and DLPack
+                v = v.detach().resolve_neg()  # and the kernels would read it as v
         info = fe.info(v)
-        if fw == "torch" and v.requires_grad:
-            grad = True
         if fw == "jax" and info.device[0] == "cuda":
             has_jax = True
             if out_fw is None:

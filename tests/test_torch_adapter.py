@@ -496,6 +496,25 @@ def test_double_backward_raises_issue_repro(rng):
         g.sum().backward()
 
 
+# ------------------------------------------------------------------ negative views
+def test_negative_view_read_as_its_values(rng):
+    """A tensor with the negative bit (z.conj().imag: its memory holds -v) went through DLPack, which
+    ignores the bit, and the op computed on -v: every output's sign silently wrong.  Its values are
+    used (resolve_neg), by the functional API and the differentiable ops."""
+    z = torch.complex(tensor(rng, (3, 4, 7), grad=False), tensor(rng, (3, 4, 7), grad=False))
+    x = z.conj().imag  # == -z.imag, a view with the negative bit
+    assert x.is_neg()
+    M = tensor(rng, (3, 4, 4), grad=False)
+    want = m.stream_mix_fwd(x.resolve_neg(), M)
+    torch.testing.assert_close(m.stream_mix_fwd(x, M), want, rtol=0, atol=0)
+    torch.testing.assert_close(mt.stream_mix(x, M), want, rtol=0, atol=0)
+    Mg = M.clone().requires_grad_()
+    mt.stream_mix(x, Mg).sum().backward()  # dM = sum_c g x: x's sign again
+    Mr = M.clone().requires_grad_()
+    mt.stream_mix(x.resolve_neg(), Mr).sum().backward()
+    torch.testing.assert_close(Mg.grad, Mr.grad, rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------ functional API and autograd
 @pytest.fixture
 def fresh_warnings(monkeypatch):
