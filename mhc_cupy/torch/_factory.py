@@ -24,6 +24,7 @@ import json
 from typing import NamedTuple
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 from torch import Tensor
 
 from .. import _adapter, ops as _ops
@@ -55,7 +56,8 @@ def use_custom_op(*tensors) -> bool:
         return True
     if _transform_active():
         _refuse_transform()
-    _refuse_dual(tensors)
+    if _forward_ad._current_level >= 0:  # a dual level is open: tensors may carry tangents
+        _refuse_dual(tensors)
     for t in tensors:
         if t is not None and type(t) not in _PLAIN and isinstance(t, Tensor):
             return True

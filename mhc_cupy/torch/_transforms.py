@@ -40,10 +40,9 @@ FORWARD_AD_MESSAGE = (
 
 
 def refuse_dual(tensors) -> None:
-    """Raise NotImplementedError (:data:`FORWARD_AD_MESSAGE`) if a tensor carries a forward-AD tangent;
-    a module attribute read (~30 ns) outside ``forward_ad.dual_level()``."""
-    if _forward_ad._current_level < 0:
-        return
+    """Raise NotImplementedError (:data:`FORWARD_AD_MESSAGE`) if a tensor carries a forward-AD tangent.
+    Only inside an open ``forward_ad.dual_level()`` can one: callers on the hot path test
+    ``forward_ad._current_level >= 0`` first (a module attribute read, no call)."""
     for t in tensors:
         if isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None:
             raise NotImplementedError(FORWARD_AD_MESSAGE)
