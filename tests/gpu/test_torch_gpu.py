@@ -298,6 +298,27 @@ def test_outputs_are_torch_on_the_input_device(gen):
     assert type(dx) is torch.Tensor and dx.device == c.args[1].device
 
 
+def test_negative_view_takes_the_general_path(gen):
+    """A CUDA tensor with the negative bit (z.conj().imag: its memory holds -v) is read as its values
+    on the GPU too: the fast path (whose key a plain tensor of the same shape made first) hands it to
+    the general path, which resolves it; the next plain call takes the fast path again.  Bitwise the
+    op on x.resolve_neg(); NaN-free, and not the op on the memory (-v)."""
+    z = torch.complex(rand(gen, (3, 4, 1000), grad=False), rand(gen, (3, 4, 1000), grad=False))
+    x = z.conj().imag
+    assert x.is_neg() and x.is_cuda
+    M = rand(gen, (3, 4, 4), grad=False)
+    plain = x.resolve_neg()
+    want = m.stream_mix_fwd(plain, M)  # makes the fast-path entry for this key
+    got = m.stream_mix_fwd(x, M)
+    assert torch.equal(got, want) and not torch.equal(got, m.stream_mix_fwd(-plain, M))
+    assert torch.equal(mt.stream_mix(x, M), want)
+    Mg, Mr = M.clone().requires_grad_(), M.clone().requires_grad_()
+    mt.stream_mix(x, Mg).sum().backward()
+    mt.stream_mix(plain, Mr).sum().backward()
+    assert torch.equal(Mg.grad, Mr.grad)
+    assert torch.equal(m.stream_mix_fwd(plain, M), want)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_non_current_device(gen):
     """Tensors on cuda:1 while cuda:0 is current: the adapter enters the tensor's device."""
