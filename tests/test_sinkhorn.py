@@ -146,6 +146,11 @@ def test_sinkhorn_logit_scale_1000_and_eps_0_as_documented(rng):
         L0 = rng.standard_normal((2, 4, 4))
         np.testing.assert_allclose(R.sinkhorn_knopp_fwd(L0, eps=0.0).sum(-2), 1.0, atol=1e-12)
         assert np.isnan(R.rmsnorm_fwd(np.zeros((1, 4)), eps=0.0)).all()
+        # a column whose largest entry is ~720 below its rows' maxima: its sum (~1e-313) is not 0, but
+        # its reciprocal overflows (the reciprocal step of OPS.md section 1); eps > 0 keeps it finite
+        Lg = np.array([[0.0, -725.0, -1.0], [0.0, -720.0, -2.0], [-1.0, -733.0, 0.0]])[None]
+        assert not np.isfinite(R.sinkhorn_knopp_fwd(Lg, num_iters=1, eps=0.0)).all()
+        assert np.isfinite(R.sinkhorn_knopp_fwd(Lg, num_iters=1)).all()
 
 # ============================================================ GPU
 # ------------------------------------------------------------------ Sinkhorn
