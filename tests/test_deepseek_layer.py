@@ -143,6 +143,30 @@ def test_post_mult_below_one_and_post_init_range():
     assert torch.equal(layer.bias, hc_base)
 
 
+def test_pre_init_is_h_pre_with_hc_eps():
+    """pre_init is H_pre at init, hc_eps included (H_pre = sigmoid(b_pre) + hc_eps): with phi zero,
+    the pre op gives exactly pre_init (it gave pre_init + hc_eps); pre_init outside (hc_eps, 1 + hc_eps)
+    and post_init with post_mult 0 (H_post is 0) are refused, naming them.  Default unchanged."""
+    import mhc_cupy as m
+    import mhc_cupy.torch as mt
+
+    for hc_eps, pre in ((0.5, 0.8), (0.1, 0.3), (0.0, 0.3)):
+        layer = mt.MHC(8, 4, pre_init=pre, convention="deepseek", hc_eps=hc_eps)
+        with torch.no_grad():
+            layer.phi.zero_()
+        x = torch.randn(2, 4, 8)
+        H_pre = m.mhc_pre_op_fwd(x, *layer.coefficients(x), convention="deepseek", hc_eps=hc_eps)[1]
+        torch.testing.assert_close(H_pre, torch.full((2, 4), pre), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.sigmoid(mt.MHC(8, 4, convention="deepseek", hc_eps=0.1).bias[:4]),
+                               torch.full((4,), 0.25))  # default: sigmoid(b_pre) = 1/n, as before
+    for bad in (0.3, 1.6, float("nan")):
+        with pytest.raises(ValueError, match=r"pre_init .* \(hc_eps, 1 \+ hc_eps\)"):
+            mt.MHC(8, 4, pre_init=bad, convention="deepseek", hc_eps=0.5)
+    with pytest.raises(ValueError, match=r"post_init .*post_mult 0"):
+        mt.MHC(8, 4, post_init=1.5, post_mult=0.0)
+    mt.MHC(8, 4, post_mult=0.0)  # without post_init: fine
+
+
 def test_layer_halves_must_share_the_convention():
     """mhc_layer_post under another convention than mhc_layer_pre raises (its dx would be folded
     in the pre half's convention)."""

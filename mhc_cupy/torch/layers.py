@@ -230,8 +230,10 @@ class MHC(Float32Parameters):
             dynamic logit then starts ~N(0, alpha_init^2)).  0 gives zeros
             (then the n streams stay identical: no symmetry breaking).
         pre_init, post_init, res_diag_init: H_pre, H_post and diag(H_res) at
-            init; see :func:`identity_bias`.  post_init is in (0, post_mult); default
-            post_mult / 2 (b_post = 0: 1 with the default post_mult 2).
+            init; see :func:`identity_bias`.  pre_init is in (hc_eps, 1 + hc_eps) (H_pre =
+            sigmoid(b_pre) + hc_eps: the bias gives pre_init - hc_eps); default: sigmoid(b_pre) =
+            1/n (0.99 for n = 1).  post_init is in (0, post_mult), and not given where post_mult
+            is 0 (H_post is then 0); default post_mult / 2 (b_post = 0: 1 with the default post_mult 2).
         grad_mode: Sinkhorn backward, "unrolled" (default, exact) or "implicit".
         convention: "paper" (default; OPS.md sections 6-9 as written) or "deepseek" (the
             DeepSeek-V4 maths, OPS.md "DeepSeek-V4 convention": Sinkhorn with a softmax start,
@@ -260,7 +262,8 @@ class MHC(Float32Parameters):
         TypeError / ValueError in the constructor (before allocating): dim not an
         int >= 1, n_streams not in 1..32, num_iters not an int in 0..10000
         (``mhc_cupy.MAX_NUM_ITERS``; >= 1 under "deepseek"), eps / rms_eps / hc_eps /
-        post_mult not a finite float >= 0, post_init not in (0, post_mult), bad grad_mode or convention,
+        post_mult not a finite float >= 0, pre_init not in (hc_eps, 1 + hc_eps), post_init not in
+        (0, post_mult) or given with post_mult 0, bad grad_mode or convention,
         sublayer neither None nor callable, alpha_init not a finite float, phi_init_std neither None
         nor a finite float >= 0.
     """
@@ -284,9 +287,13 @@ class MHC(Float32Parameters):
         self.dim, self.n_streams = dim, n_streams
         self.alpha_init = _layer_init.init_value("alpha_init", alpha_init)
         self.phi_init_std = _layer_init.init_std("phi_init_std", phi_init_std, n_streams * dim)
-        if post_init is not None and self.post_mult > 0 and not 0 < post_init < self.post_mult:
+        if post_init is not None and not 0 < post_init < self.post_mult:
             raise ValueError(f"post_init (H_post at init = post_mult sigmoid(b_post)) must be in (0, post_mult = "
-                             f"{self.post_mult}), got {post_init}")
+                             f"{self.post_mult}), got {post_init}" + (" (post_mult 0: H_post is 0, leave post_init out)"
+                                                                      if self.post_mult == 0 else ""))
+        if pre_init is not None and not self.hc_eps < pre_init < 1 + self.hc_eps:
+            raise ValueError(f"pre_init (H_pre at init = sigmoid(b_pre) + hc_eps) must be in (hc_eps, 1 + hc_eps) = "
+                             f"({self.hc_eps}, {1 + self.hc_eps}), got {pre_init}")
         self.pre_init, self.post_init, self.res_diag_init = pre_init, post_init, res_diag_init
         m = n_streams * n_streams + 2 * n_streams
         kw = {"device": device, "dtype": torch.float32}  # kept float32 by dtype casts (Float32Parameters)
@@ -313,8 +320,9 @@ class MHC(Float32Parameters):
         _normal_or_zero_(self.phi, self.phi_init_std)
         self.alpha.fill_(self.alpha_init)
         # identity_bias sets H_post = 2 sigmoid(b_post) = post: the same b_post gives post_mult / 2 of it here
-        post = 1.0 if self.post_init is None or not self.post_mult else 2.0 * self.post_init / self.post_mult
-        self.bias.copy_(identity_bias(self.n_streams, self.pre_init, post, self.res_diag_init))
+        post = 1.0 if self.post_init is None else 2.0 * self.post_init / self.post_mult
+        pre = None if self.pre_init is None else self.pre_init - self.hc_eps  # H_pre = sigmoid(b_pre) + hc_eps
+        self.bias.copy_(identity_bias(self.n_streams, pre, post, self.res_diag_init))
 
     @classmethod
     def from_deepseek(cls, hc_fn: Tensor, hc_scale: Tensor, hc_base: Tensor, sublayer: Optional[nn.Module] = None,
