@@ -19,6 +19,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _checks
 from . import _jax_shard as _shard
@@ -118,12 +119,15 @@ def deepseek_params(hc_fn, hc_scale, hc_base) -> tuple:
     (:func:`mhc_cupy._layer_init.deepseek_sizes`) and n = 1..32, C >= 1.
 
     Raises:
-        TypeError: an argument is not an array (naming it).  ValueError: shapes, n or C.
+        TypeError: an argument is not an array, or is complex (naming it).  ValueError: shapes, n or C.
     """
     arrays = []
     for name, a in (("hc_fn", hc_fn), ("hc_scale", hc_scale), ("hc_base", hc_base)):
         if a is None:
             raise TypeError(f"{name} is None; it needs an array")
+        if np.iscomplexobj(a):  # (the float32 cast would drop the imaginary part)
+            dtype = a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
+            raise TypeError(f"{name} has dtype {dtype}; it needs a real dtype")
         try:
             arrays.append(jnp.asarray(a, jnp.float32))
         except (TypeError, ValueError) as exc:

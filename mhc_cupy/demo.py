@@ -57,6 +57,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from .torch import MHC, MHCStack, collapse_streams, expand_streams
+from ._checks import MAX_N
 from ._stack import recompute_blocks
 
 GPU_PRESET = dict(dim=256, layers=6, heads=4, seq=256, batch=32, steps=1000, lr=2e-3, eval_every=100,
@@ -97,7 +98,8 @@ def load_text(path=None) -> bytes:
 
 
 def split_data(data: bytes, held_out: float = 0.05):
-    t = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    # (torch.frombuffer refuses an empty buffer: empty data gives two empty parts)
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8).long() if data else torch.zeros(0, dtype=torch.long)
     cut = int(len(t) * (1.0 - held_out))
     return t[:cut], t[cut:]
 
@@ -479,11 +481,17 @@ def make_config(args, device) -> Config:
         recompute = int(recompute)
     cfg = Config(**preset, streams=args.streams, seed=args.seed, recompute=recompute)
     cfg.warmup = min(50, cfg.steps // 10)
-    cfg.eval_every = max(1, min(cfg.eval_every, cfg.steps))
+    if cfg.eval_every < 1:
+        raise SystemExit(f"--eval-every must be >= 1, got {cfg.eval_every}")
+    cfg.eval_every = min(cfg.eval_every, cfg.steps)
+    if min(cfg.steps, cfg.batch, cfg.seq, cfg.layers, cfg.dim, cfg.heads, cfg.streams) < 1:
+        raise SystemExit("--steps, --batch, --seq, --layers, --dim, --heads and --streams must be >= 1")
     if cfg.dim % cfg.heads:
         raise SystemExit(f"--dim {cfg.dim} must be divisible by --heads {cfg.heads}")
-    if min(cfg.steps, cfg.batch, cfg.seq, cfg.layers, cfg.dim, cfg.streams) < 1:
-        raise SystemExit("--steps, --batch, --seq, --layers, --dim and --streams must be >= 1")
+    if cfg.streams > MAX_N:
+        raise SystemExit(f"--streams must be in 1..{MAX_N}, got {cfg.streams}")
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
+        raise SystemExit(f"--lr must be a finite positive number, got {cfg.lr}")
     return cfg
 
 

@@ -406,7 +406,7 @@ def mhc_from_deepseek(hc_fn, hc_scale, hc_base) -> dict:
     Use with ``mhc_layer(..., convention="deepseek")``.
 
     Raises:
-        TypeError: an argument that is not an array (None included).  ValueError: shapes that are
+        TypeError: an argument that is not an array (None included), or complex.  ValueError: shapes that are
         not a DeepSeek layer's, or n outside 1..32 (the argument named).
     """
     hc_fn, hc_scale, hc_base = _layer.deepseek_params(hc_fn, hc_scale, hc_base)
@@ -415,7 +415,11 @@ def mhc_from_deepseek(hc_fn, hc_scale, hc_base) -> dict:
 
 def mhc_to_deepseek(params: dict) -> tuple:
     """(hc_fn [n*n + 2n, n*C], hc_scale [3], hc_base [n*n + 2n]) of :func:`mhc_layer` parameters:
-    the inverse of :func:`mhc_from_deepseek`."""
+    the inverse of :func:`mhc_from_deepseek`.  TypeError (naming params) for anything but that dict
+    with an array phi."""
+    _layer.check_params(params)
+    if not hasattr(params["phi"], "T"):
+        raise TypeError(f"params['phi'] has type {type(params['phi']).__name__}; it needs an array [n*C, n*n + 2n]")
     return params["phi"].T, params["alpha"], params["bias"]
 
 

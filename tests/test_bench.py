@@ -186,6 +186,24 @@ def test_parse_args_errors(argv, capsys):
     assert e.value.code != 0
 
 
+@pytest.mark.parametrize("argv,msg", [
+    (["--n", "0"], "--n: expected positive integers, got '0'"),
+    (["--n", "40"], "--n: mHC takes n_streams in 1..32, got 40"),
+    (["--n", "4,33"], "--n: mHC takes n_streams in 1..32, got 33"),
+    (["--tokens", "-5"], "--tokens: expected positive integers, got '-5'"),
+    (["--tokens", "abc"], "--tokens: expected comma-separated integers, got 'abc'"),
+    (["--C", ","], "--C: expected positive integers, got ','"),
+    (["--small", "--small-tokens", "0"], "--small-tokens: expected positive integers, got '0'"),
+])
+def test_parse_args_int_lists_are_usage_errors(argv, msg, capsys):
+    """--tokens / --C / --n / --small-tokens go through the parser's error like the other flags (usage and
+    exit 2; were a bare message and exit 1), and --n is held to 1..32 as --streams (was not checked)."""
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("usage: python -m mhc_cupy.bench") and err.rstrip().endswith(msg), err
+
+
 # ---------------------------------------------------------------------------- writers
 def _row(op, d, T, C, n, us, frac, base_us, errors=()):
     copy = 4000.0

@@ -46,6 +46,18 @@ def test_small_mode_runs_tiny(tmp_path):
     assert "| 3 | mhc_cupy |" in text and "eager us" in text
 
 
+def test_small_mode_no_baselines_times_mhc_cupy_only(tmp_path):
+    """--no-baselines: only mhc_cupy's rows (the eager torch MHCReference was timed all the same)."""
+    pytest.importorskip("torch")
+    out = tmp_path / "o"
+    argv = ["--small", "--small-tokens", "1", "--small-C", "16", "--streams", "2", "--reps", "1", "--warmup", "1",
+            "--min-calls", "1", "--no-baselines", "--out", str(out)]
+    assert bench.main(argv) == 0
+    res = json.loads((out / "small.json").read_text())
+    assert [set(r["impls"]) for r in res["results"]] == [{"mhc_cupy", "mhc_cupy small"}]
+    assert res["meta"]["settings"]["compile"] is False
+
+
 def test_host_counts_counts_replayed_and_planned_launches_and_allocations(monkeypatch):
     """host_counts: the launches of one call, through the replay path's cuLaunchKernel and through
     _jit.launch (noted to _replay), and the allocations PyTorch's allocator counts (faked here)."""

@@ -46,6 +46,19 @@ def test_mhc_round_trip_bitwise(rng):
         MHC(33, 4, num_iters=0, convention="deepseek")
 
 
+@pytest.mark.parametrize("head", [False, True])
+@pytest.mark.parametrize("at", [0, 1, 2])
+def test_torch_from_deepseek_refuses_complex(rng, head, at):
+    """A complex hc_fn, hc_scale or hc_base: TypeError naming it (copy_ dropped the imaginary part)."""
+    n, C = 2, 3
+    ds = ([torch.zeros(n, n * C), torch.ones(1), torch.zeros(n)] if head else
+          [torch.tensor(a, dtype=torch.float32) for a in layer_params(rng, n, C)])
+    ds[at] = ds[at].to(torch.complex64) + 1j
+    name = ("hc_fn", "hc_scale", "hc_base")[at]
+    with pytest.raises(TypeError, match=rf"^{name} has dtype torch.complex64; it needs a real dtype"):
+        (MHCHead if head else MHC).from_deepseek(*ds)
+
+
 @pytest.mark.usefixtures("jax_on_cpu")  # the CPU path; the GPU cases run the CUDA one
 def test_jax_round_trip_bitwise(rng):
     pytest.importorskip("jax")

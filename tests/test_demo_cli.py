@@ -97,3 +97,41 @@ def test_cpu_run_uses_one_blas_thread(tmp_path, monkeypatch):
     demo.main(TINY + ["--out", str(tmp_path)])
     assert seen and all(t == [1] * len(before) for t in seen), (seen, before)
     assert blas_threads() == before
+
+
+@pytest.mark.parametrize("text", [b"", b"short"])
+def test_empty_or_short_text_is_one_line(tmp_path, text):
+    """An empty ``--text`` file gives the same one-line error as a short one (was a ValueError
+    traceback from torch.frombuffer in split_data)."""
+    path = tmp_path / "t.txt"
+    path.write_bytes(text)
+    with pytest.raises(SystemExit) as e:
+        demo.main(TINY + ["--text", str(path), "--out", str(tmp_path / "o")])
+    assert str(e.value.code) == f"text too short ({len(text)} bytes) for --seq 16"
+
+
+@pytest.mark.parametrize("flag,bad,msg", [
+    ("--streams", "33", "--streams must be in 1..32, got 33"),
+    ("--lr", "nan", "--lr must be a finite positive number, got nan"),
+    ("--lr", "inf", "--lr must be a finite positive number, got inf"),
+    ("--lr", "-1", "--lr must be a finite positive number, got -1.0"),
+    ("--lr", "0", "--lr must be a finite positive number, got 0.0"),
+    ("--eval-every", "0", "--eval-every must be >= 1, got 0"),
+    ("--eval-every", "-1", "--eval-every must be >= 1, got -1"),
+])
+def test_bad_streams_lr_eval_every_are_one_line(tmp_path, flag, bad, msg):
+    """--streams outside 1..32 and a non-finite or non-positive --lr stop with one line (were tracebacks
+    from mhc_cupy._checks and torch's AdamW); --eval-every 0 or < 0 is refused (was taken as 1)."""
+    with pytest.raises(SystemExit) as e:
+        demo.main(TINY + [flag, bad, "--out", str(tmp_path)])
+    assert str(e.value.code) == msg
+    assert not (tmp_path / "summary.json").exists()
+
+
+@pytest.mark.parametrize("heads", ["0", "-2"])
+def test_heads_below_one_is_one_line(tmp_path, heads):
+    """--heads 0 or < 0 stops with the line of the other sizes (were a ZeroDivisionError and a
+    RuntimeError from the attention's view)."""
+    with pytest.raises(SystemExit) as e:
+        demo.main(TINY + ["--heads", heads, "--out", str(tmp_path)])
+    assert str(e.value.code) == "--steps, --batch, --seq, --layers, --dim, --heads and --streams must be >= 1"

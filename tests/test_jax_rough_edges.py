@@ -276,6 +276,24 @@ def test_from_deepseek_names_arguments_and_refuses_n_33():
         mj.mhc_from_deepseek(np.zeros((15, 0), np.float32), scale, np.zeros(15, np.float32))
 
 
+def test_from_deepseek_refuses_complex():
+    """A complex hc_fn, hc_scale or hc_base: TypeError naming it (jnp.asarray dropped the imaginary
+    part, with only a ComplexWarning)."""
+    for at, name in enumerate(("hc_fn", "hc_scale", "hc_base")):
+        args = [np.zeros((24, 32), np.float32), np.ones(3, np.float32), np.zeros(24, np.float32)]
+        args[at] = args[at] + 1j
+        with pytest.raises(TypeError, match=f"^{name} has dtype complex64; it needs a real dtype"):
+            mj.mhc_from_deepseek(*args)
+
+
+@pytest.mark.parametrize("bad", [{"phi": 1}, None, [1, 2, 3], {"phi": 1, "alpha": 2, "bias": 3}])
+def test_to_deepseek_names_params(bad):
+    """mhc_to_deepseek of something other than mhc_init's dict: TypeError naming params (was
+    AttributeError: 'int' object has no attribute 'T', or a TypeError from subscripting)."""
+    with pytest.raises(TypeError, match=r"^params"):
+        mj.mhc_to_deepseek(bad)
+
+
 # ------------------------------------------------------------------------ item 11: init values
 @pytest.mark.parametrize("bad,exc", [(float("nan"), ValueError), (float("inf"), ValueError),
                                      (-float("inf"), ValueError), ("0.1", TypeError), (True, TypeError),

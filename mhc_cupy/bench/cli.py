@@ -23,13 +23,13 @@ QUICK = {"tokens": "32768", "C": "2560", "n": "4", "reps": 10, "warmup": 3}
 DEFAULT_EXTRA = "16384x4096x8"
 
 
-def _ints(text: str, flag: str) -> list[int]:
+def _ints(text: str, flag: str, ap) -> list[int]:
     try:
         vals = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise SystemExit(f"{flag}: expected comma-separated integers, got {text!r}") from None
+        ap.error(f"{flag}: expected comma-separated integers, got {text!r}")
     if not vals or any(v <= 0 for v in vals):
-        raise SystemExit(f"{flag}: expected positive integers, got {text!r}")
+        ap.error(f"{flag}: expected positive integers, got {text!r}")
     return vals
 
 
@@ -186,7 +186,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.stack_configs = _shape_list(args.stack_configs, "--stack-configs", ap, "L:C:heads:ffn:batch:seq",
                                      STACK_CONFIGS)
     args.small_tokens = (list(SMALL_TOKENS) if args.small_tokens is None
-                         else _ints(args.small_tokens, "--small-tokens"))
+                         else _ints(args.small_tokens, "--small-tokens", ap))
     if min(args.batch, args.seq, args.streams, args.small_C) < 1:
         ap.error("--batch, --seq, --streams and --small-C must be >= 1")
     if args.streams > MAX_N:
@@ -196,9 +196,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             if c[at] % c[at + 1]:
                 ap.error(f"{flag}: C = {c[at]} is not a multiple of heads = {c[at + 1]} in {':'.join(map(str, c))}")
     q = args.quick
-    tokens = _ints(args.tokens or (QUICK["tokens"] if q else "4096,16384,32768"), "--tokens")
-    Cs = _ints(args.C or (QUICK["C"] if q else "2560,4096,7168"), "--C")
-    ns = _ints(args.n or (QUICK["n"] if q else "4"), "--n")
+    tokens = _ints(args.tokens or (QUICK["tokens"] if q else "4096,16384,32768"), "--tokens", ap)
+    Cs = _ints(args.C or (QUICK["C"] if q else "2560,4096,7168"), "--C", ap)
+    ns = _ints(args.n or (QUICK["n"] if q else "4"), "--n", ap)
+    if max(ns) > MAX_N:
+        ap.error(f"--n: mHC takes n_streams in 1..{MAX_N}, got {max(ns)}")
     big = args.mode != "ops"  # layer and block calls take milliseconds: fewer samples
     args.reps = args.reps if args.reps is not None else (QUICK["reps"] if q else 20 if big else 30)
     args.warmup = args.warmup if args.warmup is not None else (QUICK["warmup"] if q else 3 if big else 5)

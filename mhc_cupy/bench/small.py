@@ -10,7 +10,8 @@ forward of one layer with an identity sublayer, without autograd (``torch.no_gra
   and the pre piece's tail kernel: two launches for the pre piece; off by default until a GPU run
   has checked it);
 * ``torch`` / ``torch.compile``: ``mhc_cupy.torch.reference.MHCReference`` (the same maths and
-  parameters in plain torch ops), eager and ``torch.compile(dynamic=False)``.
+  parameters in plain torch ops), eager and ``torch.compile(dynamic=False)``, each where it is
+  among the baselines (``--baselines``; none with ``--no-baselines``).
 
 Two times per row: ``eager us``, the wall clock per call of back-to-back calls (host dispatch
 included: what an eager decode loop pays), and ``graph us``, the CUDA-event time per replayed call
@@ -49,7 +50,9 @@ def small_case(T: int, C: int, n: int, cfg, on_gpu: bool, compile_: bool) -> dic
     dt = getattr(torch, cfg.dtype)
     torch.manual_seed(0)
     layer = mt.MHC(C, n, device=dev)
-    impls = {"mhc_cupy": layer, "torch": MHCReference.from_layer(layer)}
+    impls = {"mhc_cupy": layer}
+    if "torch" in cfg.baselines:
+        impls["torch"] = MHCReference.from_layer(layer)
     if T <= _GEMV_MAX_T:  # (where the small-token forward applies)
         impls["mhc_cupy small"] = _chosen(layer, small=True)
     if compile_:
