@@ -194,6 +194,9 @@ def test_parse_args_errors(argv, capsys):
     (["--tokens", "abc"], "--tokens: expected comma-separated integers, got 'abc'"),
     (["--C", ","], "--C: expected positive integers, got ','"),
     (["--small", "--small-tokens", "0"], "--small-tokens: expected positive integers, got '0'"),
+    (["--extra-shapes", "64x128x40"], "--extra-shapes: mHC takes n_streams in 1..32, got n = 40 in '64x128x40'"),
+    (["--layer", "--shapes", "64x128x4,64x128x33"],
+     "--shapes: mHC takes n_streams in 1..32, got n = 33 in '64x128x33'"),
 ])
 def test_parse_args_int_lists_are_usage_errors(argv, msg, capsys):
     """--tokens / --C / --n / --small-tokens go through the parser's error like the other flags (usage and

@@ -140,6 +140,8 @@ def _shape_list(text: str | None, flag: str, ap, form: str = "TxCxn", default=()
             vals = ()
         if len(vals) != len(form.split(sep)) or any(v <= 0 for v in vals):
             ap.error(f"{flag}: expected {form} of positive integers, got {item!r}")
+        if form == "TxCxn" and vals[2] > 32:
+            ap.error(f"{flag}: mHC takes n_streams in 1..32, got n = {vals[2]} in {item!r}")
         out.append(vals)
     if not out:
         ap.error(f"{flag}: no entries in {text!r}")
