@@ -1,0 +1,132 @@
+"""A/B timings of kernel choices that wait for a GPU verdict (CuPy inputs, CUDA-graph replays of
+``mhc_cupy.bench.timing``, median per call).  Not yet run on a GPU.
+
+    python scripts/ab_kernels.py boundary   # mhc_boundary_fwd: the fused kernel (boundary=True) against the
+                                            # post op + pre piece kernels, bf16 n = 4; out bitwise, layer_in's
+                                            # difference, and the byte floor at this run's copy bandwidth
+    python scripts/ab_kernels.py bwd K      # mhc_layer_pre_fwd / _bwd with _MMA_TARGET_BLOCKS = K (the tensor-core
+                                            # backward's block target; one process per K: plans are cached);
+                                            # hashes of dx and dphi compare the bits across K
+    python scripts/ab_kernels.py colsum     # the one-block narrow column sum (dalpha / dbias over tokens)
+
+GPU only; prints one line per case.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+
+import cupy as cp
+import numpy as np
+
+MODE = sys.argv[1] if len(sys.argv) > 1 else "boundary"
+if MODE == "bwd":  # before mhc_cupy plans anything
+    from mhc_cupy.ops.coeffs import common
+
+    common._MMA_TARGET_BLOCKS = int(sys.argv[2])
+
+import mhc_cupy as m  # noqa: E402
+from mhc_cupy._kernel_choice import kernel_choice  # noqa: E402
+from mhc_cupy.bench.timing import _time_cupy  # noqa: E402
+
+rng = cp.random.default_rng(0)
+BF16 = m._interop.numpy_dtype("bfloat16")
+
+
+def graph_us(f, calls: int = 10, reps: int = 20) -> float:
+    """Median GPU time per call of f() from CUDA-graph replays of ``calls`` calls."""
+    return _time_cupy(lambda i: f(), 1, calls, 3, reps)["us"]
+
+
+def copy_gbps() -> float:
+    """Device-to-device copy bandwidth (read + write), eager cupy.copyto of 2 GiB, median of 10."""
+    a = cp.empty(2 << 30, cp.uint8)
+    b = cp.empty_like(a)
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    ts = []
+    for _ in range(12):
+        start.record()
+        cp.copyto(b, a)
+        stop.record()
+        stop.synchronize()
+        ts.append(cp.cuda.get_elapsed_time(start, stop))
+    return 2 * a.nbytes / (float(np.median(ts[2:])) * 1e-3) / 1e9
+
+
+def act(*shape):
+    return rng.standard_normal(shape, dtype=cp.float32).astype(BF16)
+
+
+def digest(a) -> str:
+    return hashlib.sha1(cp.asnumpy(a).tobytes()).hexdigest()[:10]
+
+
+def layer_inputs(T, C, n):
+    K = n * n + 2 * n
+    phi = rng.standard_normal((n * C, K), dtype=cp.float32) * 0.02
+    alpha = cp.asarray([0.5, 0.7, 0.3], cp.float32)
+    bias = rng.standard_normal(K, dtype=cp.float32) * 0.1
+    return act(T, n, C), phi, alpha, bias
+
+
+def boundary(bw):
+    for T, C, n in ((16384, 4096, 4), (8192, 2048, 4), (4096, 7168, 4)):
+        x, phi, alpha, bias = layer_inputs(T, C, n)
+        y = act(T, C)
+        H_post = rng.random((T, n), dtype=cp.float32)
+        H_res = rng.random((T, n, n), dtype=cp.float32) / n
+        floor = 2 * (2 * T * n * C + 2 * T * C) / bw / 1e3  # read x, y; write out, layer_in (bf16), us
+        out, t = {}, {}
+        for on in (False, True):
+            with kernel_choice(boundary=on):
+                def f():
+                    return m.mhc_boundary_fwd(y, x, H_post, H_res, phi, alpha, bias)
+                out[on], t[on] = f(), graph_us(f)
+        with kernel_choice(boundary=False):
+            t_post = graph_us(lambda: m.mhc_post_op_fwd(y, x, H_post, H_res))
+            t_pre = graph_us(lambda: m.mhc_layer_pre_fwd(x, phi, alpha, bias))
+        same = bool((out[True][0].view(cp.uint16) == out[False][0].view(cp.uint16)).all())
+        d_li = float(cp.abs(out[True][1].astype(cp.float32) - out[False][1].astype(cp.float32)).max())
+        print(f"{T}x{C}x{n}: post+pre {t[False]:.1f} us (post {t_post:.1f}, pre {t_pre:.1f}); boundary kernel "
+              f"{t[True]:.1f} us; floor {floor:.1f} us; out bitwise {same}; layer_in max |diff| {d_li:.3g}")
+
+
+def bwd():
+    for T, C, n in ((16384, 4096, 4), (8192, 2048, 4), (16384, 2048, 8)):
+        x, phi, alpha, bias = layer_inputs(T, C, n)
+        _, H_pre, _, H_res, stats = m.mhc_layer_pre_fwd(x, phi, alpha, bias)
+        g_li, g = act(T, C), act(T, n, C)
+        dH_post = rng.standard_normal((T, n), dtype=cp.float32)
+        dH_res = rng.standard_normal((T, n, n), dtype=cp.float32)
+
+        def f():
+            return m.mhc_layer_pre_bwd(g_li, g, dH_post, dH_res, x, phi, alpha, bias, stats, H_pre, H_res)
+        r = f()
+        t_b, t_f = graph_us(f), graph_us(lambda: m.mhc_layer_pre_fwd(x, phi, alpha, bias))
+        print(f"K={common._MMA_TARGET_BLOCKS} {T}x{C}x{n}: pre fwd {t_f:.1f} us, pre bwd {t_b:.1f} us; "
+              f"dx {digest(r[0])} dphi {digest(r[1])}")
+
+
+def colsum():
+    from mhc_cupy.ops._launch import column_sum
+
+    for rows in (16384, 32768, 131072):
+        for cols in (3, 4, 16):
+            a = rng.standard_normal((rows, cols), dtype=cp.float32)
+            o = cp.empty(cols, cp.float32)
+            t = graph_us(lambda: column_sum(a.data.ptr, o.data.ptr, rows, cols, cp.cuda.get_current_stream().ptr),
+                         calls=50)
+            err = float(cp.abs(o - a.sum(0)).max())
+            print(f"column_sum rows {rows} cols {cols}: {t:.1f} us (|err| {err:.2g})")
+
+
+if __name__ == "__main__":
+    if MODE == "boundary":
+        boundary(copy_gbps())
+    elif MODE == "bwd":
+        bwd()
+    elif MODE == "colsum":
+        colsum()
+    else:
+        sys.exit(f"mode must be boundary, bwd K or colsum, got {MODE!r}")

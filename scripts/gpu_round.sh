@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# A short GPU round for sessions with little device time: one part per device call (each bounded by
+# BUDGET seconds, default 570, most important step first; what a step leaves unfinished is cut, and
+# the part's logs are packed into OUT/<part>.tar.gz even then).  scripts/gpu_check.sh is the full check.
+#   check    GPU tests (tests/gpu, test_bench_small.py; 16 workers), compute-sanitizer memcheck /
+#            racecheck / initcheck / synccheck on scripts/sanitize_subset.py, the boundary A/B
+#            (scripts/ab_kernels.py boundary), bench --small
+#   bench    bench --stack with the fused boundary kernel (both configs), the narrow column sum's cost
+#   profile  scripts/profile_stack.py and profile_layer.py (n = 4, 8, 16), the _MMA_TARGET_BLOCKS A/B
+#   suite    the test files outside tests/gpu (the rest of the GPU suite; -v: cut runs still name failures)
+# Usage (repo root, on a CUDA machine):  BUDGET=570 bash scripts/gpu_round.sh check [OUT_DIR]
+set -u -o pipefail
+PART=${1:?part: check, bench, profile or suite}
+OUT=${2:-${OUT:-gpu_round_out}}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+export MHC_CUPY_CACHE_DIR=${MHC_CUPY_CACHE_DIR:-/tmp/mhc_kernel_cache}  # kept between calls on a warm machine
+PY=${PYTHON:-python3}
+T0=$SECONDS B=${BUDGET:-570} R=$(mktemp -d)
+left() { echo $(( B - (SECONDS - T0) - ${1:-0} )); }  # seconds left, keeping $1 for what follows
+cap() { local l; l=$(left "$2"); [ "$1" -lt "$l" ] && echo "$1" || echo "$l"; }
+trap 'tar czf "$OUT/$PART.tar.gz" -C "$R" .' EXIT
+export MHC_TEST_FAILURES=$R/test_failures.txt  # each failure's traceback as it happens (tests/conftest.py)
+case "$PART" in
+check)
+    nvidia-smi --query-gpu=name,clocks.max.sm --format=csv | tee "$R/info.txt"
+    $PY -m mhc_cupy warmup --dtypes bfloat16 --n 4 > "$R/warmup.log" 2>&1; echo "warmup rc=$? $((SECONDS - T0)) s"
+    timeout "$(cap 230 0)" $PY -m pytest -p no:cacheprovider -n 16 -v -rf tests/gpu tests/test_bench_small.py \
+        > "$R/tests.log" 2>&1
+    echo "tests rc=$? $((SECONDS - T0)) s"; grep -E "passed|failed" "$R/tests.log" | tail -n 1
+    grep -E "(FAILED|ERROR) " "$R/tests.log" | head -n 30
+    for tool in memcheck racecheck initcheck synccheck; do
+        l=$(cap 60 150); [ "$l" -lt 20 ] && { echo "$tool: no time left"; continue; }
+        timeout "$l" compute-sanitizer --tool $tool --error-exitcode 9 $PY scripts/sanitize_subset.py > "$R/$tool.log" 2>&1
+        echo "$tool rc=$? $((SECONDS - T0)) s"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize subset" "$R/$tool.log"
+    done
+    timeout "$(cap 45 0)" $PY scripts/ab_kernels.py boundary 2>&1 | tee "$R/ab_boundary.log"
+    l=$(left 5); [ "$l" -gt 30 ] && timeout "$l" $PY -m mhc_cupy.bench --small --out "$R/small" > "$R/small.log" 2>&1
+    echo "small rc=$? $((SECONDS - T0)) s"; grep -v "^$" "$R/small/small.md" 2>/dev/null | head -n 40 ;;
+bench)
+    timeout "$(left 40)" $PY -m mhc_cupy.bench --stack --reps 10 --choose boundary=true --out "$R/stack" \
+        > "$R/stack.log" 2>&1
+    echo "stack rc=$? $((SECONDS - T0)) s"; grep -v "^$" "$R/stack/stack.md" 2>/dev/null | head -n 50
+    timeout "$(cap 30 0)" $PY scripts/ab_kernels.py colsum 2>&1 | tee "$R/ab_colsum.log" ;;
+profile)
+    timeout "$(cap 200 0)" $PY scripts/profile_stack.py --config 8:2048:16:5504:4:2048 --steps 5 --rows 30 \
+        --variants plain,MHCStack,"MHCStack fused" --choose boundary=true > "$R/profile_stack.log" 2>&1
+    tail -n 60 "$R/profile_stack.log" | cut -c1-160
+    timeout "$(cap 150 0)" $PY scripts/profile_layer.py --shapes 16384x4096x4,16384x2048x8,8192x1024x16 --rows 16 \
+        > "$R/profile_layer.log" 2>&1
+    tail -n 100 "$R/profile_layer.log" | cut -c1-150
+    for k in 1024 792 1584 2048; do
+        timeout "$(cap 30 5)" $PY scripts/ab_kernels.py bwd $k 2>&1
+    done | tee "$R/ab_bwd.log" ;;
+suite)
+    timeout "$(left 10)" $PY -m pytest -p no:cacheprovider -n 16 -v -rf tests --ignore=tests/gpu > "$R/suite.log" 2>&1
+    echo "suite rc=$? $((SECONDS - T0)) s"; grep -E "passed|failed" "$R/suite.log" | tail -n 1
+    grep -E "(FAILED|ERROR) " "$R/suite.log" | head -n 40 ;;
+*)
+    echo "part must be check, bench, profile or suite, got '$PART'" >&2; exit 2 ;;
+esac
