@@ -1,5 +1,5 @@
-"""A/B timings of kernel choices that wait for a GPU verdict (CuPy inputs, CUDA-graph replays of
-``mhc_cupy.bench.timing``, median per call).  Not yet run on a GPU.
+"""A/B timings of kernel choices that wait for a GPU verdict (CuPy inputs; median per call of CUDA-graph
+replays, ``mhc_cupy.bench.timing.time_ms``; the copy bandwidth of ``copy_bandwidth``).  Not yet run on a GPU.
 
     python scripts/ab_kernels.py boundary   # mhc_boundary_fwd: the fused kernel (boundary=True) against the
                                             # post op + pre piece kernels, bf16 n = 4; out bitwise, layer_in's
@@ -18,7 +18,6 @@ import hashlib
 import sys
 
 import cupy as cp
-import numpy as np
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "boundary"
 if MODE == "bwd":  # before mhc_cupy plans anything
@@ -28,30 +27,15 @@ if MODE == "bwd":  # before mhc_cupy plans anything
 
 import mhc_cupy as m  # noqa: E402
 from mhc_cupy._kernel_choice import kernel_choice  # noqa: E402
-from mhc_cupy.bench.timing import _time_cupy  # noqa: E402
+from mhc_cupy.bench.timing import copy_bandwidth, time_ms  # noqa: E402
 
 rng = cp.random.default_rng(0)
 BF16 = m._interop.numpy_dtype("bfloat16")
 
 
-def graph_us(f, calls: int = 10, reps: int = 20) -> float:
-    """Median GPU time per call of f() from CUDA-graph replays of ``calls`` calls."""
-    return _time_cupy(lambda i: f(), 1, calls, 3, reps)["us"]
-
-
-def copy_gbps() -> float:
-    """Device-to-device copy bandwidth (read + write), eager cupy.copyto of 2 GiB, median of 10."""
-    a = cp.empty(2 << 30, cp.uint8)
-    b = cp.empty_like(a)
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    ts = []
-    for _ in range(12):
-        start.record()
-        cp.copyto(b, a)
-        stop.record()
-        stop.synchronize()
-        ts.append(cp.cuda.get_elapsed_time(start, stop))
-    return 2 * a.nbytes / (float(np.median(ts[2:])) * 1e-3) / 1e9
+def graph_us(f, calls: int = 10) -> float:
+    """Median GPU time of one f() in us (mhc_cupy.bench.timing.time_ms: CUDA-graph replays of ``calls`` calls)."""
+    return time_ms(f, per_graph=calls) * 1e3
 
 
 def act(*shape):
@@ -123,7 +107,7 @@ def colsum():
 
 if __name__ == "__main__":
     if MODE == "boundary":
-        boundary(copy_gbps())
+        boundary(copy_bandwidth()["GBps"])
     elif MODE == "bwd":
         bwd()
     elif MODE == "colsum":
