@@ -246,6 +246,9 @@ def framework_of(x) -> str:
     if root == "cupy":
         return "cupy"
     if root == "numpy" and isinstance(x, np.ndarray):
+        if isinstance(x, np.ma.MaskedArray):  # the kernels and the reference would read the masked cells
+            raise TypeError("got a NumPy masked array, whose mask would be ignored; pass x.filled(value) "
+                            "or np.asarray(x) (its data, masked cells included)")
         return "numpy"
     if root in ("jax", "jaxlib"):
         jax = sys.modules.get("jax")

@@ -163,11 +163,15 @@ def test_functional_zero_tokens_huge_leading_dim(name):
 
 
 @pytest.mark.parametrize("name", [c[0] for c in _functional_calls((2,))])
-def test_functional_none_or_list_names_the_argument(name):
+def test_functional_none_list_or_masked_array_names_the_argument(name):
+    """None, a list and a NumPy masked array (its mask would be ignored) are refused naming the argument."""
     ((_, arrays, params),) = [c for c in _functional_calls((3,)) if c[0] == name]
     fn = _functional(name)
     for arg in arrays:
-        for bad, what in ((None, "is None"), ([[1.0, 2.0]], "list")):
+        masked = None if arrays[arg] is None else np.ma.masked_less(arrays[arg], 0)
+        for bad, what in ((None, "is None"), ([[1.0, 2.0]], "list"), (masked, "masked array")):
+            if bad is None and what != "is None":
+                continue
             if bad is None and arg.startswith("grad_") and name in ("mhc_pre_op_bwd", "mhc_coeffs_bwd"):
                 continue  # a None gradient counts as zero there
             args = dict(arrays, **{arg: bad})
