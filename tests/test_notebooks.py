@@ -29,7 +29,7 @@ def _text(out) -> str:
 def test_there_are_notebooks_and_ci_executes_them():
     import tomllib
 
-    assert len(NOTEBOOKS) == 5
+    assert len(NOTEBOOKS) == 6
     testpaths = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["testpaths"]
     assert "notebooks" in testpaths  # `python -m pytest -q --nbmake` (README, .ci/run) executes them
 
