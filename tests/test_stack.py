@@ -13,6 +13,7 @@ CPU tensors run the NumPy reference; the GPU variant at the end runs the kernels
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -141,6 +142,27 @@ def test_fused_boundaries_only_between_layers_of_one_convention(rng):
     assert_bitwise(run(mt.MHCStack(layers, fuse_boundaries=True), x, g), run(nn.Sequential(*layers), x, g), "mixed")
     with pytest.raises(TypeError, match="fuse_boundaries must be a bool, got int 1"):
         mt.MHCStack(layers, fuse_boundaries=1)
+
+
+@pytest.mark.parametrize("recompute", [None, 2])
+def test_fused_boundary_after_a_frozen_layer_warns_nothing(rng, recompute):
+    """A frozen first layer (x needing no gradient) ran the boundary op with the next layer's trainable
+    parameters outside autograd and warned AutogradNotRecordedWarning ("backward() will not reach its
+    inputs"), though the next layer's pre piece records their gradient: the chain's, bitwise."""
+    layers = make_layers(3, 4, 8, 13)
+    layers[0].requires_grad_(False)
+    x = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+    g = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+    want = run(nn.Sequential(*layers), x, g)
+    stack = mt.MHCStack(layers, recompute=recompute, fuse_boundaries=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stack.zero_grad(set_to_none=True)
+        out = stack(x)
+        out.backward(g)
+    assert torch.equal(out, want[0])
+    for p, q in zip([p.grad for p in stack.parameters()], want[2]):
+        assert (p is None) == (q is None) and (p is None or torch.equal(p, q))
 
 
 def test_extra_forward_arguments_reach_every_sublayer(rng):

@@ -512,8 +512,9 @@ def layer_post(layer_out, x_link, H_post, H_res, convention: str, nxt: NextPre |
     if custom:
         nxt = None
     if not _needs_autograd(layer_out, x_link, H_post, H_res):
-        if nxt is not None:
-            return nxt.run(layer_out, x_link, H_post, H_res)
+        if nxt is not None:  # (the next layer's parameters may require grad: its layer_pre records their
+            with torch.no_grad():  # gradient with the outputs taken, so no AutogradNotRecordedWarning here)
+                return nxt.run(layer_out, x_link, H_post, H_res)
         return mhc_post_op(layer_out, x_link, H_post, H_res, convention=convention)
     pre = _autograd_pre(x_link, H_res, convention) if x_link.requires_grad and not _is_compiling() else None
     return (_LayerPostFn.apply if custom else _POST_APPLY)(layer_out, x_link, H_post, H_res, convention, pre, custom,
