@@ -13,6 +13,7 @@ CPU tensors run the NumPy reference; the GPU variant at the end runs the kernels
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -143,6 +144,27 @@ def test_fused_boundaries_only_between_layers_of_one_convention(rng):
         mt.MHCStack(layers, fuse_boundaries=1)
 
 
+@pytest.mark.parametrize("recompute", [None, 2])
+def test_fused_boundary_after_a_frozen_layer_warns_nothing(rng, recompute):
+    """A frozen first layer (x needing no gradient) ran the boundary op with the next layer's trainable
+    parameters outside autograd and warned AutogradNotRecordedWarning ("backward() will not reach its
+    inputs"), though the next layer's pre piece records their gradient: the chain's, bitwise."""
+    layers = make_layers(3, 4, 8, 13)
+    layers[0].requires_grad_(False)
+    x = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+    g = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+    want = run(nn.Sequential(*layers), x, g)
+    stack = mt.MHCStack(layers, recompute=recompute, fuse_boundaries=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stack.zero_grad(set_to_none=True)
+        out = stack(x)
+        out.backward(g)
+    assert torch.equal(out, want[0])
+    for p, q in zip([p.grad for p in stack.parameters()], want[2]):
+        assert (p is None) == (q is None) and (p is None or torch.equal(p, q))
+
+
 def test_extra_forward_arguments_reach_every_sublayer(rng):
     layers = make_layers(3, 4, 8, 1)
     x = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
@@ -202,6 +224,50 @@ def test_second_backward_with_retain_graph_rebuilds_again(rng):
     (dx1,) = torch.autograd.grad(out.sum(), x, retain_graph=True)
     (dx2,) = torch.autograd.grad(out.sum(), x)
     assert torch.equal(dx1, dx2)
+
+
+class StaticOutput(nn.Module):
+    """A sublayer that writes its output into one persistent buffer (a static output, as a CUDA-graph
+    replay gives) and returns that buffer."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.register_buffer("out", torch.zeros(shape))
+
+    def forward(self, h):
+        return self.out.copy_(torch.tanh(h))
+
+
+@pytest.mark.parametrize("changed", ["input", "sublayer output"])
+@pytest.mark.parametrize("recompute,fuse", [(2, False), (3, True)])
+def test_what_recompute_rebuilds_from_changed_in_place_before_backward_raises(rng, recompute, fuse, changed):
+    """The first layer frozen and x needing no gradient: that layer's pieces save nothing autograd
+    checks, and an in-place change of x, or of the layer's sublayer output, after the forward went into
+    the streams rebuilt from them: the later layers' parameter gradients were silently wrong (the
+    chain's do not depend on them any more).  Now autograd's RuntimeError for a changed saved tensor;
+    without the change, the chain's gradients bitwise."""
+    layers = make_layers(4, 4, 8, 5)
+    layers[0].sublayer = StaticOutput((3, 8))
+    layers[0].requires_grad_(False)
+    stack = mt.MHCStack(layers, recompute=recompute, fuse_boundaries=fuse)
+    x = torch.from_numpy(rng.standard_normal((3, 4, 8))).float()
+    g = torch.from_numpy(rng.standard_normal((3, 4, 8))).float()
+
+    def grads(module):
+        module.zero_grad(set_to_none=True)
+        module(x.clone()).backward(g)
+        return [p.grad for p in stack.parameters() if p.grad is not None]
+
+    assert all(torch.equal(a, b) for a, b in zip(grads(stack), grads(nn.Sequential(*layers))))
+    x_in = x.clone()
+    out = stack(x_in)
+    changed_tensor, what = (x_in, "the input streams") if changed == "input" else \
+        (layers[0].sublayer.out, "the sublayer output")
+    version = changed_tensor._version
+    changed_tensor.add_(1.0)
+    with pytest.raises(RuntimeError, match=f"modified by an inplace operation: {what} .* of an MHCStack "
+                                           f"recompute block .* at version {version + 1}; expected version {version}"):
+        out.backward(g)
 
 
 @pytest.mark.parametrize("recompute,fuse", [(None, False), (2, False), (2, True)])

@@ -83,6 +83,37 @@ def test_compile_model_dynamic_shapes(rng, fresh_dynamo):
             assert_same(a, b)
 
 
+@pytest.mark.parametrize("convention", ["paper", "deepseek"])
+@pytest.mark.parametrize("route", ["stack", "functional"])
+def test_compile_dynamic_two_fused_layers(rng, fresh_dynamo, route, convention):
+    """Two fused layer pieces in one dynamic=True graph (an MHCStack, or mhc_layer_pre twice).  Dynamo
+    makes a float setting it reads (eps, from the layers' one LayerSettings or the convention's
+    defaults) a graph input; read first inside the first _LayerPreFn's body it belonged to that
+    subgraph, and the second layer failed with Dynamo's AssertionError
+    "lift_tracked_freevar_to_input should not be called on root SubgraphTracer"."""
+    n, C = 4, 7
+    torch.manual_seed(0)
+    layers = [mt.MHC(C, n, torch.nn.Linear(C, C), convention=convention) for _ in range(3)]
+    if route == "stack":
+        f = mt.MHCStack(layers, recompute=2)
+    else:
+        def f(x):
+            for layer in layers[:2]:
+                li, xl, hp, hr = mt.mhc_layer_pre(x, layer.phi, layer.alpha, layer.bias, convention=convention)
+                x = mt.mhc_layer_post(layer.sublayer(li), xl, hp, hr, convention=convention)
+            return x
+    compiled = torch.compile(f, fullgraph=route == "functional", backend="aot_eager", dynamic=True)
+    params = [p for layer in layers for p in layer.parameters()]
+    for T in (3, 5):
+        x = tensor(rng, (T, n, C))
+        got, want = compiled(x), f(x)
+        assert_same(got, want)
+        g = tensor(rng, got.shape, grad=False)
+        for a, b in zip(torch.autograd.grad(got, [x, *params], g, allow_unused=True),
+                        torch.autograd.grad(want, [x, *params], g, allow_unused=True)):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+
+
 def test_compile_pre_op_unused_outputs(rng, fresh_dynamo):
     """Compiled: only layer_in used; gradients equal eager (None handled on the custom-op route)."""
     c = case("mhc_pre_op", rng, (2, 3), 4, 7)

@@ -437,6 +437,21 @@ def mhc_layer_pre(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_eps=D
                                                        post_mult=post_mult))
 
 
+#: The settings that are floats (:class:`LayerSettings`), and all of them, in its order.
+_FLOAT_SETTINGS = ("eps", "rms_eps", "hc_eps", "post_mult")
+_SETTINGS = ("num_iters", "eps", "rms_eps", "grad_mode", "convention", "hc_eps", "post_mult")
+
+
+def _read_here(kw: dict) -> dict:
+    """Under torch.compile: the settings in ``kw`` as plain values, the floats read (``float``) where
+    this runs, before ``_LayerPreFn``'s body.  With dynamic=True Dynamo makes a float it reads from
+    a Python object (the layer's LayerSettings, the convention's defaults) a graph input; read first
+    inside the Function's body, that input belongs to the first call's subgraph, and a second
+    mhc_layer_pre in the same graph (two MHC layers, an MHCStack) with the same settings object failed
+    with Dynamo's "lift_tracked_freevar_to_input should not be called on root SubgraphTracer"."""
+    return {k: float(v) if k in _FLOAT_SETTINGS else v for k, v in zip(_SETTINGS, _adapter.flat(_SETTINGS, kw))}
+
+
 def layer_pre(x, phi, alpha, bias, kw: dict, given=None):
     """:func:`mhc_layer_pre` with its settings resolved: ``kw`` = ``{"settings": LayerSettings}`` (``MHC``
     holds its settings so), or under torch.compile the values (:func:`_settings_kw`).  ``given``: its
@@ -444,6 +459,8 @@ def layer_pre(x, phi, alpha, bias, kw: dict, given=None):
     (:meth:`NextPre.take`, eager only), or None."""
     custom = _use_custom_op(x, phi, alpha, bias)
     if _needs_autograd(x, phi, alpha, bias):
+        if custom and _is_compiling():
+            kw = _read_here(kw)
         layer_in, x_link, H_post, H_res = (_LayerPreFn.apply if custom else _PRE_APPLY)(x, phi, alpha, bias, kw,
                                                                                          custom, given)
         out = layer_in, _mark_link(x_link), H_post, H_res
@@ -495,8 +512,9 @@ def layer_post(layer_out, x_link, H_post, H_res, convention: str, nxt: NextPre |
     if custom:
         nxt = None
     if not _needs_autograd(layer_out, x_link, H_post, H_res):
-        if nxt is not None:
-            return nxt.run(layer_out, x_link, H_post, H_res)
+        if nxt is not None:  # (the next layer's parameters may require grad: its layer_pre records their
+            with torch.no_grad():  # gradient with the outputs taken, so no AutogradNotRecordedWarning here)
+                return nxt.run(layer_out, x_link, H_post, H_res)
         return mhc_post_op(layer_out, x_link, H_post, H_res, convention=convention)
     pre = _autograd_pre(x_link, H_res, convention) if x_link.requires_grad and not _is_compiling() else None
     return (_LayerPostFn.apply if custom else _POST_APPLY)(layer_out, x_link, H_post, H_res, convention, pre, custom,

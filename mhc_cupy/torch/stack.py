@@ -39,12 +39,31 @@ from .layers import MHC, _as_f32
 __all__ = ["MHCStack", "recompute_blocks"]
 
 
+def _version(t: Tensor):
+    """t's version counter (None for an inference tensor, which has none)."""
+    return None if t.is_inference() else t._version
+
+
+def _check_unchanged(t: Tensor, version, what: str, where: str) -> None:
+    """RuntimeError (autograd's check of a saved tensor) if t, from which backward rebuilds a block's
+    streams, changed in place since the forward.  Autograd does not always check it itself: a frozen
+    layer whose input needs no gradient saves neither its input streams nor its sublayer output, and
+    streams rebuilt from changed ones gave silently wrong gradients."""
+    if version is not None and t._version != version:
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"{what} {tuple(t.shape)} {where} (from which backward rebuilds the block's later streams) are at "
+            f"version {t._version}; expected version {version} instead.  Change them only after backward, or "
+            f"change a copy")
+
+
 class _Block:
     """One recompute block: its boundary streams, and what rebuilds each later one in backward."""
 
     def __init__(self, x: Tensor):
         self.x0 = x          # the boundary streams (stream 0), saved as they are
-        self.update = []     # update[k]: (y, H_post, H_res, convention) of the block's k-th layer: k -> k + 1
+        self.version = _version(x)  # (checked before x0 is used)
+        self.update = []     # update[k]: (y, its version, H_post, H_res, convention) of the block's k-th layer: k -> k + 1
         self.uses = []       # per stream of the block: saves of it not yet unpacked
         self.cache = {}      # streams rebuilt in backward and still to be unpacked
 
@@ -54,9 +73,12 @@ class _Block:
         x = self.cache.pop(i, None)
         if x is None:
             j = max((k for k in self.cache if k < i), default=0)
+            if j == 0:
+                _check_unchanged(self.x0, self.version, "the input streams", "of an MHCStack recompute block")
             x = self.x0 if j == 0 else self.cache[j]
             for k in range(j, i):
-                y, H_post, H_res, convention = self.update[k]
+                y, version, H_post, H_res, convention = self.update[k]
+                _check_unchanged(y, version, "the sublayer output", f"of layer {k} of an MHCStack recompute block")
                 x = mhc_post_op_fwd(y, x, H_post, H_res, convention=convention)
                 if k + 1 < i and self.uses[k + 1] > 0:
                     self.cache[k + 1] = x
@@ -89,7 +111,7 @@ class _Slot:
     def record(self, x: Tensor, y: Tensor, H_post: Tensor, H_res: Tensor, convention: str, out: Tensor) -> None:
         """The layer's call on x returned out: the block's next streams if x was its i-th (a forward
         pre-hook may have given the layer others, or changed them in place)."""
-        self.block.update.append((y.detach(), H_post.detach(), H_res.detach(), convention))
+        self.block.update.append((y.detach(), _version(y), H_post.detach(), H_res.detach(), convention))
         self.out_key = stream_key(out) if stream_key(x) == self.key else None
 
     def leads_to(self, x: Tensor) -> bool:
