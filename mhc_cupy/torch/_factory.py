@@ -98,21 +98,29 @@ def first_order(backward):
     an incoming gradient requires grad; with ``create_graph=True`` from a loss linear in the op's
     outputs (``out.sum()``, a gradient penalty's usual start) none does, and the gradients came back
     as constants: their dependence on the saved inputs (M of ``stream_mix``'s dx = M^T g) silently
-    dropped.  Here they are marked also when a saved input requires grad."""
+    dropped.  Here they are marked also when a saved input requires grad.
+
+    The marking node's inputs are those differentiable tensors themselves (torch's decorator gives it
+    only detached copies of the gradients): a backward that asks for the gradient of a saved input or
+    of an incoming gradient only (``torch.autograd.grad(g.sum(), M)``, and so
+    ``torch.autograd.functional.jvp`` / ``hvp`` / ``vhp`` / ``hessian``) runs only the nodes on a path
+    to them, and without that path it never reached the node and returned None (zeros) silently."""
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
         with torch.no_grad():
             outputs = backward(ctx, *grads)
         if not torch.is_grad_enabled():  # no create_graph
             return outputs
-        if not any(isinstance(g, Tensor) and g.requires_grad for g in grads) and \
-                not any(t is not None and t.requires_grad for t in ctx.saved_tensors):
+        anchors = [g for g in grads if isinstance(g, Tensor) and g.requires_grad]
+        anchors += [t for t in ctx.saved_tensors if t is not None and t.requires_grad]
+        if not anchors:
             return outputs  # nothing the gradients depend on is differentiable: constants, rightly
         outs = outputs if isinstance(outputs, tuple) else (outputs,)
         err = torch._C._functions.DelayedError(
             b"trying to differentiate twice a function that was marked with @once_differentiable "
-            b"(mhc_cupy.torch gradients are first order only)", len(outs))
-        return err(*[None if o is None else o.detach().requires_grad_() for o in outs])
+            b"(mhc_cupy.torch gradients are first order only)", len(outs) + len(anchors))
+        marked = err(*[None if o is None else o.detach().requires_grad_() for o in outs], *anchors)
+        return tuple(marked[:len(outs)])  # (the anchors' outputs only connect the node to the graph)
     return wrapper
 
 
