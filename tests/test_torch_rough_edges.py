@@ -139,6 +139,24 @@ def test_forward_ad_dual_tensors_refused(where):
             layer(fwAD.make_dual(x, torch.ones_like(x)))
 
 
+@pytest.mark.parametrize("cls", [MHC, MHCHead, "stream_mix"])
+def test_batched_gradients_refused_clearly(cls):
+    """is_grads_batched (jacobian / hessian with vectorize=True) hands the backward the legacy vmap's
+    batched tensors, which have no memory: it failed deep in the kernels' call with torch's
+    "Batching rule not implemented for aten::detach"; it is refused as the transforms are, and the
+    unbatched jacobian works."""
+    M = torch.randn(3, 4, 4)
+    f = (lambda t: mt.stream_mix(t, M)) if cls == "stream_mix" else _module(cls)
+    x = torch.randn(3, 4, 8)
+    with pytest.raises(NotImplementedError, match="batched gradients"):
+        torch.autograd.functional.jacobian(f, x, vectorize=True)
+    out = f(x.requires_grad_())
+    with pytest.raises(NotImplementedError, match="batched gradients"):
+        torch.autograd.grad(out, x, torch.ones(2, *out.shape), is_grads_batched=True)
+    (g,) = torch.autograd.grad(out, x, torch.ones_like(out))
+    torch.testing.assert_close(torch.autograd.functional.jacobian(f, x.detach()).sum(tuple(range(out.dim()))), g)
+
+
 # ------------------------------------------------------------------ item 3: the FSDP2 bf16 recipe
 _FSDP_SCRIPT = r"""
 import importlib.util, json, sys

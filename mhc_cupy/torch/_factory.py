@@ -33,6 +33,7 @@ from .._dispatch import run as _run
 from .._interop import ArrayInfo
 from ..ops.spec import shape_of as _shape_of
 from ._transforms import active as _transform_active, refuse as _refuse_transform, refuse_dual as _refuse_dual
+from ._transforms import refuse_batched as _refuse_batched
 
 __all__ = ["NAMESPACE", "register", "call", "Op", "use_custom_op", "needs_autograd", "is_compiling", "eager_apply",
            "first_order"]
@@ -107,6 +108,7 @@ def first_order(backward):
     to them, and without that path it never reached the node and returned None (zeros) silently."""
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
+        _refuse_batched(grads)  # is_grads_batched: NotImplementedError, not a failure deep in the kernels' call
         with torch.no_grad():
             outputs = backward(ctx, *grads)
         if not torch.is_grad_enabled():  # no create_graph
