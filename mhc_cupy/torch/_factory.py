@@ -108,7 +108,8 @@ def first_order(backward):
     to them, and without that path it never reached the node and returned None (zeros) silently."""
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
-        _refuse_batched(grads)  # is_grads_batched: NotImplementedError, not a failure deep in the kernels' call
+        if not is_compiling():  # (Dynamo traces the fused pieces' backward; it cannot trace the check)
+            _refuse_batched(grads)  # is_grads_batched: NotImplementedError, not a failure deep in the kernels' call
         with torch.no_grad():
             outputs = backward(ctx, *grads)
         if not torch.is_grad_enabled():  # no create_graph
