@@ -46,14 +46,17 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _DTYPE_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
                torch.float64: "float64"}
 is_compiling = torch.compiler.is_compiling
+_tracing_state = torch._C._get_tracing_state
 
 
 # Both run on every eager call: plain loops (a generator in any() costs more).
 def use_custom_op(*tensors) -> bool:
-    """True inside torch.compile / export, or for tensor subclasses (fake, functional, ...).  Every
+    """True inside torch.compile / export, while torch.jit.trace records (it sees the custom operators, not
+    the kernels: the eager route's outputs were traced as constants), or for tensor subclasses (fake,
+    functional, ...).  Every
     public op calls it before any autograd Function or kernel: under a torch.func transform, or given a
     forward-AD dual tensor, it raises NotImplementedError (:mod:`mhc_cupy.torch._transforms`)."""
-    if is_compiling():
+    if is_compiling() or _tracing_state() is not None:
         return True
     if _transform_active():
         _refuse_transform()
