@@ -322,6 +322,11 @@ def test_expand_collapse():
         collapse_streams(x, "max")
     with pytest.raises(ValueError):
         expand_streams(h, 0)
+    for n in (2.5, "3", True):  # not an int: a TypeError naming n (torch's / Python's own errors, or True as 1)
+        with pytest.raises(TypeError, match="n must be an int"):
+            expand_streams(h, n)
+        with pytest.raises(TypeError, match="n must be an int"):
+            identity_bias(n)
 
 
 # ------------------------------------------------------------- initialisation

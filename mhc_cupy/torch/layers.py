@@ -148,6 +148,7 @@ def expand_streams(h: Tensor, n: int) -> Tensor:
     Every stream starts as the embedding itself (the Hyper-Connections /
     mHC convention); the gradient is the sum over the streams.
     """
+    n = _checks._int("n", n)  # (2.5, "3", True gave torch's or Python's own errors, or one stream)
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     return h.unsqueeze(-2).expand(*h.shape[:-1], n, h.shape[-1]).contiguous()
