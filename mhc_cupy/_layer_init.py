@@ -45,6 +45,7 @@ def identity_bias(n: int, pre: float | None = None, post: float = 1.0, res_diag:
     Raises:
         ValueError: n < 1, or pre / post / res_diag outside (0, 1) / (0, 2) / [1/n, 1).
     """
+    n = _checks._int("n", n)  # (4.0 failed in NumPy, True gave one stream)
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if pre is None:

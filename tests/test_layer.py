@@ -236,6 +236,12 @@ def test_bad_shapes_raise():
         layer(torch.randn(2, 4, 7))
     with pytest.raises(ValueError, match="sublayer returned"):
         MHC(8, 4, nn.Linear(8, 5))(torch.randn(2, 4, 8))
+    # not one real tensor: a TypeError naming what came back (a tuple gave "'tuple' object has no
+    # attribute 'shape'"; a complex output was cast to real, its imaginary part dropped with a warning)
+    for returns, what in ((lambda t: (t, None), "a tuple of 2"), (lambda t: None, "a NoneType"),
+                          (lambda t: t.to(torch.complex64), "a torch.complex64 tensor of shape \\(2, 8\\)")):
+        with pytest.raises(TypeError, match=f"sublayer returned {what}; MHC needs one real tensor"):
+            MHC(8, 4, returns)(torch.randn(2, 4, 8))
     with pytest.raises(ValueError):
         MHC(8, 0)
     with pytest.raises(ValueError):
@@ -316,6 +322,11 @@ def test_expand_collapse():
         collapse_streams(x, "max")
     with pytest.raises(ValueError):
         expand_streams(h, 0)
+    for n in (2.5, "3", True):  # not an int: a TypeError naming n (torch's / Python's own errors, or True as 1)
+        with pytest.raises(TypeError, match="n must be an int"):
+            expand_streams(h, n)
+        with pytest.raises(TypeError, match="n must be an int"):
+            identity_bias(n)
 
 
 # ------------------------------------------------------------- initialisation

@@ -488,6 +488,40 @@ def test_double_backward_raises_from_a_linear_loss(rng, op):
         sum(g.float().square().sum() for g in grads if g is not None).backward()
 
 
+@pytest.mark.parametrize("op", OPS)
+def test_second_order_w_r_t_inputs_raises(rng, op):
+    """torch.autograd.grad of first-order gradients w.r.t. given inputs (what
+    torch.autograd.functional.jvp / hvp / vhp / hessian do) runs only the nodes on a path to
+    them: the node that refuses double backward must be on it.  It was attached to detached
+    copies only, so it never ran and the second-order gradient came back None (zeros from
+    torch.autograd.functional), silently."""
+    c = case(op, rng, (3,), 4, 7)
+    args = c["args"]
+    loss = sum((o.float() ** 2).sum() for o in as_tuple(call(c)))
+    grads = [g for g in torch.autograd.grad(loss, args, create_graph=True, allow_unused=True) if g is not None]
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        torch.autograd.grad(sum(g.float().sum() for g in grads), args, allow_unused=True)
+    plain = [a.detach() for a in args]
+    with pytest.raises(RuntimeError, match="once_differentiable"):  # was: zeros
+        torch.autograd.functional.jvp(lambda *a: call(c, list(a)), tuple(plain), tuple(map(torch.ones_like, plain)))
+
+
+@pytest.mark.parametrize("n", [3, 5])  # the fused layer pieces: g, or the post op's dx, along x_link
+def test_second_order_through_the_layer_and_head_raises(rng, n):
+    layer = mt.MHC(7, n, sublayer=torch.nn.Linear(7, 7), alpha_init=0.5)
+    head = mt.MHCHead(7, n, scale_init=0.5)
+    x = tensor(rng, (3, n, 7), grad=False)
+    for f in (layer, head):
+        with pytest.raises(RuntimeError, match="once_differentiable"):  # was: zeros
+            torch.autograd.functional.jvp(f, x, torch.ones_like(x))
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            torch.autograd.functional.hessian(lambda t: f(t).square().sum(), x[:1])
+        (gx,) = torch.autograd.grad(f(x.requires_grad_()).square().sum(), x, create_graph=True)
+        with pytest.raises(RuntimeError, match="once_differentiable"):
+            torch.autograd.grad(gx.sum(), list(f.parameters())[:1], allow_unused=True)
+        x = x.detach()
+
+
 def test_double_backward_raises_issue_repro(rng):
     x = tensor(rng, (3, 4, 7))
     M = tensor(rng, (3, 4, 4), grad=False)

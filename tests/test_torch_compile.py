@@ -214,3 +214,24 @@ def test_custom_op_route_equals_eager_route(rng):
         assert_same(u, v)
     for u, v in zip(grads_of(a, args, gs), grads_of(b, args, gs)):
         assert_same(u, v)
+
+
+# ------------------------------------------------------------------ torch.jit.trace
+@pytest.mark.parametrize("what", ["stream_mix", "MHC", "MHCHead"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_jit_trace_records_the_custom_ops(rng, what, grad):
+    """torch.jit.trace does not see the kernels (NumPy / CuPy): without autograd recording, the eager
+    route's outputs were traced as constants and the traced function returned the example's outputs
+    for any input, silently.  While tracing, the ops run as their custom operators, which the trace
+    records: the traced module equals the eager one on new inputs (and the tracer's own check passes)."""
+    import warnings
+
+    torch.manual_seed(0)
+    M = tensor(rng, (3, 4, 4), grad=False)
+    f = {"stream_mix": lambda x: mt.stream_mix(x, M), "MHC": mt.MHC(7, 4, torch.nn.Linear(7, 7), alpha_init=0.5),
+         "MHCHead": mt.MHCHead(7, 4, scale_init=0.5)}[what]
+    x, x2 = tensor(rng, (3, 4, 7), grad=False), tensor(rng, (3, 4, 7), grad=False)
+    with torch.set_grad_enabled(grad), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.trace's deprecation
+        traced = torch.jit.trace(f, (x,), check_trace=what != "MHC" or not grad)  # (MHC with grad: Python ops)
+        torch.testing.assert_close(traced(x2), f(x2), rtol=0, atol=0)

@@ -57,6 +57,35 @@ def test_dtype_casts_keep_coefficients_float32(cls, cast):
         assert module(x.to(torch.bfloat16)).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("cls", [MHC, MHCHead])
+def test_dtype_casts_keep_a_parametrized_coefficient_float32(cls):
+    """torch.nn.utils.parametrize on phi (hc_fn): the stored original stays float32 and unrounded
+    through a dtype cast (it was cast to bfloat16, silently rounding the parameter; reading the
+    computed phi's .grad also warned), and the module still trains."""
+    import warnings
+    import torch.nn.utils.parametrize as parametrize
+
+    class Twice(nn.Module):
+        def forward(self, t):
+            return 2 * t
+
+    module = _module(cls)
+    name = COEFFS[cls][0]
+    parametrize.register_parametrization(module, name, Twice())
+    original = module.parametrizations[name].original
+    module(torch.randn(3, 4, 8)).sum().backward()
+    value, grad = original.detach().clone(), original.grad.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module.to(torch.bfloat16)
+    original = module.parametrizations[name].original
+    assert original.dtype == original.grad.dtype == torch.float32
+    assert torch.equal(original, value) and torch.equal(original.grad, grad)
+    x = torch.randn(3, 4, 8, dtype=torch.bfloat16)
+    module(x).float().sum().backward()
+    assert original.grad.dtype == torch.float32
+
+
 @pytest.mark.parametrize("swap", [False, True])
 def test_device_moves_and_swap_conversion_keep_float32(swap):
     """Device moves still apply (meta, to_empty), also with torch's swap-tensors conversion; the
@@ -137,6 +166,24 @@ def test_forward_ad_dual_tensors_refused(where):
                 mt.rmsnorm(x, 1e-5, fwAD.make_dual(w, torch.ones_like(w)))
         with pytest.raises(NotImplementedError, match="forward-mode AD"):
             layer(fwAD.make_dual(x, torch.ones_like(x)))
+
+
+@pytest.mark.parametrize("cls", [MHC, MHCHead, "stream_mix"])
+def test_batched_gradients_refused_clearly(cls):
+    """is_grads_batched (jacobian / hessian with vectorize=True) hands the backward the legacy vmap's
+    batched tensors, which have no memory: it failed deep in the kernels' call with torch's
+    "Batching rule not implemented for aten::detach"; it is refused as the transforms are, and the
+    unbatched jacobian works."""
+    M = torch.randn(3, 4, 4)
+    f = (lambda t: mt.stream_mix(t, M)) if cls == "stream_mix" else _module(cls)
+    x = torch.randn(3, 4, 8)
+    with pytest.raises(NotImplementedError, match="batched gradients"):
+        torch.autograd.functional.jacobian(f, x, vectorize=True)
+    out = f(x.requires_grad_())
+    with pytest.raises(NotImplementedError, match="batched gradients"):
+        torch.autograd.grad(out, x, torch.ones(2, *out.shape), is_grads_batched=True)
+    (g,) = torch.autograd.grad(out, x, torch.ones_like(out))
+    torch.testing.assert_close(torch.autograd.functional.jacobian(f, x.detach()).sum(tuple(range(out.dim()))), g)
 
 
 # ------------------------------------------------------------------ item 3: the FSDP2 bf16 recipe

@@ -17,8 +17,8 @@ Two routes, same kernels, identical results:
   (~60 us measured by QuACK) exceeds the kernels themselves (~10 us).
   Without any input that requires grad (or under ``torch.no_grad``) the
   functional API is called with no autograd node at all.
-* **compiled** (inside ``torch.compile`` / ``torch.export``, or inputs that
-  are tensor subclasses such as FakeTensor): ``torch.library.custom_op``
+* **compiled** (inside ``torch.compile`` / ``torch.export``, while ``torch.jit.trace``
+  records, or inputs that are tensor subclasses such as FakeTensor): ``torch.library.custom_op``
   operators ``torch.ops.mhc_cupy.<op>_fwd`` / ``<op>_bwd`` with
   ``register_fake`` shape functions and ``register_autograd``, so
   ``torch.compile(fullgraph=True)`` traces forward and backward without a

@@ -33,6 +33,7 @@ from .._dispatch import run as _run
 from .._interop import ArrayInfo
 from ..ops.spec import shape_of as _shape_of
 from ._transforms import active as _transform_active, refuse as _refuse_transform, refuse_dual as _refuse_dual
+from ._transforms import refuse_batched as _refuse_batched
 
 __all__ = ["NAMESPACE", "register", "call", "Op", "use_custom_op", "needs_autograd", "is_compiling", "eager_apply",
            "first_order"]
@@ -45,14 +46,17 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _DTYPE_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
                torch.float64: "float64"}
 is_compiling = torch.compiler.is_compiling
+_tracing_state = torch._C._get_tracing_state
 
 
 # Both run on every eager call: plain loops (a generator in any() costs more).
 def use_custom_op(*tensors) -> bool:
-    """True inside torch.compile / export, or for tensor subclasses (fake, functional, ...).  Every
+    """True inside torch.compile / export, while torch.jit.trace records (it sees the custom operators, not
+    the kernels: the eager route's outputs were traced as constants), or for tensor subclasses (fake,
+    functional, ...).  Every
     public op calls it before any autograd Function or kernel: under a torch.func transform, or given a
     forward-AD dual tensor, it raises NotImplementedError (:mod:`mhc_cupy.torch._transforms`)."""
-    if is_compiling():
+    if is_compiling() or _tracing_state() is not None:
         return True
     if _transform_active():
         _refuse_transform()
@@ -98,21 +102,31 @@ def first_order(backward):
     an incoming gradient requires grad; with ``create_graph=True`` from a loss linear in the op's
     outputs (``out.sum()``, a gradient penalty's usual start) none does, and the gradients came back
     as constants: their dependence on the saved inputs (M of ``stream_mix``'s dx = M^T g) silently
-    dropped.  Here they are marked also when a saved input requires grad."""
+    dropped.  Here they are marked also when a saved input requires grad.
+
+    The marking node's inputs are those differentiable tensors themselves (torch's decorator gives it
+    only detached copies of the gradients): a backward that asks for the gradient of a saved input or
+    of an incoming gradient only (``torch.autograd.grad(g.sum(), M)``, and so
+    ``torch.autograd.functional.jvp`` / ``hvp`` / ``vhp`` / ``hessian``) runs only the nodes on a path
+    to them, and without that path it never reached the node and returned None (zeros) silently."""
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
+        if not is_compiling():  # (Dynamo traces the fused pieces' backward; it cannot trace the check)
+            _refuse_batched(grads)  # is_grads_batched: NotImplementedError, not a failure deep in the kernels' call
         with torch.no_grad():
             outputs = backward(ctx, *grads)
         if not torch.is_grad_enabled():  # no create_graph
             return outputs
-        if not any(isinstance(g, Tensor) and g.requires_grad for g in grads) and \
-                not any(t is not None and t.requires_grad for t in ctx.saved_tensors):
+        anchors = [g for g in grads if isinstance(g, Tensor) and g.requires_grad]
+        anchors += [t for t in ctx.saved_tensors if t is not None and t.requires_grad]
+        if not anchors:
             return outputs  # nothing the gradients depend on is differentiable: constants, rightly
         outs = outputs if isinstance(outputs, tuple) else (outputs,)
         err = torch._C._functions.DelayedError(
             b"trying to differentiate twice a function that was marked with @once_differentiable "
-            b"(mhc_cupy.torch gradients are first order only)", len(outs))
-        return err(*[None if o is None else o.detach().requires_grad_() for o in outs])
+            b"(mhc_cupy.torch gradients are first order only)", len(outs) + len(anchors))
+        marked = err(*[None if o is None else o.detach().requires_grad_() for o in outs], *anchors)
+        return tuple(marked[:len(outs)])  # (the anchors' outputs only connect the node to the graph)
     return wrapper
 
 

@@ -10,6 +10,10 @@ is not a transform and works.
 
 Forward-mode AD (``torch.autograd.forward_ad`` dual tensors) is refused the same way: the kernels
 read the primal's memory only, so a tangent would be silently dropped (the output none, i.e. zero).
+So are batched gradients (``torch.autograd.grad(..., is_grads_batched=True)``, which
+``torch.autograd.functional.jacobian`` / ``hessian`` use with ``vectorize=True``): the backward gets
+the legacy vmap's batched tensors, which have no memory to read (they failed deep inside with
+"Batching rule not implemented for aten::detach").
 """
 
 from __future__ import annotations
@@ -46,3 +50,20 @@ def refuse_dual(tensors) -> None:
     for t in tensors:
         if isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None:
             raise NotImplementedError(FORWARD_AD_MESSAGE)
+
+
+BATCHED_GRADS_MESSAGE = (
+    "mhc_cupy.torch does not support batched gradients (torch.autograd.grad(..., is_grads_batched=True), "
+    "torch.autograd.functional.jacobian / hessian with vectorize=True): its backward runs NumPy / CuPy kernels "
+    "on the gradients' memory, with no vmap rules.  Call torch.autograd.grad once per gradient (retain_graph=True), "
+    "or use jacobian / hessian with vectorize=False (the default)")
+
+#: True for a gradient of the legacy vmap (``is_grads_batched``); a C call
+_legacy_batched = getattr(getattr(torch._C, "_functorch", None), "is_legacy_batchedtensor", lambda t: False)
+
+
+def refuse_batched(grads) -> None:
+    """Raise NotImplementedError (:data:`BATCHED_GRADS_MESSAGE`) if a gradient reaching a backward is batched."""
+    for g in grads:
+        if g is not None and _legacy_batched(g):
+            raise NotImplementedError(BATCHED_GRADS_MESSAGE)

@@ -95,6 +95,13 @@ def _normal_or_zero_(t: Tensor, std: float) -> None:
         t.zero_()
 
 
+def _what(v) -> str:
+    """A value named for an error: a tensor's dtype and shape, else its type."""
+    if isinstance(v, Tensor):
+        return f"a {v.dtype} tensor of shape {tuple(v.shape)}"
+    return f"a {type(v).__name__}" + (f" of {len(v)}" if isinstance(v, (tuple, list)) else "")
+
+
 def _detached_f32(t: Tensor) -> Tensor:
     """A float32 copy of a parameter, detached (for ``to_deepseek``)."""
     return t.detach().to(torch.float32, copy=True).contiguous()
@@ -141,6 +148,7 @@ def expand_streams(h: Tensor, n: int) -> Tensor:
     Every stream starts as the embedding itself (the Hyper-Connections /
     mHC convention); the gradient is the sum over the streams.
     """
+    n = _checks._int("n", n)  # (2.5, "3", True gave torch's or Python's own errors, or one stream)
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     return h.unsqueeze(-2).expand(*h.shape[:-1], n, h.shape[-1]).contiguous()
@@ -222,7 +230,8 @@ class MHC(Float32Parameters):
         n_streams: n, the number of residual streams (1..32). Default 4 (the paper's).
         sublayer: F, any module [..., C] -> [..., C] (attention, MLP, with
             its own pre-norm); None = identity.  Extra forward arguments are
-            passed through to it.  Its output is cast to x's dtype.
+            passed through to it.  Its output (one real tensor [..., C]; anything else raises
+            TypeError / ValueError) is cast to x's dtype.
         num_iters: Sinkhorn iterations (paper t_max). Default 20.
         eps: Sinkhorn eps. Default 1e-8, or 1e-6 under ``convention="deepseek"``.
         rms_eps: eps of r = sqrt(mean(x~^2) + eps). Default 1e-5, or 1e-6 under "deepseek".
@@ -398,6 +407,9 @@ class MHC(Float32Parameters):
                                                         post_mult=s.post_mult)
                 x_in, post = x, mhc_post_op
         y = self.sublayer(layer_in, *args, **kwargs)
+        if not isinstance(y, Tensor) or y.is_complex():  # (a tuple: an attention module's (out, weights))
+            raise TypeError(f"sublayer returned {_what(y)}; MHC needs one real tensor [..., C] (a sublayer that "
+                            "returns several values: wrap it to return its output alone)")
         if y.shape != layer_in.shape:
             raise ValueError(f"sublayer returned shape {tuple(y.shape)}; MHC needs [..., C] = {tuple(layer_in.shape)}")
         y = y.to(x.dtype)
