@@ -241,11 +241,16 @@ def _get(name):
 def framework_of(x) -> str:
     """'torch', 'cupy', 'jax', 'numpy' or 'dlpack'.  Raises TypeError for non-arrays."""
     root = type(x).__module__.partition(".")[0]
-    if root == "torch" and "torch" in sys.modules and isinstance(x, sys.modules["torch"].Tensor):
+    torch = sys.modules.get("torch")
+    # By isinstance, not by the type's module alone: a subclass (a user's torch.Tensor or np.ndarray
+    # subclass, defined in their own module) is still that framework's array. Read as a generic DLPack
+    # producer, a torch subclass came back as NumPy, lost its negative bit (every value's sign wrong)
+    # and raised BufferError when it required grad; a masked-array subclass had its mask ignored.
+    if torch is not None and isinstance(x, torch.Tensor):
         return "torch"
     if root == "cupy":
         return "cupy"
-    if root == "numpy" and isinstance(x, np.ndarray):
+    if isinstance(x, np.ndarray):
         if isinstance(x, np.ma.MaskedArray):  # the kernels and the reference would read the masked cells
             raise TypeError("got a NumPy masked array, whose mask would be ignored; pass x.filled(value) "
                             "or np.asarray(x) (its data, masked cells included)")

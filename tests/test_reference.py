@@ -179,6 +179,30 @@ def test_functional_none_list_or_masked_array_names_the_argument(name):
                 fn(*args.values(), **params)
 
 
+class _UserMasked(np.ma.MaskedArray):
+    """A masked-array subclass defined outside NumPy."""
+
+
+class _UserArray(np.ndarray):
+    """An ndarray subclass defined outside NumPy."""
+
+
+def test_functional_array_subclass_outside_numpy():
+    """Arrays were told apart by their type's module: a MaskedArray subclass from another module went
+    through DLPack, its mask silently ignored; it is refused like a MaskedArray. A plain ndarray subclass
+    is a NumPy array."""
+    import mhc_cupy
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 4, 7)).astype(np.float32)
+    M = rng.standard_normal((3, 4, 4)).astype(np.float32)
+    masked = np.ma.masked_less(x, 0).view(_UserMasked)
+    with pytest.raises(TypeError, match=r"^x\b.*masked array"):
+        mhc_cupy.stream_mix_fwd(masked, M)
+    out = mhc_cupy.stream_mix_fwd(x.view(_UserArray), M)
+    np.testing.assert_array_equal(out, mhc_cupy.stream_mix_fwd(x, M))
+
+
 @pytest.mark.parametrize("name", ["sinkhorn_knopp_fwd", "sinkhorn_knopp_bwd", "mhc_pre_op_fwd", "mhc_pre_op_bwd"])
 def test_functional_num_iters_type_strict_and_bounded(name):
     """True / 1.0 are rejected whether or not num_iters=1 ran before (the plan cache

@@ -549,6 +549,32 @@ def test_negative_view_read_as_its_values(rng):
     torch.testing.assert_close(Mg.grad, Mr.grad, rtol=0, atol=0)
 
 
+class _UserTensor(torch.Tensor):
+    """A torch.Tensor subclass defined outside torch (as libraries and users define them)."""
+
+
+def test_tensor_subclass_is_a_torch_tensor(rng, monkeypatch):
+    """A torch.Tensor subclass from another module was read as a generic DLPack producer: outputs came
+    back as NumPy, a negative-bit view was read as its memory (every value's sign silently wrong) and a
+    tensor that requires grad raised torch's BufferError. It is a torch tensor like any other."""
+    x = tensor(rng, (3, 4, 7), grad=False)
+    M = tensor(rng, (3, 4, 4), grad=False)
+    want = m.stream_mix_fwd(x, M)
+    out = m.stream_mix_fwd(x.as_subclass(_UserTensor), M)
+    assert isinstance(out, torch.Tensor)
+    torch.testing.assert_close(torch.as_tensor(out), want, rtol=0, atol=0)
+    z = torch.complex(x, x)
+    neg = z.conj().imag.as_subclass(_UserTensor)  # logical value -x, the negative bit set
+    assert neg.is_neg()
+    torch.testing.assert_close(torch.as_tensor(m.stream_mix_fwd(neg, M)), m.stream_mix_fwd(-x, M), rtol=0, atol=0)
+    from mhc_cupy import _dispatch
+
+    monkeypatch.setattr(_dispatch, "_autograd_warned", set())
+    with pytest.warns(m.AutogradNotRecordedWarning):
+        out = m.stream_mix_fwd(x.clone().requires_grad_().as_subclass(_UserTensor), M)
+    torch.testing.assert_close(torch.as_tensor(out).detach(), want, rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------ functional API and autograd
 @pytest.fixture
 def fresh_warnings(monkeypatch):
