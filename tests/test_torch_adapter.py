@@ -575,6 +575,21 @@ def test_tensor_subclass_is_a_torch_tensor(rng, monkeypatch):
     torch.testing.assert_close(torch.as_tensor(out).detach(), want, rtol=0, atol=0)
 
 
+@pytest.mark.filterwarnings("ignore:.*(Sparse CSR|nested tensors).*:UserWarning")
+def test_functional_non_strided_tensor_names_the_argument(rng):
+    """A sparse, MKL-DNN or nested tensor has no pointer and strides to read: the functional API raised
+    torch's BufferError ("Can't export tensors with layout other than torch.strided") or a RuntimeError
+    ("Internal error: NestedTensorImpl doesn't support sizes"), naming no argument."""
+    x = tensor(rng, (3, 4, 7), grad=False)
+    M = tensor(rng, (3, 4, 4), grad=False)
+    for bad, what in ((x.to_sparse(), "layout torch.sparse_coo"), (x.to_mkldnn(), "layout torch._mkldnn"),
+                      (torch.nested.nested_tensor([x[0], x[1]]), "a nested tensor")):
+        with pytest.raises(TypeError, match=rf"^x is .*{what}.*dense \(torch.strided\)"):
+            m.stream_mix_fwd(bad, M)
+    with pytest.raises(TypeError, match=r"^M is .*layout torch.sparse_csr"):
+        m.stream_mix_fwd(x[0], M[0].to_sparse_csr())
+
+
 # ------------------------------------------------------------------ functional API and autograd
 @pytest.fixture
 def fresh_warnings(monkeypatch):
