@@ -281,7 +281,11 @@ def _cpu_dlpack_via_torch(x, exc):
                         f"({install_hint('torch', 'torch')}) or pass a NumPy ml_dtypes.bfloat16 array") from None
     import torch
 
-    return _get("torch").to_numpy(torch.from_dlpack(x))
+    try:
+        return _get("torch").to_numpy(torch.from_dlpack(x))
+    except (RuntimeError, BufferError, ValueError, TypeError) as exc2:  # what the producer refuses to export
+        said = f"{exc}" if str(exc2) == str(exc) else f"NumPy: {exc}; torch: {exc2}"
+        raise TypeError(f"this CPU DLPack array ({type(x).__name__}) could not be imported ({said})") from None
 
 
 def import_foreign(x):
@@ -293,6 +297,9 @@ def import_foreign(x):
                 return np.from_dlpack(x)
             except (RuntimeError, BufferError) as exc:  # NumPy has no bfloat16: read it through torch
                 return _cpu_dlpack_via_torch(x, exc)
+    elif not hasattr(x, "__cuda_array_interface__"):  # every importer asks the device first
+        raise TypeError(f"got a {type(x).__name__} with __dlpack__ but no __dlpack_device__, which the DLPack "
+                        "protocol requires beside it")
     import cupy
 
     if hasattr(x, "__dlpack__"):
