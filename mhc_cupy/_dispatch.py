@@ -316,7 +316,10 @@ def _run(planner, arrays: dict, fast_key, params: dict):
                 grad = True
             if v.is_neg():  # a negative view (z.conj().imag): its memory holds -v, and DLPack
                 v = v.detach().resolve_neg()  # and the kernels would read it as v
-        info = fe.info(v)
+        try:
+            info = fe.info(v)
+        except ValueError as exc:  # a JAX array on several devices
+            raise ValueError(f"{name} {exc}") from None
         if fw == "jax" and info.device[0] == "cuda":
             has_jax = True
             if out_fw is None:

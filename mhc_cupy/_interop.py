@@ -188,7 +188,9 @@ class _Jax:
     def _device(self, x):
         devs = x.devices()
         if len(devs) != 1:
-            raise ValueError(f"a jax array sharded over {len(devs)} devices is not supported; got {devs}")
+            raise ValueError(f"is a jax array on {len(devs)} devices ({x.sharding}); the functional API takes "
+                             "single-device arrays: under jax.jit, mhc_cupy.jax partitions its ops over sharded "
+                             "token dims")
         return next(iter(devs))
 
     @staticmethod
