@@ -322,8 +322,9 @@ def _run(planner, arrays: dict, fast_key, params: dict):
         fe = _interop.frontend(fw)
         if fw == "torch":
             if v.is_nested or v.layout is not sys.modules["torch"].strided:  # no pointer and strides to read
-                what = ("a nested tensor", "") if v.is_nested else (f"a tensor of layout {v.layout}", f" ({name}.to_dense())")
-                raise TypeError(f"{name} is {what[0]}; it needs a dense (torch.strided) tensor{what[1]}")
+                what, hint = (("a nested tensor", "") if v.is_nested
+                              else (f"a tensor of layout {v.layout}", f" ({name}.to_dense())"))
+                raise TypeError(f"{name} is {what}; it needs a dense (torch.strided) tensor{hint}")
             if v.requires_grad:
                 grad = True
             if v.is_neg():  # a negative view (z.conj().imag): its memory holds -v, and DLPack
