@@ -12,6 +12,8 @@ so the NumPy reference can use it too.
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import _checks
 
 CONVENTIONS = ("paper", "deepseek")
@@ -31,6 +33,11 @@ class _Default:
 
 #: The default of every convention-dependent setting in the public signatures.
 DEFAULT = _Default()
+
+#: Types of the setting values a cache may key on: immutable and hashed by value (DEFAULT too). Any other
+#: value is read afresh each call: a 0-d torch tensor is an int to num_iters (``__index__``) but hashes by
+#: identity and may change in place between two calls, which then got the first call's result.
+KEY_TYPES = (bool, int, float, str, type(None), np.generic, _Default)
 
 #: Default of each setting under each convention (OPS.md, the defaults tables).
 DEFAULTS = {

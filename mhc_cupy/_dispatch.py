@@ -52,7 +52,9 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from . import _checks, _interop, _replay
+from ._convention import KEY_TYPES
 from ._kernel_choice import current as _kernel_choice
+from ._settings import LayerSettings
 
 
 @dataclass
@@ -117,11 +119,21 @@ def _grad_enabled() -> bool:
     return _grad_enabled()
 
 
+#: Parameter types a cache key may hold (``_convention.KEY_TYPES``, and the adapters' resolved settings);
+#: any other value is not cached: the planner reads it each call.
+_KEY_TYPES = (*KEY_TYPES, LayerSettings)
+
+
 def _params_key(params: dict) -> tuple:
-    """Parameters as a cache key: values and their types (True == 1 == 1.0 in Python)."""
+    """Parameters as a cache key: values and their types (True == 1 == 1.0 in Python).  TypeError (the
+    callers' "not cacheable") for a value that is not one of ``_KEY_TYPES``."""
     if not params:
         return ()
-    return tuple(params.items()), tuple(map(type, params.values()))
+    types = tuple(map(type, params.values()))
+    for t in types:
+        if not issubclass(t, _KEY_TYPES):
+            raise TypeError(f"a parameter of type {t.__name__} is not a cache key")
+    return tuple(params.items()), types
 
 
 def _key(planner, inputs: tuple, params: dict) -> tuple:
@@ -170,11 +182,11 @@ def _framework(v) -> str:
 
 def _plan(planner, infos: dict, params: dict) -> Plan:
     """The plan for these shapes / dtypes / params under the kernel choice in force (pure, so cached)."""
-    key = _key(planner, tuple((k, None) if i is None else (k, i.shape, i.dtype, i.device) for k, i in infos.items()),
-               params)
     try:
+        key = _key(planner, tuple((k, None) if i is None else (k, i.shape, i.dtype, i.device)
+                                  for k, i in infos.items()), params)
         plan = _plans.get(key)
-    except TypeError:  # an unhashable parameter: let the planner name it
+    except TypeError:  # an unhashable (or not cacheable, _KEY_TYPES) parameter: let the planner read or name it
         return planner(infos, **params)
     if plan is None:
         plan = planner(infos, **params)
@@ -264,10 +276,10 @@ def run(planner, arrays: dict, **params):
     if fast is not None:
         if fast[3] and _grad_enabled():
             _autograd_dropped(planner, 2)
-        key = _key(planner, fast[0], params)
         try:
+            key = _key(planner, fast[0], params)
             entry = _fast.get(key)
-        except TypeError:  # an unhashable parameter: the general path reports it
+        except TypeError:  # an unhashable (or not cacheable) parameter: the general path reports it
             entry = key = None
         if entry is not None:
             result = _run_fast(entry, fast[1], fast[2], arrays)
@@ -309,11 +321,18 @@ def _run(planner, arrays: dict, fast_key, params: dict):
             raise TypeError(f"{name}: {exc}") from None
         fe = _interop.frontend(fw)
         if fw == "torch":
+            if v.is_nested or v.layout is not sys.modules["torch"].strided:  # no pointer and strides to read
+                what, hint = (("a nested tensor", "") if v.is_nested
+                              else (f"a tensor of layout {v.layout}", f" ({name}.to_dense())"))
+                raise TypeError(f"{name} is {what}; it needs a dense (torch.strided) tensor{hint}")
             if v.requires_grad:
                 grad = True
             if v.is_neg():  # a negative view (z.conj().imag): its memory holds -v, and DLPack
                 v = v.detach().resolve_neg()  # and the kernels would read it as v
-        info = fe.info(v)
+        try:
+            info = fe.info(v)
+        except ValueError as exc:  # a JAX array on several devices
+            raise ValueError(f"{name} {exc}") from None
         if fw == "jax" and info.device[0] == "cuda":
             has_jax = True
             if out_fw is None:

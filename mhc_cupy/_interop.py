@@ -188,7 +188,9 @@ class _Jax:
     def _device(self, x):
         devs = x.devices()
         if len(devs) != 1:
-            raise ValueError(f"a jax array sharded over {len(devs)} devices is not supported; got {devs}")
+            raise ValueError(f"is a jax array on {len(devs)} devices ({x.sharding}); the functional API takes "
+                             "single-device arrays: under jax.jit, mhc_cupy.jax partitions its ops over sharded "
+                             "token dims")
         return next(iter(devs))
 
     @staticmethod
@@ -241,11 +243,16 @@ def _get(name):
 def framework_of(x) -> str:
     """'torch', 'cupy', 'jax', 'numpy' or 'dlpack'.  Raises TypeError for non-arrays."""
     root = type(x).__module__.partition(".")[0]
-    if root == "torch" and "torch" in sys.modules and isinstance(x, sys.modules["torch"].Tensor):
+    torch = sys.modules.get("torch")
+    # By isinstance, not by the type's module alone: a subclass (a user's torch.Tensor or np.ndarray
+    # subclass, defined in their own module) is still that framework's array. Read as a generic DLPack
+    # producer, a torch subclass came back as NumPy, lost its negative bit (every value's sign wrong)
+    # and raised BufferError when it required grad; a masked-array subclass had its mask ignored.
+    if torch is not None and isinstance(x, torch.Tensor):
         return "torch"
     if root == "cupy":
         return "cupy"
-    if root == "numpy" and isinstance(x, np.ndarray):
+    if isinstance(x, np.ndarray):
         if isinstance(x, np.ma.MaskedArray):  # the kernels and the reference would read the masked cells
             raise TypeError("got a NumPy masked array, whose mask would be ignored; pass x.filled(value) "
                             "or np.asarray(x) (its data, masked cells included)")
@@ -276,7 +283,11 @@ def _cpu_dlpack_via_torch(x, exc):
                         f"({install_hint('torch', 'torch')}) or pass a NumPy ml_dtypes.bfloat16 array") from None
     import torch
 
-    return _get("torch").to_numpy(torch.from_dlpack(x))
+    try:
+        return _get("torch").to_numpy(torch.from_dlpack(x))
+    except (RuntimeError, BufferError, ValueError, TypeError) as exc2:  # what the producer refuses to export
+        said = f"{exc}" if str(exc2) == str(exc) else f"NumPy: {exc}; torch: {exc2}"
+        raise TypeError(f"this CPU DLPack array ({type(x).__name__}) could not be imported ({said})") from None
 
 
 def import_foreign(x):
@@ -288,6 +299,9 @@ def import_foreign(x):
                 return np.from_dlpack(x)
             except (RuntimeError, BufferError) as exc:  # NumPy has no bfloat16: read it through torch
                 return _cpu_dlpack_via_torch(x, exc)
+    elif not hasattr(x, "__cuda_array_interface__"):  # every importer asks the device first
+        raise TypeError(f"got a {type(x).__name__} with __dlpack__ but no __dlpack_device__, which the DLPack "
+                        "protocol requires beside it")
     import cupy
 
     if hasattr(x, "__dlpack__"):

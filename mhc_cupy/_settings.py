@@ -64,10 +64,10 @@ class LayerSettings:
             not "unrolled" / "implicit".  TypeError: num_iters not an int, an eps not a real
             number (None included).  Each error names the argument.
         """
-        try:
-            return _resolved(convention, num_iters, eps, rms_eps, grad_mode, hc_eps, post_mult)
-        except TypeError:  # an unhashable value: resolve it uncached (its check names it)
-            return _resolve(convention, num_iters, eps, rms_eps, grad_mode, hc_eps, post_mult)
+        values = (convention, num_iters, eps, rms_eps, grad_mode, hc_eps, post_mult)
+        if all(isinstance(v, _convention.KEY_TYPES) for v in values):
+            return _resolved(*values)
+        return _resolve(*values)  # not a cache key (an unhashable value, a tensor): uncached (its check names it)
 
     @property
     def deepseek(self) -> bool:

@@ -179,6 +179,30 @@ def test_functional_none_list_or_masked_array_names_the_argument(name):
                 fn(*args.values(), **params)
 
 
+class _UserMasked(np.ma.MaskedArray):
+    """A masked-array subclass defined outside NumPy."""
+
+
+class _UserArray(np.ndarray):
+    """An ndarray subclass defined outside NumPy."""
+
+
+def test_functional_array_subclass_outside_numpy():
+    """Arrays were told apart by their type's module: a MaskedArray subclass from another module went
+    through DLPack, its mask silently ignored; it is refused like a MaskedArray. A plain ndarray subclass
+    is a NumPy array."""
+    import mhc_cupy
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 4, 7)).astype(np.float32)
+    M = rng.standard_normal((3, 4, 4)).astype(np.float32)
+    masked = np.ma.masked_less(x, 0).view(_UserMasked)
+    with pytest.raises(TypeError, match=r"^x\b.*masked array"):
+        mhc_cupy.stream_mix_fwd(masked, M)
+    out = mhc_cupy.stream_mix_fwd(x.view(_UserArray), M)
+    np.testing.assert_array_equal(out, mhc_cupy.stream_mix_fwd(x, M))
+
+
 @pytest.mark.parametrize("name", ["sinkhorn_knopp_fwd", "sinkhorn_knopp_bwd", "mhc_pre_op_fwd", "mhc_pre_op_bwd"])
 def test_functional_num_iters_type_strict_and_bounded(name):
     """True / 1.0 are rejected whether or not num_iters=1 ran before (the plan cache
@@ -261,3 +285,38 @@ def test_functional_bf16_dlpack_producer_on_cpu(rng):
     np.testing.assert_array_equal(out.view(np.int16), want.view(np.int16))
 
 
+
+
+def test_functional_dlpack_producer_that_cannot_export_names_the_argument(rng):
+    """A DLPack producer whose __dlpack__ refuses (float8, a tensor requiring grad, a conjugate view,
+    a big-endian array) raised the producer's raw BufferError / RuntimeError, and one without
+    __dlpack_device__ CuPy's "cannot be consumed multiple times": now TypeErrors naming the argument."""
+    import mhc_cupy
+
+    class Producer:
+        def __init__(self, t):
+            self.t = t
+
+        def __dlpack__(self, **kw):
+            return self.t.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.t.__dlpack_device__()
+
+    class NoDevice:
+        def __init__(self, t):
+            self.t = t
+
+        def __dlpack__(self, **kw):
+            return self.t.__dlpack__(**kw)
+
+    x = rng.standard_normal((3, 4, 7)).astype(np.float32)
+    M = rng.standard_normal((3, 4, 4)).astype(np.float32)
+    t = torch.from_numpy(x)
+    for bad, why in ((t.to(torch.float8_e4m3fn), "dtype"), (t.clone().requires_grad_(), "require gradient"),
+                     (t.to(torch.complex64).conj(), "conjugate"), (x.astype(">f4"), "byte order")):
+        with pytest.raises(TypeError, match=rf"^x: this CPU DLPack array \(Producer\) could not be imported .*{why}"):
+            mhc_cupy.stream_mix_fwd(Producer(bad), M)
+    with pytest.raises(TypeError, match=r"^M: got a NoDevice with __dlpack__ but no __dlpack_device__"):
+        mhc_cupy.stream_mix_fwd(x, NoDevice(M))
+    np.testing.assert_array_equal(mhc_cupy.stream_mix_fwd(Producer(x), Producer(M)), mhc_cupy.stream_mix_fwd(x, M))

@@ -28,6 +28,29 @@ GPU = gpu_test()
 
 
 # ============================================================ CPU
+def test_num_iters_tensor_changed_in_place_is_read_again(rng):
+    """num_iters may be any integer with __index__, a 0-d torch tensor too; but the plan cache (and the
+    settings' cache) keyed on it, and a tensor hashes by identity: after it.fill_(20) the same tensor
+    got the num_iters=0 plan, silently. Such values are read afresh each call."""
+    import mhc_cupy.torch as mt
+
+    L = rng.standard_normal((3, 4, 4)).astype(np.float32)
+    G = rng.standard_normal((3, 4, 4)).astype(np.float32)
+    x = rng.standard_normal((3, 4, 5)).astype(np.float32)
+    h = rng.standard_normal((3, 4)).astype(np.float32)
+    calls = {
+        "fwd": lambda it: m.sinkhorn_knopp_fwd(L, it),
+        "bwd": lambda it: m.sinkhorn_knopp_bwd(G, L, it),
+        "pre": lambda it: m.mhc_pre_op_fwd(x, h, h, L, it)[3],
+        "torch": lambda it: mt.sinkhorn_knopp(torch.from_numpy(L), it).numpy(),
+    }
+    for name, f in calls.items():
+        it = torch.tensor(0)
+        f(it)
+        it.fill_(20)
+        np.testing.assert_array_equal(f(it), f(20), err_msg=name)
+
+
 # ----------------------------------------------------------------------------------------------
 # the reference against float64 torch autograd
 # ----------------------------------------------------------------------------------------------

@@ -549,6 +549,47 @@ def test_negative_view_read_as_its_values(rng):
     torch.testing.assert_close(Mg.grad, Mr.grad, rtol=0, atol=0)
 
 
+class _UserTensor(torch.Tensor):
+    """A torch.Tensor subclass defined outside torch (as libraries and users define them)."""
+
+
+def test_tensor_subclass_is_a_torch_tensor(rng, monkeypatch):
+    """A torch.Tensor subclass from another module was read as a generic DLPack producer: outputs came
+    back as NumPy, a negative-bit view was read as its memory (every value's sign silently wrong) and a
+    tensor that requires grad raised torch's BufferError. It is a torch tensor like any other."""
+    x = tensor(rng, (3, 4, 7), grad=False)
+    M = tensor(rng, (3, 4, 4), grad=False)
+    want = m.stream_mix_fwd(x, M)
+    out = m.stream_mix_fwd(x.as_subclass(_UserTensor), M)
+    assert isinstance(out, torch.Tensor)
+    torch.testing.assert_close(torch.as_tensor(out), want, rtol=0, atol=0)
+    z = torch.complex(x, x)
+    neg = z.conj().imag.as_subclass(_UserTensor)  # logical value -x, the negative bit set
+    assert neg.is_neg()
+    torch.testing.assert_close(torch.as_tensor(m.stream_mix_fwd(neg, M)), m.stream_mix_fwd(-x, M), rtol=0, atol=0)
+    from mhc_cupy import _dispatch
+
+    monkeypatch.setattr(_dispatch, "_autograd_warned", set())
+    with pytest.warns(m.AutogradNotRecordedWarning):
+        out = m.stream_mix_fwd(x.clone().requires_grad_().as_subclass(_UserTensor), M)
+    torch.testing.assert_close(torch.as_tensor(out).detach(), want, rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:.*(Sparse CSR|nested tensors).*:UserWarning")
+def test_functional_non_strided_tensor_names_the_argument(rng):
+    """A sparse, MKL-DNN or nested tensor has no pointer and strides to read: the functional API raised
+    torch's BufferError ("Can't export tensors with layout other than torch.strided") or a RuntimeError
+    ("Internal error: NestedTensorImpl doesn't support sizes"), naming no argument."""
+    x = tensor(rng, (3, 4, 7), grad=False)
+    M = tensor(rng, (3, 4, 4), grad=False)
+    for bad, what in ((x.to_sparse(), "layout torch.sparse_coo"), (x.to_mkldnn(), "layout torch._mkldnn"),
+                      (torch.nested.nested_tensor([x[0], x[1]]), "a nested tensor")):
+        with pytest.raises(TypeError, match=rf"^x is .*{what}.*dense \(torch.strided\)"):
+            m.stream_mix_fwd(bad, M)
+    with pytest.raises(TypeError, match=r"^M is .*layout torch.sparse_csr"):
+        m.stream_mix_fwd(x[0], M[0].to_sparse_csr())
+
+
 # ------------------------------------------------------------------ functional API and autograd
 @pytest.fixture
 def fresh_warnings(monkeypatch):

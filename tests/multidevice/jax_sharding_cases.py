@@ -304,3 +304,18 @@ def test_token_sharded_wraps_a_whole_layer(rng):
 @pytest.mark.parametrize("name", rough.SHARD_CASES)
 def test_grad_inside_shard_map(name, rng):
     rough.check_grad_inside_shard_map(name, rng, DEVICES[:2])
+
+
+# ------------------------------------------------------------ the functional API
+def test_functional_api_sharded_array_names_the_argument(rng):
+    """The eager functional API takes single-device arrays; a sharded (or replicated) one raised
+    "a jax array sharded over 2 devices is not supported", naming no argument."""
+    import mhc_cupy
+
+    x = jnp.asarray(rng.standard_normal((4, N, C)), jnp.float32)
+    M = jnp.asarray(rng.standard_normal((4, N, N)), jnp.float32)
+    for spec in (P("data"), P()):
+        with pytest.raises(ValueError, match=r"^M is a jax array on 2 devices .* mhc_cupy\.jax"):
+            mhc_cupy.stream_mix_fwd(x, jax.device_put(M, NamedSharding(MESH, spec)))
+    out = mhc_cupy.stream_mix_fwd(jax.device_put(x, DEVICES[1]), M)  # one device each: fine
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(mhc_cupy.stream_mix_fwd(np.asarray(x), np.asarray(M))))
