@@ -38,6 +38,8 @@ DEFAULT = _Default()
 #: value is read afresh each call: a 0-d torch tensor is an int to num_iters (``__index__``) but hashes by
 #: identity and may change in place between two calls, which then got the first call's result.
 KEY_TYPES = (bool, int, float, str, type(None), np.generic, _Default)
+#: The usual ones (a frozenset: one C call checks a call's values; NumPy scalars take the isinstance test).
+EXACT_KEY_TYPES = frozenset(t for t in KEY_TYPES if t is not np.generic)
 
 #: Default of each setting under each convention (OPS.md, the defaults tables).
 DEFAULTS = {

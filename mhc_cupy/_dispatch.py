@@ -52,7 +52,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from . import _checks, _interop, _replay
-from ._convention import KEY_TYPES
+from ._convention import EXACT_KEY_TYPES, KEY_TYPES
 from ._kernel_choice import current as _kernel_choice
 from ._settings import LayerSettings
 
@@ -122,6 +122,7 @@ def _grad_enabled() -> bool:
 #: Parameter types a cache key may hold (``_convention.KEY_TYPES``, and the adapters' resolved settings);
 #: any other value is not cached: the planner reads it each call.
 _KEY_TYPES = (*KEY_TYPES, LayerSettings)
+_EXACT_KEY_TYPES = EXACT_KEY_TYPES | {LayerSettings}
 
 
 def _params_key(params: dict) -> tuple:
@@ -130,9 +131,10 @@ def _params_key(params: dict) -> tuple:
     if not params:
         return ()
     types = tuple(map(type, params.values()))
-    for t in types:
-        if not issubclass(t, _KEY_TYPES):
-            raise TypeError(f"a parameter of type {t.__name__} is not a cache key")
+    if not _EXACT_KEY_TYPES.issuperset(types):
+        for t in types:
+            if not issubclass(t, _KEY_TYPES):
+                raise TypeError(f"a parameter of type {t.__name__} is not a cache key")
     return tuple(params.items()), types
 
 

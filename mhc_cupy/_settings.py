@@ -65,7 +65,8 @@ class LayerSettings:
             number (None included).  Each error names the argument.
         """
         values = (convention, num_iters, eps, rms_eps, grad_mode, hc_eps, post_mult)
-        if all(isinstance(v, _convention.KEY_TYPES) for v in values):
+        if _convention.EXACT_KEY_TYPES.issuperset(map(type, values)) or \
+                all(isinstance(v, _convention.KEY_TYPES) for v in values):
             return _resolved(*values)
         return _resolve(*values)  # not a cache key (an unhashable value, a tensor): uncached (its check names it)
 
