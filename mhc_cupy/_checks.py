@@ -116,8 +116,15 @@ def flag(name: str, value) -> bool:
     return value
 
 
+#: The positive range of a float32 scalar (the kernels take every eps as one): past it, or below half
+#: the smallest subnormal (which rounds to 0), the GPU would run another value than the CPU reference.
+F32_MAX, F32_TINY = float(np.finfo(np.float32).max), float(np.finfo(np.float32).smallest_subnormal)
+
+
 def eps(name: str, value) -> float:
-    """A finite real >= 0 (Python or NumPy int / float; not bool, not str)."""
+    """A finite real >= 0 (Python or NumPy int / float; not bool, not str) that a float32 holds: 0 or
+    in [F32_TINY, F32_MAX] (a value a float32 rounds to 0 or inf is refused: the kernels would run that
+    while the CPU reference ran the value given)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
     try:
@@ -126,6 +133,9 @@ def eps(name: str, value) -> float:
         v = math.inf
     if not math.isfinite(v) or v < 0:
         raise ValueError(f"{name} must be finite and >= 0, got {value}")
+    if v > F32_MAX or 0 < v < F32_TINY / 2:
+        raise ValueError(f"{name} must be 0 or between {F32_TINY:.3g} and {F32_MAX:.4g} (the kernels take it as a "
+                         f"float32), got {value}")
     return v
 
 

@@ -21,9 +21,14 @@ def init_value(name: str, value) -> float:
     int / float; not bool).  TypeError / ValueError naming the argument otherwise."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # an int past the float range
+        v = math.inf
     if not math.isfinite(v):
         raise ValueError(f"{name} must be finite, got {value}")
+    if abs(v) > _checks.F32_MAX:  # the parameters are float32 (torch's fill_ raised a RuntimeError)
+        raise ValueError(f"{name} must be finite in float32 (|value| <= {_checks.F32_MAX:.4g}), got {value}")
     return v
 
 

@@ -255,6 +255,9 @@ def test_bad_shapes_raise():
     (MHC, "alpha_init", math.inf, ValueError, "must be finite"),
     (MHC, "alpha_init", math.nan, ValueError, "must be finite"),
     (MHC, "alpha_init", True, TypeError, "must be a float"),
+    (MHC, "alpha_init", 10**39, ValueError, r"must be finite in float32 \(\|value\| <= 3.403e\+38\)"),
+    (MHC, "phi_init_std", 10**39, ValueError, r"must be 0 or between 1.4e-45 and 3.403e\+38 \(the kernels take it as a "
+                                            r"float32\)"),
     ("MHCHead", "fn_init_std", -1.0, ValueError, "must be finite and >= 0"),
     ("MHCHead", "fn_init_std", math.nan, ValueError, "must be finite and >= 0"),
     ("MHCHead", "scale_init", math.nan, ValueError, "must be finite"),
@@ -492,6 +495,8 @@ def test_double_backward_raises_from_a_linear_loss(n):
     (dict(dim=64, num_iters=2**31), ValueError, "num_iters must be in 0..10000"),
     (dict(dim=64, num_iters=True), TypeError, "num_iters must be an int"),
     (dict(dim=64, eps=-1.0), ValueError, "eps must be finite and >= 0"),
+    (dict(dim=64, eps=1e-50), ValueError, "eps must be 0 or between 1.4e-45 and 3.403e"),
+    (dict(dim=64, rms_eps=1e300), ValueError, "rms_eps must be 0 or between"),
     (dict(dim=64, rms_eps="1e-5"), TypeError, "rms_eps must be a float"),
     (dict(dim=64, grad_mode="exact"), ValueError, "grad_mode must be"),
     (dict(dim=64, sublayer=3), TypeError, "sublayer must be a module"),

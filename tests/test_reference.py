@@ -237,6 +237,13 @@ def test_functional_eps_type_strict(name):
     for bad in (10**400, -10**400, float("nan"), -1e-5):  # an int past the float range too
         with pytest.raises(ValueError, match="eps must be finite and >= 0"):
             fn(*arrays.values(), **dict(params, eps=bad))
+    # values a float32 (the kernels' eps) rounds to 0 or inf: the GPU would run another eps than the CPU
+    for bad in (1e-50, 7e-46, 1e300, 10**39):
+        with pytest.raises(ValueError, match=r"eps must be 0 or between 1.4e-45 and 3.403e\+38 \(the kernels take "
+                                             r"it as a float32\), got"):
+            fn(*arrays.values(), **dict(params, eps=bad))
+    for ok in (0.0, 8e-46, 3.4e38):  # 0, the smallest subnormal (rounded up to), the largest float32 about
+        fn(*arrays.values(), **dict(params, eps=ok))
 
 
 def test_gradient_dtype_message_names_each_allowed_dtype_once():
