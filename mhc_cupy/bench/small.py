@@ -173,6 +173,14 @@ def evaluate_small_targets(result: dict) -> list[dict]:
         got = [r["impls"]["mhc_cupy"].get(f"{kind}_us") for r in rows]
         worst = None if not got or None in got else max(got)
         out.append(target(name, worst, goal, "" if worst is None else f"worst {worst:.1f} us"))
+    # eager per call no slower than torch.compile's (of MHCReference), at every such T
+    name = f"layer forward, T <= 64, C {SMALL_C}, eager per call <= torch.compile's"
+    pairs = [(r["impls"]["mhc_cupy"].get("eager_us"), r["impls"].get("torch.compile", {}).get("eager_us"), r["tokens"])
+             for r in rows]
+    worst = (None if not pairs or any(a is None or b is None for a, b, _ in pairs)
+             else max((a / b, T) for a, b, T in pairs))
+    out.append(target(name, None if worst is None else worst[0], 1.0,
+                      "" if worst is None else f"worst {worst[0]:.2f}x torch.compile's at T {worst[1]}"))
     return out
 
 
