@@ -187,7 +187,7 @@ def _layer_row(T, C, n, ours_ms, jax_ms=None, plain_ms=None):
     impls = {"mhc_cupy": t(ours_ms)}
     if jax_ms:
         impls.update({"jax mhc_cupy": t(jax_ms), "jax.jit": t(plain_ms)})
-    return {"sublayer": "identity", "tokens": T, "C": C, "n": n,
+    return {"sublayer": "identity", "tokens": T, "C": C, "n": n, "dtype": "bfloat16",
             "floor_bytes": {d: layer_bytes(d, T, C, n, 2) for d in ("fwd", "fwd+bwd")}, "impls": impls}
 
 
@@ -239,6 +239,25 @@ def test_evaluate_layer_targets():
     assert "| 16384x4096x4 | 0.50 / 1.20 | 0.50 / 1.60 | 0.55 / 0.45 |" in format_layer_table(res)
     table = format_layer_table(res)
     assert "| identity | 16384x4096x4 | jax.jit | 0.800 | 3.200 |" in table and "1.60x" in table
+
+
+def test_layer_targets_judge_bf16_rows_and_find_the_accuracy_on_any_sublayer():
+    """The layer targets are the issue's bf16 ones: a float32 run at 16384x4096x4 (twice the bytes) was judged
+    against the bf16 times, and the accuracy (measured on the run's first sublayer's row, tanh with
+    ``--sublayers tanh,identity``) was looked up on the identity row only, so it read "not measured"."""
+    from mhc_cupy.bench.layer import evaluate_layer_targets
+
+    fp32 = [dict(_layer_row(16384, 4096, 4, 1.8, jax_ms=2.0, plain_ms=3.2), dtype="float32"),
+            dict(_layer_row(16384, 2048, 8, 2.0), dtype="float32")]
+    res = {"meta": {"settings": {"dtype": "float32"}}, "results": fp32}
+    assert {t["status"] for t in evaluate_layer_targets(res)} == {"not measured"}
+    tanh = dict(_layer_row(16384, 4096, 4, 9.9), sublayer="tanh",
+                accuracy={"tokens": 4096, "mhc_cupy": {"out": 0.5, "dx": 0.9}, "torch": {"out": 0.5, "dx": 1.6}})
+    res = {"meta": {"settings": {"dtype": "bfloat16"}}, "results": [tanh, _layer_row(16384, 4096, 4, 1.8)]}
+    t = {x["name"]: x for x in evaluate_layer_targets(res)}
+    assert t["layer dx vs float64 <= 1 ulp (16384x4096x4, tanh sublayer, alpha 0.5)"]["measured"] == 0.9
+    assert t["layer out vs float64 <= 0.6 ulp (16384x4096x4, tanh sublayer, alpha 0.5)"]["status"] == "met"
+    assert t["layer fwd+bwd, 16384x4096x4 <= 2 ms"]["measured"] == pytest.approx(1.8)  # the identity row's time
 
 
 def test_layer_merge(tmp_path):
