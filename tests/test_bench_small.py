@@ -105,3 +105,29 @@ def test_small_targets_include_eager_against_torch_compile():
     assert {x["name"]: x for x in evaluate_small_targets(res)}[name]["status"] == "met"
     res["results"][1] = row(64, 15.0, None)  # no torch.compile row at one judged T
     assert {x["name"]: x for x in evaluate_small_targets(res)}[name]["status"] == "not measured"
+
+
+def test_graph_time_is_a_replay_or_nothing(monkeypatch):
+    """``graph us`` is a CUDA-graph replay's time: where the capture fails, the timer falls back to eager calls
+    between events (its ``method`` says so), and that number was reported as graph us all the same (and judged
+    against the 8 us replay target); now the row records the method instead and no graph_us."""
+    from types import SimpleNamespace
+
+    from mhc_cupy.bench import small, timing
+
+    cfg = SimpleNamespace(min_calls=4, warmup=1, reps=3)
+    got = []
+
+    def fake(prepare, sets, calls, warmup, reps, graph=True):
+        got.append((sets, calls, warmup, reps, graph, prepare()(0)))
+        return {"us": 42.0, "method": method}
+
+    monkeypatch.setattr(timing, "_time_torch", fake)
+    method = "cuda graph"
+    assert small.graph_time(lambda: "out", cfg) == {"graph_us": 42.0}
+    assert got == [(1, 4, 1, 3, True, "out")]
+    method = "events, eager calls (graph capture failed: RuntimeError: no)"
+    assert small.graph_time(lambda: "out", cfg) == {"graph_method": method}
+    t = small.evaluate_small_targets({"results": [{"tokens": 1, "C": small.SMALL_C, "n": 4, "impls": {
+        "mhc_cupy": {"eager_us": 20.0, "graph_method": method}}}]})
+    assert t[0]["name"].endswith("graph per call <= 8 us") and t[0]["status"] == "not measured"
