@@ -378,3 +378,22 @@ def test_profile_layer_script_on_cpu(capsys):
     for bad in ("3x5", "3x0x2", "axbxc"):
         with pytest.raises(SystemExit, match="--shapes must be TxCxn"):
             script.main(["--shapes", bad, "--device", "cpu"])
+
+
+def test_block_targets_judge_the_first_mhc_row():
+    """The block target judged the first eager overhead it found: where the first variant (mhc fused) failed it
+    silently judged mhc unfused under the same name; a negative overhead read "+-3.0%"."""
+    from mhc_cupy.bench.block import evaluate_block_targets
+
+    def row(C, fused_us, unfused_us=130.0, plain_us=100.0):
+        impls = {"plain": {"us": plain_us}, "mhc fused": {"us": fused_us} if fused_us else {"error": "RuntimeError: x"},
+                 "mhc unfused": {"us": unfused_us}}
+        return {"C": C, "impls": impls, "overhead": {k: v["us"] / plain_us - 1 for k, v in impls.items()
+                                                     if k != "plain" and "us" in v}}
+
+    t = {x["name"]: x for x in evaluate_block_targets({"results": [row(4096, None, 105.0), row(2048, 97.0)]})}
+    c4096 = t["mHC block overhead over plain residual, C 4096 <= +12%"]
+    assert c4096["status"] == "missed" and "mhc fused failed" in c4096["detail"], c4096
+    c2048 = t["mHC block overhead over plain residual, C 2048 <= +20%"]
+    assert c2048["status"] == "met" and c2048["measured"] == pytest.approx(-0.03) and "-3.0%" in c2048["detail"]
+    assert "+-" not in c2048["detail"] and "mhc fused" in c2048["detail"]
