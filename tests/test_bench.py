@@ -274,6 +274,36 @@ def test_evaluate_targets():
     assert grad["status"] == "missed" and grad["measured"] == pytest.approx(2.5)
 
 
+def test_targets_count_a_failed_mhc_cupy_shape_as_missed():
+    """An in-domain shape where mhc_cupy's own measurement failed (``error``, e.g. out of memory) was
+    dropped from the targets, which then said "met" over the shapes that ran; now such a target is
+    missed, naming the shape.  A shape where only torch.compile failed is still left out of its target."""
+    res = fake_result()
+    broken = _row("stream_mix", "fwd", 32768, 4096, 4, 1.0, 0.99, {"torch.compile": 900.0})
+    broken["impls"]["mhc_cupy"] = {"error": "OutOfMemoryError: boom"}
+    broken["speedup"] = {"torch.compile": None}
+    sk = _row("sinkhorn_knopp", "bwd", 32768, None, 8, 9.0, 0.05, {})  # n = 8: not judged
+    sk["impls"]["mhc_cupy"] = {"error": "RuntimeError: boom"}
+    res["results"] += [broken, sk]
+    t = _targets(res)
+    for name in ("stream_mix fwd >= 90% of copy", "stream_mix fwd faster than torch.compile"):
+        assert t[name]["status"] == "missed" and "mhc_cupy failed at 32768x4096x4" in t[name]["detail"], t[name]
+    assert t["sinkhorn_knopp bwd at 32768 tokens (n 4) < 15 us"]["detail"] == "16.0 us"
+    only_sk = fake_result()
+    only_sk["results"] = [dict(r, impls={**r["impls"], "mhc_cupy": {"error": "RuntimeError: boom"}}, speedup={})
+                          for r in only_sk["results"] if r["op"] == "sinkhorn_knopp"]
+    t = _targets(only_sk)
+    assert t["sinkhorn_knopp fwd at 32768 tokens (n 4) < 15 us"]["status"] == "missed"
+    assert t["sinkhorn_knopp fwd faster than torch.compile"]["status"] == "missed"
+    # torch.compile failed, mhc_cupy ran: that shape is not judged by the torch.compile target
+    res = fake_result()
+    res["results"][3]["impls"]["torch.compile"] = {"error": "RuntimeError: boom"}
+    res["results"][3]["speedup"]["torch.compile"] = None
+    t = _targets(res)
+    assert t["stream_mix fwd faster than torch.compile"]["status"] == "not measured"
+    assert t["stream_mix fwd >= 90% of copy"]["status"] == "met"
+
+
 def test_convention_target():
     """--convention deepseek rows carry the paper convention's time of the same run: the 5% target
     judges the worst ratio over all shapes, and the table shows it as a speedup column."""

@@ -187,7 +187,7 @@ def _layer_row(T, C, n, ours_ms, jax_ms=None, plain_ms=None):
     impls = {"mhc_cupy": t(ours_ms)}
     if jax_ms:
         impls.update({"jax mhc_cupy": t(jax_ms), "jax.jit": t(plain_ms)})
-    return {"sublayer": "identity", "tokens": T, "C": C, "n": n,
+    return {"sublayer": "identity", "tokens": T, "C": C, "n": n, "dtype": "bfloat16",
             "floor_bytes": {d: layer_bytes(d, T, C, n, 2) for d in ("fwd", "fwd+bwd")}, "impls": impls}
 
 
@@ -239,6 +239,25 @@ def test_evaluate_layer_targets():
     assert "| 16384x4096x4 | 0.50 / 1.20 | 0.50 / 1.60 | 0.55 / 0.45 |" in format_layer_table(res)
     table = format_layer_table(res)
     assert "| identity | 16384x4096x4 | jax.jit | 0.800 | 3.200 |" in table and "1.60x" in table
+
+
+def test_layer_targets_judge_bf16_rows_and_find_the_accuracy_on_any_sublayer():
+    """The layer targets are the issue's bf16 ones: a float32 run at 16384x4096x4 (twice the bytes) was judged
+    against the bf16 times, and the accuracy (measured on the run's first sublayer's row, tanh with
+    ``--sublayers tanh,identity``) was looked up on the identity row only, so it read "not measured"."""
+    from mhc_cupy.bench.layer import evaluate_layer_targets
+
+    fp32 = [dict(_layer_row(16384, 4096, 4, 1.8, jax_ms=2.0, plain_ms=3.2), dtype="float32"),
+            dict(_layer_row(16384, 2048, 8, 2.0), dtype="float32")]
+    res = {"meta": {"settings": {"dtype": "float32"}}, "results": fp32}
+    assert {t["status"] for t in evaluate_layer_targets(res)} == {"not measured"}
+    tanh = dict(_layer_row(16384, 4096, 4, 9.9), sublayer="tanh",
+                accuracy={"tokens": 4096, "mhc_cupy": {"out": 0.5, "dx": 0.9}, "torch": {"out": 0.5, "dx": 1.6}})
+    res = {"meta": {"settings": {"dtype": "bfloat16"}}, "results": [tanh, _layer_row(16384, 4096, 4, 1.8)]}
+    t = {x["name"]: x for x in evaluate_layer_targets(res)}
+    assert t["layer dx vs float64 <= 1 ulp (16384x4096x4, tanh sublayer, alpha 0.5)"]["measured"] == 0.9
+    assert t["layer out vs float64 <= 0.6 ulp (16384x4096x4, tanh sublayer, alpha 0.5)"]["status"] == "met"
+    assert t["layer fwd+bwd, 16384x4096x4 <= 2 ms"]["measured"] == pytest.approx(1.8)  # the identity row's time
 
 
 def test_layer_merge(tmp_path):
@@ -359,3 +378,22 @@ def test_profile_layer_script_on_cpu(capsys):
     for bad in ("3x5", "3x0x2", "axbxc"):
         with pytest.raises(SystemExit, match="--shapes must be TxCxn"):
             script.main(["--shapes", bad, "--device", "cpu"])
+
+
+def test_block_targets_judge_the_first_mhc_row():
+    """The block target judged the first eager overhead it found: where the first variant (mhc fused) failed it
+    silently judged mhc unfused under the same name; a negative overhead read "+-3.0%"."""
+    from mhc_cupy.bench.block import evaluate_block_targets
+
+    def row(C, fused_us, unfused_us=130.0, plain_us=100.0):
+        impls = {"plain": {"us": plain_us}, "mhc fused": {"us": fused_us} if fused_us else {"error": "RuntimeError: x"},
+                 "mhc unfused": {"us": unfused_us}}
+        return {"C": C, "impls": impls, "overhead": {k: v["us"] / plain_us - 1 for k, v in impls.items()
+                                                     if k != "plain" and "us" in v}}
+
+    t = {x["name"]: x for x in evaluate_block_targets({"results": [row(4096, None, 105.0), row(2048, 97.0)]})}
+    c4096 = t["mHC block overhead over plain residual, C 4096 <= +12%"]
+    assert c4096["status"] == "missed" and "mhc fused failed" in c4096["detail"], c4096
+    c2048 = t["mHC block overhead over plain residual, C 2048 <= +20%"]
+    assert c2048["status"] == "met" and c2048["measured"] == pytest.approx(-0.03) and "-3.0%" in c2048["detail"]
+    assert "+-" not in c2048["detail"] and "mhc fused" in c2048["detail"]

@@ -88,3 +88,26 @@ def test_stack_mode_jax_rows_tiny(tmp_path):
     assert t["status"] == ("met" if t["measured"] >= 2.0 else "missed")
     text = (out / "stack.md").read_text()
     assert "| 2 | 16 | 1 x 3 | jax mhc_stack |" in text and "| 2 | 16 | 1 x 3 | jax.jit stack |" in text
+
+
+def test_stack_jax_target_judges_every_configuration():
+    """The JAX mhc_stack target was judged on the first n = 4 configuration with JAX rows only: a second
+    configuration below 2x (or the first one's JAX rows failed, the second's not) went unjudged."""
+    from mhc_cupy.bench.stack import evaluate_stack_targets
+
+    def row(L, C, speedup, failed=False):
+        ours = {"fwd+bwd": {"error": "RuntimeError: boom"} if failed else {"us": 100.0}}
+        return {"L": L, "C": C, "n": 4, "impls": {}, "overhead": {}, "memory": {},
+                "jax": {"jax mhc_stack": ours, "jax.jit stack": {"fwd+bwd": {"us": 100.0 * (speedup or 1)}},
+                        "speedup": {} if failed else {"fwd+bwd": speedup}}}
+
+    def jax_target(rows):
+        (t,) = [t for t in evaluate_stack_targets({"results": rows}) if t["name"].startswith("JAX mhc_stack")]
+        return t
+
+    t = jax_target([row(8, 2048, 3.0), row(4, 4096, 1.5)])
+    assert t["status"] == "missed" and t["measured"] == 1.5 and "4 blocks, C 4096" in t["detail"], t
+    assert jax_target([row(8, 2048, 3.0), row(4, 4096, 2.5)])["status"] == "met"
+    t = jax_target([row(8, 2048, None, failed=True), row(4, 4096, 2.5)])
+    assert t["status"] == "missed" and "8 blocks, C 2048" in t["detail"], t
+    assert jax_target([])["status"] == "not measured"

@@ -180,11 +180,18 @@ def evaluate_stack_targets(result: dict) -> list[dict]:
             got = None if row is None else row[kind].get(impl)
             out.append(target(name, got, goal, "" if got is None else f"{got:+.1%}" if kind == "overhead"
                               else f"{got:.2f}x"))
-    row = next((r for r in result.get("results", []) if r["n"] == 4 and "jax" in r), None)
-    got = None if row is None else row["jax"]["speedup"].get("fwd+bwd")
-    out.append(target(f"JAX mhc_stack (lax.scan) jit(grad) >= {JAX_STACK_SPEEDUP:g}x faster than jax.jit of the same "
-                      "maths" + ("" if row is None else f" ({row['L']} blocks, C {row['C']})"), got, JAX_STACK_SPEEDUP,
-                      "" if got is None else f"{got:.2f}x", higher=True))
+    # every n = 4 configuration with JAX rows (the slowest speedup; one where mhc_stack failed: missed)
+    rows = [r for r in result.get("results", []) if r["n"] == 4 and "jax" in r]
+    name = f"JAX mhc_stack (lax.scan) jit(grad) >= {JAX_STACK_SPEEDUP:g}x faster than jax.jit of the same maths"
+    failed = [r for r in rows if "error" in r["jax"].get("jax mhc_stack", {}).get("fwd+bwd", {})]
+    speeds = [(r["jax"]["speedup"]["fwd+bwd"], r) for r in rows if "fwd+bwd" in r["jax"].get("speedup", {})]
+    if failed:
+        out.append({"name": name, "status": "missed", "measured": None, "detail": "mhc_stack failed at " + ", ".join(
+            f"{r['L']} blocks, C {r['C']}" for r in failed)})
+    else:
+        got, r = min(speeds, key=lambda v: v[0]) if speeds else (None, None)
+        out.append(target(name, got, JAX_STACK_SPEEDUP, "" if got is None else
+                          f"{got:.2f}x at {r['L']} blocks, C {r['C']} (slowest of {len(speeds)})", higher=True))
     return out
 
 
