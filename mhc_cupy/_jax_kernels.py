@@ -347,4 +347,21 @@ def _kernel(name: str, params: tuple):
 
 def _k(name: str, params: tuple, *arrays) -> tuple:
     _check_arrays(name, arrays)  # before the vmap and sharding wrappers look at shapes
+    return _no_derivative(name, params, *arrays)
+
+
+@functools.partial(_jax.custom_jvp, nondiff_argnums=(0, 1))
+def _no_derivative(name: str, params: tuple, *arrays) -> tuple:
+    """The kernel call, with a JVP rule that says why there is none.  Forward kernels run inside the
+    ops' custom_vjp (whose own refusal of jax.jvp comes first), so this is reached by a derivative of
+    a backward: jax.grad of jax.grad, or forward mode over it, where JAX's own error names buffer
+    callbacks and suggests jax.custom_jvp.  Without tangents (all symbolic zeros) JAX never calls it."""
     return _shard.vary(_kernel(name, params)(*arrays), arrays)  # typed for jax.shard_map
+
+
+@_no_derivative.defjvp
+def _no_derivative_jvp(name, params, primals, tangents):
+    raise ValueError(f"mhc_cupy.jax: a derivative of the kernel {name} was asked for (a gradient of a gradient: "
+                     f"jax.grad / jax.jvp / jax.hessian over the backward of an mhc_cupy.jax function); the JAX "
+                     f"functions are differentiable once, in reverse mode (jax.grad / jax.vjp / jax.jacrev), "
+                     f"not twice (their backward kernels have no derivative rule)")

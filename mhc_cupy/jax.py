@@ -88,7 +88,8 @@ Notes:
     Reverse mode only, first order: forward mode (``jax.jvp``,
     ``jax.jacfwd``) of a custom_vjp function and gradients of these
     gradients are not supported (the backward kernels have no derivative
-    rule of their own).
+    rule of their own): forward mode raises JAX's TypeError, a gradient of
+    a gradient a ValueError that says so.
     Non-array parameters (``num_iters``, ``eps``, ``grad_mode``) are static:
     each distinct value compiles its own program.  The ``buffer_callback``
     custom call is not marked command-buffer compatible (XLA does not capture

@@ -552,6 +552,34 @@ def test_errors_raised_at_trace_time(rng):
         mj.rmsnorm(x, 1e-5, jnp.ones((5,), jnp.float32))
 
 
+@pytest.mark.parametrize("name", ALL_OPS)
+def test_gradient_of_gradient_names_the_limit(name, rng):
+    """jax.grad of jax.grad reaches a kernel's derivative: a ValueError
+    that says the functions are differentiable once, in reverse mode (JAX's own error blamed buffer
+    callbacks and told the user to write a jax.custom_jvp).  A first-order gradient is unchanged."""
+    op = OPS[name]
+    a, args = _inputs(op, rng, ((3,), 3, 7, "float32"))
+
+    def loss(*args):
+        return sum(jnp.sum(jnp.sin(o.astype(jnp.float32))) for o in op.adapter(*args))
+
+    def grad_norm(*args):
+        return sum(jnp.sum(g * g) for g in jax.grad(loss, tuple(range(len(args))))(*args))
+
+    with pytest.raises(ValueError, match="differentiable once, in reverse mode"):
+        jax.grad(grad_norm)(*args)
+    assert np.isfinite(float(grad_norm(*args)))
+
+
+def test_gradient_of_gradient_of_layer_and_stack():
+    p, x = mj.mhc_init(jax.random.PRNGKey(0), 8, 4), jnp.ones((2, 4, 8))
+    sp = mj.mhc_stack_init(jax.random.PRNGKey(1), 2, 8, 4)
+    for f in (lambda x: mj.mhc_layer(p, x, jnp.tanh).sum(), lambda x: mj.mhc_stack(sp, x, jnp.tanh, recompute=2).sum(),
+              lambda x: mj.mhc_head(mj.mhc_head_init(jax.random.PRNGKey(2), 8, 4), x).sum()):
+        with pytest.raises(ValueError, match="differentiable once, in reverse mode"):
+            jax.grad(lambda x: jnp.sum(jax.grad(f)(x) ** 2))(x)
+
+
 def test_import_orders_keep_jax_intact():
     import subprocess
     import sys
