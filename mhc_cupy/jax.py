@@ -51,9 +51,10 @@ bias, a shared ``h`` [n], the RMSNorm weight) is reduced across the mesh
 A sharded C or n dim, or a sharded parameter, is replicated for the op
 (correct, but that operand is gathered); so is a token dim whose size its
 mesh axes do not divide.  Inside ``jax.shard_map`` (check_vma on or off) each
-device runs the kernels on its block; results vary like their inputs, and the
-gradient of an input that does not vary over a mesh axis is summed over it
-(``psum``), as for jax.numpy ops.
+device runs the kernels on its block and results vary like their inputs; as for
+jax.numpy ops, the gradient of an input that does not vary over a mesh axis is
+summed over it (``psum``) with check_vma on, and left per device (each its own
+partial sum) with check_vma off.
 
 Gradients: the forward saves its inputs; the backward calls the op's ``_bwd``
 kernels (statistics and Sinkhorn iterations are recomputed on chip).
