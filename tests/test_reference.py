@@ -269,21 +269,24 @@ def test_functional_shape_error_names_x():
         mhc_cupy.mhc_pre_op_fwd(x, np.zeros((3, 4), np.float32), np.zeros((3, 4), np.float32), M)
 
 
+class Producer:
+    """Not a torch tensor or NumPy array: only the DLPack protocol, of the array it wraps."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __dlpack__(self, **kw):
+        return self.t.__dlpack__(**kw)
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+
 def test_functional_bf16_dlpack_producer_on_cpu(rng):
     """A generic DLPack producer of CPU bfloat16 (NumPy cannot import it) works: NumPy bf16 out."""
     import ml_dtypes
 
     import mhc_cupy
-
-    class Producer:  # not a torch tensor: only the DLPack protocol
-        def __init__(self, t):
-            self.t = t
-
-        def __dlpack__(self, **kw):
-            return self.t.__dlpack__(**kw)
-
-        def __dlpack_device__(self):
-            return self.t.__dlpack_device__()
 
     x = torch.from_numpy(rng.standard_normal((3, 8))).to(torch.bfloat16)
     out = mhc_cupy.rmsnorm_fwd(Producer(x))
@@ -292,23 +295,11 @@ def test_functional_bf16_dlpack_producer_on_cpu(rng):
     np.testing.assert_array_equal(out.view(np.int16), want.view(np.int16))
 
 
-
-
 def test_functional_dlpack_producer_that_cannot_export_names_the_argument(rng):
     """A DLPack producer whose __dlpack__ refuses (float8, a tensor requiring grad, a conjugate view,
     a big-endian array) raised the producer's raw BufferError / RuntimeError, and one without
     __dlpack_device__ CuPy's "cannot be consumed multiple times": now TypeErrors naming the argument."""
     import mhc_cupy
-
-    class Producer:
-        def __init__(self, t):
-            self.t = t
-
-        def __dlpack__(self, **kw):
-            return self.t.__dlpack__(**kw)
-
-        def __dlpack_device__(self):
-            return self.t.__dlpack_device__()
 
     class NoDevice:
         def __init__(self, t):
