@@ -31,6 +31,8 @@ Each public function's docstring is written here.  Imported through the package,
 that torch is installed first.
 """
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -437,9 +439,9 @@ def mhc_layer_pre(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_eps=D
                                                        post_mult=post_mult))
 
 
-#: The settings that are floats (:class:`LayerSettings`), and all of them, in its order.
-_FLOAT_SETTINGS = ("eps", "rms_eps", "hc_eps", "post_mult")
-_SETTINGS = ("num_iters", "eps", "rms_eps", "grad_mode", "convention", "hc_eps", "post_mult")
+#: The settings (:class:`LayerSettings`'s fields, in its order), and those that are floats.
+_SETTINGS = tuple(f.name for f in dataclasses.fields(LayerSettings))
+_FLOAT_SETTINGS = tuple(f.name for f in dataclasses.fields(LayerSettings) if f.type in (float, "float"))
 
 
 def _read_here(kw: dict) -> dict:
