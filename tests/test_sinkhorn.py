@@ -175,6 +175,37 @@ def test_sinkhorn_logit_scale_1000_and_eps_0_as_documented(rng):
         assert not np.isfinite(R.sinkhorn_knopp_fwd(Lg, num_iters=1, eps=0.0)).all()
         assert np.isfinite(R.sinkhorn_knopp_fwd(Lg, num_iters=1)).all()
 
+def _implicit_by_least_squares(P, G):
+    """Independent oracle of OPS.md section 1's implicit gradient: the whole 2n system
+    [diag(rowsum P), P; P^T, diag(colsum P)] (a, b) = (rowsum(P G), colsum(P G)) per matrix, by
+    minimum-norm least squares (SVD), then dL = P (G - a 1^T - 1 b^T)."""
+    n = P.shape[-1]
+    out = np.empty_like(P)
+    for k in np.ndindex(P.shape[:-2]):
+        p, g = P[k], G[k]
+        A = np.block([[np.diag(p.sum(1)), p], [p.T, np.diag(p.sum(0))]])
+        ab = np.linalg.lstsq(A, np.concatenate([(p * g).sum(1), (p * g).sum(0)]), rcond=None)[0]
+        out[k] = p * (g - ab[:n, None] - ab[None, n:])
+    return out
+
+
+@pytest.mark.parametrize("n,scale", [(17, 100), (32, 100), (32, 300)])
+def test_sinkhorn_implicit_nearly_permutation(rng, n, scale):
+    """Logits of scale 100 at n = 17, 32 (the default num_iters and eps) leave P nearly a permutation: the
+    implicit backward's Schur complement is nearly singular (condition numbers 1e16-1e85), short of
+    exactly. LU solved it with its round-off amplified along the near-null directions, and dL came out
+    up to 1e21 (rows summing to 1e7, against the invariant 0) where the gradient is ~1e-7."""
+    L = rng.standard_normal((60, n, n)) * scale
+    G = rng.standard_normal(L.shape)
+    P = R.sinkhorn_knopp_fwd(L)
+    ours = R.sinkhorn_knopp_bwd(G, L, grad_mode="implicit")
+    np.testing.assert_allclose(ours, _implicit_by_least_squares(P, G), rtol=0, atol=1e-10)
+    np.testing.assert_allclose(ours.sum(-1), 0.0, atol=1e-10)
+    # the functional op (float32) too
+    d = m.sinkhorn_knopp_bwd(G.astype(np.float32), L.astype(np.float32), grad_mode="implicit")
+    assert np.abs(d).max() <= np.abs(G).max()
+
+
 # ============================================================ GPU
 # ------------------------------------------------------------------ Sinkhorn
 @GPU
