@@ -30,7 +30,9 @@ import torch
 from torch import Tensor, nn
 
 from .. import _checks, mhc_post_op_fwd
+from .._kernel_choice import current as current_choice
 from .._stack import recompute_blocks
+from ..ops.layer import fold_post_dx
 from . import _transforms
 from ._link import stream_key
 from .functions import NextPre
@@ -218,7 +220,8 @@ class MHCStack(nn.Module):
         layer, nxt = self.layers[l], self.layers[l + 1]
         if not (layer._fused and nxt._fused) or nxt.convention != layer.convention:
             return None
-        return NextPre(_as_f32(nxt.phi), _as_f32(nxt.alpha), _as_f32(nxt.bias), nxt.settings)
+        fuse_bwd = fold_post_dx(self.n_streams) and current_choice().runs("boundary_bwd")
+        return NextPre(_as_f32(nxt.phi), _as_f32(nxt.alpha), _as_f32(nxt.bias), nxt.settings, fuse_bwd)
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         if _transforms.active():  # as the layers would, before the recompute slots look at x's storage
