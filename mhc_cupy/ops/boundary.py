@@ -201,8 +201,9 @@ def mhc_boundary_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, a
     Raises:
         TypeError / ValueError: as mhc_layer_pre_bwd; H_post_prev not float32 [..., n].
 
-    Autograd: none (``mhc_cupy.torch.MHCStack(..., fuse_boundaries=True)`` runs it in a
-    differentiable stack where the kernel choice says ``boundary_bwd=True``).
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): ``mhc_cupy.torch.MHCStack(..., fuse_boundaries=True)``
+    runs it inside a differentiable stack of layers where the kernel choice says ``boundary_bwd=True``.
     """
     return run(_plan_pre_bwd, {"grad_layer_in": grad_layer_in, "grad_out": grad_out, "grad_H_post": grad_H_post,
                                "grad_H_res": grad_H_res, "grad_x": grad_x, "x": x, "phi": phi, "alpha": alpha,

@@ -307,7 +307,7 @@ _SPEC_OF = {name: r.kernel.name for name, r in _REGISTERED.items() if name != r.
 # which the pre piece's backward computes H_res^T g itself (grad_out); above, the post op's dx
 # from its own backward, which the pre piece's backward adds (grad_x; ops.layer.fold_post_dx).
 # (the boundary: layer_post and layer_pre's forwards in one, NextPre; the layer_in forms for inference, forward only)
-for _name in ("mhc_layer_pre_fwd", "mhc_layer_pre_bwd", "mhc_layer_post_bwd", "mhc_boundary_fwd",
+for _name in ("mhc_layer_pre_fwd", "mhc_layer_pre_bwd", "mhc_layer_post_bwd", "mhc_boundary_fwd", "mhc_boundary_bwd",
               "mhc_layer_pre_norm_fwd", "mhc_layer_pre_fp8_fwd"):
     _register(_name, _ops.SPECS[_name])
 
@@ -415,8 +415,8 @@ class _LayerPreFn(torch.autograd.Function):
                   "bias": bias, "stats": stats, "H_pre": H_pre, "H_res": H_res, "layer_out": layer_out}
         H_post_prev = ctx.prev.h_post() if ctx.prev is not None else None
         if H_post_prev is not None:  # and the previous layer's dy (BoundaryGrad)
-            dx, dphi, dalpha, dbias, ctx.prev.dy = _run_plan(_ops.SPECS["mhc_boundary_bwd"].planner, {
-                **arrays, "H_post_prev": H_post_prev}, **ctx.kw)
+            dx, dphi, dalpha, dbias, ctx.prev.dy = _call("mhc_boundary_bwd", ctx.custom, {
+                **arrays, "H_post_prev": H_post_prev}, ctx.kw)
             ctx.prev.dx = dx
         else:
             dx, dphi, dalpha, dbias = _call("mhc_layer_pre_bwd", ctx.custom, arrays, ctx.kw)
