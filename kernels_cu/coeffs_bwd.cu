@@ -180,15 +180,20 @@ __global__ void mhc_coeffs_split_cols_kernel(const float* __restrict__ src, __nv
 // Per step a thread's addresses are the block's first token row plus int token offsets (u below),
 // no 64-bit token arithmetic (before: 1,490 instructions a warp per 16-token step, ncu, bf16 n = 4
 // layer, most of them address and predicate work of the copies and the per-token loads).
-template <typename T, typename TG, bool VEC, bool LAYER, int N, int KS, int NQ, int STAGES>
-__global__ void __launch_bounds__(128, sizeof(T) == 2 ? 3 : 1)
-mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restrict__ phi_r,
-                          const __nv_bfloat16* __restrict__ dH_r, const __nv_bfloat16* __restrict__ dH_c,
-                          const float* __restrict__ dH, const TG* __restrict__ g, const TG* __restrict__ g_li,
-                          const float* __restrict__ H_pre, const float* __restrict__ H_res,
-                          const TG* __restrict__ gx, T* __restrict__ dx, float* __restrict__ dphi, i64 tokens,
-                          i64 tokens_p, int C, int K, int KP, i64 t_split, int res_t) {
-    using namespace mhc_coeffs;
+// DY (mhc_coeffs_mma_bwd_dy_kernel, OPS.md section 12 "Fused boundary backward"): after each step's dx
+// stores, the previous layer's post-op dy_prev = sum_i H_post_prev[t, i] dx_i (the rounded dx, read
+// back from global memory after a barrier: the block wrote all N streams of its 16 tokens x 64
+// columns; L2 hits) in the post op's backward order (mhc_stream_mix_distribute_bwd_kernel: its bits).
+namespace mhc_coeffs {
+template <typename T, typename TG, bool VEC, bool LAYER, int N, int KS, int NQ, int STAGES, bool DY>
+__device__ __forceinline__ void mma_bwd(const T* __restrict__ x, const __nv_bfloat16* __restrict__ phi_r,
+                                        const __nv_bfloat16* __restrict__ dH_r, const __nv_bfloat16* __restrict__ dH_c,
+                                        const float* __restrict__ dH, const TG* __restrict__ g,
+                                        const TG* __restrict__ g_li, const float* __restrict__ H_pre,
+                                        const float* __restrict__ H_res, const TG* __restrict__ gx, T* __restrict__ dx,
+                                        float* __restrict__ dphi, i64 tokens, i64 tokens_p, int C, int K, int KP,
+                                        i64 t_split, int res_t, const float* __restrict__ H_post_prev,
+                                        T* __restrict__ dy_prev) {
     constexpr int P = XParts<T>::value;
     constexpr int PO = sizeof(T) == 4 ? 3 : 2;
     constexpr int K16 = KS * 16, Kp8 = NQ * 8;
@@ -435,7 +440,51 @@ mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restri
                 }
             }
         }
+        if constexpr (DY) {
+            __syncthreads();  // the step's dx (all N streams) written and visible to the block
+            for (int q = threadIdx.x; q < 16 * 64; q += 32 * N) {
+                const int u = q >> 6, col = cb0 + (q & 63);
+                if (u0 + u >= rows || col >= C) continue;
+                const i64 t = t_begin + u0 + u;
+                float s = 0.f;
+#pragma unroll
+                for (int i = 0; i < N; ++i)
+                    s = fmaf(H_post_prev[t * N + i], mhc::to_float(dx[t * (i64)D + i * C + col]), s);
+                dy_prev[t * (i64)C + col] = mhc::from_float<T>(s);
+            }
+        }
     }
     cp_async_wait<0>();
     store_dphi<NQ>(dphi + (i64)blockIdx.y * D * (i64)K, accp, (i64)warp * C, cb0, C, K, 0, g8, tq);
+}
+}  // namespace mhc_coeffs
+
+template <typename T, typename TG, bool VEC, bool LAYER, int N, int KS, int NQ, int STAGES>
+__global__ void __launch_bounds__(128, sizeof(T) == 2 ? 3 : 1)
+mhc_coeffs_mma_bwd_kernel(const T* __restrict__ x, const __nv_bfloat16* __restrict__ phi_r,
+                          const __nv_bfloat16* __restrict__ dH_r, const __nv_bfloat16* __restrict__ dH_c,
+                          const float* __restrict__ dH, const TG* __restrict__ g, const TG* __restrict__ g_li,
+                          const float* __restrict__ H_pre, const float* __restrict__ H_res,
+                          const TG* __restrict__ gx, T* __restrict__ dx, float* __restrict__ dphi, i64 tokens,
+                          i64 tokens_p, int C, int K, int KP, i64 t_split, int res_t) {
+    mhc_coeffs::mma_bwd<T, TG, VEC, LAYER, N, KS, NQ, STAGES, false>(
+        x, phi_r, dH_r, dH_c, dH, g, g_li, H_pre, H_res, gx, dx, dphi, tokens, tokens_p, C, K, KP, t_split, res_t,
+        nullptr, nullptr);
+}
+
+// mhc_coeffs_mma_bwd_kernel (LAYER only) that also writes the previous layer's dy_prev [tokens, C]
+// from H_post_prev [tokens, N] (DY above).  The same template parameters and shared memory.
+template <typename T, typename TG, bool VEC, bool LAYER, int N, int KS, int NQ, int STAGES>
+__global__ void __launch_bounds__(128, sizeof(T) == 2 ? 3 : 1)
+mhc_coeffs_mma_bwd_dy_kernel(const T* __restrict__ x, const __nv_bfloat16* __restrict__ phi_r,
+                             const __nv_bfloat16* __restrict__ dH_r, const __nv_bfloat16* __restrict__ dH_c,
+                             const float* __restrict__ dH, const TG* __restrict__ g, const TG* __restrict__ g_li,
+                             const float* __restrict__ H_pre, const float* __restrict__ H_res,
+                             const TG* __restrict__ gx, T* __restrict__ dx, float* __restrict__ dphi, i64 tokens,
+                             i64 tokens_p, int C, int K, int KP, i64 t_split, int res_t,
+                             const float* __restrict__ H_post_prev, T* __restrict__ dy_prev) {
+    static_assert(LAYER, "dy_prev is a layer backward's");
+    mhc_coeffs::mma_bwd<T, TG, VEC, LAYER, N, KS, NQ, STAGES, true>(
+        x, phi_r, dH_r, dH_c, dH, g, g_li, H_pre, H_res, gx, dx, dphi, tokens, tokens_p, C, K, KP, t_split, res_t,
+        H_post_prev, dy_prev);
 }

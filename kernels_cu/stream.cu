@@ -86,13 +86,23 @@ __global__ void mhc_stream_mix_distribute_fwd_kernel(const T* __restrict__ x, co
 // dH_res rows are reduced RB at a time (RB*N accumulators per thread); the
 // first pass also writes dx (unless null), dy and dH_post.  d_post is [tokens, N] per token
 // (the host sums it over tokens for a shared H_post).
-template <typename T, typename TG, int N, int E, int RB, bool HAS_X, bool HAS_Y>
-__global__ void mhc_stream_mix_distribute_bwd_kernel(const TG* __restrict__ g, const T* __restrict__ x,
-                                                     const T* __restrict__ y, const float* __restrict__ h_post,
-                                                     i64 h_post_stride, const float* __restrict__ h_res,
-                                                     T* __restrict__ dx, T* __restrict__ dy,
-                                                     float* __restrict__ d_post, float* __restrict__ d_res,
-                                                     i64 tokens, int C, int res_t) {
+// LI (mhc_layer_post_pre_bwd_kernel; HAS_X and HAS_Y): no dx and no dy; the first pass also sums
+// dh_j = sum_c g_li_c x_jc, reduced on its own as mhc_stream_aggregate_bwd_kernel reduces it
+// (mhc::block_sum<N>, the same per-thread order: its bits), and writes the pre op's
+// d_pre_j = dh_j s_j (1 - s_j), s = sigmoid(h_pre_raw) (that kernel's ACT = 1 without gh);
+// g_post / g_res (may be null): other gradients of H_post / H_res, added to d_post / d_res.
+namespace mhc_stream {
+template <typename T, typename TG, int N, int E, int RB, bool HAS_X, bool HAS_Y, bool LI>
+__device__ __forceinline__ void mix_distribute_bwd(const TG* __restrict__ g, const T* __restrict__ x,
+                                                   const T* __restrict__ y, const float* __restrict__ h_post,
+                                                   i64 h_post_stride, const float* __restrict__ h_res,
+                                                   T* __restrict__ dx, T* __restrict__ dy,
+                                                   float* __restrict__ d_post, float* __restrict__ d_res,
+                                                   i64 tokens, int C, int res_t, const TG* __restrict__ g_li,
+                                                   const float* __restrict__ h_pre_raw,
+                                                   const float* __restrict__ g_post,
+                                                   const float* __restrict__ g_res, float* __restrict__ d_pre) {
+    static_assert(!LI || (HAS_X && HAS_Y), "the layer's backward has x and y");
     constexpr int KR = HAS_X ? RB * N : 0;
     constexpr int KP = HAS_Y ? N : 0;
     constexpr int K = KR + KP;
@@ -100,7 +110,7 @@ __global__ void mhc_stream_mix_distribute_bwd_kernel(const TG* __restrict__ g, c
     __shared__ float s_post[HAS_Y ? N : 1];
     __shared__ float red[K * 32];  // K values x up to 32 warps
     for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
-        stage_coefficients<N, HAS_X, HAS_Y>(s_res, s_post, h_res, h_post, h_post_stride, t, res_t);
+        stage_coefficients<N, HAS_X && !LI, HAS_Y && !LI>(s_res, s_post, h_res, h_post, h_post_stride, t, res_t);
         const TG* gt = g + t * N * (i64)C;
         const T* xt = x + t * N * (i64)C;
         const T* yt = y + t * (i64)C;
@@ -109,6 +119,9 @@ __global__ void mhc_stream_mix_distribute_bwd_kernel(const TG* __restrict__ g, c
             float acc[K > 0 ? K : 1];
 #pragma unroll
             for (int k = 0; k < K; ++k) acc[k] = 0.f;
+            float acc_li[LI ? N : 1];  // LI: dh of the pre op (first pass)
+#pragma unroll
+            for (int j = 0; j < (LI ? N : 0); ++j) acc_li[j] = 0.f;
             for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
                 float gv[N][E];
                 float xv[HAS_X ? N : 1][E];
@@ -120,8 +133,21 @@ __global__ void mhc_stream_mix_distribute_bwd_kernel(const TG* __restrict__ g, c
                     for (int j = 0; j < N; ++j) mhc::load_vec<T, E>(xt + (i64)j * C + c, xv[j]);
                 }
                 if (HAS_Y) mhc::load_vec<T, E>(yt + c, yv);
+                if (LI && first) {  // in mhc_stream_aggregate_bwd_kernel's order (g_li null: zeros)
+                    float lv[E];
+                    if (g_li != nullptr) {
+                        mhc::load_vec<TG, E>(g_li + t * (i64)C + c, lv);
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < E; ++e) lv[e] = 0.f;
+                    }
+#pragma unroll
+                    for (int j = 0; j < (LI ? N : 0); ++j)
+#pragma unroll
+                        for (int e = 0; e < E; ++e) acc_li[j] = fmaf(lv[e], xv[j][e], acc_li[j]);
+                }
                 if (first) {
-                    if (HAS_X && dx != nullptr) {  // null dx: the fused layer adds H_res^T g itself
+                    if (HAS_X && !LI && dx != nullptr) {  // null dx: the fused layer adds H_res^T g itself
 #pragma unroll(N > 8 ? 1 : N)  // (as in the forward: all N x N coefficients in registers spill)
                         for (int j = 0; j < N; ++j) {
                             float o[E];
@@ -135,7 +161,7 @@ __global__ void mhc_stream_mix_distribute_bwd_kernel(const TG* __restrict__ g, c
                             mhc::store_vec<T, E>(dx + (t * N + j) * (i64)C + c, o);
                         }
                     }
-                    if (HAS_Y) {
+                    if (HAS_Y && !LI) {
                         float o[E];
 #pragma unroll
                         for (int e = 0; e < E; ++e) {
@@ -145,6 +171,8 @@ __global__ void mhc_stream_mix_distribute_bwd_kernel(const TG* __restrict__ g, c
                             o[e] = s;
                         }
                         mhc::store_vec<T, E>(dy + t * (i64)C + c, o);
+                    }
+                    if (HAS_Y) {
 #pragma unroll
                         for (int i = 0; i < N; ++i)
 #pragma unroll
@@ -182,13 +210,59 @@ __global__ void mhc_stream_mix_distribute_bwd_kernel(const TG* __restrict__ g, c
                 mhc::block_sum<K>(acc, red);
                 if (HAS_X)
                     for (int k = threadIdx.x; k < KR; k += blockDim.x)
-                        if (ib + k / N < N) d_res[t * (N * N) + res_index<N>(ib * N + k, res_t)] = red[k];
+                        if (ib + k / N < N) {
+                            if constexpr (LI) {
+                                const i64 o = t * (N * N) + res_index<N>(ib * N + k, res_t);
+                                d_res[o] = g_res != nullptr ? red[k] + g_res[o] : red[k];
+                            } else {
+                                d_res[t * (N * N) + res_index<N>(ib * N + k, res_t)] = red[k];
+                            }
+                        }
                 if (HAS_Y && first)
-                    for (int k = threadIdx.x; k < KP; k += blockDim.x) d_post[t * N + k] = red[KR + k];
+                    for (int k = threadIdx.x; k < KP; k += blockDim.x)
+                        d_post[t * N + k] = LI && g_post != nullptr ? red[KR + k] + g_post[t * N + k] : red[KR + k];
+                __syncthreads();
+            }
+            if (LI && first) {
+                mhc::block_sum<LI ? N : 1>(acc_li, red);
+                for (int k = threadIdx.x; k < N; k += blockDim.x) {
+                    const float s = mhc::sigmoid(h_pre_raw[t * N + k]);
+                    d_pre[t * N + k] = red[k] * (s * (1.f - s));
+                }
                 __syncthreads();
             }
         }
     }
+}
+}  // namespace mhc_stream
+
+template <typename T, typename TG, int N, int E, int RB, bool HAS_X, bool HAS_Y>
+__global__ void mhc_stream_mix_distribute_bwd_kernel(const TG* __restrict__ g, const T* __restrict__ x,
+                                                     const T* __restrict__ y, const float* __restrict__ h_post,
+                                                     i64 h_post_stride, const float* __restrict__ h_res,
+                                                     T* __restrict__ dx, T* __restrict__ dy,
+                                                     float* __restrict__ d_post, float* __restrict__ d_res,
+                                                     i64 tokens, int C, int res_t) {
+    mhc_stream::mix_distribute_bwd<T, TG, N, E, RB, HAS_X, HAS_Y, false>(
+        g, x, y, h_post, h_post_stride, h_res, dx, dy, d_post, d_res, tokens, C, res_t, nullptr, nullptr, nullptr,
+        nullptr, nullptr);
+}
+
+// The post op's coefficient gradients (dH_post, dH_res, plus g_post / g_res where given) and the pre
+// op's d_pre (dh_pre_raw) in one pass over g, x, y and g_li (OPS.md section 12, "Fused boundary
+// backward"): the reductions of mhc_stream_mix_distribute_bwd_kernel and of
+// mhc_stream_aggregate_bwd_kernel (ACT = 1, no dx), with their bits where the launch has theirs (E,
+// threads): those of the post op's backward and of mhc_layer_pre_bwd's aggregate step.
+template <typename T, typename TG, int N, int E, int RB>
+__global__ void mhc_layer_post_pre_bwd_kernel(const TG* __restrict__ g, const T* __restrict__ x,
+                                              const T* __restrict__ y, const TG* __restrict__ g_li,
+                                              const float* __restrict__ h_pre_raw, const float* __restrict__ g_post,
+                                              const float* __restrict__ g_res, float* __restrict__ d_pre,
+                                              float* __restrict__ d_post, float* __restrict__ d_res, i64 tokens,
+                                              int C, int res_t) {
+    mhc_stream::mix_distribute_bwd<T, TG, N, E, RB, true, true, true>(
+        g, x, y, nullptr, 0, nullptr, nullptr, nullptr, d_post, d_res, tokens, C, res_t, g_li, h_pre_raw, g_post,
+        g_res, d_pre);
 }
 
 // The same backward with x and y, without dx (the host adds dx_j = sum_i M_ij g_i as the mix

@@ -47,17 +47,20 @@ def coefficient(name: str, info) -> None:
 
 
 @functools.cache
-def optional_arrays() -> frozenset:
-    """Array arguments that may be None (an absent weight; a None gradient counts as zero): those
-    an op spec marks optional (ops.SPECS; imported here, after the ops have imported this module)."""
+def optional_arrays(planner=None) -> frozenset:
+    """Array arguments of the op that ``planner`` plans that may be None (an absent weight; a None
+    gradient counts as zero): those its op specs mark optional (ops.SPECS; imported here, after the ops
+    have imported this module); of every op for a planner that no spec names (or None)."""
     from .ops import SPECS
 
-    return frozenset(a.name for k in SPECS.values() for a in k.args if a.optional)
+    specs = [k for k in SPECS.values() if k.planner is planner] or SPECS.values()
+    return frozenset(a.name for k in specs for a in k.args if a.optional)
 
 
-def absent(name: str) -> None:
-    """An array argument is None: fine for optional_arrays(), else TypeError naming it."""
-    if name not in optional_arrays():
+def absent(name: str, planner=None) -> None:
+    """An array argument of the op that ``planner`` plans is None: fine for optional_arrays(planner),
+    else TypeError naming it."""
+    if name not in optional_arrays(planner):
         raise TypeError(f"{name} is None; it needs an array")
 
 

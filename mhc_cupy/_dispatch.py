@@ -311,7 +311,7 @@ def _run(planner, arrays: dict, fast_key, params: dict):
     grad = False  # some torch input requires grad
     for name, v in arrays.items():
         if v is None:
-            _checks.absent(name)
+            _checks.absent(name, planner)
             infos[name] = None
             continue
         try:

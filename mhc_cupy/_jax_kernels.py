@@ -218,7 +218,7 @@ def _check_arrays(name: str, arrays: tuple) -> None:
     """None (where the op needs an array) or a list for an array: an error naming the argument."""
     for k, a in zip(_SPECS[name].inputs, arrays):
         if a is None:
-            _checks.absent(k)
+            _checks.absent(k, _SPECS[name].planner)
         elif not hasattr(a, "dtype"):
             raise TypeError(f"{k} has type {type(a).__name__}; it needs an array")
 

@@ -30,6 +30,12 @@ wherever it applies; ``False``: never):
   kernel (``mhc_stream_aggregate_out_kernel``) on the GPU; else they raise NotImplementedError there
   (no other GPU route; CPU inputs run the reference either way).  Off by default until a GPU run has
   checked the kernel.
+* ``boundary_bwd``: the fused boundary backward (OPS.md section 12): ``MHCStack(fuse_boundaries=True)``'s
+  backward hands each layer's dy to the previous layer from the next layer's dx kernel and moves the post
+  op's coefficient gradients into the layer's pre-piece backward (``mhc_boundary_bwd``,
+  ``mhc_layer_pre_bwd(layer_out=...)``); on a GPU those two ops' new paths (``mhc_coeffs_mma_bwd_dy_kernel``,
+  ``mhc_layer_post_pre_bwd_kernel``) run only under it, else NotImplementedError (CPU inputs run the reference
+  either way).  Off by default until a GPU run has checked the kernels.
 
 When it is read: once, when what runs the kernels is built.  The coefficient path's layouts
 (``ops.coeffs.fwd.mma_layout``, ``ops.coeffs.split_bwd.SplitBwd``) read ``wg_fwd`` / ``wg_dx`` when
@@ -50,7 +56,7 @@ __all__ = ["KernelChoice", "LIBRARY_CHOICE", "current", "kernel_choice"]
 
 #: What ``None`` means for each variant: the library's own choice.
 LIBRARY_CHOICE = {"wg_fwd": True, "wg_dx": True, "fused": True, "boundary": False, "small": False,
-                  "layer_in": False}
+                  "layer_in": False, "boundary_bwd": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +64,8 @@ class KernelChoice:
     """The variants asked for (see the module docstring); hashable, a plan-cache key as it is.
 
     Attributes:
-        wg_fwd, wg_dx, fused, boundary, small, layer_in: True, False or None (default: the library's
-            choice).
+        wg_fwd, wg_dx, fused, boundary, small, layer_in, boundary_bwd: True, False or None (default: the
+            library's choice).
 
     Raises:
         TypeError: a variant that is not True, False or None (named).
@@ -71,6 +77,7 @@ class KernelChoice:
     boundary: bool | None = None
     small: bool | None = None
     layer_in: bool | None = None
+    boundary_bwd: bool | None = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -80,7 +87,7 @@ class KernelChoice:
                                 f"got {v!r}")
 
     def runs(self, variant: str) -> bool:
-        """Whether ``variant`` ("wg_fwd", "wg_dx", "fused", "boundary", "small", "layer_in") runs where it
+        """Whether ``variant`` ("wg_fwd", "wg_dx", "fused", "boundary", "small", "layer_in", "boundary_bwd") runs where it
         applies: its value, or for None :data:`LIBRARY_CHOICE`'s.  ValueError: not a variant."""
         if variant not in LIBRARY_CHOICE:
             raise ValueError(f"variant must be one of {', '.join(LIBRARY_CHOICE)}, got {variant!r}")

@@ -22,17 +22,18 @@ def _info(shape, dtype, ptr):
     return ArrayInfo(tuple(shape), dtype, _DEV, ptr, None)
 
 
-def _infos(kernel, lead: tuple, sizes: dict, dt: str, tg: str, ptr: int, shared: bool = False, absent: bool = False):
+def _infos(kernel, lead: tuple, sizes: dict, dt: str, tg: str, ptr: int, shared: bool = False, absent: bool = False,
+           drop=()):
     """Fake infos of ``kernel``'s arrays (its op spec): activations in ``dt``, incoming
     gradients of activations in ``tg``, the rest float32.  ``shared``: the shared-capable
-    input without token dims; ``absent``: every optional input None."""
+    input without token dims; ``absent``: every optional input None; ``drop``: these None."""
     from .ops.spec import shape_of
 
     infos = {}
     for a in kernel.args:
         dtype = (tg if a in kernel.grads else dt) if a.kind == "activation" else "float32"
         shape = shape_of(a, () if shared and a.name == kernel.shared else lead, sizes)
-        infos[a.name] = None if absent and a.optional else _info(shape, dtype, ptr)
+        infos[a.name] = None if (absent and a.optional) or a.name in drop else _info(shape, dtype, ptr)
     return infos
 
 
@@ -41,10 +42,13 @@ def _infos(kernel, lead: tuple, sizes: dict, dt: str, tg: str, ptr: int, shared:
 _OPT_IN = {"mhc_boundary_fwd": ({"boundary": True}, {"small": True}), "mhc_layer_pre_fwd": ({"small": True},),
            "mhc_coeffs_fwd": ({"small": True},),
            "mhc_layer_pre_norm_fwd": ({"layer_in": True}, {"layer_in": True, "small": True}),
-           "mhc_layer_pre_fp8_fwd": ({"layer_in": True}, {"layer_in": True, "small": True})}
+           "mhc_layer_pre_fp8_fwd": ({"layer_in": True}, {"layer_in": True, "small": True}),
+           "mhc_layer_pre_bwd": ({"boundary_bwd": True},), "mhc_boundary_bwd": ({"boundary_bwd": True},)}
 #: Ops that launch nothing on a GPU under the default choice (their only kernel is opt-in): planned with
 #: their _OPT_IN variants only.
-_GATED = {"mhc_layer_pre_norm_fwd", "mhc_layer_pre_fp8_fwd"}
+_GATED = {"mhc_layer_pre_norm_fwd", "mhc_layer_pre_fp8_fwd", "mhc_boundary_bwd"}
+#: Optional inputs that an op takes on a GPU only under its _OPT_IN variants (None under the default choice).
+_GATED_INPUTS = {"mhc_layer_pre_bwd": ("layer_out",)}
 
 
 def _cases(dt: str, n: int, C: int, ptr: int, tg: str):
@@ -63,7 +67,8 @@ def _cases(dt: str, n: int, C: int, ptr: int, tg: str):
         for mode, conv, sh, ab in itertools.product(modes, conventions, shared, absent):
             params = dict(k.params, **({"grad_mode": mode} if mode else {}), **({"convention": conv} if conv else {}))
             for variants in (() if k.name in _GATED else ({},)) + _OPT_IN.get(k.name, ()):
-                cases.append((k.planner, _infos(k, (3,), sizes, dt, tg, ptr, sh, ab), params, variants))
+                drop = () if variants else _GATED_INPUTS.get(k.name, ())
+                cases.append((k.planner, _infos(k, (3,), sizes, dt, tg, ptr, sh, ab, drop), params, variants))
     # RMSNorm of vec(x), as the mHC paper (OPS.md 2), with a weight too where its dw row fits every
     # supported GPU; the coefficient backward over many tokens (the narrow column sums over tokens:
     # dalpha, dbias)

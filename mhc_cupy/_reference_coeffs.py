@@ -10,7 +10,8 @@ import math
 import numpy as np
 
 from ._convention import DEFAULT, resolve as _resolve
-from ._reference_ops import _f64, _res_matrix, _rms_inv, _sigmoid, mhc_post_op_fwd, mhc_pre_op_bwd, mhc_pre_op_fwd
+from ._reference_ops import (_f64, _res_matrix, _rms_inv, _sigmoid, mhc_post_op_bwd, mhc_post_op_fwd, mhc_pre_op_bwd,
+                             mhc_pre_op_fwd)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -138,17 +139,24 @@ def mhc_layer_pre_fwd(x, phi, alpha, bias, num_iters=DEFAULT, eps=DEFAULT, rms_e
 
 def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats, H_pre,
                       H_res, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, grad_mode="unrolled", convention="paper",
-                      hc_eps=DEFAULT, post_mult=DEFAULT, grad_x=None):
+                      hc_eps=DEFAULT, post_mult=DEFAULT, grad_x=None, layer_out=None):
     """Backward of ``mhc_layer_pre_fwd`` with the post op's dx folded in (OPS.md §9).
 
     dx = (pre op's dx) + (coefficient path's dx) + H_res^T grad_out (the post op's dx,
     with the H_res given; H_res grad_out under ``convention="deepseek"``) + grad_x; the coefficient
     gradients are recomputed from x (``stats`` and ``H_pre`` are not needed here).  None
-    gradients count as zero.
+    gradients count as zero.  ``layer_out`` (y, OPS.md §12 "Fused boundary backward"): the post op's
+    dH_post, dH_res of grad_out (``mhc_post_op_bwd``'s, rounded to float32 as that op returns them)
+    are added to grad_H_post, grad_H_res first.
 
     Returns:
         (dx ``[..., n, C]``, dphi, dalpha, dbias), float64.
     """
+    if layer_out is not None:  # (H_post enters only the post op's dy)
+        _, _, dH_post, dH_res = mhc_post_op_bwd(grad_out, layer_out, x, np.zeros(np.shape(H_pre)), H_res, convention)
+        f32 = lambda a: _f64(np.float32(a))  # noqa: E731
+        grad_H_post, grad_H_res = (f32(d) if g is None else f32(f32(d) + _f64(g))
+                                   for d, g in ((dH_post, grad_H_post), (dH_res, grad_H_res)))
     h = mhc_coeffs_fwd(x, phi, alpha, bias, rms_eps, convention)
     dx, dh_pre, dh_post, dh_res = mhc_pre_op_bwd(grad_layer_in, None, grad_H_post, grad_H_res, x, *h, num_iters,
                                                  eps, grad_mode, convention, hc_eps, post_mult)
@@ -233,3 +241,20 @@ def mhc_boundary_fwd(layer_out, x, H_post, H_res, phi, alpha, bias, num_iters=DE
     out = np.asarray(mhc_post_op_fwd(layer_out, x, H_post, H_res, convention)).astype(np.asarray(x).dtype)
     return (_f64(out), *mhc_layer_pre_fwd(out, phi, alpha, bias, num_iters, eps, rms_eps, convention, hc_eps,
                                           post_mult))
+
+
+def mhc_boundary_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats, H_pre, H_res,
+                     num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, grad_mode="unrolled", convention="paper",
+                     hc_eps=DEFAULT, post_mult=DEFAULT, grad_x=None, layer_out=None, H_post_prev=None):
+    """``mhc_layer_pre_bwd`` and the previous layer's d layer_out (OPS.md §12 "Fused boundary backward"):
+    dy_prev = sum_i H_post_prev_i dx_i of dx rounded to x's dtype (the gradient the previous layer's
+    post op gets, ``mhc_post_op_bwd``'s dy of it).
+
+    Returns:
+        (dx ``[..., n, C]``, dphi, dalpha, dbias, dy_prev ``[..., C]``), float64.
+    """
+    dx, dphi, dalpha, dbias = mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias,
+                                                stats, H_pre, H_res, num_iters, eps, rms_eps, grad_mode, convention,
+                                                hc_eps, post_mult, grad_x, layer_out)
+    g = _f64(np.asarray(dx).astype(np.asarray(x).dtype))
+    return dx, dphi, dalpha, dbias, (_f64(H_post_prev)[..., :, None] * g).sum(axis=-2)

@@ -29,7 +29,8 @@ from ._reference_ops import (  # noqa: F401 - sections 1-7
     stream_distribute_fwd, stream_mix_bwd, stream_mix_fwd,
 )
 from ._reference_coeffs import (  # noqa: F401 - sections 8, 9, 11, 12
-    mhc_boundary_fwd, mhc_coeffs_bwd, mhc_coeffs_fwd, mhc_head_bwd, mhc_head_fwd, mhc_layer_pre_bwd, mhc_layer_pre_fwd,
+    mhc_boundary_bwd, mhc_boundary_fwd, mhc_coeffs_bwd, mhc_coeffs_fwd, mhc_head_bwd, mhc_head_fwd, mhc_layer_pre_bwd,
+    mhc_layer_pre_fwd,
 )
 from ._reference_layer_in import mhc_layer_pre_fp8_fwd, mhc_layer_pre_norm_fwd  # noqa: F401 - section 13
 

@@ -128,7 +128,9 @@ def test_every_plan_launches_with_any_optional_inputs_absent_and_any_token_count
             infos = _kernels._infos(k, lead, {"n": n, "C": 33, "K": coeffs.columns(n)}, dt, tg,
                                     _kernels._MISALIGNED, sh)
             infos.update(dict.fromkeys(absent))
-            with _jit.dry_run() as launches, kernel_choice(layer_in=True):  # (those ops' kernel: opt-in)
+            if infos.get("layer_out") is not None and infos.get("grad_out") is None:
+                continue  # (a ValueError: layer_out's sums are over grad_out; tests/test_boundary_bwd.py)
+            with _jit.dry_run() as launches, kernel_choice(layer_in=True, boundary_bwd=True):  # (opt-in kernels)
                 plan = k.planner(infos, **k.params)
                 if not plan.empty:
                     plan.launch({a: (None if v is None else v.ptr) for a, v in infos.items()},
@@ -185,7 +187,7 @@ def test_kernel_specs_are_the_kernels_declarations():
 
     declared = _kernels_declared()
     units = {k for k, (f, *_) in declared.items() if f.startswith("coeffs_") or f == "head.cu"}
-    assert len(units) == 20 and units <= set(KERNEL_SPECS), sorted(units - set(KERNEL_SPECS))
+    assert len(units) == 21 and units <= set(KERNEL_SPECS), sorted(units - set(KERNEL_SPECS))
     for name, spec in KERNEL_SPECS.items():
         assert (spec.file, spec.template, spec.params) == declared[name], name
 

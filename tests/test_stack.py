@@ -135,6 +135,65 @@ def test_fused_boundaries_equal_the_chain_and_run_the_boundary_op(rng, monkeypat
         assert torch.equal(stack(x), want[0])
 
 
+@pytest.mark.parametrize("recompute", [None, 2])
+@pytest.mark.parametrize("lead,n,C,L,convention", [((3,), 1, 8, 2, "paper"), ((2, 3), 4, 7, 3, "deepseek"),
+                                                   ((127,), 4, 16, 5, "paper"), ((2,), 8, 9, 4, "paper")])
+def test_fused_boundary_backward_equals_the_chain(rng, monkeypatch, lead, n, C, L, convention, recompute):
+    """Under the kernel choice boundary_bwd (OPS.md section 12, "Fused boundary backward"), layer l+1's
+    pre-piece backward also returns layer l's dy (mhc_boundary_bwd) and layer l's coefficient gradients of
+    its residual update come from its own pre-piece backward (layer_out): layer l's residual update runs
+    no backward of its own, except the last layer's; for n > 4 (the post op's dx given as grad_x) nothing
+    changes.  On the CPU the gradients are the chain's bitwise."""
+    from mhc_cupy import _kernel_choice, reference
+
+    names = ("mhc_boundary_bwd", "mhc_layer_pre_bwd", "mhc_post_op_bwd")
+    calls = count_calls(monkeypatch, reference, names)
+    layers = make_layers(L, n, C, int(rng.integers(1 << 30)), convention)
+    x = torch.from_numpy(rng.standard_normal(lead + (n, C))).float()
+    g = torch.from_numpy(rng.standard_normal(lead + (n, C))).float()
+    want = run(nn.Sequential(*layers), x, g)
+    unfused = dict(calls)
+    calls.update(dict.fromkeys(calls, 0))
+    with _kernel_choice.kernel_choice(boundary_bwd=True):
+        got = run(mt.MHCStack(layers, recompute=recompute, fuse_boundaries=True), x, g)
+    assert_bitwise(got, want, "fused boundary backward")
+    if n <= 4:  # (mhc_layer_post_bwd is mhc_post_op_bwd's reference; one call per layer in the chain)
+        assert unfused == {"mhc_boundary_bwd": 0, "mhc_layer_pre_bwd": L, "mhc_post_op_bwd": L}, unfused
+        assert calls == {"mhc_boundary_bwd": L - 1, "mhc_layer_pre_bwd": 1, "mhc_post_op_bwd": 1}, calls
+    else:
+        assert calls == unfused, calls
+
+
+def test_fused_boundary_backward_where_a_layer_output_has_another_use(rng, monkeypatch):
+    """A layer output also used outside the stack (a forward hook keeps it; the loss reads it): its
+    gradient is not the next layer's dx alone, so that layer's residual update runs its own backward
+    (no dy handed over): the chain's gradients bitwise."""
+    from mhc_cupy import _kernel_choice, reference
+
+    layers = make_layers(3, 4, 8, 21)
+    x = torch.from_numpy(rng.standard_normal((5, 4, 8))).float().requires_grad_()
+    g = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+    kept = []
+    hook = layers[1].register_forward_hook(lambda m, a, out: kept.append(out))
+
+    def grads(module):
+        kept.clear()
+        for p in [x, *module.parameters()]:
+            p.grad = None
+        out = module(x)
+        ((out * g).sum() + (kept[0] ** 2).sum()).backward()
+        return [x.grad, *(p.grad for p in module.parameters())]
+
+    want = grads(nn.Sequential(*layers))
+    calls = count_calls(monkeypatch, reference, ("mhc_boundary_bwd", "mhc_post_op_bwd"))
+    with _kernel_choice.kernel_choice(boundary_bwd=True):
+        got = grads(mt.MHCStack(layers, fuse_boundaries=True))
+    hook.remove()
+    assert calls == {"mhc_boundary_bwd": 2, "mhc_post_op_bwd": 2}, calls  # layer 1's update and the last
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), i
+
+
 def test_fused_boundaries_only_between_layers_of_one_convention(rng):
     layers = make_layers(2, 4, 8, 11) + make_layers(1, 4, 8, 12, convention="deepseek")
     x = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()

@@ -638,6 +638,7 @@ def test_functional_api_no_warning_without_grad(rng, fresh_warnings, op):
 
 def test_functional_docstrings_point_at_the_adapter():
     differentiable = {"mhc_boundary_fwd": "mhc_cupy.torch.MHCStack",  # (a module fuses it, no function)
+                      "mhc_boundary_bwd": "mhc_cupy.torch.MHCStack",
                       "mhc_layer_pre_norm_fwd": "mhc_cupy.torch.mhc_layer_pre",  # (inference: no gradient;
                       "mhc_layer_pre_fp8_fwd": "mhc_cupy.torch.mhc_layer_pre"}   # to train, the layer piece)
     for name in m.__all__:

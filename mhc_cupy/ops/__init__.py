@@ -1,7 +1,7 @@
 """The mHC operators: one module per family, each with its public ``*_fwd`` /
 ``*_bwd`` functions and their launch plans (OPS.md sections 1-13)."""
 
-from .boundary import mhc_boundary_fwd
+from .boundary import mhc_boundary_bwd, mhc_boundary_fwd
 from .coeffs import mhc_coeffs_bwd, mhc_coeffs_fwd
 from .head import mhc_head_bwd, mhc_head_fwd
 from .layer import mhc_layer_post_bwd, mhc_layer_pre_bwd, mhc_layer_pre_fwd
@@ -31,5 +31,5 @@ __all__ = [
     "stream_distribute_fwd", "stream_distribute_bwd", "mhc_post_op_fwd", "mhc_post_op_bwd",
     "mhc_pre_op_fwd", "mhc_pre_op_bwd", "mhc_coeffs_fwd", "mhc_coeffs_bwd",
     "mhc_layer_pre_fwd", "mhc_layer_pre_bwd", "mhc_layer_post_bwd", "mhc_head_fwd", "mhc_head_bwd",
-    "mhc_boundary_fwd", "mhc_layer_pre_norm_fwd", "mhc_layer_pre_fp8_fwd",
+    "mhc_boundary_fwd", "mhc_boundary_bwd", "mhc_layer_pre_norm_fwd", "mhc_layer_pre_fp8_fwd",
 ]

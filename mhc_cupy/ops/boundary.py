@@ -31,7 +31,8 @@ from ._launch import MAX_GRID, KernelSpec, vec8
 from .coeffs import check as _check_coeffs, launch_mma_gemm, mma_layout
 from .coeffs.common import _MAX_SPLITS, _MMA_TARGET_BLOCKS, _SMEM_PORTABLE, _cdiv
 from .coeffs.fwd import SPLIT_PHI_FWD, launch_gemv
-from .layer import _PARAMS, _STATS, launch_pre_from_sums, pre_outputs, raw_coefficient_scratch
+from .layer import (_PARAMS, _STATS, PRE_BWD_GRADS, PRE_BWD_INPUTS, PRE_BWD_PARAMS, _plan_pre_bwd, launch_pre_from_sums,
+                    pre_outputs, raw_coefficient_scratch)
 from .post import _check as _check_post
 from .spec import ALPHA, BIAS, H_POST, H_PRE, H_RES, LAYER_IN, LAYER_OUT, PHI, X, Arg, Kernel
 from .stream import launch_mix_distribute_fwd
@@ -178,9 +179,45 @@ def mhc_boundary_fwd(layer_out, x, H_post, H_res, phi, alpha, bias, num_iters=DE
                post_mult=post_mult)
 
 
+def mhc_boundary_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats, H_pre, H_res,
+                     layer_out, H_post_prev, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, grad_mode="unrolled", *,
+                     convention="paper", hc_eps=DEFAULT, post_mult=DEFAULT, grad_x=None):
+    """Backward across a layer boundary (OPS.md section 12, "Fused boundary backward"): layer l+1's
+    :func:`mhc_layer_pre_bwd` (``layer_out`` its sublayer's output, or None) and layer l's d layer_out.
+
+    dy_prev = sum_i H_post_prev_i dx_i, with dx (this call's, rounded to x's dtype) the gradient of
+    layer l's output = layer l+1's input: what ``mhc_layer_post_bwd`` of layer l returns as
+    d_layer_out, with its bits, so that its backward needs no pass over dx for dy.  For n <= 4 the
+    dx kernel writes dy_prev from the dx values it has just stored (no pass of its own).
+
+    Args:
+        grad_layer_in ... H_res, layer_out, num_iters ... grad_x: layer l+1's, as
+            :func:`mhc_layer_pre_bwd` (layer_out may be None).
+        H_post_prev: float32 [..., n], layer l's H_post.
+
+    Returns:
+        (dx [..., n, C] dtype of x, dphi, dalpha, dbias as mhc_layer_pre_bwd, dy_prev [..., C] dtype of x).
+
+    Raises:
+        TypeError / ValueError: as mhc_layer_pre_bwd; H_post_prev not float32 [..., n].
+
+    Autograd: none.  Torch tensors that require grad (with grad mode on) give an
+    ``AutogradNotRecordedWarning`` (once per op): ``mhc_cupy.torch.MHCStack(..., fuse_boundaries=True)``
+    runs it inside a differentiable stack of layers where the kernel choice says ``boundary_bwd=True``.
+    """
+    return run(_plan_pre_bwd, {"grad_layer_in": grad_layer_in, "grad_out": grad_out, "grad_H_post": grad_H_post,
+                               "grad_H_res": grad_H_res, "grad_x": grad_x, "x": x, "phi": phi, "alpha": alpha,
+                               "bias": bias, "stats": stats, "H_pre": H_pre, "H_res": H_res, "layer_out": layer_out,
+                               "H_post_prev": H_post_prev},
+               num_iters=num_iters, eps=eps, rms_eps=rms_eps, grad_mode=grad_mode, convention=convention, hc_eps=hc_eps,
+               post_mult=post_mult)
+
+
 # ------------------------------------------------------------------ op spec
 KERNELS = (
     Kernel("mhc_boundary_fwd", _plan_fwd, (LAYER_OUT, X, H_POST, H_RES, PHI, ALPHA, BIAS),
            (Arg("out", "...nC", "activation"), LAYER_IN, H_PRE, Arg("H_post_next", "...n", "coefficient"),
             Arg("H_res_next", "...nn", "coefficient"), _STATS), params=_PARAMS),
+    Kernel("mhc_boundary_bwd", _plan_pre_bwd, PRE_BWD_INPUTS + (Arg("H_post_prev", "...n", "coefficient"),),
+           (X, PHI, ALPHA, BIAS, Arg("dy_prev", "...C", "activation")), grads=PRE_BWD_GRADS, params=PRE_BWD_PARAMS),
 )

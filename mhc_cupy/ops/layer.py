@@ -30,11 +30,14 @@ from .. import _checks, reference
 from .._convention import DEFAULT
 from .._settings import LayerSettings, takes_settings
 from .._dispatch import Plan, run
+from .._kernel_choice import current as current_choice
 from .coeffs import (backward_layout, check as _check_coeffs, launch_finish, launch_mma_gemm, launch_param_bwd,
                      launch_prep, mma_layout, padded_row, param_grad_plan)
+from .coeffs.bwd import MmaBwd
 from ._launch import MAX_GRID, KernelSpec
 from .sinkhorn import bwd_history, fwd_group, launch_bwd, launch_fwd
-from .stream import check_grad, launch_aggregate_bwd, launch_aggregate_fwd, launch_mix_distribute_bwd
+from .stream import (check_grad, launch_aggregate_bwd, launch_aggregate_fwd, launch_layer_post_pre_bwd,
+                     launch_mix_distribute_bwd)
 from .post import _check as _check_post
 from .spec import (ACTIVATION_PARAMS, ALPHA, BIAS, CONVENTION, GRAD_MODE, GRAD_X, H_POST, H_PRE, H_RES, LAYER_IN,
                    LAYER_OUT, PHI, SINKHORN_PARAMS, X, Arg, Kernel)
@@ -240,50 +243,87 @@ def _plan_pre_bwd(infos, s: LayerSettings):
                         "gradients in one dtype (the activation dtype or float32)")
     tg = tgs[0][1] if tgs else dt
     for name, shape in (("grad_H_post", lead + (n,)), ("grad_H_res", lead + (n, n)), ("stats", lead + (K + 1,)),
-                        ("H_pre", lead + (n,)), ("H_res", lead + (n, n))):
-        if infos[name] is not None or name in ("stats", "H_pre", "H_res"):
+                        ("H_pre", lead + (n,)), ("H_res", lead + (n, n)), ("H_post_prev", lead + (n,))):
+        if infos.get(name) is not None or name in ("stats", "H_pre", "H_res"):
             _checks.coefficient(name, infos[name])
             _checks.expect_shape(name, infos[name].shape, shape, "the shape mhc_layer_pre_fwd / the post op gave")
+    # layer_out: the post op's coefficient gradients from grad_out here (OPS.md section 12)
+    post = infos.get("layer_out") is not None
+    if post:
+        _checks.activation("layer_out", infos["layer_out"], dt)
+        _checks.expect_shape("layer_out", infos["layer_out"].shape, lead + (C,), "the shape of layer_in")
+        if infos["grad_out"] is None:
+            raise ValueError("layer_out is given but grad_out is None: the post op's coefficient gradients that "
+                             "layer_out serves are sums over grad_out, the layer output's gradient (give it)")
+    prev = "H_post_prev" in infos  # mhc_boundary_bwd: also the previous layer's dy
     KP = padded_row(K)
     b = backward_layout(tokens, n, C, K, dt)
-    hist = bwd_history(n, tokens, iters, mode)[2] if infos["grad_H_res"] is not None else 0
+    hist = bwd_history(n, tokens, iters, mode)[2] if infos["grad_H_res"] is not None or post else 0
     scratch = {**raw_coefficient_scratch(tokens, n), "dh_pre": ((tokens, n), "float32"),
                "dh_post": ((tokens, n), "float32"), "dh_res": ((tokens, n, n), "float32"),
                "dH": ((tokens, KP), "float32"), "qa": ((tokens, 3), "float32"), **b.scratch()}
     if hist:
         scratch["hist"] = ((hist,), "float32")
+    if post:  # the post op's dH_post, dH_res (+ the given ones)
+        scratch.update(g_post=((tokens, n), "float32"), g_res=((tokens, n, n), "float32"))
+    # dy_prev in the dx kernel's epilogue (mhc_coeffs_mma_bwd_dy_kernel: a layer term), else from dx afterwards
+    dy_epilogue = isinstance(b, MmaBwd) and any(infos[k] is not None for k in ("grad_out", "grad_layer_in", "grad_x"))
+    gpu_ok = not (post or prev) or current_choice().runs("boundary_bwd")
 
     def body(p, outs, sc, stream):
-        dx, dphi, dalpha, dbias = outs
+        if not gpu_ok:
+            raise NotImplementedError(
+                f"{'mhc_boundary_bwd' if prev else 'mhc_layer_pre_bwd with layer_out'} on a GPU: its kernels "
+                "(mhc_layer_post_pre_bwd_kernel, mhc_coeffs_mma_bwd_dy_kernel) have not been checked on a GPU yet, "
+                "so they run only under mhc_cupy._kernel_choice.kernel_choice(boundary_bwd=True); CPU inputs run the "
+                "reference")
+        dx, dphi, dalpha, dbias = outs[:4]
         stats = p["stats"]
         # raw coefficients from the saved sums (no second GEMM)
         launch_finish(tokens, D, n, K, rms_eps, part=stats, splits=1, alpha=p["alpha"], bias=p["bias"],
                       h_pre=sc["h_pre"], h_post=sc["h_post"], h_res=sc["h_res"], stats=None, stream=stream)
+        if post:  # one pass for the post op's dH_post, dH_res and the pre op's dh_pre_raw
+            g_post, g_res = sc["g_post"], sc["g_res"]
+            launch_layer_post_pre_bwd(dt, tg, n, C, tokens, g=p["grad_out"], x=p["x"], y=p["layer_out"],
+                                      g_li=p["grad_layer_in"], h_pre_raw=sc["h_pre"], g_post=p["grad_H_post"],
+                                      g_res=p["grad_H_res"], d_pre=sc["dh_pre"], d_post=g_post, d_res=g_res,
+                                      stream=stream, res_t=ds)
+        else:
+            g_post, g_res = p["grad_H_post"], p["grad_H_res"]
         # Sinkhorn and H_post activation backward (null incoming gradients read as zero)
-        launch_bwd(n, tokens, iters, eps, mode, grad_P=p["grad_H_res"], logits=sc["h_res"], d_logits=sc["dh_res"],
-                   hist=sc.get("hist"), stream=stream, g_post=p["grad_H_post"], h_post_raw=sc["h_post"],
+        launch_bwd(n, tokens, iters, eps, mode, grad_P=g_res, logits=sc["h_res"], d_logits=sc["dh_res"],
+                   hist=sc.get("hist"), stream=stream, g_post=g_post, h_post_raw=sc["h_post"],
                    d_post_raw=sc["dh_post"], ds=ds, post_mult=post_mult)
-        # dh_pre_raw = (sum_c g_c x_ic) s (1 - s), s = sigmoid(h_pre_raw); no dx here
-        launch_aggregate_bwd(dt, tg, n, C, tokens, g=p["grad_layer_in"], x=p["x"], h=sc["h_pre"], h_stride=n, dx=None,
-                             dh=sc["dh_pre"], stream=stream, act=1)
+        if not post:  # dh_pre_raw = (sum_c g_c x_ic) s (1 - s), s = sigmoid(h_pre_raw); no dx here
+            launch_aggregate_bwd(dt, tg, n, C, tokens, g=p["grad_layer_in"], x=p["x"], h=sc["h_pre"], h_stride=n,
+                                 dx=None, dh=sc["dh_pre"], stream=stream, act=1)
         launch_prep(tokens, D, n, K, KP, rms_eps, part=stats, splits=1,
                     grads=(sc["dh_pre"], sc["dh_post"], sc["dh_res"]), alpha=p["alpha"], dH=sc["dH"], qa=sc["qa"],
                     dalpha=dalpha, dbias=dbias, stream=stream)
+        dy = {"H_post_prev": p["H_post_prev"], "dy_prev": outs[4]} if prev and dy_epilogue else {}
         launch_param_bwd(b, dt, x=p["x"], phi=p["phi"], dH=sc["dH"], KP=KP, dx=dx, dphi=dphi, sc=sc, stream=stream,
                          tg=tg, g=p["grad_out"], g_li=p["grad_layer_in"], H_pre=p["H_pre"], H_res=p["H_res"],
-                         gx=p["grad_x"], res_t=ds)
+                         gx=p["grad_x"], res_t=ds, **dy)
+        if prev and not dy_epilogue:  # dy_prev = sum_i H_post_prev_i dx_i (the post op's dy: its bits)
+            launch_aggregate_fwd(dt, n, C, tokens, x=dx, h=p["H_post_prev"], h_stride=n, out=outs[4], stream=stream)
 
     def ref(a):
-        return reference.mhc_layer_pre_bwd(a["grad_layer_in"], a["grad_out"], a["grad_H_post"], a["grad_H_res"],
-                                           a["x"], a["phi"], a["alpha"], a["bias"], a["stats"], a["H_pre"], a["H_res"],
-                                           iters, eps, rms_eps, mode, s.convention, hc_eps, post_mult, a["grad_x"])
+        args = (a["grad_layer_in"], a["grad_out"], a["grad_H_post"], a["grad_H_res"], a["x"], a["phi"], a["alpha"],
+                a["bias"], a["stats"], a["H_pre"], a["H_res"], iters, eps, rms_eps, mode, s.convention, hc_eps,
+                post_mult, a["grad_x"], a.get("layer_out"))
+        if prev:
+            return reference.mhc_boundary_bwd(*args, a["H_post_prev"])
+        return reference.mhc_layer_pre_bwd(*args)
 
-    return param_grad_plan(infos["x"].shape, dt, tokens, D, K, scratch, body, ref)
+    plan = param_grad_plan(infos["x"].shape, dt, tokens, D, K, scratch, body, ref)
+    if prev:
+        plan.outputs.append((lead + (C,), dt))
+    return plan
 
 
 def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, alpha, bias, stats, H_pre, H_res,
                       num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, grad_mode="unrolled", *, convention="paper",
-                      hc_eps=DEFAULT, post_mult=DEFAULT, grad_x=None):
+                      hc_eps=DEFAULT, post_mult=DEFAULT, grad_x=None, layer_out=None):
     """Gradient of everything before the sublayer, with the post op's dx folded in (OPS.md section 9).
 
     dx_i = H_pre_i g_layer_in + sum_j H_res[j, i] grad_out_j + grad_x_i + (coefficient path's dx_i)
@@ -306,20 +346,25 @@ def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, 
             mhc_layer_pre_fwd.
         stats, H_pre, H_res: its outputs.
         grad_mode: Sinkhorn gradient, "unrolled" (default) or "implicit".
+        layer_out: [..., C] the sublayer's output y (dtype of x), or None (default; keyword only).
+            Given, this call also computes the post op's coefficient gradients from grad_out
+            (mhc_layer_post_bwd's dH_post_i = sum_c grad_out_ic y_c and dH_res, added to grad_H_post /
+            grad_H_res where given): the post op's backward then needs only its dy (OPS.md section 12,
+            "Fused boundary backward": one pass over the streams less per layer, in a stack).
 
     Returns:
         (dx [..., n, C] dtype of x, dphi float32 [n*C, n*n + 2n], dalpha float32 [3],
         dbias float32 [n*n + 2n]).
 
     Raises:
-        TypeError / ValueError: bad dtypes or shapes.
+        TypeError / ValueError: bad dtypes or shapes; layer_out given without grad_out.
 
     Autograd: none.  Torch tensors that require grad (with grad mode on) give an
     ``AutogradNotRecordedWarning`` (once per op): use ``mhc_cupy.torch.mhc_layer_pre`` for gradients.
     """
     return run(_plan_pre_bwd, {"grad_layer_in": grad_layer_in, "grad_out": grad_out, "grad_H_post": grad_H_post,
                                "grad_H_res": grad_H_res, "grad_x": grad_x, "x": x, "phi": phi, "alpha": alpha, "bias": bias,
-                               "stats": stats, "H_pre": H_pre, "H_res": H_res},
+                               "stats": stats, "H_pre": H_pre, "H_res": H_res, "layer_out": layer_out},
                num_iters=num_iters, eps=eps, rms_eps=rms_eps, grad_mode=grad_mode, convention=convention, hc_eps=hc_eps,
                post_mult=post_mult)
 
@@ -329,14 +374,17 @@ _PRE_INPUTS = (X, PHI, ALPHA, BIAS)
 _POST_INPUTS = (LAYER_OUT, X, H_POST, H_RES)
 _PARAMS = {**SINKHORN_PARAMS, "rms_eps": 1e-5, **ACTIVATION_PARAMS}
 _STATS = Arg("stats", "...K+1", "coefficient")
+#: mhc_layer_pre_bwd's arrays besides the gradients (layer_out: OPS.md section 12, "Fused boundary backward")
+PRE_BWD_INPUTS = _PRE_INPUTS + (_STATS, H_PRE, H_RES, Arg("layer_out", "...C", "activation", optional=True))
+#: its incoming gradients
+PRE_BWD_GRADS = tuple(Arg(n, a.shape, a.kind, optional=True) for n, a in (
+    ("grad_layer_in", LAYER_IN), ("grad_out", X), ("grad_H_post", H_POST), ("grad_H_res", H_RES), ("grad_x", X)))
+PRE_BWD_PARAMS = {**_PARAMS, **GRAD_MODE}
 KERNELS = (
     Kernel("mhc_layer_pre_fwd", _plan_pre_fwd, _PRE_INPUTS, (LAYER_IN, H_PRE, H_POST, H_RES, _STATS),
            params=_PARAMS),
     Kernel("mhc_layer_post_bwd", _plan_post_bwd, _POST_INPUTS, (LAYER_OUT, H_POST, H_RES), grads=(GRAD_X,),
            params=CONVENTION),
-    Kernel("mhc_layer_pre_bwd", _plan_pre_bwd, _PRE_INPUTS + (_STATS, H_PRE, H_RES), _PRE_INPUTS,
-           grads=tuple(Arg(n, a.shape, a.kind, optional=True) for n, a in (
-               ("grad_layer_in", LAYER_IN), ("grad_out", X), ("grad_H_post", H_POST), ("grad_H_res", H_RES),
-               ("grad_x", X))),
-           params={**_PARAMS, **GRAD_MODE}),
+    Kernel("mhc_layer_pre_bwd", _plan_pre_bwd, PRE_BWD_INPUTS, _PRE_INPUTS, grads=PRE_BWD_GRADS,
+           params=PRE_BWD_PARAMS),
 )

@@ -116,6 +116,19 @@ def launch_mix_distribute_bwd(dt, tg, n, C, tokens, *, g, stream, x=None, M=None
            (g, x, y, h, i64(h_stride), M, dx, dy, dh, dM, i64(tokens), i32(C), i32(res_t)), stream)
 
 
+def launch_layer_post_pre_bwd(dt, tg, n, C, tokens, *, g, x, y, g_li, h_pre_raw, g_post, g_res, d_pre, d_post, d_res,
+                              stream, res_t=False):
+    """The post op's dH_post, dH_res (+ g_post, g_res where not None) and the pre op's d_pre =
+    (sum_c g_li_c x_ic) s (1 - s), s = sigmoid(h_pre_raw), in one pass (OPS.md section 12, "Fused
+    boundary backward"); g_li None counts as zero.  The per-token sums have the bits of
+    :func:`launch_mix_distribute_bwd` and :func:`launch_aggregate_bwd` (``act=1``) where the arrays'
+    alignment gives the three launches one vector width."""
+    E = vec_width(n, C, [(g, tg), (x, dt), (y, dt), (g_li, tg)])
+    launch(_FILE, f"mhc_layer_post_pre_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{n},{E},{dh_rows(n)}>", grid_for(tokens),
+           (threads_for(C, E), 1, 1),
+           (g, x, y, g_li, h_pre_raw, g_post, g_res, d_pre, d_post, d_res, i64(tokens), i32(C), i32(res_t)), stream)
+
+
 def launch_aggregate_fwd(dt, n, C, tokens, *, x, h, h_stride, out, stream):
     E = vec_width(n, C, [(x, dt), (out, dt)])
     launch(_FILE, f"mhc_stream_aggregate_fwd_kernel<{CTYPE[dt]},{n},{E}>", grid_for(tokens),

@@ -307,7 +307,7 @@ _SPEC_OF = {name: r.kernel.name for name, r in _REGISTERED.items() if name != r.
 # which the pre piece's backward computes H_res^T g itself (grad_out); above, the post op's dx
 # from its own backward, which the pre piece's backward adds (grad_x; ops.layer.fold_post_dx).
 # (the boundary: layer_post and layer_pre's forwards in one, NextPre; the layer_in forms for inference, forward only)
-for _name in ("mhc_layer_pre_fwd", "mhc_layer_pre_bwd", "mhc_layer_post_bwd", "mhc_boundary_fwd",
+for _name in ("mhc_layer_pre_fwd", "mhc_layer_pre_bwd", "mhc_layer_post_bwd", "mhc_boundary_fwd", "mhc_boundary_bwd",
               "mhc_layer_pre_norm_fwd", "mhc_layer_pre_fp8_fwd"):
     _register(_name, _ops.SPECS[_name])
 
@@ -317,41 +317,77 @@ def _same_tensor(a: Tensor, b) -> bool:
     return b is not None and _tensor_key(a) == _tensor_key(b)
 
 
+class BoundaryGrad:
+    """The fused boundary backward's hand-over between layer l's residual update and layer l+1's pre
+    piece (OPS.md section 12, "Fused boundary backward"; kernel choice ``boundary_bwd``).  Layer l+1's
+    pre-piece backward runs ``mhc_boundary_bwd`` with layer l's ``H_post``: besides dx_{l+1} (the
+    gradient of layer l's output) it returns dy_l = sum_i H_post_i dx_{l+1, i}, kept here with dx_{l+1}.
+    Layer l's residual-update backward takes dy_l where its incoming gradient is that dx (same data:
+    nothing else used layer l's output) and hands the coefficient gradients (dH_post, dH_res) to layer
+    l's pre-piece backward (``layer_out``), whose pass over the streams computes them: the post op's
+    own pass over g, x and y is gone."""
+
+    __slots__ = ("H_post", "version", "dx", "dy")
+
+    def __init__(self, H_post: Tensor):
+        self.H_post, self.version = H_post.detach(), H_post._version
+        self.dx = self.dy = None
+
+    def h_post(self):
+        """Layer l's H_post, or None where it changed in place since the forward (then no fusion: layer l's
+        residual update's own backward raises autograd's error for it)."""
+        return self.H_post if self.H_post._version == self.version else None
+
+    def take(self, g: Tensor):
+        """dy_l for layer l's residual update, whose incoming gradient is g: kept where g is the dx_{l+1}
+        that came with it (once), else None."""
+        dx, dy, self.dx, self.dy = self.dx, self.dy, None, None
+        return dy if dy is not None and _same_tensor(g, dx) else None
+
+
 class NextPre:
     """The next layer's pre piece, fused into a layer's residual update by a stack
     (``mhc_boundary_fwd``, OPS.md section 12): that layer's parameters and settings go in; its
     outputs for the streams this residual update returns come out, taken once by its
-    :func:`layer_pre` call on exactly those streams, unchanged (not after an in-place change)."""
+    :func:`layer_pre` call on exactly those streams, unchanged (not after an in-place change).
+    ``fuse_bwd``: the backward across the boundary fused too (:class:`BoundaryGrad`, set by :meth:`run`
+    where the residual update records gradients)."""
 
-    __slots__ = ("phi", "alpha", "bias", "settings", "out_key", "outputs")
+    __slots__ = ("phi", "alpha", "bias", "settings", "out_key", "outputs", "fuse_bwd", "grad")
 
-    def __init__(self, phi, alpha, bias, settings: LayerSettings):
-        self.phi, self.alpha, self.bias, self.settings = phi, alpha, bias, settings
-        self.out_key = self.outputs = None
+    def __init__(self, phi, alpha, bias, settings: LayerSettings, fuse_bwd: bool = False):
+        self.phi, self.alpha, self.bias, self.settings, self.fuse_bwd = phi, alpha, bias, settings, fuse_bwd
+        self.out_key = self.outputs = self.grad = None
 
-    def run(self, layer_out, x, H_post, H_res) -> Tensor:
-        """The residual update (bitwise mhc_post_op_fwd's) and the next pre piece's outputs, kept."""
+    def run(self, layer_out, x, H_post, H_res, grad: bool = False) -> Tensor:
+        """The residual update (bitwise mhc_post_op_fwd's) and the next pre piece's outputs, kept;
+        ``grad``: the update records gradients (a :class:`BoundaryGrad` where ``fuse_bwd``)."""
         out, *rest = _run_plan(_ops.SPECS["mhc_boundary_fwd"].planner, {
             "layer_out": layer_out, "x": x, "H_post": H_post, "H_res": H_res, "phi": self.phi, "alpha": self.alpha,
             "bias": self.bias}, settings=self.settings)
         self.out_key, self.outputs = _stream_key(out), tuple(rest)
+        self.grad = BoundaryGrad(H_post) if grad and self.fuse_bwd else None
         return out
 
     def take(self, x: Tensor):
-        """(layer_in, H_pre, H_post, H_res, stats) computed for x, once; None for other streams."""
+        """((layer_in, H_pre, H_post, H_res, stats), BoundaryGrad or None) computed for x, once; None for
+        other streams."""
         if self.outputs is None or _stream_key(x) != self.out_key:
             return None
         outputs, self.outputs = self.outputs, None
-        return outputs
+        return outputs, self.grad
 
 
 class _LayerPreFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, phi, alpha, bias, kw, custom, given=None):
+    def forward(ctx, x, phi, alpha, bias, kw, custom, given=None, prev=None):
         layer_in, H_pre, H_post, H_res, stats = given or _call("mhc_layer_pre_fwd", custom, {
             "x": x, "phi": phi, "alpha": alpha, "bias": bias}, kw)
         ctx.save_for_backward(x, phi, alpha, bias, stats, H_pre, H_res)
         ctx.kw, ctx.custom, ctx.convention = kw, custom, _adapter.flat(("convention",), kw)[0]
+        # the fused boundary backward (BoundaryGrad): the previous layer's hand-over, and this layer's
+        # sublayer output where this layer's residual update left its coefficient gradients to us
+        ctx.prev, ctx.layer_out = prev, None
         # which H_res this backward folds in (H_res^T g): mhc_layer_post must get this one
         ctx.h_res_key = None if custom else _tensor_key(H_res)
         ctx.set_materialize_grads(False)
@@ -373,11 +409,18 @@ class _LayerPreFn(torch.autograd.Function):
         if g_layer_in is not None and g_out is not None and g_layer_in.dtype != g_out.dtype:
             g_layer_in = g_layer_in.to(g_out.dtype)
         fold = fold_post_dx(x.shape[-2])  # g_out: the output gradient (fold), else the post op's dx
-        dx, dphi, dalpha, dbias = _call("mhc_layer_pre_bwd", ctx.custom, {
-            "grad_layer_in": g_layer_in, "grad_out": g_out if fold else None, "grad_H_post": g_H_post,
-            "grad_H_res": g_H_res, "grad_x": None if fold else g_out, "x": x, "phi": phi, "alpha": alpha, "bias": bias,
-            "stats": stats, "H_pre": H_pre, "H_res": H_res}, ctx.kw)
-        return dx, dphi, dalpha, dbias, None, None, None
+        layer_out, ctx.layer_out = ctx.layer_out, None
+        arrays = {"grad_layer_in": g_layer_in, "grad_out": g_out if fold else None, "grad_H_post": g_H_post,
+                  "grad_H_res": g_H_res, "grad_x": None if fold else g_out, "x": x, "phi": phi, "alpha": alpha,
+                  "bias": bias, "stats": stats, "H_pre": H_pre, "H_res": H_res, "layer_out": layer_out}
+        H_post_prev = ctx.prev.h_post() if ctx.prev is not None else None
+        if H_post_prev is not None:  # and the previous layer's dy (BoundaryGrad)
+            dx, dphi, dalpha, dbias, ctx.prev.dy = _call("mhc_boundary_bwd", ctx.custom, {
+                **arrays, "H_post_prev": H_post_prev}, ctx.kw)
+            ctx.prev.dx = dx
+        else:
+            dx, dphi, dalpha, dbias = _call("mhc_layer_pre_bwd", ctx.custom, arrays, ctx.kw)
+        return dx, dphi, dalpha, dbias, None, None, None, None
 
 
 class _LayerPostFn(torch.autograd.Function):
@@ -386,7 +429,9 @@ class _LayerPostFn(torch.autograd.Function):
         ctx.save_for_backward(layer_out, x_link, H_post, H_res)
         ctx.custom, ctx.convention, ctx.pre = custom, convention, pre
         if nxt is not None:
-            return nxt.run(layer_out, x_link, H_post, H_res)
+            out = nxt.run(layer_out, x_link, H_post, H_res, grad=True)
+            ctx.boundary = nxt.grad  # the next layer's pre-piece backward hands us dy (BoundaryGrad)
+            return out
         return _call("mhc_post_op_fwd", custom, {"layer_out": layer_out, "x": x_link, "H_post": H_post,
                                                  "H_res": H_res}, {"convention": convention})
 
@@ -394,9 +439,14 @@ class _LayerPostFn(torch.autograd.Function):
     @_first_order
     def backward(ctx, g):
         layer_out, x_link, H_post, H_res = ctx.saved_tensors
+        fold = fold_post_dx(x_link.shape[-2])
+        boundary = getattr(ctx, "boundary", None)
+        dy = boundary.take(g) if boundary is not None and fold and ctx.pre is not None else None
+        if dy is not None:  # the fused boundary backward: dy from the next layer's, dH from our pre piece's
+            ctx.pre.g_sent, ctx.pre.layer_out = g, layer_out
+            return dy, g, None, None, None, None, None, None
         arrays = {"grad": g, "layer_out": layer_out, "x": x_link, "H_post": H_post, "H_res": H_res}
         kw = {"convention": ctx.convention}
-        fold = fold_post_dx(x_link.shape[-2])
         if fold or not ctx.needs_input_grad[1]:  # g itself (the pre piece adds H_res^T g), or no dx wanted
             (dy, dH_post, dH_res), sent = _call("mhc_layer_post_bwd", ctx.custom, arrays, kw), g if fold else None
         else:  # the post op's dx, which the pre piece's backward adds
@@ -454,17 +504,18 @@ def _read_here(kw: dict) -> dict:
     return {k: float(v) if k in _FLOAT_SETTINGS else v for k, v in zip(_SETTINGS, _adapter.flat(_SETTINGS, kw))}
 
 
-def layer_pre(x, phi, alpha, bias, kw: dict, given=None):
+def layer_pre(x, phi, alpha, bias, kw: dict, given=None, prev: BoundaryGrad | None = None):
     """:func:`mhc_layer_pre` with its settings resolved: ``kw`` = ``{"settings": LayerSettings}`` (``MHC``
     holds its settings so), or under torch.compile the values (:func:`_settings_kw`).  ``given``: its
     forward's outputs (layer_in, H_pre, H_post, H_res, stats) already computed for x
-    (:meth:`NextPre.take`, eager only), or None."""
+    (:meth:`NextPre.take`, eager only), or None; ``prev``: the previous layer's :class:`BoundaryGrad` that came
+    with them (the fused boundary backward), or None."""
     custom = _use_custom_op(x, phi, alpha, bias)
     if _needs_autograd(x, phi, alpha, bias):
         if custom and _is_compiling():
             kw = _read_here(kw)
         layer_in, x_link, H_post, H_res = (_LayerPreFn.apply if custom else _PRE_APPLY)(x, phi, alpha, bias, kw,
-                                                                                         custom, given)
+                                                                                         custom, given, prev)
         out = layer_in, _mark_link(x_link), H_post, H_res
     else:
         layer_in, _, H_post, H_res, _ = given or _call("mhc_layer_pre_fwd", custom, {

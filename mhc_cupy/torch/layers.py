@@ -392,12 +392,12 @@ class MHC(Float32Parameters):
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         s = self.settings
         slot = self._stack_slot
-        given = self._pre_given.take(x) if self._pre_given is not None else None
+        given, prev = (self._pre_given.take(x) if self._pre_given is not None else None) or (None, None)
         with slot.saving():
             if given is not None or self._fused:
                 self._check(x)
                 layer_in, x_in, H_post, H_res = layer_pre(x, _as_f32(self.phi), _as_f32(self.alpha),
-                                                          _as_f32(self.bias), {"settings": s}, given)
+                                                          _as_f32(self.bias), {"settings": s}, given, prev)
                 post = functools.partial(layer_post, nxt=self._pre_next)
             else:
                 h_pre_raw, h_post_raw, h_res_raw = self.coefficients(x)

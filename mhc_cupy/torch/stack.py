@@ -30,7 +30,9 @@ import torch
 from torch import Tensor, nn
 
 from .. import _checks, mhc_post_op_fwd
+from .._kernel_choice import current as current_choice
 from .._stack import recompute_blocks
+from ..ops.layer import fold_post_dx
 from . import _transforms
 from ._link import stream_key
 from .functions import NextPre
@@ -150,7 +152,12 @@ class MHCStack(nn.Module):
             are the same; the next layer's coefficients may differ in the last float32 bits.
             Default False.  The fused kernel itself runs only where the kernel choice says ``boundary=True``
             (``mhc_cupy._kernel_choice``; off by default, OPS.md section 12 gives its status); otherwise
-            the boundary op runs the two ops' kernels (the chain's bits).
+            the boundary op runs the two ops' kernels (the chain's bits).  Under the kernel choice
+            ``boundary_bwd=True`` (n <= 4; off by default until a GPU run has checked its kernels) the
+            backward across each boundary is fused too: the next layer's dx kernel also writes this
+            layer's d layer_out, and this layer's pre-piece backward computes its residual update's
+            coefficient gradients (``mhc_boundary_bwd``, OPS.md section 12, "Fused boundary backward"),
+            with the unfused stack's formulas (bitwise on the CPU).
 
     Shapes:
         x [..., n, C] (bfloat16 / float16 / float32) -> [..., n, C], dtype of x.
@@ -218,7 +225,8 @@ class MHCStack(nn.Module):
         layer, nxt = self.layers[l], self.layers[l + 1]
         if not (layer._fused and nxt._fused) or nxt.convention != layer.convention:
             return None
-        return NextPre(_as_f32(nxt.phi), _as_f32(nxt.alpha), _as_f32(nxt.bias), nxt.settings)
+        fuse_bwd = fold_post_dx(self.n_streams) and current_choice().runs("boundary_bwd")
+        return NextPre(_as_f32(nxt.phi), _as_f32(nxt.alpha), _as_f32(nxt.bias), nxt.settings, fuse_bwd)
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         if _transforms.active():  # as the layers would, before the recompute slots look at x's storage

@@ -37,13 +37,19 @@ def _mma_bwd_smem(T, TG, VEC, LAYER, N, KS, NQ, STAGES):
     return PO * 64 * N * K16 * 2 + STAGES * stage
 
 
-MMA_BWD = KernelSpec(
-    _FILE, "mhc_coeffs_mma_bwd_kernel",
-    "typename T, typename TG, bool VEC, bool LAYER, int N, int KS, int NQ, int STAGES",
+_MMA_BWD_TEMPLATE = "typename T, typename TG, bool VEC, bool LAYER, int N, int KS, int NQ, int STAGES"
+_MMA_BWD_PARAMS = (
     "const T* x, const __nv_bfloat16* phi_r, const __nv_bfloat16* dH_r, const __nv_bfloat16* dH_c, const float* dH, "
     "const TG* g, const TG* g_li, const float* H_pre, const float* H_res, const TG* gx, T* dx, float* dphi, "
-    "i64 tokens, i64 tokens_p, int C, int K, int KP, i64 t_split, int res_t",
-    nullable=("g", "g_li", "H_pre", "H_res", "gx"), smem=(_mma_bwd_smem, "mhc_coeffs::mma_bwd_smem"))
+    "i64 tokens, i64 tokens_p, int C, int K, int KP, i64 t_split, int res_t")
+_MMA_BWD_NULLABLE = ("g", "g_li", "H_pre", "H_res", "gx")
+MMA_BWD = KernelSpec(_FILE, "mhc_coeffs_mma_bwd_kernel", _MMA_BWD_TEMPLATE, _MMA_BWD_PARAMS,
+                     nullable=_MMA_BWD_NULLABLE, smem=(_mma_bwd_smem, "mhc_coeffs::mma_bwd_smem"))
+#: MMA_BWD (LAYER) that also writes the previous layer's dy_prev = sum_i H_post_prev_i dx_i (OPS.md
+#: section 12, "Fused boundary backward")
+MMA_BWD_DY = KernelSpec(_FILE, "mhc_coeffs_mma_bwd_dy_kernel", _MMA_BWD_TEMPLATE,
+                        _MMA_BWD_PARAMS + ", const float* H_post_prev, T* dy_prev", nullable=_MMA_BWD_NULLABLE,
+                        smem=(_mma_bwd_smem, "mhc_coeffs::mma_bwd_smem"))
 
 
 def zero(ptr, count: int, stream, offset: int = 0) -> None:
@@ -149,10 +155,11 @@ def mma_bwd(tokens: int, n: int, C: int, K: int) -> MmaBwd:
 
 
 def launch_mma_bwd(b: MmaBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc: dict, stream, tg: str | None = None,
-                   g=None, g_li=None, H_pre=None, H_res=None, gx=None, res_t=False):
+                   g=None, g_li=None, H_pre=None, H_res=None, gx=None, res_t=False, H_post_prev=None, dy_prev=None):
     """dx = dH phi^T - c x (+ H_pre_i g_li + sum_j H_res[j, i] g_j + gx_i for those given; with
     ``res_t``, convention="deepseek", sum_j H_res[i, j] g_j) and dphi, on tensor cores; sc holds the
-    buffers named by b.scratch() (dphi partials summed here)."""
+    buffers named by b.scratch() (dphi partials summed here).  ``dy_prev`` (with ``H_post_prev`` and a
+    layer term): also dy_prev = sum_i H_post_prev_i dx_i, in the same launch (MMA_BWD_DY)."""
     D = b.n * b.C
     layer = g is not None or g_li is not None or gx is not None  # any layer gradient alone adds its dx term
     tg = tg or dt
@@ -162,9 +169,13 @@ def launch_mma_bwd(b: MmaBwd, dt: str, *, x, phi, dH, KP: int, dx, dphi, sc: dic
     vec = vec8(b.C, x, dx, g, g_li, gx)
     out = sc["dphi_part"] if b.splits > 1 else dphi
     stages = b.pipeline(dt, g_staged=layer and vec and ITEMSIZE[tg] == 2)[0]  # the kernel's GS
-    MMA_BWD.bind(T=dt, TG=tg, VEC=vec, LAYER=layer, N=b.n, KS=b.K16 // 16, NQ=b.Kp8 // 8, STAGES=stages).launch(
+    dy = {} if dy_prev is None else {"H_post_prev": H_post_prev, "dy_prev": dy_prev}
+    if dy and not layer:
+        raise ValueError("dy_prev needs a layer term (g, g_li or gx)")
+    (MMA_BWD_DY if dy else MMA_BWD).bind(T=dt, TG=tg, VEC=vec, LAYER=layer, N=b.n, KS=b.K16 // 16, NQ=b.Kp8 // 8,
+                                         STAGES=stages).launch(
         (_cdiv(b.C, 64), b.splits, 1), (32 * b.n, 1, 1), stream, x=x, phi_r=sc["phi_r"], dH_r=sc["dH_r"],
         dH_c=sc["dH_c"], dH=dH, g=g, g_li=g_li, H_pre=H_pre, H_res=H_res, gx=gx, dx=dx, dphi=out, tokens=b.tokens,
-        tokens_p=b.tokens_p, C=b.C, K=b.K, KP=KP, t_split=b.t_split, res_t=int(res_t))
+        tokens_p=b.tokens_p, C=b.C, K=b.K, KP=KP, t_split=b.t_split, res_t=int(res_t), **dy)
     if b.splits > 1:
         column_sum(out, dphi, b.splits, D * b.K, stream)

@@ -23,7 +23,7 @@ def param_grad_plan(x_shape, dt: str, tokens: int, D: int, K: int, scratch: dict
 
     def run_kernels(p, outs, sc, stream):
         if tokens == 0:
-            zero_param_grads(*outs[1:], D, K, stream)
+            zero_param_grads(*outs[1:4], D, K, stream)
         else:
             body(p, outs, sc, stream)
 
