@@ -253,3 +253,47 @@ def test_launch_shared_memory_is_what_the_kernels_lay_out():
         asserts = "\n".join(f'static_assert({e} == {v}, "{e}: the launch allocates {v} bytes");'
                             for e, v in sizes.items())
         _nvrtc.compile(_sources.load_source(f) + asserts, f, [], arch="sm_80", options=_jit.NVRTC_OPTIONS)
+
+
+def test_every_launch_within_the_device_limits_at_the_largest_shapes():
+    """Every launch the op plans make (every op spec, its optional inputs all given and all absent,
+    both grad modes and conventions, the opt-in kernel variants, aligned and misaligned pointers, with
+    and without wgmma) at 4M tokens (n 1 / 4 / 5 / 32, C 7 / 65536: 2^22 x 32 x 65536 is far past any
+    memory; planning allocates nothing) and at the coefficient path's largest vec(x), n * C = 2^30:
+    grid x within 2^31 - 1, y and z within 65535, at most 1024 threads a block, dynamic shared
+    memory within an H100 / H200 block's 227 KiB.  (A sweep over tokens 1 to 2^22, n 1 to 32,
+    C 1 to 65536 and C up to 2^31 - 1, 7.2 million launches, found none outside, break-it pass 9.)"""
+    import itertools
+
+    from mhc_cupy import _jit, _kernels
+    from mhc_cupy._kernel_choice import kernel_choice
+    from mhc_cupy.ops import SPECS, coeffs
+
+    shapes = [(2**22, n, C) for n in (1, 4, 5, 32) for C in (7, 65536)] + [(3, 4, 2**28), (3, 32, 2**25)]
+    variants = ({}, {"small": True}, {"boundary": True}, {"layer_in": True})
+    count = 0
+    for (T, n, C), (dt, tg), ptr, wg in itertools.product(
+            shapes, (("bfloat16", "bfloat16"), ("float32", "float32")), (_kernels._ALIGNED, _kernels._MISALIGNED),
+            (False, True)):
+        sizes = {"n": n, "C": C, "K": coeffs.columns(n)}
+        for k in SPECS.values():
+            modes = ({"grad_mode": "unrolled"}, {"grad_mode": "implicit"}) if "grad_mode" in k.params else ({},)
+            conventions = ({"convention": "paper"}, {"convention": "deepseek"}) if "convention" in k.params else ({},)
+            absent = (False, True) if any(a.optional for a in k.args) else (False,)
+            for mode, conv, ab, var in itertools.product(modes, conventions, absent, variants):
+                infos = _kernels._infos(k, (T,), sizes, dt, tg, ptr, absent=ab)
+                if k.name == "rmsnorm_bwd" and not ab:
+                    continue  # a weighted row of 65536 floats is refused (test_size_limits.py)
+                with _jit.dry_run() as launches, _jit.assume_wgmma(wg), kernel_choice(**var):
+                    plan = k.planner(infos, **{**k.params, **mode, **conv})
+                    if k.name in _kernels._GATED and not var.get("layer_in"):
+                        continue  # launches only under the kernel choice layer_in
+                    plan.launch({a: (None if v is None else v.ptr) for a, v in infos.items()},
+                                [ptr] * len(plan.outputs), [ptr] * len(plan.scratch), 0)
+                for _, expr, grid, block, _, smem in launches:
+                    assert 1 <= grid[0] <= 2**31 - 1 and 1 <= grid[1] <= 65535 and 1 <= grid[2] <= 65535, (
+                        k.name, T, n, C, expr, grid)
+                    assert block[0] * block[1] * block[2] <= 1024 and block[2] <= 64, (k.name, expr, block)
+                    assert 0 <= smem <= 227 * 1024, (k.name, T, n, C, expr, smem)
+                    count += 1
+    assert count > 50_000
