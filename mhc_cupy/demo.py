@@ -395,15 +395,15 @@ def train(name, model, cfg: Config, train_data, eval_xy, device, autocast, log_e
                 counted = min(len(values), done - warm_steps)
                 timed_tokens += counted * cfg.batch * cfg.seq
                 timed_s += (t1 - t0) * counted / len(values)
-            tok_s = timed_tokens / timed_s if timed_s > 0 else float("nan")
-            bar.set_postfix(loss=f"{values[-1]:.3f}", tok_s=f"{tok_s:,.0f}")
+            tok_s = f"{timed_tokens / timed_s:,.0f}" if timed_s > 0 else "-"  # (the first steps are not timed)
+            bar.set_postfix(loss=f"{values[-1]:.3f}", tok_s=tok_s)
             if is_eval:
                 ev = evaluate(net, ex, ey, cfg.batch, autocast, dp)
                 hist["eval_step"].append(done)
                 hist["eval_loss"].append(ev)
                 if main:
                     bar.write(f"[{name}] step {done:5d}  train {values[-1]:.4f}  held-out {ev:.4f}  "
-                              f"{tok_s:,.0f} tok/s")
+                              f"{tok_s} tok/s")
             _sync(device)
             t0 = time.perf_counter()
     bar.close()
@@ -561,7 +561,11 @@ def _run(args, device, use_gpu, dp) -> dict:
 
     is_main = dp is None or dp.main  # only rank 0 writes the outputs
     if is_main:
-        os.makedirs(args.out, exist_ok=True)
+        try:
+            os.makedirs(args.out, exist_ok=True)
+        except OSError as e:  # a file there, a read-only place: one line naming the flag, as --text
+            raise SystemExit(f"python -m mhc_cupy.demo: --out {args.out}: cannot create it "
+                             f"({e.strerror or e})") from None
     t_all = time.perf_counter()
     histories = {}
     runs = [("mhc", "mhc")] + ([("baseline", "plain")] if args.baseline else [])
@@ -625,7 +629,8 @@ def _run(args, device, use_gpu, dp) -> dict:
     for name, h in histories.items():
         tps = h["tokens_per_s"]
         print(f"  {name:8s}: train {h['final_train_loss']:.4f}  held-out {h['final_eval_loss']:.4f}  "
-              f"{(tps or float('nan')):,.0f} tok/s  ({h['params']:,} params, {h['wall_s']:.1f} s)")
+              + (f"{tps:,.0f} tok/s" if tps else "tok/s not timed (the first 3 steps are not)")
+              + f"  ({h['params']:,} params, {h['wall_s']:.1f} s)")
     if "baseline" in histories:
         print("  held-out at equal steps:    step      mhc  baseline  mhc - baseline")
         for row in summary["comparison"]["held_out_at_equal_steps"]:
