@@ -457,14 +457,14 @@ def parse_args(argv=None):
                     help="MHCStack's stream recompute: none, a block size L_r, or auto (default: the paper's "
                          "sqrt(n L / (n + 2)) over the 2 x --layers mHC layers)")
     ap.add_argument("--lr", type=float, help="peak AdamW learning rate (GPU 2e-3, tiny 3e-3)")
-    ap.add_argument("--eval-every", type=int, help="steps between held-out evaluations")
+    ap.add_argument("--eval-every", type=int, help="steps between held-out evaluations (GPU 100, tiny 25)")
     ap.add_argument("--text", help="train on this file (bytes) instead of CPython's documentation")
     ap.add_argument("--out", default="demo_out", help="output directory (default demo_out/)")
     ap.add_argument("--tiny", action="store_true", help="the tiny (CPU) configuration, on any device")
     ap.add_argument("--baseline", action="store_true", help="also train with plain residual connections and compare")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="auto: cuda if torch and CuPy both see a GPU, else cpu")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches (default 0)")
     return ap.parse_args(argv)
 
 
