@@ -84,10 +84,18 @@ def _describe(out) -> str:
     return f"a {type(out).__name__} of {len(leaves)} array(s)" if leaves else f"{type(out).__name__} {out!r}"
 
 
+def params_got(params) -> str:
+    """What a wrong ``params`` is, for an error: a dict's keys (another function's parameters, or a
+    framework's nesting such as {"params": ...}), else its type."""
+    if isinstance(params, dict):
+        return f"a dict with keys {sorted(map(str, params))}"
+    return type(params).__name__
+
+
 def check_params(params) -> None:
     """``params`` is the dict of :func:`mhc_cupy.jax.mhc_init` (phi, alpha, bias).  TypeError if not."""
     if not isinstance(params, dict) or any(k not in params for k in ("phi", "alpha", "bias")):
-        raise TypeError(f"params must be the dict of mhc_init (phi, alpha, bias), got {type(params).__name__}")
+        raise TypeError(f"params must be the dict of mhc_init (phi, alpha, bias), got {params_got(params)}")
 
 
 def check_x(params: dict, x) -> None:

@@ -64,7 +64,7 @@ def _layers(params) -> int:
     """L of stacked layer parameters; TypeError / ValueError naming the argument otherwise."""
     if not isinstance(params, dict) or any(k not in params for k in _RANKS):
         raise TypeError(f"params must be the dict of mhc_stack_init (phi [L, n*C, m], alpha [L, 3], bias [L, m]), "
-                        f"got {type(params).__name__}")
+                        f"got {_layer.params_got(params)}")
     for k, rank in _RANKS.items():
         a = params[k]
         if not hasattr(a, "shape") or not hasattr(a, "dtype"):

@@ -395,15 +395,15 @@ def train(name, model, cfg: Config, train_data, eval_xy, device, autocast, log_e
                 counted = min(len(values), done - warm_steps)
                 timed_tokens += counted * cfg.batch * cfg.seq
                 timed_s += (t1 - t0) * counted / len(values)
-            tok_s = timed_tokens / timed_s if timed_s > 0 else float("nan")
-            bar.set_postfix(loss=f"{values[-1]:.3f}", tok_s=f"{tok_s:,.0f}")
+            tok_s = f"{timed_tokens / timed_s:,.0f}" if timed_s > 0 else "-"  # (the first steps are not timed)
+            bar.set_postfix(loss=f"{values[-1]:.3f}", tok_s=tok_s)
             if is_eval:
                 ev = evaluate(net, ex, ey, cfg.batch, autocast, dp)
                 hist["eval_step"].append(done)
                 hist["eval_loss"].append(ev)
                 if main:
                     bar.write(f"[{name}] step {done:5d}  train {values[-1]:.4f}  held-out {ev:.4f}  "
-                              f"{tok_s:,.0f} tok/s")
+                              f"{tok_s} tok/s")
             _sync(device)
             t0 = time.perf_counter()
     bar.close()
@@ -457,14 +457,14 @@ def parse_args(argv=None):
                     help="MHCStack's stream recompute: none, a block size L_r, or auto (default: the paper's "
                          "sqrt(n L / (n + 2)) over the 2 x --layers mHC layers)")
     ap.add_argument("--lr", type=float, help="peak AdamW learning rate (GPU 2e-3, tiny 3e-3)")
-    ap.add_argument("--eval-every", type=int, help="steps between held-out evaluations")
+    ap.add_argument("--eval-every", type=int, help="steps between held-out evaluations (GPU 100, tiny 25)")
     ap.add_argument("--text", help="train on this file (bytes) instead of CPython's documentation")
     ap.add_argument("--out", default="demo_out", help="output directory (default demo_out/)")
     ap.add_argument("--tiny", action="store_true", help="the tiny (CPU) configuration, on any device")
     ap.add_argument("--baseline", action="store_true", help="also train with plain residual connections and compare")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                     help="auto: cuda if torch and CuPy both see a GPU, else cpu")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches (default 0)")
     return ap.parse_args(argv)
 
 
@@ -561,7 +561,11 @@ def _run(args, device, use_gpu, dp) -> dict:
 
     is_main = dp is None or dp.main  # only rank 0 writes the outputs
     if is_main:
-        os.makedirs(args.out, exist_ok=True)
+        try:
+            os.makedirs(args.out, exist_ok=True)
+        except OSError as e:  # a file there, a read-only place: one line naming the flag, as --text
+            raise SystemExit(f"python -m mhc_cupy.demo: --out {args.out}: cannot create it "
+                             f"({e.strerror or e})") from None
     t_all = time.perf_counter()
     histories = {}
     runs = [("mhc", "mhc")] + ([("baseline", "plain")] if args.baseline else [])
@@ -625,7 +629,8 @@ def _run(args, device, use_gpu, dp) -> dict:
     for name, h in histories.items():
         tps = h["tokens_per_s"]
         print(f"  {name:8s}: train {h['final_train_loss']:.4f}  held-out {h['final_eval_loss']:.4f}  "
-              f"{(tps or float('nan')):,.0f} tok/s  ({h['params']:,} params, {h['wall_s']:.1f} s)")
+              + (f"{tps:,.0f} tok/s" if tps else "tok/s not timed (the first 3 steps are not)")
+              + f"  ({h['params']:,} params, {h['wall_s']:.1f} s)")
     if "baseline" in histories:
         print("  held-out at equal steps:    step      mhc  baseline  mhc - baseline")
         for row in summary["comparison"]["held_out_at_equal_steps"]:

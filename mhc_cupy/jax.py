@@ -574,7 +574,7 @@ def mhc_head(params: dict, x, rms_eps=DEFAULT, hc_eps=DEFAULT, *, convention: st
     """
     if not isinstance(params, dict) or any(k not in params for k in ("hc_fn", "hc_scale", "hc_base")):
         raise TypeError(f"params must be the dict of mhc_head_init (hc_fn, hc_scale, hc_base), "
-                        f"got {type(params).__name__}")
+                        f"got {_layer.params_got(params)}")
     return _head(x, params["hc_fn"], params["hc_scale"], params["hc_base"], (
         ("rms_eps", _convention.rms_eps(convention, rms_eps)),
         ("hc_eps", _checks.eps("hc_eps", _convention.resolve(convention, hc_eps=hc_eps)))))

@@ -131,3 +131,24 @@ def test_graph_time_is_a_replay_or_nothing(monkeypatch):
     t = small.evaluate_small_targets({"results": [{"tokens": 1, "C": small.SMALL_C, "n": 4, "impls": {
         "mhc_cupy": {"eager_us": 20.0, "graph_method": method}}}]})
     assert t[0]["name"].endswith("graph per call <= 8 us") and t[0]["status"] == "not measured"
+
+
+def test_targets_of_a_run_without_a_gpu_are_not_judged():
+    """The --layer / --block / --stack / --small targets are the CUDA kernels': a run recorded without a GPU
+    (meta.device.sm None, wall clock of the NumPy reference, which the CPU message invites with tiny sizes)
+    leaves them not measured, saying so; `--small --small-tokens 1,8` on the CPU printed "MISSED ... eager per
+    call <= 30 us: worst 15136.3 us".  A GPU run, and a result without device metadata, are judged as before."""
+    from mhc_cupy.bench import block, layer, small, stack
+
+    res = {"results": [{"tokens": 1, "C": small.SMALL_C, "n": 4, "impls": {
+        "mhc_cupy": {"eager_us": 15000.0, "graph_us": 5.0}, "torch.compile": {"eager_us": 300.0}}}]}
+    judged = small.evaluate_small_targets(res)
+    assert {t["status"] for t in judged} == {"met", "missed"}
+    assert small.evaluate_small_targets({**res, "meta": {"device": {"name": "H200", "sm": "90"}}}) == judged
+    cpu = {**res, "meta": {"device": {"name": "CPU (no CUDA GPU: wall clock)", "sm": None}}}
+    for evaluate in (small.evaluate_small_targets, stack.evaluate_stack_targets, block.evaluate_block_targets,
+                     layer.evaluate_layer_targets):  # each mode's (the others' rows have other keys: none here)
+        got = evaluate(cpu if evaluate is small.evaluate_small_targets else {**cpu, "results": []})
+        assert got and all(t["status"] == "not measured" and t["measured"] is None and "this run had none"
+                           in t["detail"] for t in got), (evaluate.__name__, got)
+    assert [t["name"] for t in small.evaluate_small_targets(cpu)] == [t["name"] for t in judged]

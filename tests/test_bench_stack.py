@@ -84,8 +84,11 @@ def test_stack_mode_jax_rows_tiny(tmp_path):
             assert jx[name][d]["us"] > 0, (name, d, jx[name][d])
     assert jx["speedup"]["fwd+bwd"] == pytest.approx(jx["jax.jit stack"]["fwd+bwd"]["us"] / jx["jax mhc_stack"]["fwd+bwd"]["us"])
     (t,) = [t for t in res["targets"] if t["name"].startswith("JAX mhc_stack")]
-    assert t["measured"] == pytest.approx(jx["speedup"]["fwd+bwd"]) and t["status"] in ("met", "missed")
-    assert t["status"] == ("met" if t["measured"] >= 2.0 else "missed")
+    if res["meta"]["device"]["sm"]:
+        assert t["measured"] == pytest.approx(jx["speedup"]["fwd+bwd"]) and t["status"] in ("met", "missed")
+        assert t["status"] == ("met" if t["measured"] >= 2.0 else "missed")
+    else:  # a GPU's target, not judged on the CPU reference's wall clock (tests/test_bench_small.py)
+        assert t["status"] == "not measured" and t["measured"] is None and "had none" in t["detail"]
     text = (out / "stack.md").read_text()
     assert "| 2 | 16 | 1 x 3 | jax mhc_stack |" in text and "| 2 | 16 | 1 x 3 | jax.jit stack |" in text
 

@@ -172,9 +172,11 @@ def test_pre_init_is_h_pre_with_hc_eps():
         torch.testing.assert_close(H_pre, torch.full((2, 4), pre), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(torch.sigmoid(mt.MHC(8, 4, convention="deepseek", hc_eps=0.1).bias[:4]),
                                torch.full((4,), 0.25))  # default: sigmoid(b_pre) = 1/n, as before
-    for bad in (0.3, 1.6, float("nan")):
+    for bad in (0.3, 1.6):
         with pytest.raises(ValueError, match=r"pre_init .* \(hc_eps, 1 \+ hc_eps\)"):
             mt.MHC(8, 4, pre_init=bad, convention="deepseek", hc_eps=0.5)
+    with pytest.raises(ValueError, match=r"pre_init must be finite, got nan"):
+        mt.MHC(8, 4, pre_init=float("nan"), convention="deepseek", hc_eps=0.5)
     with pytest.raises(ValueError, match=r"post_init .*post_mult 0"):
         mt.MHC(8, 4, post_init=1.5, post_mult=0.0)
     mt.MHC(8, 4, post_mult=0.0)  # without post_init: fine

@@ -135,3 +135,24 @@ def test_heads_below_one_is_one_line(tmp_path, heads):
     with pytest.raises(SystemExit) as e:
         demo.main(TINY + ["--heads", heads, "--out", str(tmp_path)])
     assert str(e.value.code) == "--steps, --batch, --seq, --layers, --dim, --heads and --streams must be >= 1"
+
+
+@pytest.mark.parametrize("what", ["file", "below a file"])
+def test_unwritable_out_is_one_line(tmp_path, what):
+    """``--out`` naming an existing file, or a folder below one: SystemExit with one line naming the flag
+    and the path, as ``--text`` (was a FileExistsError / NotADirectoryError traceback from os.makedirs)."""
+    (tmp_path / "f").write_text("x")
+    path = tmp_path / "f" if what == "file" else tmp_path / "f" / "o"
+    with pytest.raises(SystemExit) as e:
+        demo.main(TINY + ["--out", str(path)])
+    msg = str(e.value.code)
+    assert msg.startswith(f"python -m mhc_cupy.demo: --out {path}: cannot create it (") and "\n" not in msg, msg
+
+
+def test_too_few_steps_to_time_print_no_nan(tmp_path, capsys):
+    """With no step past the untimed first 3, tokens/s is None in summary.json, and the log lines and the
+    results said "nan tok/s"; now "- tok/s" and "tok/s not timed"."""
+    summary = demo.main(TINY + ["--steps", "2", "--eval-every", "1", "--out", str(tmp_path / "o")])
+    out = capsys.readouterr().out
+    assert summary["mhc"]["tokens_per_s"] is None
+    assert "nan" not in out and "- tok/s" in out and "tok/s not timed" in out, out

@@ -620,3 +620,21 @@ def test_layer_arguments_validated():
             mj.mhc_layer(params, x, jnp.tanh, **kw)
     with pytest.raises(TypeError, match="params must be the dict of mhc_init"):
         mj.mhc_layer((params["phi"],), x, jnp.tanh)
+
+
+def test_wrong_params_dict_names_its_keys():
+    """One function's parameters handed to another (the head's to mhc_layer, a layer's to mhc_head or
+    mhc_stack), or a framework's nesting ({"params": ...}): the TypeError says the keys it got (it said
+    "got dict", the one thing that was right)."""
+    key = jax.random.PRNGKey(0)
+    layer, head = mj.mhc_init(key, dim=8, n_streams=2), mj.mhc_head_init(key, dim=8, n_streams=2)
+    x = jnp.ones((3, 2, 8))
+    with pytest.raises(TypeError, match=r"mhc_init \(phi, alpha, bias\), got a dict with keys "
+                                        r"\['hc_base', 'hc_fn', 'hc_scale'\]$"):
+        mj.mhc_layer(head, x, jnp.tanh)
+    with pytest.raises(TypeError, match=r"mhc_head_init .* got a dict with keys \['alpha', 'bias', 'phi'\]$"):
+        mj.mhc_head(layer, x)
+    with pytest.raises(TypeError, match=r"mhc_stack_init .* got a dict with keys \['params'\]$"):
+        mj.mhc_stack({"params": layer}, x, jnp.tanh)
+    with pytest.raises(TypeError, match=r"mhc_init \(phi, alpha, bias\), got tuple$"):
+        mj.mhc_layer((layer["phi"],), x, jnp.tanh)

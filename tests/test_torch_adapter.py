@@ -694,3 +694,21 @@ def test_eager_apply_skips_the_python_prologue_and_records_the_graph():
     assert type(out.grad_fn).__name__ == "DoubleBackward"
     out.sum().backward()
     assert torch.equal(a.grad, torch.full((3,), 2.0))
+
+
+def test_mhc_init_values_named_as_the_constructor_takes_them():
+    """MHC's res_diag_init outside [1/n, 1) is a ValueError naming res_diag_init (it named
+    identity_bias's res_diag), and a non-real pre_init / post_init / res_diag_init a TypeError naming
+    it (it was Python's "'<=' not supported between instances of 'float' and 'str'"); n = 1 ignores
+    res_diag_init as identity_bias does; NumPy reals are taken; the default init is unchanged."""
+    with pytest.raises(ValueError, match=r"res_diag_init .* \[1/n, 1\) = \[0.25, 1\) for n_streams = 4, got 0.1"):
+        mt.MHC(8, 4, res_diag_init=0.1)
+    with pytest.raises(ValueError, match=r"res_diag_init .*got 1.0"):
+        mt.MHC(8, 4, res_diag_init=1.0)
+    for name in ("pre_init", "post_init", "res_diag_init"):
+        with pytest.raises(TypeError, match=rf"^{name} must be a float, got str 'a'"):
+            mt.MHC(8, 4, **{name: "a"})
+    assert torch.equal(mt.MHC(8, 1, res_diag_init=0.1).bias, mt.MHC(8, 1).bias)
+    got = mt.MHC(8, 4, res_diag_init=np.float32(0.5), pre_init=np.float64(0.3), post_init=1.5).bias
+    assert torch.equal(got, mt.identity_bias(4, 0.3, 1.5, 0.5))
+    assert torch.equal(mt.MHC(8, 4).bias, mt.identity_bias(4))

@@ -29,7 +29,7 @@ from pathlib import Path
 from . import env
 from .._kernel_choice import kernel_choice
 from .layer import kernel_variants, layer_bytes, measure_torch, timing_words, torch_timer
-from .report import mode_report, run_rows, target
+from .report import gpu_targets, mode_report, run_rows, target
 
 #: Default blocks: (C, heads, SwiGLU hidden size).
 BLOCK_CONFIGS = ((4096, 32, 11008), (2048, 16, 5504))
@@ -178,6 +178,7 @@ def run_block(cfg) -> dict:
                     lambda c: block_case(*c, cfg, copy["GBps"], on_gpu, variants, compile_), evaluate_block_targets, t0)
 
 
+@gpu_targets
 def evaluate_block_targets(result: dict) -> list[dict]:
     """mHC block overhead (eager, the first mhc row: the fused pieces with ``--fused both``) over the plain block
     against the issue's targets; where that row failed, missed (not judged on the next variant)."""

@@ -65,7 +65,7 @@ from pathlib import Path
 
 from .._kernel_choice import KernelChoice, kernel_choice
 from . import env
-from .report import format_targets, write_json
+from .report import format_targets, gpu_targets, write_json
 from .specs import rotation
 from .timing import _time_jax, _time_torch, _time_wall, copy_bandwidth, host_copy_bandwidth
 
@@ -524,6 +524,7 @@ def _ms(row, impl, d):
     return v["us"] / 1e3 if "us" in v else None
 
 
+@gpu_targets
 def evaluate_layer_targets(result: dict) -> list[dict]:
     """The issue's layer targets (identity sublayer, bfloat16 rows) against the ``mhc_cupy`` row of what MHC
     runs by default (the fused pieces), else the first one; the accuracy (tanh sublayer, measured on the run's

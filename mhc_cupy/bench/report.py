@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -319,6 +320,24 @@ def target(name: str, measured, goal, detail: str = "", higher: bool = False) ->
         return {"name": name, "status": "not measured", "measured": None, "detail": ""}
     met = measured >= goal if higher else measured <= goal
     return {"name": name, "status": "met" if met else "missed", "measured": measured, "detail": detail}
+
+
+def gpu_targets(evaluate):
+    """A mode's ``evaluate(result)`` whose targets are the CUDA kernels': a run recorded without a GPU
+    (``meta.device.sm`` None: wall clock of the NumPy reference, as ``--small-tokens 1,8`` on the CPU
+    gives) leaves every target not measured, saying so, instead of judging it on CPU times."""
+
+    @functools.wraps(evaluate)
+    def judged(result: dict) -> list[dict]:
+        targets = evaluate(result)
+        device = result.get("meta", {}).get("device")
+        if device is not None and "sm" in device and not device["sm"]:  # recorded as no GPU (not just left out)
+            targets = [{**t, "status": "not measured", "measured": None,
+                        "detail": "a GPU's target; this run had none (wall clock of the CPU reference)"}
+                       for t in targets]
+        return targets
+
+    return judged
 
 
 def mode_report(result: dict, mode: str, description: str, evaluate, columns, cells) -> str:

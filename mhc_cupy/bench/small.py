@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..ops.coeffs.fwd import _GEMV_MAX_T
 from . import env
-from .report import mode_report, run_rows, target
+from .report import gpu_targets, mode_report, run_rows, target
 
 #: Default token counts, hidden size and streams.
 SMALL_TOKENS, SMALL_C, SMALL_N = (1, 8, 64, 256, 4096), 7168, 4
@@ -172,6 +172,7 @@ def run_small(cfg) -> dict:
                     evaluate_small_targets, t0)
 
 
+@gpu_targets
 def evaluate_small_targets(result: dict) -> list[dict]:
     """mhc_cupy's graph replay and eager time per call at T <= 64, C 7168, against issue 43's targets."""
     out = []

@@ -35,7 +35,7 @@ from pathlib import Path
 from . import env
 from .block import build_blocks
 from .layer import measure_torch, timing_words, torch_timer
-from .report import mode_report, run_rows, target
+from .report import gpu_targets, mode_report, run_rows, target
 
 #: Default models: (blocks L, C, heads, SwiGLU hidden size, batch, sequence) — the issue's two.
 STACK_CONFIGS = ((8, 2048, 16, 5504, 4, 2048), (4, 4096, 32, 11008, 1, 4096))
@@ -165,6 +165,7 @@ def run_stack(cfg) -> dict:
                     lambda c: stack_case(*c, cfg, on_gpu, compile_), evaluate_stack_targets, t0)
 
 
+@gpu_targets
 def evaluate_stack_targets(result: dict) -> list[dict]:
     """Model overhead and memory over plain against the issue's targets (n = 4)."""
     out = []

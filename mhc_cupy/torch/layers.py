@@ -274,7 +274,8 @@ class MHC(Float32Parameters):
         int >= 1, n_streams not in 1..32, num_iters not an int in 0..10000
         (``mhc_cupy.MAX_NUM_ITERS``; >= 1 under "deepseek"), eps / rms_eps / hc_eps /
         post_mult not a finite float >= 0, pre_init not in (hc_eps, 1 + hc_eps), post_init not in
-        (0, post_mult) or given with post_mult 0, bad grad_mode or convention,
+        (0, post_mult) or given with post_mult 0, res_diag_init not in [1/n, 1) (n > 1; a
+        non-real pre_init / post_init / res_diag_init: TypeError), bad grad_mode or convention,
         sublayer neither None nor callable, alpha_init not a finite float, phi_init_std neither None
         nor a finite float >= 0.
     """
@@ -298,6 +299,13 @@ class MHC(Float32Parameters):
         self.dim, self.n_streams = dim, n_streams
         self.alpha_init = _layer_init.init_value("alpha_init", alpha_init)
         self.phi_init_std = _layer_init.init_std("phi_init_std", phi_init_std, n_streams * dim)
+        # the init values checked here, naming the constructor's arguments (identity_bias names its own)
+        pre_init, post_init = (None if v is None else _layer_init.init_value(name, v)
+                               for name, v in (("pre_init", pre_init), ("post_init", post_init)))
+        res_diag_init = _layer_init.init_value("res_diag_init", res_diag_init)
+        if n_streams > 1 and not 1.0 / n_streams <= res_diag_init < 1.0:
+            raise ValueError(f"res_diag_init (diagonal of H_res at init) must be in [1/n, 1) = [{1.0 / n_streams}, 1) "
+                             f"for n_streams = {n_streams}, got {res_diag_init}")
         if post_init is not None and not 0 < post_init < self.post_mult:
             raise ValueError(f"post_init (H_post at init = post_mult sigmoid(b_post)) must be in (0, post_mult = "
                              f"{self.post_mult}), got {post_init}" + (" (post_mult 0: H_post is 0, leave post_init out)"
