@@ -270,7 +270,7 @@ def test_every_launch_within_the_device_limits_at_the_largest_shapes():
     from mhc_cupy.ops import SPECS, coeffs
 
     shapes = [(2**22, n, C) for n in (1, 4, 5, 32) for C in (7, 65536)] + [(3, 4, 2**28), (3, 32, 2**25)]
-    variants = ({}, {"small": True}, {"boundary": True}, {"layer_in": True})
+    variants = ({}, {"small": True}, {"boundary": True}, {"layer_in": True, "boundary_bwd": True})
     count = 0
     for (T, n, C), (dt, tg), ptr, wg in itertools.product(
             shapes, (("bfloat16", "bfloat16"), ("float32", "float32")), (_kernels._ALIGNED, _kernels._MISALIGNED),
@@ -281,13 +281,15 @@ def test_every_launch_within_the_device_limits_at_the_largest_shapes():
             conventions = ({"convention": "paper"}, {"convention": "deepseek"}) if "convention" in k.params else ({},)
             absent = (False, True) if any(a.optional for a in k.args) else (False,)
             for mode, conv, ab, var in itertools.product(modes, conventions, absent, variants):
-                infos = _kernels._infos(k, (T,), sizes, dt, tg, ptr, absent=ab)
+                opted = var.get("layer_in", False)  # (the variant under which the gated ops and inputs run)
+                drop = () if opted else _kernels._GATED_INPUTS.get(k.name, ())
+                infos = _kernels._infos(k, (T,), sizes, dt, tg, ptr, absent=ab, drop=drop)
                 if k.name == "rmsnorm_bwd" and not ab:
                     continue  # a weighted row of 65536 floats is refused (test_size_limits.py)
                 with _jit.dry_run() as launches, _jit.assume_wgmma(wg), kernel_choice(**var):
                     plan = k.planner(infos, **{**k.params, **mode, **conv})
-                    if k.name in _kernels._GATED and not var.get("layer_in"):
-                        continue  # launches only under the kernel choice layer_in
+                    if k.name in _kernels._GATED and not opted:
+                        continue  # launches only under its kernel choice (layer_in, boundary_bwd)
                     plan.launch({a: (None if v is None else v.ptr) for a, v in infos.items()},
                                 [ptr] * len(plan.outputs), [ptr] * len(plan.scratch), 0)
                 for _, expr, grid, block, _, smem in launches:
