@@ -39,6 +39,8 @@ import numpy as np
 
 from . import _checks, _convention
 from . import _jax_layer as _layer
+from . import _jax_shard as _shard
+from ._kernel_choice import current as current_choice
 from ._convention import DEFAULT
 from ._stack import recompute_blocks
 from .ops.layer import fold_post_dx
@@ -112,10 +114,41 @@ def _stack(ds):
     return jnp.stack(ds)
 
 
+def _linked_layer_bwd(settings, res, g, dy, H_post_prev) -> tuple:
+    """One layer's backward inside a block with the fused boundary backward (OPS.md section 12): the
+    post op's dy handed over by the next layer's (``dy``; None for the block's last layer, whose post op
+    runs its own backward), its dH_post, dH_res then computed by the pre piece's backward from
+    ``layer_out``; and with the previous layer's ``H_post_prev`` (None for the block's first layer)
+    that layer's dy from this layer's dx (``mhc_boundary_bwd``).  n <= 4 (g is the output gradient).
+
+    Returns (dphi, dalpha, dbias, dx, dy_prev or None, *d_consts)."""
+    mj = _mj()
+    phi, alpha, bias, x, stats, H_pre, H_post, H_res, y, f_vjp = res
+    layer_out = y
+    if dy is None:
+        dy, dH_post, dH_res = mj._k("mhc_layer_post_bwd", mj._conv(settings.convention), g, y, x, H_post, H_res)
+        layer_out = None
+    else:
+        dH_post = dH_res = None
+    g_li, *d_consts = f_vjp(dy)
+    if g_li.dtype != g.dtype:
+        g_li = g_li.astype(g.dtype)
+    args = (g_li, g, dH_post, dH_res, None, x, phi, alpha, bias, stats, H_pre, H_res, layer_out)
+    st = (("settings", settings),)
+    if H_post_prev is None:
+        (dx, dphi, dalpha, dbias), dy_prev = mj._k("mhc_layer_pre_bwd", st, *args), None
+    else:
+        dx, dphi, dalpha, dbias, dy_prev = mj._k("mhc_boundary_bwd", st, *args, H_post_prev)
+    return (*_shard.like((dphi, dalpha, dbias, dx), (phi, alpha, bias, x)), dy_prev, *d_consts)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _block(f, settings, fold, phi, alpha, bias, leaves, x, consts, acc, pre, nxt):
+def _block(f, settings, mode, phi, alpha, bias, leaves, x, consts, acc, pre, nxt):
     """L_r layers (phi [L_r, n*C, m], alpha [L_r, 3], bias [L_r, m], f's per-layer arguments
     ``leaves`` [L_r, ...]) on x [..., n, C]; f(layer_in, *leaves_j, *consts) is the sublayer.
+    ``mode`` = (fold, linked): ``ops.layer.fold_post_dx``, and whether the backward hands each layer's
+    dy from the next layer's (:func:`_linked_layer_bwd`: fused boundaries under the kernel choice
+    ``boundary_bwd``, n <= 4).
 
     ``pre``: None (each layer runs its own pre piece), or the outputs of the first layer's pre piece
     for x (layer_in, H_pre, H_post, H_res, stats): fused boundaries, each layer's residual update
@@ -131,10 +164,10 @@ def _block(f, settings, fold, phi, alpha, bias, leaves, x, consts, acc, pre, nxt
     layer at a time, in the order of the layer-by-layer backward (a per-block sum added to it
     would round differently); ``consts`` itself gets no cotangent from here.
     """
-    return _block_fwd(f, settings, fold, phi, alpha, bias, leaves, x, consts, acc, pre, nxt)[0]
+    return _block_fwd(f, settings, mode, phi, alpha, bias, leaves, x, consts, acc, pre, nxt)[0]
 
 
-def _block_fwd(f, settings, fold, phi, alpha, bias, leaves, x, consts, acc, pre, nxt):
+def _block_fwd(f, settings, mode, phi, alpha, bias, leaves, x, consts, acc, pre, nxt):
     mj, x0, saved, fused, L_b = _mj(), x, [], pre is not None, phi.shape[0]
     for j in range(L_b):
         following = (phi[j + 1], alpha[j + 1], bias[j + 1]) if j + 1 < L_b else nxt
@@ -146,16 +179,20 @@ def _block_fwd(f, settings, fold, phi, alpha, bias, leaves, x, consts, acc, pre,
     return (x, pre, acc), (x0, saved)
 
 
-def _block_bwd(f, settings, fold, res, cts):
+def _block_bwd(f, settings, mode, res, cts):
     mj = _mj()
-    x0, saved = res
+    (fold, linked), (x0, saved) = mode, res
     g, _, acc = cts
     xs = [x0]  # the block's streams, rebuilt by the post op's forward (a fused boundary's out has its bits)
     for r in saved[:-1]:
         xs.append(mj._k("mhc_post_op_fwd", mj._conv(settings.convention), r[_Y], xs[-1], r[_H_POST], r[_H_RES])[0])
-    acc, per_layer = list(acc), []
-    for r, x in reversed(list(zip(saved, xs))):
-        dphi, dalpha, dbias, g, *d = mj._fused_layer_bwd(f, settings, fold, r[:_X] + (x,) + r[_X + 1:], g)
+    acc, per_layer, dy = list(acc), [], None
+    for j in reversed(range(len(saved))):
+        r = saved[j][:_X] + (xs[j],) + saved[j][_X + 1:]
+        if linked:
+            dphi, dalpha, dbias, g, dy, *d = _linked_layer_bwd(settings, r, g, dy, saved[j - 1][_H_POST] if j else None)
+        else:
+            dphi, dalpha, dbias, g, *d = mj._fused_layer_bwd(f, settings, fold, r, g)
         d_leaves, d_consts = d[:len(d) - len(acc)], d[len(d) - len(acc):]
         acc = [_add(a, b) for a, b in zip(acc, d_consts)]
         per_layer.append((dphi, dalpha, dbias, *d_leaves))
@@ -213,7 +250,12 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, fuse_boundar
             propagates.  The fused kernel itself runs only where the kernel choice in force at trace time says
             ``boundary=True`` (``mhc_cupy._kernel_choice.kernel_choice``; off by default, OPS.md section 12
             gives its status); otherwise the boundary op runs the two ops' kernels (the unfused stack's
-            bits, as on the CPU).  Default False; a bool, static, keyword only.
+            bits, as on the CPU).  Under ``boundary_bwd=True`` (n <= 4, off by default until a GPU run has
+            checked its kernels) the backward inside each recompute block is fused too: a layer's dx
+            kernel also writes the previous layer's d layer_out, and each layer's pre-piece backward
+            computes its residual update's coefficient gradients (``mhc_boundary_bwd``, OPS.md section 12,
+            "Fused boundary backward"; bitwise the unfused stack on the CPU).  Default False; a bool,
+            static, keyword only.
         num_iters, eps, rms_eps, grad_mode, convention, hc_eps, post_mult: as
             :func:`mhc_cupy.jax.mhc_layer` (the same for every layer), keyword only; left out, the
             convention's defaults (paper: 20, 1e-8, 1e-5, "unrolled", hc_eps 0, post_mult 2).
@@ -248,6 +290,7 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, fuse_boundar
     g, consts = _layer.sublayer(f, x, stacked, arg=one)
     consts = tuple(consts)
     fold = fold_post_dx(n)
+    mode = (fold, fuse_boundaries and fold and current_choice().runs("boundary_bwd"))
     if L_r is None and not fuse_boundaries:
         def layer(x, p):
             phi, alpha, bias, leaves_l = p
@@ -267,7 +310,7 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, fuse_boundar
 
     def block(carry, p):
         (x, pre, acc), (phi, alpha, bias, leaves_b, nxt) = carry, p
-        x, pre, acc = _block(g, settings, fold, phi, alpha, bias, leaves_b, x, consts, acc, pre, nxt)
+        x, pre, acc = _block(g, settings, mode, phi, alpha, bias, leaves_b, x, consts, acc, pre, nxt)
         return (x, jax.lax.stop_gradient(pre), acc), None  # (pre: no tangent, no cotangent carried)
 
     carry = (x, pre, consts)
@@ -277,7 +320,7 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, fuse_boundar
         carry = jax.lax.scan(block, carry, (*blocks, nxts))[0]
     x, pre, acc = carry
     phi, alpha, bias, leaves_b = jax.tree.map(lambda a: a[head:], per_layer)
-    return _block(g, settings, fold, phi, alpha, bias, leaves_b, x, consts, acc, pre, None)[0]
+    return _block(g, settings, mode, phi, alpha, bias, leaves_b, x, consts, acc, pre, None)[0]
 
 
 def mhc_stack_init(key, L: int, dim: int, n_streams: int = 4, alpha_init: float = 0.01,

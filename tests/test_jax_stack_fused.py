@@ -64,6 +64,28 @@ def test_fused_boundaries_equal_the_unfused_stack_bitwise(rng, monkeypatch, case
         assert_same(got, want, f"recompute={recompute!r}")
 
 
+@pytest.mark.parametrize("convention", ["paper", "deepseek"])
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_fused_boundary_backward_equals_the_unfused_stack_bitwise(rng, monkeypatch, case, convention):
+    """Under the kernel choice boundary_bwd (OPS.md section 12, "Fused boundary backward"), inside a
+    recompute block each layer's backward hands the previous layer its dy (mhc_boundary_bwd) and takes
+    its own from the next layer's, computing its residual update's dH_post, dH_res in the pre piece's
+    backward (layer_out): the post op's backward runs once per block (its last layer).  Bitwise the
+    unfused stack's on the CPU; without recompute (blocks of one layer) nothing changes."""
+    from mhc_cupy._kernel_choice import kernel_choice
+
+    lead, n, C, L, dt = case
+    params, x, g, W = make(rng, lead, n, C, L, dt, convention)
+    want = vjp_all(stack(False, convention=convention), (params, x, W), g)
+    calls = count_calls(monkeypatch, reference, ("mhc_boundary_bwd", "mhc_post_op_bwd"))
+    for recompute, blocks in ((None, L), (2, -(-L // 2)), (L, 1)):
+        calls.update(dict.fromkeys(calls, 0))
+        with kernel_choice(boundary_bwd=True):
+            got = vjp_all(stack(True, recompute, convention=convention), (params, x, W), g)
+        assert_same(got, want, f"recompute={recompute!r}")
+        assert calls == {"mhc_boundary_bwd": L - blocks, "mhc_post_op_bwd": blocks}, (recompute, calls)
+
+
 @pytest.mark.parametrize("recompute", [None, 2])
 def test_fused_boundaries_under_jit_grad_checkpoint_scan_and_vmap(rng, recompute):
     L = 3

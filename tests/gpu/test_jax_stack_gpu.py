@@ -155,3 +155,28 @@ def test_gpu_stack_fused_boundaries(lead, n, C, L, dtype, convention):
     for a, b, what in zip(got, want, ("out", "dalpha", "dbias", "dphi", "dx", "dW")):
         assert np.isfinite(np.asarray(a, np.float32)).all(), what
         assert_close(np.asarray(a, np.float32), np.asarray(b, np.float32), FUSED_TOL[dtype], what, scale="max")
+
+
+@pytest.mark.parametrize("convention", ["paper", "deepseek"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("lead,n,C,L", [((4, 257), 4, 1024, 5), ((129,), 2, 96, 4), ((63,), 3, 40, 3)])
+def test_gpu_stack_fused_boundary_backward_is_bitwise_unfused(lead, n, C, L, dtype, convention):
+    """kernel_choice(boundary_bwd=True) (OPS.md section 12, "Fused boundary backward"; n <= 4): inside
+    the recompute blocks each layer's dy comes from the next layer's dx kernel and the post op's
+    coefficient gradients from the pre piece's merged pass: bitwise the same stack without it."""
+    import jax
+
+    import mhc_cupy.jax as mj
+    import test_jax_stack as S
+    from mhc_cupy._kernel_choice import kernel_choice
+
+    rng = np.random.default_rng(n * 1000 + C + L + 7)
+    params, x, g, W = S.make(rng, lead, n, C, L, dtype, convention)
+    args = jax.device_put((params, x, W), jax.devices("gpu")[0])
+    for recompute in (2, "auto", L):
+        fn = lambda p, x, W: mj.mhc_stack(p, x, S.sub, W, recompute=recompute, fuse_boundaries=True,  # noqa: E731
+                                          convention=convention)
+        want = S.vjp_all(fn, args, g)
+        with kernel_choice(boundary_bwd=True):
+            got = S.vjp_all(fn, args, g)
+        same(got, want, f"recompute={recompute!r}")
