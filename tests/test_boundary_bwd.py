@@ -121,3 +121,41 @@ def test_gpu_plan_under_the_choice():
     assert "mhc_layer_post_pre_bwd_kernel" in pre4 and "mhc_coeffs_mma_bwd_kernel" in pre4, pre4
     assert "mhc_coeffs_mma_bwd_dy_kernel" not in pre4
     assert n8[-1] == "mhc_stream_aggregate_fwd_kernel" and "mhc_layer_post_pre_bwd_kernel" in n8, n8
+
+
+@pytest.mark.parametrize("tokens,C", [(1, 64), (3, 200), (127, 1000), (300, 24), (4097, 72), (70000, 8)])
+def test_dy_epilogue_writes_every_element_once_from_its_own_block(tokens, C):
+    """mhc_coeffs_mma_bwd_dy_kernel's epilogue, emulated from the planned launch (grid, t_split): block
+    (x, y) covers columns [64 x, 64 x + 64) of tokens [y t_split, ...) 16 a step; after a step's dx
+    stores (all n streams of those tokens and columns: the block's own) and a barrier, its threads
+    q = threadIdx.x + 32 n k write dy_prev[t, c] for (u, c) = (q / 64, 64 x + q % 64).  Every (t, c)
+    is written once, and the dx it reads back is the block's own step's."""
+    from mhc_cupy import _jit, _kernels
+    from mhc_cupy.ops import SPECS
+    from mhc_cupy.ops.coeffs.bwd import MMA_BWD_DY
+
+    n = 4
+    k = SPECS["mhc_boundary_bwd"]
+    infos = _kernels._infos(k, (tokens,), {"n": n, "C": C, "K": 24}, "bfloat16", "bfloat16", _kernels._ALIGNED)
+    with _jit.dry_run() as launches, kernel_choice(boundary_bwd=True):
+        plan = k.planner(infos, **k.params)
+        plan.launch({a: v.ptr for a, v in infos.items()}, [_kernels._ALIGNED] * len(plan.outputs),
+                    [_kernels._ALIGNED] * len(plan.scratch), 0)
+    (_, expr, grid, block, args, _), = [r for r in launches if "mma_bwd_dy_kernel" in r[1]]
+    a = dict(zip([p for _, p in MMA_BWD_DY.params], args))
+    t_split = int(a["t_split"])
+    assert int(a["tokens"]) == tokens and int(a["C"]) == C and block[0] == 32 * n
+    assert grid[0] * 64 >= C and grid[1] * t_split >= tokens and t_split % 16 == 0
+    writes = np.zeros((tokens, C), np.int64)
+    q = np.arange(16 * 64)
+    u, cl = q >> 6, q & 63
+    for bx in range(grid[0]):
+        for by in range(grid[1]):
+            t_begin = by * t_split
+            rows = max(min(tokens, t_begin + t_split) - t_begin, 0)
+            for step in range((rows + 15) // 16):
+                ok = (step * 16 + u < rows) & (64 * bx + cl < C)
+                t, c = t_begin + step * 16 + u[ok], 64 * bx + cl[ok]
+                assert ((t - t_begin) // 16 == step).all() and (c // 64 == bx).all()  # the block's own dx
+                np.add.at(writes, (t, c), 1)
+    assert (writes == 1).all()
