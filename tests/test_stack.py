@@ -164,6 +164,36 @@ def test_fused_boundary_backward_equals_the_chain(rng, monkeypatch, lead, n, C, 
         assert calls == unfused, calls
 
 
+@pytest.mark.parametrize("recompute", [None, 2])
+def test_fused_boundary_backward_twice_and_after_a_frozen_layer(rng, monkeypatch, recompute):
+    """Under boundary_bwd: a second backward through a retained graph hands dy over again (the same
+    gradients); a first layer with frozen coefficients whose input needs no gradient (its residual update
+    has no pre-piece backward to leave dH to; its sublayer trains) runs its own post-op backward; both
+    the unfused stack's bitwise."""
+    from mhc_cupy import _kernel_choice, reference
+
+    layers = make_layers(3, 4, 8, 31)
+    x = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+    g = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+    xg = x.clone().requires_grad_()
+    params = [xg, *nn.Sequential(*layers).parameters()]
+    want = torch.autograd.grad(nn.Sequential(*layers)(xg), params, g)
+    with _kernel_choice.kernel_choice(boundary_bwd=True):
+        out = mt.MHCStack(layers, recompute=recompute, fuse_boundaries=True)(xg)
+        for _ in range(2):
+            got = torch.autograd.grad(out, params, g, retain_graph=True)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for p in (layers[0].phi, layers[0].alpha, layers[0].bias):
+        p.requires_grad_(False)
+    trained = [p for p in nn.Sequential(*layers).parameters() if p.requires_grad]
+    want = torch.autograd.grad(nn.Sequential(*layers)(x), trained, g)
+    calls = count_calls(monkeypatch, reference, ("mhc_boundary_bwd", "mhc_post_op_bwd"))
+    with _kernel_choice.kernel_choice(boundary_bwd=True):
+        got = torch.autograd.grad(mt.MHCStack(layers, recompute=recompute, fuse_boundaries=True)(x), trained, g)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert calls == {"mhc_boundary_bwd": 2, "mhc_post_op_bwd": 2}, calls  # (layer 0's and the last layer's)
+
+
 def test_fused_boundary_backward_where_a_layer_output_has_another_use(rng, monkeypatch):
     """A layer output also used outside the stack (a forward hook keeps it; the loss reads it): its
     gradient is not the next layer's dx alone, so that layer's residual update runs its own backward
