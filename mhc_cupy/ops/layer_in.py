@@ -55,9 +55,7 @@ def launch_aggregate_out(dt, n, C, tokens, *, x, h, w, out, q, stat, eps, stream
 def _plan(infos, s: LayerSettings, norm_eps, fp8: bool):
     pp = pre_piece(infos, s)
     dt, lead, n, C, K, tokens = pp.dt, pp.lead, pp.n, pp.C, pp.K, pp.tokens
-    w = infos["norm_weight"]
-    if w is None and not fp8:
-        raise TypeError("norm_weight is None; mhc_layer_pre_norm_fwd needs float32 [C] (ones for no weight)")
+    w = infos["norm_weight"]  # (None only where optional, the fp8 form: the dispatch refuses it elsewhere)
     if w is not None:
         _checks.coefficient("norm_weight", w)
         _checks.expect_shape("norm_weight", w.shape, (C,), "one weight per element of layer_in [..., C]")
