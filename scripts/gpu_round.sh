@@ -5,7 +5,7 @@
 #   check    GPU tests (tests/gpu, test_bench_small.py; 16 workers), compute-sanitizer memcheck /
 #            racecheck / initcheck / synccheck on scripts/sanitize_subset.py, the boundary A/B
 #            (scripts/ab_kernels.py boundary), bench --small
-#   bench    bench --stack with the fused boundary kernels, forward and backward (both configs), the narrow column sum's cost
+#   bench    bench --stack with the fused boundary kernel (both configs; its fused bwd rows: the backward A/B), the narrow column sum's cost
 #   profile  scripts/profile_stack.py and profile_layer.py (n = 4, 8, 16), the _MMA_TARGET_BLOCKS A/B
 #   suite    the test files outside tests/gpu (the rest of the GPU suite; -v: cut runs still name failures)
 # Usage (repo root, on a CUDA machine):  BUDGET=570 bash scripts/gpu_round.sh check [OUT_DIR]
@@ -38,7 +38,7 @@ check)
     l=$(left 5); [ "$l" -gt 30 ] && timeout "$l" $PY -m mhc_cupy.bench --small --out "$R/small" > "$R/small.log" 2>&1
     echo "small rc=$? $((SECONDS - T0)) s"; grep -v "^$" "$R/small/small.md" 2>/dev/null | head -n 40 ;;
 bench)
-    timeout "$(left 40)" $PY -m mhc_cupy.bench --stack --reps 10 --choose boundary=true,boundary_bwd=true --out "$R/stack" \
+    timeout "$(left 40)" $PY -m mhc_cupy.bench --stack --reps 10 --choose boundary=true --out "$R/stack" \
         > "$R/stack.log" 2>&1
     echo "stack rc=$? $((SECONDS - T0)) s"; grep -v "^$" "$R/stack/stack.md" 2>/dev/null | head -n 50
     timeout "$(cap 30 0)" $PY scripts/ab_kernels.py colsum 2>&1 | tee "$R/ab_colsum.log" ;;

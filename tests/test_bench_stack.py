@@ -52,13 +52,14 @@ def test_stack_mode_runs_tiny_and_merges(tmp_path):
     (row,) = res["results"]
     assert (row["L"], row["C"], row["n"], row["recompute_blocks"]) == (4, 16, 2, 2)  # auto: sqrt(2 * 8 / 4) = 2
     assert set(row["impls"]) == {"plain", "mhc chain", "MHCStack", "MHCStack recompute", "MHCStack fused",
-                                 "MHCStack fused recompute"}
+                                 "MHCStack fused recompute", "MHCStack fused bwd", "MHCStack fused bwd recompute"}
     for name, v in row["impls"].items():
         assert v["us"] > 0, (name, v)
     for name in ("MHCStack", "MHCStack recompute"):
         assert row["impls"][name]["dx_equals_chain"] is True, name
         assert row["overhead"][name] == pytest.approx(row["impls"][name]["us"] / row["impls"]["plain"]["us"] - 1)
-    for name in ("MHCStack fused", "MHCStack fused recompute"):  # (on the CPU: the same float64 references)
+    for name in ("MHCStack fused", "MHCStack fused recompute", "MHCStack fused bwd",  # (on the CPU: the same
+                 "MHCStack fused bwd recompute"):                                      # float64 references)
         assert row["impls"][name]["dx_rel_diff"] == 0.0, name
     text = (out / "stack.md").read_text()
     assert "| 4 | 16 | 1 x 4 | MHCStack recompute |" in text and "targets:" in text

@@ -11,6 +11,9 @@ all with the same weights:
 * ``MHCStack recompute``: with ``recompute="auto"`` (the paper's L_r*; section 4.3);
 * ``MHCStack fused`` / ``MHCStack fused recompute``: the same with ``fuse_boundaries=True`` (each
   residual update with the next layer's pre piece, ``mhc_boundary_fwd``; OPS.md section 12);
+* ``MHCStack fused bwd`` / ``MHCStack fused bwd recompute``: those under the kernel choice
+  ``boundary_bwd=True`` (the fused boundary backward, OPS.md section 12; off by default until checked
+  on a GPU), in force for their forward and backward: the A/B of the fused backward in one run;
 * with ``torch.compile`` among the baselines: ``plain compiled`` and ``mhc chain compiled``;
 * with ``jax.jit`` among the baselines, the mHC layers alone in JAX (2L layers, the sublayer ``tanh``):
   ``jax mhc_stack``, :func:`mhc_cupy.jax.mhc_stack` (a ``lax.scan`` over the layers), against ``jax.jit
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .._kernel_choice import kernel_choice
 from . import env
 from .block import build_blocks
 from .layer import measure_torch, timing_words, torch_timer
@@ -63,7 +67,13 @@ def build_models(L: int, C: int, heads: int, ffn: int, n: int, device, dtype) ->
         "MHCStack recompute": mt.MHCStack(mhc_layers, recompute="auto"),
         "MHCStack fused": mt.MHCStack(mhc_layers, fuse_boundaries=True),
         "MHCStack fused recompute": mt.MHCStack(mhc_layers, recompute="auto", fuse_boundaries=True),
+        "MHCStack fused bwd": mt.MHCStack(mhc_layers, fuse_boundaries=True),
+        "MHCStack fused bwd recompute": mt.MHCStack(mhc_layers, recompute="auto", fuse_boundaries=True),
     }
+
+
+#: The kernel choice each variant runs under (besides the run's ``--choose``), forward and backward.
+VARIANT_CHOICE = {"MHCStack fused bwd": {"boundary_bwd": True}, "MHCStack fused bwd recompute": {"boundary_bwd": True}}
 
 
 def stack_case(L: int, C: int, heads: int, ffn: int, batch: int, seq: int, cfg, on_gpu: bool,
@@ -95,8 +105,9 @@ def stack_case(L: int, C: int, heads: int, ffn: int, batch: int, seq: int, cfg, 
     for name, model in models.items():
         shape = (batch, seq, C) if name.startswith("plain") else (batch, seq, n, C)
         xs, gs = [gen(shape, 0)], [gen(shape, 1)]
-        rows, firsts = measure_torch(model, list(model.parameters()), xs, gs, cfg.min_calls, timer, on_gpu,
-                                     dirs=("fwd+bwd",))
+        with kernel_choice(**VARIANT_CHOICE.get(name, {})):
+            rows, firsts = measure_torch(model, list(model.parameters()), xs, gs, cfg.min_calls, timer, on_gpu,
+                                         dirs=("fwd+bwd",))
         v = row["impls"][name] = rows["fwd+bwd"]
         if name.startswith("MHCStack") and "dx" in firsts and "dx" in chain_dx:
             a, b = firsts["dx"].float(), chain_dx["dx"].float()
