@@ -31,6 +31,7 @@ shared by all layers, keys) enter every layer as explicit arguments and get thei
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -40,7 +41,7 @@ import numpy as np
 from . import _checks, _convention
 from . import _jax_layer as _layer
 from . import _jax_shard as _shard
-from ._kernel_choice import current as current_choice
+from ._kernel_choice import current as current_choice, kernel_choice
 from ._convention import DEFAULT
 from ._stack import recompute_blocks
 from .ops.layer import fold_post_dx
@@ -135,10 +136,14 @@ def _linked_layer_bwd(settings, res, g, dy, H_post_prev) -> tuple:
         g_li = g_li.astype(g.dtype)
     args = (g_li, g, dH_post, dH_res, None, x, phi, alpha, bias, stats, H_pre, H_res, layer_out)
     st = (("settings", settings),)
-    if H_post_prev is None:
-        (dx, dphi, dalpha, dbias), dy_prev = mj._k("mhc_layer_pre_bwd", st, *args), None
-    else:
-        dx, dphi, dalpha, dbias, dy_prev = mj._k("mhc_boundary_bwd", st, *args, H_post_prev)
+    # the fused ops under the choice of the forward that linked the block (this backward may be traced
+    # outside its kernel_choice block: a jax.vjp function called after it)
+    with kernel_choice(boundary_bwd=True) if layer_out is not None or H_post_prev is not None else \
+            contextlib.nullcontext():
+        if H_post_prev is None:
+            (dx, dphi, dalpha, dbias), dy_prev = mj._k("mhc_layer_pre_bwd", st, *args), None
+        else:
+            dx, dphi, dalpha, dbias, dy_prev = mj._k("mhc_boundary_bwd", st, *args, H_post_prev)
     return (*_shard.like((dphi, dalpha, dbias, dx), (phi, alpha, bias, x)), dy_prev, *d_consts)
 
 

@@ -155,3 +155,31 @@ def test_fuse_boundaries_must_be_a_bool():
     for bad in (1, "yes", None, np.bool_(True)):
         with pytest.raises(TypeError, match=f"fuse_boundaries must be a bool, got {type(bad).__name__}"):
             mj.mhc_stack(params, x, None, fuse_boundaries=bad)
+
+
+def test_fused_boundary_backward_runs_under_the_choice_of_its_forward(rng, monkeypatch):
+    """The backward that a forward under kernel_choice(boundary_bwd=True) linked (jax.vjp there, its vjp
+    function called after the block) plans its fused ops under that choice: they were planned under the
+    one in force when the backward was traced, off, and on a GPU raised NotImplementedError ("run only
+    under kernel_choice(boundary_bwd=True)").  The gradients: the unfused stack's bitwise."""
+    from mhc_cupy import _jax_kernels, _kernel_choice
+    from mhc_cupy.ops import layer as ops_layer
+
+    planned = []
+
+    def current():
+        choice = _kernel_choice.current()
+        planned.append(choice.runs("boundary_bwd"))
+        return choice
+
+    monkeypatch.setattr(ops_layer, "current_choice", current)
+    _jax_kernels._planned.cache_clear()  # (planned anew: the cache keys on the choice)
+    params, x, g, W = make(rng, (3,), 4, 8, 3, "float32")
+    out, vjp = jax.vjp(stack(False, 3), params, x, W)
+    want = [out, *jax.tree_util.tree_leaves(vjp(g))]
+    with _kernel_choice.kernel_choice(boundary_bwd=True):
+        out, vjp = jax.vjp(stack(True, 3), params, x, W)
+    planned.clear()
+    got = [out, *jax.tree_util.tree_leaves(vjp(g))]
+    assert len(planned) == 3 and all(planned), planned  # mhc_boundary_bwd twice, mhc_layer_pre_bwd(layer_out)
+    assert_same(got, want, "vjp after the block")

@@ -224,6 +224,119 @@ def test_fused_boundary_backward_where_a_layer_output_has_another_use(rng, monke
         assert torch.equal(a, b), i
 
 
+@pytest.mark.parametrize("recompute", [None, 2])
+@pytest.mark.parametrize("hook", ["tensor", "module"])
+def test_fused_boundary_backward_after_a_gradient_changed_in_place(rng, recompute, hook):
+    """A backward hook that changes a layer output's gradient in place (gradient clipping, scaling: a
+    tensor hook on the output, a module's full backward pre-hook) hands the previous layer's residual
+    update the very dx tensor that the next layer's pre piece returned, changed: the dy computed from
+    it before the change used to be taken (every gradient wrong); now the update runs its own backward,
+    the unfused stack's bitwise."""
+    from mhc_cupy import _kernel_choice
+
+    layers = make_layers(3, 4, 8, 23)
+    x = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+    g = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+    def scale_in_place(m, a, out):
+        out.register_hook(lambda d: d.mul_(2))
+
+    if hook == "tensor":
+        handle = layers[0].register_forward_hook(scale_in_place)
+    else:
+        handle = layers[1].register_full_backward_pre_hook(lambda m, go: [d.clamp_(-0.5, 0.5) for d in go] and None)
+    want = run(nn.Sequential(*layers), x, g)
+    with _kernel_choice.kernel_choice(boundary_bwd=True):
+        got = run(mt.MHCStack(layers, recompute=recompute, fuse_boundaries=True), x, g)
+    handle.remove()
+    assert_bitwise(got, want, f"{hook} hook")
+
+
+def test_fused_boundary_backward_keeps_nothing_after_the_pass(rng, monkeypatch):
+    """A backward that does not reach a layer's residual update (torch.autograd.grad of the last layer's
+    parameters only) left the dx and dy handed to it held by the graph (as long as the output lived), and
+    a residual update that handed its coefficient gradients to a pre-piece backward that did not run (the
+    sublayer's parameters only) left that hand-over standing: a later backward through the retained graph
+    whose residual update ran its own backward (the output also used in the loss) then counted them
+    twice.  Now whatever a pass hands over is dropped at its end: the unfused stack's bitwise."""
+    from mhc_cupy import _kernel_choice
+    from mhc_cupy.torch import functions
+
+    made = []
+
+    class Recorded(functions.BoundaryGrad):
+        __slots__ = ("__weakref__",)
+
+        def __init__(self, H_post):
+            super().__init__(H_post)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(functions, "BoundaryGrad", Recorded)
+    layers = make_layers(3, 4, 8, 29)
+    params = list(nn.Sequential(*layers).parameters())
+    x = torch.from_numpy(rng.standard_normal((5, 4, 8))).float().requires_grad_()
+    g = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+
+    def grads(module):
+        kept = []
+        hook = layers[0].register_forward_hook(lambda m, a, out: kept.append(out))
+        out = module(x)
+        hook.remove()
+        torch.autograd.grad(out, list(layers[2].parameters()), g, retain_graph=True)
+        held = [b for b in (r() for r in made) if b is not None and (b.dx is not None or b.dy is not None)]
+        torch.autograd.grad(out, list(layers[0].sublayer.parameters()), g, retain_graph=True)
+        return held, torch.autograd.grad((out * g).sum() + (kept[0] ** 2).sum(), [x] + params)
+
+    _, want = grads(nn.Sequential(*layers))
+    with _kernel_choice.kernel_choice(boundary_bwd=True):
+        held, got = grads(mt.MHCStack(layers, fuse_boundaries=True))
+    assert len(made) == 2 and not held, held
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), i
+
+
+def test_fused_boundary_backward_runs_under_the_choice_of_its_forward(rng, monkeypatch):
+    """The backward across the boundaries that a forward under kernel_choice(boundary_bwd=True) set up runs
+    its ops under that choice, also where backward runs outside the block: in another thread (CUDA tensors'
+    backward runs in autograd's device thread, which does not see the caller's context variables) or after
+    it.  Their plans were made under the choice in force there, off: on a GPU they raised
+    NotImplementedError ("run only under kernel_choice(boundary_bwd=True)") in every stack backward."""
+    import threading
+
+    from mhc_cupy import _dispatch, _kernel_choice
+    from mhc_cupy.ops import layer as ops_layer
+
+    planned = []
+    monkeypatch.setattr(_dispatch, "_plans", {})  # (planned anew: the cache keys on the choice)
+
+    def current():
+        choice = _kernel_choice.current()
+        planned.append(choice.runs("boundary_bwd"))
+        return choice
+
+    monkeypatch.setattr(ops_layer, "current_choice", current)
+    layers = make_layers(3, 4, 8, 37)
+    x = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+    g = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+    want = run(nn.Sequential(*layers), x, g)
+    stack = mt.MHCStack(layers, recompute=2, fuse_boundaries=True)
+    for where in ("thread", "after"):
+        planned.clear()
+        _dispatch._plans.clear()
+        stack.zero_grad(set_to_none=True)
+        xg = x.clone().requires_grad_()
+        with _kernel_choice.kernel_choice(boundary_bwd=True):
+            out = stack(xg)
+        if where == "thread":
+            with _kernel_choice.kernel_choice(boundary_bwd=True):
+                thread = threading.Thread(target=out.backward, args=(g,))
+                thread.start()
+                thread.join()
+        else:
+            out.backward(g)
+        assert planned == [True] * 3, (where, planned)  # mhc_boundary_bwd twice, mhc_layer_pre_bwd(layer_out)
+        assert_bitwise((out.detach(), xg.grad, [p.grad for p in stack.parameters()]), want, where)
+
+
 def test_fused_boundaries_only_between_layers_of_one_convention(rng):
     layers = make_layers(2, 4, 8, 11) + make_layers(1, 4, 8, 12, convention="deepseek")
     x = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()

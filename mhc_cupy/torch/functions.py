@@ -31,6 +31,7 @@ Each public function's docstring is written here.  Imported through the package,
 that torch is installed first.
 """
 
+import contextlib
 import dataclasses
 
 import torch
@@ -39,6 +40,7 @@ from torch import Tensor
 from .. import _adapter, _convention, _settings
 from .._convention import DEFAULT
 from .._dispatch import run as _run_plan
+from .._kernel_choice import kernel_choice as _kernel_choice
 from .._settings import LayerSettings
 from .. import ops as _ops
 from ..ops.layer import fold_post_dx
@@ -317,6 +319,24 @@ def _same_tensor(a: Tensor, b) -> bool:
     return b is not None and _tensor_key(a) == _tensor_key(b)
 
 
+def _at_pass_end(callback) -> None:
+    """``callback()`` once the backward pass running now ends (what one node hands another is dropped
+    there where the other did not run in it: a ``torch.autograd.grad`` that does not reach it)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def _hand_to_pre(pre, g_sent, layer_out) -> None:
+    """A residual update's backward hands its pre piece's backward (``pre``, its ctx) the gradient it sent
+    along x_link and, where the fused boundary backward left the coefficient gradients to it, the sublayer
+    output (else None): both taken by that backward, or dropped at the pass's end."""
+    pre.g_sent, pre.layer_out = g_sent, layer_out
+
+    def drop():
+        pre.g_sent = pre.layer_out = None
+
+    _at_pass_end(drop)
+
+
 class BoundaryGrad:
     """The fused boundary backward's hand-over between layer l's residual update and layer l+1's pre
     piece (OPS.md section 12, "Fused boundary backward"; kernel choice ``boundary_bwd``).  Layer l+1's
@@ -327,11 +347,21 @@ class BoundaryGrad:
     l's pre-piece backward (``layer_out``), whose pass over the streams computes them: the post op's
     own pass over g, x and y is gone."""
 
-    __slots__ = ("H_post", "version", "dx", "dy")
+    __slots__ = ("H_post", "version", "dx", "dx_version", "dy")
 
     def __init__(self, H_post: Tensor):
         self.H_post, self.version = H_post.detach(), H_post._version
-        self.dx = self.dy = None
+        self.dx = self.dx_version = self.dy = None
+
+    def give(self, dx: Tensor, dy: Tensor) -> None:
+        """Layer l+1's pre-piece backward returns dx (with its version: a hook may change the gradient in
+        place before layer l's residual update gets it) and dy for it; dropped at the pass's end if not
+        taken (layer l's residual update not reached)."""
+        self.dx, self.dx_version, self.dy = dx, dx._version, dy
+        _at_pass_end(self.drop)
+
+    def drop(self) -> None:
+        self.dx = self.dx_version = self.dy = None
 
     def h_post(self):
         """Layer l's H_post, or None where it changed in place since the forward (then no fusion: layer l's
@@ -341,8 +371,9 @@ class BoundaryGrad:
     def take(self, g: Tensor):
         """dy_l for layer l's residual update, whose incoming gradient is g: kept where g is the dx_{l+1}
         that came with it (once), else None."""
-        dx, dy, self.dx, self.dy = self.dx, self.dy, None, None
-        return dy if dy is not None and _same_tensor(g, dx) else None
+        dx, version, dy = self.dx, self.dx_version, self.dy
+        self.drop()
+        return dy if dy is not None and _same_tensor(g, dx) and g._version == version else None
 
 
 class NextPre:
@@ -413,13 +444,18 @@ class _LayerPreFn(torch.autograd.Function):
         arrays = {"grad_layer_in": g_layer_in, "grad_out": g_out if fold else None, "grad_H_post": g_H_post,
                   "grad_H_res": g_H_res, "grad_x": None if fold else g_out, "x": x, "phi": phi, "alpha": alpha,
                   "bias": bias, "stats": stats, "H_pre": H_pre, "H_res": H_res, "layer_out": layer_out}
-        H_post_prev = ctx.prev.h_post() if ctx.prev is not None else None
-        if H_post_prev is not None:  # and the previous layer's dy (BoundaryGrad)
-            dx, dphi, dalpha, dbias, ctx.prev.dy = _call("mhc_boundary_bwd", ctx.custom, {
-                **arrays, "H_post_prev": H_post_prev}, ctx.kw)
-            ctx.prev.dx = dx
-        else:
-            dx, dphi, dalpha, dbias = _call("mhc_layer_pre_bwd", ctx.custom, arrays, ctx.kw)
+        # (x needing no gradient: no dx, so no dy for the previous layer, which is then not reached)
+        H_post_prev = ctx.prev.h_post() if ctx.prev is not None and ctx.needs_input_grad[0] else None
+        # the fused boundary backward's ops: set up by a forward under kernel_choice(boundary_bwd=True), run
+        # under it (backward may run outside the block: after it, or in autograd's thread for CUDA tensors)
+        with _kernel_choice(boundary_bwd=True) if H_post_prev is not None or layer_out is not None else \
+                contextlib.nullcontext():
+            if H_post_prev is not None:  # and the previous layer's dy (BoundaryGrad)
+                dx, dphi, dalpha, dbias, dy = _call("mhc_boundary_bwd", ctx.custom, {
+                    **arrays, "H_post_prev": H_post_prev}, ctx.kw)
+                ctx.prev.give(dx, dy)
+            else:
+                dx, dphi, dalpha, dbias = _call("mhc_layer_pre_bwd", ctx.custom, arrays, ctx.kw)
         return dx, dphi, dalpha, dbias, None, None, None, None
 
 
@@ -443,7 +479,7 @@ class _LayerPostFn(torch.autograd.Function):
         boundary = getattr(ctx, "boundary", None)
         dy = boundary.take(g) if boundary is not None and fold and ctx.pre is not None else None
         if dy is not None:  # the fused boundary backward: dy from the next layer's, dH from our pre piece's
-            ctx.pre.g_sent, ctx.pre.layer_out = g, layer_out
+            _hand_to_pre(ctx.pre, g, layer_out)
             return dy, g, None, None, None, None, None, None
         arrays = {"grad": g, "layer_out": layer_out, "x": x_link, "H_post": H_post, "H_res": H_res}
         kw = {"convention": ctx.convention}
@@ -452,7 +488,7 @@ class _LayerPostFn(torch.autograd.Function):
         else:  # the post op's dx, which the pre piece's backward adds
             dy, sent, dH_post, dH_res = _call("mhc_post_op_bwd", ctx.custom, arrays, kw)
         if ctx.pre is not None:  # the pre piece checks that x_link's gradient is this and nothing else
-            ctx.pre.g_sent = sent  # (the reference also keeps autograd from summing into it in place)
+            _hand_to_pre(ctx.pre, sent, None)  # (the reference also keeps autograd from summing into it in place)
         return dy, sent, dH_post, dH_res, None, None, None, None  # travels to _LayerPreFn.backward along x_link
 
 
