@@ -41,7 +41,8 @@ When it is read: once, when what runs the kernels is built.  The coefficient pat
 (``ops.coeffs.fwd.mma_layout``, ``ops.coeffs.split_bwd.SplitBwd``) read ``wg_fwd`` / ``wg_dx`` when
 a plan is made, and every plan cache keys on the choice in force: :mod:`mhc_cupy._dispatch` (plans
 and the fast path's recorded launches) and :mod:`mhc_cupy._jax_kernels` (captured when JAX traces,
-so a jitted function keeps the choice it was traced under).  ``MHC`` reads ``fused`` when it is
+so a jitted function keeps the choice it was traced under).  The eager PyTorch ops' backward runs under
+the choice its forward ran under (:func:`restored`), wherever autograd runs it.  ``MHC`` reads ``fused`` when it is
 constructed (its forward may be traced by torch.compile, which cannot read a context variable): a
 layer built outside the block keeps the library's path inside it.
 """
@@ -52,7 +53,7 @@ import contextlib
 import contextvars
 import dataclasses
 
-__all__ = ["KernelChoice", "LIBRARY_CHOICE", "current", "kernel_choice"]
+__all__ = ["KernelChoice", "LIBRARY_CHOICE", "current", "kernel_choice", "restored"]
 
 #: What ``None`` means for each variant: the library's own choice.
 LIBRARY_CHOICE = {"wg_fwd": True, "wg_dx": True, "fused": True, "boundary": False, "small": False,
@@ -102,6 +103,15 @@ _CURRENT: contextvars.ContextVar[KernelChoice] = contextvars.ContextVar("mhc_cup
 def current() -> KernelChoice:
     """The choice in force (outside any :func:`kernel_choice` block: ``KernelChoice()``, the library's)."""
     return _CURRENT.get()
+
+
+def restored(choice: KernelChoice | None):
+    """A context in which ``choice``, what :func:`current` gave a forward, is in force again: for its
+    backward, which may run where the forward's block is not (after it, or in another thread: PyTorch
+    runs a CUDA backward in its device thread, which does not see the caller's context variables).
+    Free where ``choice`` is already in force (the usual case: both the library's) or None (not
+    captured: a forward traced by torch.compile, which cannot read a context variable)."""
+    return contextlib.nullcontext() if choice is None or choice is _CURRENT.get() else kernel_choice(choice)
 
 
 @contextlib.contextmanager

@@ -249,3 +249,33 @@ def test_the_small_token_forward_runs_only_when_chosen(tokens, gemv):
         assert chosen == ["mhc_coeffs_gemv_fwd_kernel", "mhc_layer_pre_tail_kernel"], chosen
     else:
         assert chosen == default
+
+
+def test_torch_backward_plans_under_the_choice_of_its_forward(monkeypatch):
+    """A torch backward may run where the forward's kernel_choice block is not: after it, or (CUDA
+    tensors) in autograd's device thread, which does not see the caller's context variables.  The eager
+    ops' backward (an op's, the fused layer pieces') plans under the choice their forward ran under."""
+    import threading
+
+    torch = pytest.importorskip("torch")
+    import mhc_cupy.torch as mt
+    from mhc_cupy import _dispatch
+    from mhc_cupy._kernel_choice import current
+
+    seen = []
+    plan = _dispatch._plan
+    monkeypatch.setattr(_dispatch, "_plan", lambda *a: seen.append(current()) or plan(*a))
+    x = torch.randn(3, 4, 8, requires_grad=True)
+    layer = mt.MHC(8, 4)
+    for f in (lambda: mt.mhc_coeffs(x, layer.phi, layer.alpha, layer.bias)[2], lambda: layer(x)):
+        for where in ("thread", "after"):
+            with kernel_choice(wg_dx=False):
+                out = f()
+            seen.clear()
+            if where == "thread":
+                thread = threading.Thread(target=out.sum().backward)
+                thread.start()
+                thread.join()
+            else:
+                out.sum().backward()
+            assert seen and all(c.wg_dx is False for c in seen), (where, seen)

@@ -31,6 +31,7 @@ from .. import _adapter, ops as _ops
 from .._adapter import flat
 from .._dispatch import run as _run
 from .._interop import ArrayInfo
+from .._kernel_choice import current as _choice, restored as _restored
 from ..ops.spec import shape_of as _shape_of
 from ._transforms import active as _transform_active, refuse as _refuse_transform, refuse_dual as _refuse_dual
 from ._transforms import refuse_batched as _refuse_batched
@@ -315,6 +316,7 @@ class Op:
                                   {"_run": _run, "_planner": self.fwd.planner})
 
         def setup(ctx, args, output):
+            ctx.choice = _choice()  # (the backward plans under it: _kernel_choice.restored)
             if has_kw:
                 ctx.save_for_backward(*args[:n])
                 ctx.kw = args[n]
@@ -330,7 +332,8 @@ class Op:
             else:
                 return nones
             arrays = dict(zip(names, grads + ctx.saved_tensors))
-            out = _run(planner, arrays, **ctx.kw) if has_kw else _run(planner, arrays)
+            with _restored(ctx.choice):
+                out = _run(planner, arrays, **ctx.kw) if has_kw else _run(planner, arrays)
             if type(out) is not tuple:
                 out = (out,)
             return out + nones[len(out):]  # an absent input's gradient and kw's: None

@@ -31,7 +31,6 @@ Each public function's docstring is written here.  Imported through the package,
 that torch is installed first.
 """
 
-import contextlib
 import dataclasses
 
 import torch
@@ -40,7 +39,7 @@ from torch import Tensor
 from .. import _adapter, _convention, _settings
 from .._convention import DEFAULT
 from .._dispatch import run as _run_plan
-from .._kernel_choice import kernel_choice as _kernel_choice
+from .._kernel_choice import current as _current_choice, kernel_choice as _kernel_choice, restored as _restored
 from .._settings import LayerSettings
 from .. import ops as _ops
 from ..ops.layer import fold_post_dx
@@ -419,6 +418,7 @@ class _LayerPreFn(torch.autograd.Function):
         # the fused boundary backward (BoundaryGrad): the previous layer's hand-over, and this layer's
         # sublayer output where this layer's residual update left its coefficient gradients to us
         ctx.prev, ctx.layer_out = prev, None
+        ctx.choice = None if custom else _current_choice()  # (torch.compile cannot read a context variable)
         # which H_res this backward folds in (H_res^T g): mhc_layer_post must get this one
         ctx.h_res_key = None if custom else _tensor_key(H_res)
         ctx.set_materialize_grads(False)
@@ -446,10 +446,10 @@ class _LayerPreFn(torch.autograd.Function):
                   "bias": bias, "stats": stats, "H_pre": H_pre, "H_res": H_res, "layer_out": layer_out}
         # (x needing no gradient: no dx, so no dy for the previous layer, which is then not reached)
         H_post_prev = ctx.prev.h_post() if ctx.prev is not None and ctx.needs_input_grad[0] else None
-        # the fused boundary backward's ops: set up by a forward under kernel_choice(boundary_bwd=True), run
-        # under it (backward may run outside the block: after it, or in autograd's thread for CUDA tensors)
-        with _kernel_choice(boundary_bwd=True) if H_post_prev is not None or layer_out is not None else \
-                contextlib.nullcontext():
+        # under the forward's kernel choice (backward may run outside its block: after it, or in autograd's
+        # thread for CUDA tensors); the fused boundary backward's ops were set up by one with boundary_bwd
+        fused = H_post_prev is not None or layer_out is not None
+        with _kernel_choice(ctx.choice, boundary_bwd=True) if fused and ctx.choice else _restored(ctx.choice):
             if H_post_prev is not None:  # and the previous layer's dy (BoundaryGrad)
                 dx, dphi, dalpha, dbias, dy = _call("mhc_boundary_bwd", ctx.custom, {
                     **arrays, "H_post_prev": H_post_prev}, ctx.kw)
@@ -464,6 +464,7 @@ class _LayerPostFn(torch.autograd.Function):
     def forward(ctx, layer_out, x_link, H_post, H_res, convention, pre, custom, nxt=None):
         ctx.save_for_backward(layer_out, x_link, H_post, H_res)
         ctx.custom, ctx.convention, ctx.pre = custom, convention, pre
+        ctx.choice = None if custom else _current_choice()  # (torch.compile cannot read a context variable)
         if nxt is not None:
             out = nxt.run(layer_out, x_link, H_post, H_res, grad=True)
             ctx.boundary = nxt.grad  # the next layer's pre-piece backward hands us dy (BoundaryGrad)
@@ -483,10 +484,11 @@ class _LayerPostFn(torch.autograd.Function):
             return dy, g, None, None, None, None, None, None
         arrays = {"grad": g, "layer_out": layer_out, "x": x_link, "H_post": H_post, "H_res": H_res}
         kw = {"convention": ctx.convention}
-        if fold or not ctx.needs_input_grad[1]:  # g itself (the pre piece adds H_res^T g), or no dx wanted
-            (dy, dH_post, dH_res), sent = _call("mhc_layer_post_bwd", ctx.custom, arrays, kw), g if fold else None
-        else:  # the post op's dx, which the pre piece's backward adds
-            dy, sent, dH_post, dH_res = _call("mhc_post_op_bwd", ctx.custom, arrays, kw)
+        with _restored(ctx.choice):  # (the forward's kernel choice, wherever autograd runs this)
+            if fold or not ctx.needs_input_grad[1]:  # g itself (the pre piece adds H_res^T g), or no dx wanted
+                (dy, dH_post, dH_res), sent = _call("mhc_layer_post_bwd", ctx.custom, arrays, kw), g if fold else None
+            else:  # the post op's dx, which the pre piece's backward adds
+                dy, sent, dH_post, dH_res = _call("mhc_post_op_bwd", ctx.custom, arrays, kw)
         if ctx.pre is not None:  # the pre piece checks that x_link's gradient is this and nothing else
             _hand_to_pre(ctx.pre, sent, None)  # (the reference also keeps autograd from summing into it in place)
         return dy, sent, dH_post, dH_res, None, None, None, None  # travels to _LayerPreFn.backward along x_link
