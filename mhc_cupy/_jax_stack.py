@@ -151,9 +151,10 @@ def _linked_layer_bwd(settings, res, g, dy, H_post_prev) -> tuple:
 def _block(f, settings, mode, phi, alpha, bias, leaves, x, consts, acc, pre, nxt):
     """L_r layers (phi [L_r, n*C, m], alpha [L_r, 3], bias [L_r, m], f's per-layer arguments
     ``leaves`` [L_r, ...]) on x [..., n, C]; f(layer_in, *leaves_j, *consts) is the sublayer.
-    ``mode`` = (fold, linked): ``ops.layer.fold_post_dx``, and whether the backward hands each layer's
+    ``mode`` = (fold, linked, keep): ``ops.layer.fold_post_dx``; whether the backward hands each layer's
     dy from the next layer's (:func:`_linked_layer_bwd`: fused boundaries under the kernel choice
-    ``boundary_bwd``, n <= 4).
+    ``boundary_bwd``, n <= 4); whether the block keeps every layer's input streams (no recompute: a
+    block of several layers only so that its backward is linked) instead of rebuilding them.
 
     ``pre``: None (each layer runs its own pre piece), or the outputs of the first layer's pre piece
     for x (layer_in, H_pre, H_post, H_res, stats): fused boundaries, each layer's residual update
@@ -179,18 +180,22 @@ def _block_fwd(f, settings, mode, phi, alpha, bias, leaves, x, consts, acc, pre,
         out, pre, res = mj._layer_fwd(f, settings, phi[j], alpha[j], bias[j], x, (*(a[j] for a in leaves), *consts),
                                       pre, following if fused else None)
         assert res[_X] is x, "mhc_cupy.jax._layer_fwd's residuals changed: update mhc_cupy._jax_stack._X"
-        saved.append(res[:_X] + (None,) + res[_X + 1:])  # not the streams: rebuilt in backward
+        saved.append(res if mode[2] else res[:_X] + (None,) + res[_X + 1:])  # (else rebuilt in backward)
         x = out
     return (x, pre, acc), (x0, saved)
 
 
 def _block_bwd(f, settings, mode, res, cts):
     mj = _mj()
-    (fold, linked), (x0, saved) = mode, res
+    (fold, linked, keep), (x0, saved) = mode, res
     g, _, acc = cts
-    xs = [x0]  # the block's streams, rebuilt by the post op's forward (a fused boundary's out has its bits)
-    for r in saved[:-1]:
-        xs.append(mj._k("mhc_post_op_fwd", mj._conv(settings.convention), r[_Y], xs[-1], r[_H_POST], r[_H_RES])[0])
+    if keep:  # the block's streams, kept
+        xs = [r[_X] for r in saved]
+    else:  # rebuilt by the post op's forward (a fused boundary's out has its bits)
+        xs = [x0]
+        for r in saved[:-1]:
+            xs.append(mj._k("mhc_post_op_fwd", mj._conv(settings.convention), r[_Y], xs[-1], r[_H_POST],
+                            r[_H_RES])[0])
     acc, per_layer, dy = list(acc), [], None
     for j in reversed(range(len(saved))):
         r = saved[j][:_X] + (xs[j],) + saved[j][_X + 1:]
@@ -256,7 +261,8 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, fuse_boundar
             ``boundary=True`` (``mhc_cupy._kernel_choice.kernel_choice``; off by default, OPS.md section 12
             gives its status); otherwise the boundary op runs the two ops' kernels (the unfused stack's
             bits, as on the CPU).  Under ``boundary_bwd=True`` (n <= 4, off by default until a GPU run has
-            checked its kernels) the backward inside each recompute block is fused too: a layer's dx
+            checked its kernels) the backward inside each recompute block (without recompute, blocks of
+            the paper's L_r* layers that keep their streams) is fused too: a layer's dx
             kernel also writes the previous layer's d layer_out, and each layer's pre-piece backward
             computes its residual update's coefficient gradients (``mhc_boundary_bwd``, OPS.md section 12,
             "Fused boundary backward"; bitwise the unfused stack on the CPU).  Default False; a bool,
@@ -295,7 +301,10 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, fuse_boundar
     g, consts = _layer.sublayer(f, x, stacked, arg=one)
     consts = tuple(consts)
     fold = fold_post_dx(n)
-    mode = (fold, fuse_boundaries and fold and current_choice().runs("boundary_bwd"))
+    linked = fuse_boundaries and fold and current_choice().runs("boundary_bwd")
+    # no recompute with a linked backward: blocks of the paper's L_r* layers that keep every layer's streams
+    keep = linked and L_r is None
+    mode = (fold, linked, keep)
     if L_r is None and not fuse_boundaries:
         def layer(x, p):
             phi, alpha, bias, leaves_l = p
@@ -304,9 +313,10 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, fuse_boundar
         return jax.lax.scan(layer, x, (*stacked, leaves))[0]
 
     # Blocks of L_r layers (fused boundaries without recompute: of one layer, each saving its input
-    # streams): the first ceil(L / L_r) - 1 in a lax.scan, each ending with the next block's first
-    # pre piece where boundaries fuse, then the last block (1 .. L_r layers), which ends the stack.
-    L_r = min(L_r or 1, L)
+    # streams; with a linked backward, of L_r* layers keeping theirs): the first ceil(L / L_r) - 1 in a
+    # lax.scan, each ending with the next block's first pre piece where boundaries fuse, then the last
+    # block (1 .. L_r layers), which ends the stack.
+    L_r = min(L_r or ((recompute_blocks("auto", n, L) or 1) if keep else 1), L)
     head = (L - 1) // L_r * L_r
     per_layer = (*stacked, leaves)
     pre = None

@@ -71,19 +71,24 @@ def test_fused_boundary_backward_equals_the_unfused_stack_bitwise(rng, monkeypat
     recompute block each layer's backward hands the previous layer its dy (mhc_boundary_bwd) and takes
     its own from the next layer's, computing its residual update's dH_post, dH_res in the pre piece's
     backward (layer_out): the post op's backward runs once per block (its last layer).  Bitwise the
-    unfused stack's on the CPU; without recompute (blocks of one layer) nothing changes."""
+    unfused stack's on the CPU; without recompute the blocks (of the paper's L_r* layers) keep every
+    layer's streams."""
     from mhc_cupy._kernel_choice import kernel_choice
 
     lead, n, C, L, dt = case
     params, x, g, W = make(rng, lead, n, C, L, dt, convention)
     want = vjp_all(stack(False, convention=convention), (params, x, W), g)
-    calls = count_calls(monkeypatch, reference, ("mhc_boundary_bwd", "mhc_post_op_bwd"))
-    for recompute, blocks in ((None, L), (2, -(-L // 2)), (L, 1)):
+    calls = count_calls(monkeypatch, reference, ("mhc_boundary_bwd", "mhc_post_op_bwd", "mhc_post_op_fwd"))
+    auto = max(1, round((n * L / (n + 2)) ** 0.5))  # (without recompute: blocks of L_r* keeping their streams)
+    for recompute, blocks in ((None, -(-L // auto)), (2, -(-L // 2)), (L, 1)):
         calls.update(dict.fromkeys(calls, 0))
         with kernel_choice(boundary_bwd=True):
             got = vjp_all(stack(True, recompute, convention=convention), (params, x, W), g)
         assert_same(got, want, f"recompute={recompute!r}")
-        assert calls == {"mhc_boundary_bwd": L - blocks, "mhc_post_op_bwd": blocks}, (recompute, calls)
+        # the post op's forward: the last layer's, and in backward the streams a recompute block rebuilds
+        rebuilt = 0 if recompute is None else L - blocks
+        assert calls == {"mhc_boundary_bwd": L - blocks, "mhc_post_op_bwd": blocks, "mhc_post_op_fwd": 1 + rebuilt}, (
+            recompute, calls)
 
 
 @pytest.mark.parametrize("recompute", [None, 2])

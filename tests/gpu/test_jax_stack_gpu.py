@@ -173,7 +173,7 @@ def test_gpu_stack_fused_boundary_backward_is_bitwise_unfused(lead, n, C, L, dty
     rng = np.random.default_rng(n * 1000 + C + L + 7)
     params, x, g, W = S.make(rng, lead, n, C, L, dtype, convention)
     args = jax.device_put((params, x, W), jax.devices("gpu")[0])
-    for recompute in (2, "auto", L):
+    for recompute in (None, 2, "auto", L):
         fn = lambda p, x, W: mj.mhc_stack(p, x, S.sub, W, recompute=recompute, fuse_boundaries=True,  # noqa: E731
                                           convention=convention)
         want = S.vjp_all(fn, args, g)
