@@ -10,8 +10,8 @@ import math
 import numpy as np
 
 from ._convention import DEFAULT, resolve as _resolve
-from ._reference_ops import (_f64, _res_matrix, _rms_inv, _sigmoid, mhc_post_op_bwd, mhc_post_op_fwd, mhc_pre_op_bwd,
-                             mhc_pre_op_fwd)
+from ._reference_ops import (_f64, _res_matrix, _rms_inv, _sigmoid, mhc_post_op_fwd, mhc_pre_op_bwd, mhc_pre_op_fwd,
+                             post_op_coefficient_grads)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -152,8 +152,8 @@ def mhc_layer_pre_bwd(grad_layer_in, grad_out, grad_H_post, grad_H_res, x, phi, 
     Returns:
         (dx ``[..., n, C]``, dphi, dalpha, dbias), float64.
     """
-    if layer_out is not None:  # (H_post enters only the post op's dy)
-        _, _, dH_post, dH_res = mhc_post_op_bwd(grad_out, layer_out, x, np.zeros(np.shape(H_pre)), H_res, convention)
+    if layer_out is not None:
+        dH_post, dH_res = post_op_coefficient_grads(_f64(grad_out), _f64(layer_out), _f64(x), convention)
         f32 = lambda a: _f64(np.float32(a))  # noqa: E731
         grad_H_post, grad_H_res = (f32(d) if g is None else f32(f32(d) + _f64(g))
                                    for d, g in ((dH_post, grad_H_post), (dH_res, grad_H_res)))

@@ -457,6 +457,13 @@ def mhc_post_op_fwd(layer_out, x, H_post, H_res, convention="paper"):
     return _res_matrix(H_res, convention) @ x + H_post[..., :, None] * y[..., None, :]
 
 
+def post_op_coefficient_grads(g, y, x, convention="paper"):
+    """The post op's dH_post_i = sum_c g_ic y_c and dH_res (``mhc_post_op_bwd``'s, per token, float64
+    arrays in): (dH_post ``[..., n]``, dH_res ``[..., n, n]``)."""
+    dM = g @ np.swapaxes(x, -1, -2)
+    return (g * y[..., None, :]).sum(axis=-1), dM if convention == "paper" else np.swapaxes(dM, -1, -2)
+
+
 def mhc_post_op_bwd(grad, layer_out, x, H_post, H_res, convention="paper"):
     """Backward of ``mhc_post_op_fwd`` (OPS.md §6).
 
@@ -483,9 +490,7 @@ def mhc_post_op_bwd(grad, layer_out, x, H_post, H_res, convention="paper"):
     M = _res_matrix(H_res, convention)
     dy = (H_post[..., :, None] * g).sum(axis=-2)
     dx = np.swapaxes(M, -1, -2) @ g
-    dH_post = (g * y[..., None, :]).sum(axis=-1)
-    dM = g @ np.swapaxes(x, -1, -2)
-    dH_res = dM if convention == "paper" else np.swapaxes(dM, -1, -2)
+    dH_post, dH_res = post_op_coefficient_grads(g, y, x, convention)
     return (
         _sum_to_shape(dy, y.shape),
         _sum_to_shape(dx, x.shape),

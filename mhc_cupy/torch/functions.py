@@ -39,7 +39,7 @@ from torch import Tensor
 from .. import _adapter, _convention, _settings
 from .._convention import DEFAULT
 from .._dispatch import run as _run_plan
-from .._kernel_choice import current as _current_choice, kernel_choice as _kernel_choice, restored as _restored
+from .._kernel_choice import current as _current_choice, restored as _restored
 from .._settings import LayerSettings
 from .. import ops as _ops
 from ..ops.layer import fold_post_dx
@@ -327,13 +327,15 @@ def _at_pass_end(callback) -> None:
 def _hand_to_pre(pre, g_sent, layer_out) -> None:
     """A residual update's backward hands its pre piece's backward (``pre``, its ctx) the gradient it sent
     along x_link and, where the fused boundary backward left the coefficient gradients to it, the sublayer
-    output (else None): both taken by that backward, or dropped at the pass's end."""
+    output (else None, clearing an earlier pass's): taken by that backward; a sublayer output it did not take
+    is dropped at the pass's end (a later pass through a retained graph would count its sums twice).  The
+    unfused hand-over adds no callback to every layer's backward: a stale g_sent is only compared with."""
     pre.g_sent, pre.layer_out = g_sent, layer_out
+    if layer_out is not None:
+        def drop():
+            pre.g_sent = pre.layer_out = None
 
-    def drop():
-        pre.g_sent = pre.layer_out = None
-
-    _at_pass_end(drop)
+        _at_pass_end(drop)
 
 
 class BoundaryGrad:
@@ -447,9 +449,8 @@ class _LayerPreFn(torch.autograd.Function):
         # (x needing no gradient: no dx, so no dy for the previous layer, which is then not reached)
         H_post_prev = ctx.prev.h_post() if ctx.prev is not None and ctx.needs_input_grad[0] else None
         # under the forward's kernel choice (backward may run outside its block: after it, or in autograd's
-        # thread for CUDA tensors); the fused boundary backward's ops were set up by one with boundary_bwd
-        fused = H_post_prev is not None or layer_out is not None
-        with _kernel_choice(ctx.choice, boundary_bwd=True) if fused and ctx.choice else _restored(ctx.choice):
+        # thread for CUDA tensors): the fused boundary backward's ops were set up by one with boundary_bwd
+        with _restored(ctx.choice):
             if H_post_prev is not None:  # and the previous layer's dy (BoundaryGrad)
                 dx, dphi, dalpha, dbias, dy = _call("mhc_boundary_bwd", ctx.custom, {
                     **arrays, "H_post_prev": H_post_prev}, ctx.kw)
