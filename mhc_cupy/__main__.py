@@ -92,6 +92,8 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     try:
         count = _kernels.warmup(dtypes=args.dtypes.split(","), ns=ns, verbose=args.verbose)
+    except ValueError as e:  # a dtype or n it cannot compile for: checked before the GPU
+        ap.error(f"warmup: {e}")
     except RuntimeError as e:  # no GPU: one clear line, not a traceback
         print(f"python -m mhc_cupy warmup: {e}", file=sys.stderr)
         return 2

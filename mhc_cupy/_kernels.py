@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 
-from . import _jit
+from . import _checks, _jit
 from ._kernel_choice import kernel_choice
 from ._interop import ArrayInfo
 
@@ -125,10 +125,16 @@ def warmup(dtypes=("bfloat16",), ns=(4,), grad_f32=(False, True), verbose=False)
     dtype and float32 incoming gradients.  Returns how many kernels are ready.
 
     Raises:
+        ValueError: a dtype not in bfloat16 / float16 / float32, or an n outside 1..32 (named).
         RuntimeError: no CUDA GPU (CuPy reports none available).
     """
     import cupy
 
+    for dt in dtypes:
+        if dt not in _checks.ACTIVATION_DTYPES:
+            raise ValueError(f"dtypes has {dt!r}; each needs to be one of {', '.join(_checks.ACTIVATION_DTYPES)}")
+    for n in ns:
+        _checks.streams(n, "ns")
     if not cupy.cuda.is_available():
         raise RuntimeError("mhc_cupy.warmup needs a CUDA GPU; CuPy reports none available")
     pairs = specialisations(dtypes=tuple(dtypes), ns=tuple(ns), Cs=(4096,), aligned=(True,), grad_f32=tuple(grad_f32),

@@ -264,6 +264,12 @@ def test_cli_help_is_plain_text_and_warmup_says_it_needs_a_gpu(capsys):
     with pytest.raises(SystemExit) as e:
         main(["warmup", "--n", "four"])
     assert e.value.code == 2 and "warmup --n: expected comma-separated integers, got 'four'" in capsys.readouterr().err
+    # values it cannot compile for are named before it looks for a GPU (it said "needs a CUDA GPU" first)
+    for argv, says in ((["warmup", "--n", "0"], "ns has n = 0 streams; supported n is 1 to 32"),
+                       (["warmup", "--dtypes", "bf16"], "dtypes has 'bf16'; each needs to be one of bfloat16")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and says in capsys.readouterr().err
 
 
 def test_notebooks_remove_their_temporary_folders():
