@@ -175,6 +175,37 @@ def test_sinkhorn_logit_scale_1000_and_eps_0_as_documented(rng):
         assert not np.isfinite(R.sinkhorn_knopp_fwd(Lg, num_iters=1, eps=0.0)).all()
         assert np.isfinite(R.sinkhorn_knopp_fwd(Lg, num_iters=1)).all()
 
+@pytest.mark.parametrize("convention", ["paper", "deepseek"])
+def test_sinkhorn_non_finite_logits_as_documented(rng, convention):
+    """OPS.md section 1, non-finite logits: a -inf entry is an exact 0 (the DeepSeek convention's eps
+    after the softmax: tiny) and the rest normalises; a row of all -inf, a
+    +inf or a NaN makes that token's matrix NaN, forward and backward, and leaves the other tokens
+    alone."""
+    n = 5
+    L = rng.standard_normal((4, n, n))
+    L[0, 1, 3] = -np.inf
+    L[1, 2, :] = -np.inf
+    L[2, 0, 4] = np.inf
+    L[3, 4, 0] = np.nan
+    G = rng.standard_normal(L.shape)
+    clean = rng.standard_normal((3, n, n))  # tokens after the bad ones stay right
+    with np.errstate(invalid="ignore"):  # (-inf - -inf in the row maximum's subtraction)
+        P = R.sinkhorn_knopp_fwd(np.concatenate([L, clean]), convention=convention)
+    assert np.isfinite(P[0]).all()
+    if convention == "paper":
+        assert P[0, 1, 3] == 0.0
+    else:  # the softmax's exact 0, then eps added and normalised (section 10)
+        assert 0.0 < P[0, 1, 3] < 1e-5
+    np.testing.assert_allclose(P[0].sum(-2), 1.0, atol=1e-5)  # (DeepSeek's eps: 1 - 1e-6)
+    np.testing.assert_allclose(P[0].sum(-1), 1.0, atol=1e-5)
+    with np.errstate(invalid="ignore"):
+        assert np.isnan(P[1:4]).all()
+        dL = R.sinkhorn_knopp_bwd(np.concatenate([G, G[:3]]), np.concatenate([L, clean]), convention=convention)
+    assert np.isnan(dL[1:4]).all() and np.isfinite(dL[0]).all() and np.isfinite(dL[4:]).all()
+    assert dL[0, 1, 3] == 0.0  # exp at -inf: no gradient reaches the logit
+    np.testing.assert_array_equal(P[4:], R.sinkhorn_knopp_fwd(clean, convention=convention))
+
+
 def _implicit_by_least_squares(P, G):
     """Independent oracle of OPS.md section 1's implicit gradient: the whole 2n system
     [diag(rowsum P), P; P^T, diag(colsum P)] (a, b) = (rowsum(P G), colsum(P G)) per matrix, by
