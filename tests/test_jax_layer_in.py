@@ -13,6 +13,10 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 mj = pytest.importorskip("mhc_cupy.jax")
 
+# the CPU path, GPU present or not (on a GPU machine JAX's default device is the GPU, where these ops run
+# only under kernel_choice(layer_in=True): tests/gpu/test_layer_in_gpu.py checks that path)
+pytestmark = pytest.mark.usefixtures("jax_on_cpu")
+
 
 def _case(T, n, C, seed):
     rng = np.random.default_rng(seed)

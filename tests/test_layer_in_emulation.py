@@ -118,3 +118,21 @@ def test_emulation_catches_faults(monkeypatch, fault, caught):
         case, special = ("mhc_layer_pre_fp8_fwd", 3, 2, 24, "float32", False, False), True
     with pytest.raises(emu.EmulationError, match=caught):
         emu.check(*case, special=special)
+
+
+@pytest.mark.parametrize("n,C,dt", [(1, 24, "float32"), (3, 4096, "float32"), (4, 4096, "float32"),
+                                    (4, 1000, "bfloat16"), (8, 72, "float16")])
+def test_fp8_of_the_normed_row_quantises_the_norm_ops_bits(n, C, dt):
+    """mhc_layer_pre_fp8_fwd with norm_weight quantises the row mhc_layer_pre_norm_fwd returns, bit for bit:
+    both launches take the same vector width, so the sum of squares has one order and rstd one value.  The
+    float8 output's 1-byte elements had allowed twice the width (float32 x: E 8 against 4), and the H200
+    found scales one float32 unit off the quantised normed row's."""
+    inp = emu.make_inputs(3, n, C, dt, seed=n + C)
+    norm_outs, norm_targs, *_, (_, rstd_norm) = emu.plan_launch("mhc_layer_pre_norm_fwd", inp, inp["H_pre"])
+    fp8_outs, fp8_targs, *_, (_, rstd_fp8) = emu.plan_launch("mhc_layer_pre_fp8_fwd", inp, inp["H_pre"])
+    assert norm_targs[2] == fp8_targs[2], "vector width E"
+    assert np.array_equal(rstd_norm.view(np.uint32), rstd_fp8.view(np.uint32))
+    normed = norm_outs[0].a.reshape(3, C).astype(np.float32)
+    q, scale = rli.quantise_e4m3(normed)
+    assert np.array_equal(fp8_outs[1].a.reshape(3), scale[:, 0])
+    assert np.array_equal(fp8_outs[0].a.reshape(3, C).view(np.uint8), q.view(np.uint8))

@@ -229,7 +229,12 @@ def test_torch_dtypes_and_scaled_mm(rng):
     li = m.mhc_layer_pre_fwd(*args)[0]
     W = torch.randn(24, 32, generator=torch.Generator().manual_seed(0))
     Wq, Ws = W.to(torch.float8_e4m3fn), torch.ones(1, 24)
-    got = torch._scaled_mm(q, Wq.t(), scale_a=scale, scale_b=Ws, out_dtype=torch.float32)
+    try:
+        got = torch._scaled_mm(q, Wq.t(), scale_a=scale, scale_b=Ws, out_dtype=torch.float32)
+    except RuntimeError as e:  # torch before 2.13 on the CPU: per-tensor scales only (an INTERNAL ASSERT)
+        if "per-tensor" not in str(e):
+            raise
+        pytest.skip(f"this torch's CPU _scaled_mm takes no row-wise scale_a: {e}")
     want = li @ Wq.float().t()
     assert ((got - want).abs() <= 2.0**-3 * (li.abs() @ Wq.float().abs().t())).all()
     with pytest.warns(m.AutogradNotRecordedWarning, match=r"mhc_layer_pre_fp8_fwd .* has no gradient \(forward only\)"):

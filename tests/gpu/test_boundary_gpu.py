@@ -110,7 +110,7 @@ def test_boundary_huge_values_keep_the_scaled_sum_of_squares(rng, dt):
         got = m.mhc_boundary_fwd(*g)
         sep = m.mhc_layer_pre_fwd(m.mhc_post_op_fwd(*g[:4]), *g[4:])
     q, q_sep = f64(to_host(got[5]))[..., -1], f64(to_host(sep[4]))[..., -1]
-    assert np.all(np.isfinite(q) & (q[0::2] < 0) & (q[1::2] > 0)), q
+    assert np.isfinite(q).all() and (q[0::2] < 0).all() and (q[1::2] > 0).all(), q
     np.testing.assert_allclose(q, q_sep, rtol=1e-5)
     ref = R.mhc_boundary_fwd(y, x, H_post, H_res, phi, alpha, bias)
     for a, b, name in zip(got[2:5], ref[2:5], ("H_pre", "H_post", "H_res")):
