@@ -428,6 +428,30 @@ def test_second_backward_with_retain_graph_rebuilds_again(rng):
     assert torch.equal(dx1, dx2)
 
 
+@pytest.mark.parametrize("recompute,fuse", [(2, False), (3, True)])
+def test_backward_with_create_graph_rebuilds_without_a_warning(rng, monkeypatch, recompute, fuse):
+    """``torch.autograd.grad(..., create_graph=True)`` runs the backward in grad mode: the rebuild of a
+    block's streams from its input (which requires grad) warned AutogradNotRecordedWarning ("backward()
+    will not reach its inputs"), which is not so (break-it pass 13).  The first-order gradient is the
+    chain's, bitwise; a second-order one raises, as the layers' (first order only)."""
+    from mhc_cupy import _dispatch
+
+    monkeypatch.setattr(_dispatch, "_autograd_warned", set())  # (the warning is once per op and process)
+    layers = make_layers(5, 4, 8, 14)
+    x = torch.from_numpy(rng.standard_normal((3, 4, 8))).float()
+    g = torch.from_numpy(rng.standard_normal((3, 4, 8))).float()
+    x_chain = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(nn.Sequential(*layers)(x_chain), x_chain, g)
+    x_stack = x.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (dx,) = torch.autograd.grad(mt.MHCStack(layers, recompute=recompute, fuse_boundaries=fuse)(x_stack), x_stack,
+                                    g, create_graph=True)
+    assert torch.equal(dx, want)
+    with pytest.raises(RuntimeError, match="first order only"):
+        dx.square().sum().backward()
+
+
 class StaticOutput(nn.Module):
     """A sublayer that writes its output into one persistent buffer (a static output, as a CUDA-graph
     replay gives) and returns that buffer."""

@@ -81,7 +81,8 @@ class _Block:
             for k in range(j, i):
                 y, version, H_post, H_res, convention = self.update[k]
                 _check_unchanged(y, version, "the sublayer output", f"of layer {k} of an MHCStack recompute block")
-                x = mhc_post_op_fwd(y, x, H_post, H_res, convention=convention)
+                with torch.no_grad():  # (a backward with create_graph=True runs in grad mode; x0 may require grad)
+                    x = mhc_post_op_fwd(y, x, H_post, H_res, convention=convention)
                 if k + 1 < i and self.uses[k + 1] > 0:
                     self.cache[k + 1] = x
         self.uses[i] -= 1
