@@ -409,6 +409,34 @@ def test_recompute_keeps_only_the_block_boundaries(rng, recompute, boundaries):
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize("backward", ["none", "partial", "retain_graph"])
+@pytest.mark.parametrize("recompute,fuse", [(2, False), (3, True)])
+def test_a_graph_dropped_without_its_full_backward_frees_the_streams(rng, recompute, fuse, backward):
+    """A forward whose graph is dropped without a backward through it all (an evaluation with grad mode
+    on, a gradient of the last layer's parameters only, a retain_graph backward) frees every layer's
+    streams.  Inside a block the pack hook returned the mHC pieces' other saved tensors as they were:
+    H_res, an output of the pre piece that saves it, then held its own node (the reference cycle that
+    torch.autograd.graph.saved_tensors_hooks warns of), which held the hook and so the block with its
+    boundary streams, for good (break-it pass 13)."""
+    stack = mt.MHCStack(make_layers(6, 4, 8, 15), recompute=recompute, fuse_boundaries=fuse)
+    x = torch.from_numpy(rng.standard_normal((3, 4, 8))).float().requires_grad_()
+    outputs = []
+    hooks = [layer.register_forward_hook(lambda mod, args, out: outputs.append(weakref.ref(out)))
+             for layer in stack.layers]
+    try:
+        out = stack(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    if backward == "partial":
+        torch.autograd.grad(out.sum(), [stack[5].phi])
+    elif backward == "retain_graph":
+        out.sum().backward(retain_graph=True)
+    del out
+    gc.collect()
+    assert [r() is not None for r in outputs] == [False] * 6
+
+
 def test_no_grad_saves_nothing(rng):
     stack = mt.MHCStack(make_layers(4, 4, 8, 3), recompute=2)
     x = torch.from_numpy(rng.standard_normal((3, 4, 8))).float()

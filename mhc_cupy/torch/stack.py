@@ -105,7 +105,7 @@ class _Slot:
         if stream_key(t) == self.key:  # x, or x_link (a view), unchanged
             self.block.uses[self.i] += 1
             return (self.block, self.i)
-        return t
+        return t.detach()  # (t itself: an output of the node that saves it, H_res, would hold that node)
 
     def saving(self):
         """The context around the mHC pieces: nothing to change at the block's boundary (i = 0)."""
