@@ -269,12 +269,12 @@ def _broadcast_front(a, size: int):
     return _jnp.broadcast_to(a, (size,) + tuple(a.shape))
 
 
-def _vmap_rule(name: str, params: tuple, axis_size: int, in_batched, *arrays):
+def _vmap_rule(name: str, params: tuple, choice: KernelChoice, axis_size: int, in_batched, *arrays):
     """custom_vmap rule of kernel ``name``: batched inputs arrive with the batch
     axis first; the result equals running the kernel once per example."""
     spec = _SPECS[name]
     batched = [bool(b) if a is not None else False for a, b in zip(arrays, in_batched)]
-    call = _kernel(name, params)
+    call = _kernel(name, params, choice)
 
     def per_example():
         """One kernel call per example (lax.map over the batched inputs)."""
@@ -328,20 +328,23 @@ def _vmap_rule(name: str, params: tuple, axis_size: int, in_batched, *arrays):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(name: str, params: tuple):
-    """The custom_vmap function running kernel ``name`` with static ``params``."""
+def _kernel(name: str, params: tuple, choice: KernelChoice):
+    """The custom_vmap function running kernel ``name`` with static ``params`` under ``choice`` (the
+    kernel choice of the trace that called it: a token-sharded op's per-device function is traced
+    again in XLA's compile thread, which does not see the caller's choice)."""
 
     spec = _SPECS[name]
 
     def run(*arrays):
-        return _bind(name, params, arrays)
+        with kernel_choice(choice):
+            return _bind(name, params, arrays)
 
     run.__name__ = f"mhc_{name}"
     # Per token: under jit with the token dims sharded, each device runs the
     # kernel on its own tokens (see mhc_cupy._jax_shard).
     run = _shard.token_sharded(run, spec.ranks, spec.out_ranks, spec.inputs.index(spec.ref))
     f = _jax.custom_batching.custom_vmap(run)
-    f.def_vmap(functools.partial(_vmap_rule, name, params))
+    f.def_vmap(functools.partial(_vmap_rule, name, params, choice))
     return f
 
 
@@ -356,7 +359,7 @@ def _no_derivative(name: str, params: tuple, *arrays) -> tuple:
     ops' custom_vjp (whose own refusal of jax.jvp comes first), so this is reached by a derivative of
     a backward: jax.grad of jax.grad, or forward mode over it, where JAX's own error names buffer
     callbacks and suggests jax.custom_jvp.  Without tangents (all symbolic zeros) JAX never calls it."""
-    return _shard.vary(_kernel(name, params)(*arrays), arrays)  # typed for jax.shard_map
+    return _shard.vary(_kernel(name, params, current_choice())(*arrays), arrays)  # typed for jax.shard_map
 
 
 @_no_derivative.defjvp

@@ -409,6 +409,34 @@ def test_recompute_keeps_only_the_block_boundaries(rng, recompute, boundaries):
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize("backward", ["none", "partial", "retain_graph"])
+@pytest.mark.parametrize("recompute,fuse", [(2, False), (3, True)])
+def test_a_graph_dropped_without_its_full_backward_frees_the_streams(rng, recompute, fuse, backward):
+    """A forward whose graph is dropped without a backward through it all (an evaluation with grad mode
+    on, a gradient of the last layer's parameters only, a retain_graph backward) frees every layer's
+    streams.  Inside a block the pack hook returned the mHC pieces' other saved tensors as they were:
+    H_res, an output of the pre piece that saves it, then held its own node (the reference cycle that
+    torch.autograd.graph.saved_tensors_hooks warns of), which held the hook and so the block with its
+    boundary streams, for good (break-it pass 13)."""
+    stack = mt.MHCStack(make_layers(6, 4, 8, 15), recompute=recompute, fuse_boundaries=fuse)
+    x = torch.from_numpy(rng.standard_normal((3, 4, 8))).float().requires_grad_()
+    outputs = []
+    hooks = [layer.register_forward_hook(lambda mod, args, out: outputs.append(weakref.ref(out)))
+             for layer in stack.layers]
+    try:
+        out = stack(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    if backward == "partial":
+        torch.autograd.grad(out.sum(), [stack[5].phi])
+    elif backward == "retain_graph":
+        out.sum().backward(retain_graph=True)
+    del out
+    gc.collect()
+    assert [r() is not None for r in outputs] == [False] * 6
+
+
 def test_no_grad_saves_nothing(rng):
     stack = mt.MHCStack(make_layers(4, 4, 8, 3), recompute=2)
     x = torch.from_numpy(rng.standard_normal((3, 4, 8))).float()
@@ -426,6 +454,30 @@ def test_second_backward_with_retain_graph_rebuilds_again(rng):
     (dx1,) = torch.autograd.grad(out.sum(), x, retain_graph=True)
     (dx2,) = torch.autograd.grad(out.sum(), x)
     assert torch.equal(dx1, dx2)
+
+
+@pytest.mark.parametrize("recompute,fuse", [(2, False), (3, True)])
+def test_backward_with_create_graph_rebuilds_without_a_warning(rng, monkeypatch, recompute, fuse):
+    """``torch.autograd.grad(..., create_graph=True)`` runs the backward in grad mode: the rebuild of a
+    block's streams from its input (which requires grad) warned AutogradNotRecordedWarning ("backward()
+    will not reach its inputs"), which is not so (break-it pass 13).  The first-order gradient is the
+    chain's, bitwise; a second-order one raises, as the layers' (first order only)."""
+    from mhc_cupy import _dispatch
+
+    monkeypatch.setattr(_dispatch, "_autograd_warned", set())  # (the warning is once per op and process)
+    layers = make_layers(5, 4, 8, 14)
+    x = torch.from_numpy(rng.standard_normal((3, 4, 8))).float()
+    g = torch.from_numpy(rng.standard_normal((3, 4, 8))).float()
+    x_chain = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(nn.Sequential(*layers)(x_chain), x_chain, g)
+    x_stack = x.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (dx,) = torch.autograd.grad(mt.MHCStack(layers, recompute=recompute, fuse_boundaries=fuse)(x_stack), x_stack,
+                                    g, create_graph=True)
+    assert torch.equal(dx, want)
+    with pytest.raises(RuntimeError, match="first order only"):
+        dx.square().sum().backward()
 
 
 class StaticOutput(nn.Module):

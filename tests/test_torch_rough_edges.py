@@ -218,6 +218,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.parametrize("module", ["MHC", "MHCHead", "MHCStack", "MHCStack_recompute"])
+def test_x_not_a_tensor_names_the_argument(module):
+    """None, a list or a NumPy array for x: a TypeError naming x (OPS.md's rule for a non-array), as the
+    ops give; the modules raised AttributeError ("'list' object has no attribute 'dim'", or with
+    recompute "... 'is_inference'") (break-it pass 13)."""
+    import numpy as np
+
+    layers = [_module(MHC), _module(MHC)]
+    call = {"MHC": layers[0], "MHCHead": _module(MHCHead), "MHCStack": mt.MHCStack(layers),
+            "MHCStack_recompute": mt.MHCStack(layers, recompute=2, fuse_boundaries=True)}[module]
+    x = torch.randn(3, 4, 8)
+    for bad, what in ((None, "NoneType"), (x.tolist(), "list of 3"), (x.numpy(), "ndarray")):
+        with pytest.raises(TypeError, match=rf"^x must be a torch.Tensor \[\.\.\., n_streams=4, dim=8\], got a {what}"):
+            call(bad)
+
+
 @pytest.mark.slow  # a subprocess
 def test_fsdp2_bf16_recipe_keeps_bf16_streams(tmp_path):
     """``examples/distributed.py --mode fsdp2-bf16`` under FSDP2 (gloo, one CPU rank): the residual

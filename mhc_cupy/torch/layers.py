@@ -102,6 +102,19 @@ def _what(v) -> str:
     return f"a {type(v).__name__}" + (f" of {len(v)}" if isinstance(v, (tuple, list)) else "")
 
 
+def _check_tensor(x, n: int, C: int) -> None:
+    """TypeError naming x where it is not a tensor (None, a list, a NumPy array), as the ops give."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"x must be a torch.Tensor [..., n_streams={n}, dim={C}], got {_what(x)}")
+
+
+def _check_streams(x, n: int, C: int, who: str) -> None:
+    """x is a tensor [..., n, C] for module ``who``: TypeError for a non-tensor, ValueError for another shape."""
+    _check_tensor(x, n, C)
+    if x.dim() < 2 or x.shape[-2] != n or x.shape[-1] != C:
+        raise ValueError(f"x has shape {tuple(x.shape)}; {who} needs [..., n_streams={n}, dim={C}]")
+
+
 def _detached_f32(t: Tensor) -> Tensor:
     """A float32 copy of a parameter, detached (for ``to_deepseek``)."""
     return t.detach().to(torch.float32, copy=True).contiguous()
@@ -379,9 +392,7 @@ class MHC(Float32Parameters):
         return _detached_f32(self.phi.t()), _detached_f32(self.alpha), _detached_f32(self.bias)
 
     def _check(self, x: Tensor) -> None:
-        if x.dim() < 2 or x.shape[-2] != self.n_streams or x.shape[-1] != self.dim:
-            raise ValueError(f"x has shape {tuple(x.shape)}; MHC needs [..., n_streams={self.n_streams}, "
-                             f"dim={self.dim}]")
+        _check_streams(x, self.n_streams, self.dim, "MHC")
 
     def coefficients(self, x: Tensor):
         """(h_pre_raw, h_post_raw, h_res_raw) for x [..., n, C] (float32, differentiable)."""
@@ -495,9 +506,7 @@ class MHCHead(Float32Parameters):
         self.hc_base.fill_(_layer_init.logit(1.0 / self.n_streams if self.n_streams > 1 else 0.99))
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dim() < 2 or x.shape[-2] != self.n_streams or x.shape[-1] != self.dim:
-            raise ValueError(f"x has shape {tuple(x.shape)}; MHCHead needs [..., n_streams={self.n_streams}, "
-                             f"dim={self.dim}]")
+        _check_streams(x, self.n_streams, self.dim, "MHCHead")
         return mhc_head(x, _as_f32(self.hc_fn), _as_f32(self.hc_scale), _as_f32(self.hc_base), self.rms_eps,
                         self.hc_eps)
 

@@ -36,7 +36,7 @@ from ..ops.layer import fold_post_dx
 from . import _transforms
 from ._link import stream_key
 from .functions import NextPre
-from .layers import MHC, _as_f32
+from .layers import MHC, _as_f32, _check_tensor
 
 __all__ = ["MHCStack", "recompute_blocks"]
 
@@ -81,7 +81,8 @@ class _Block:
             for k in range(j, i):
                 y, version, H_post, H_res, convention = self.update[k]
                 _check_unchanged(y, version, "the sublayer output", f"of layer {k} of an MHCStack recompute block")
-                x = mhc_post_op_fwd(y, x, H_post, H_res, convention=convention)
+                with torch.no_grad():  # (a backward with create_graph=True runs in grad mode; x0 may require grad)
+                    x = mhc_post_op_fwd(y, x, H_post, H_res, convention=convention)
                 if k + 1 < i and self.uses[k + 1] > 0:
                     self.cache[k + 1] = x
         self.uses[i] -= 1
@@ -104,7 +105,7 @@ class _Slot:
         if stream_key(t) == self.key:  # x, or x_link (a view), unchanged
             self.block.uses[self.i] += 1
             return (self.block, self.i)
-        return t
+        return t.detach()  # (t itself: an output of the node that saves it, H_res, would hold that node)
 
     def saving(self):
         """The context around the mHC pieces: nothing to change at the block's boundary (i = 0)."""
@@ -165,7 +166,7 @@ class MHCStack(nn.Module):
     Raises:
         ValueError: empty ``layers``; layers of different n or C; ``recompute`` not None / a
         positive int / "auto" (TypeError for a non-int).  TypeError: ``layers`` not iterable, or an
-        element not an MHC; ``fuse_boundaries`` not a bool.  Assigning ``stack.recompute`` or
+        element not an MHC; ``fuse_boundaries`` not a bool; x (in forward) not a tensor.  Assigning ``stack.recompute`` or
         ``stack.fuse_boundaries`` later checks the value the same way.  NotImplementedError: called under a ``torch.func`` transform
         (as :class:`MHC`).
     """
@@ -231,6 +232,7 @@ class MHCStack(nn.Module):
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         if _transforms.active():  # as the layers would, before the recompute slots look at x's storage
             _transforms.refuse()
+        _check_tensor(x, self.n_streams, self.dim)  # (as the layers would, before the recompute slots look at x)
         if torch.compiler.is_compiling():
             # traced without the saved-tensor hooks (no recompute) and without the boundary op (eager
             # only), nor the per-call layer attributes below (torch 2.11's Dynamo cannot trace

@@ -319,3 +319,37 @@ def test_functional_api_sharded_array_names_the_argument(rng):
             mhc_cupy.stream_mix_fwd(x, jax.device_put(M, NamedSharding(MESH, spec)))
     out = mhc_cupy.stream_mix_fwd(jax.device_put(x, DEVICES[1]), M)  # one device each: fine
     np.testing.assert_array_equal(np.asarray(out), np.asarray(mhc_cupy.stream_mix_fwd(np.asarray(x), np.asarray(M))))
+
+
+# ------------------------------------------------------------ the stack, and a kernel choice
+@pytest.mark.parametrize("choice", [{}, {"boundary_bwd": True}, {"small": True}])
+@pytest.mark.parametrize("recompute,fuse", [(None, False), (2, False), (2, True), (None, True)])
+def test_mhc_stack_token_sharded_under_a_kernel_choice(recompute, fuse, choice, rng):
+    """jit(grad) of mhc_stack (3 layers, a sublayer weight per layer) with the tokens sharded: as the
+    program on unsharded tokens.  Under any kernel choice other than the library's (the fused boundary
+    backward's ``boundary_bwd=True``, here) compiling raised XLA's INTERNAL error "host callback ... is not
+    registered in the program being partitioned": the per-device function is lowered in XLA's compile
+    thread, which does not see the caller's kernel choice, so its kernels were planned under another one
+    than the program had registered (break-it pass 13)."""
+    from mhc_cupy._kernel_choice import kernel_choice
+
+    L = 3
+    params = mj.mhc_stack_init(jax.random.PRNGKey(1), L, C, N, alpha_init=0.5)
+    params["bias"] = params["bias"] + jnp.asarray(rng.standard_normal(params["bias"].shape), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((6, N, C)), jnp.float32)
+    W = jnp.asarray(rng.standard_normal((L, C, C)) / np.sqrt(C), jnp.float32)
+
+    def loss(p, x, W):
+        out = mj.mhc_stack(p, x, lambda w, h: jnp.tanh(h @ w), W, recompute=recompute, fuse_boundaries=fuse)
+        return jnp.sum(out ** 2)
+
+    g = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    with kernel_choice(**choice):
+        loss0, (gp0, gx0, gW0) = jax.jit(g)(params, x, W)
+        loss1, (gp, gx, gW) = jax.jit(g)(params, put(x, ("data",)), W)
+    assert_close(loss1, loss0, REL, scale="max")
+    assert_close(gx, gx0, REL, scale="max")
+    assert spec_of(gx) == ("data", None, None), gx.sharding
+    assert_close(gW, gW0, REL, scale="max")
+    for k in gp:
+        assert_close(gp[k], gp0[k], REL, scale="max")
