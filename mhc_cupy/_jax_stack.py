@@ -260,8 +260,8 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, fuse_boundar
             propagates.  The fused kernel itself runs only where the kernel choice in force at trace time says
             ``boundary=True`` (``mhc_cupy._kernel_choice.kernel_choice``; off by default, OPS.md section 12
             gives its status); otherwise the boundary op runs the two ops' kernels (the unfused stack's
-            bits, as on the CPU).  Under ``boundary_bwd=True`` (n <= 4, off by default until a GPU run has
-            checked its kernels) the backward inside each recompute block (without recompute, blocks of
+            bits, as on the CPU).  Under ``boundary_bwd=True`` (n <= 4, off by default: slower on the
+            H200) the backward inside each recompute block (without recompute, blocks of
             the paper's L_r* layers that keep their streams) is fused too: a layer's dx
             kernel also writes the previous layer's d layer_out, and each layer's pre-piece backward
             computes its residual update's coefficient gradients (``mhc_boundary_bwd``, OPS.md section 12,

@@ -20,12 +20,13 @@ wherever it applies; ``False``: never):
   separate ops (coefficients -> pre op -> sublayer -> post op).
 * ``boundary``: ``mhc_boundary_fwd`` runs ``mhc_boundary_fwd_kernel`` (the post op and the next
   coefficient GEMM in one pass; n <= 6, C % 8 == 0, aligned), else the two ops' kernels.  Off by
-  default until a GPU run shows it correct and faster than the two ops' kernels (OPS.md section 12).
+  default: checked correct on the H200, slower there than the two ops' kernels (OPS.md section 12).
 * ``small``: the small-token forward (at most 64 tokens): the coefficient GEMM on CUDA cores, phi
   read as float32 (``mhc_coeffs_gemv_fwd_kernel``, no bf16 planes pass; ``ops.coeffs.fwd.gemv_layout``)
   and the layer's pre piece after it (finish, Sinkhorn, activations, aggregate) in one kernel
   (``mhc_layer_pre_tail_kernel``): ``mhc_layer_pre_fwd`` in two launches.  Else the tensor-core GEMM
-  and the separate kernels.  Off by default: checked correct on the H200, not yet shown faster there (bench --small).
+  and the separate kernels.  Off by default: checked correct on the H200, slower there under CUDA graphs
+  (benchmarks/h200_small.md: 38.7 against 32.1 us at one token).
 * ``layer_in``: ``mhc_layer_pre_norm_fwd`` / ``mhc_layer_pre_fp8_fwd`` (OPS.md section 13) run their
   kernel (``mhc_stream_aggregate_out_kernel``) on the GPU; else they raise NotImplementedError there
   (no other GPU route; CPU inputs run the reference either way).  Off by default until a GPU run has
@@ -35,7 +36,8 @@ wherever it applies; ``False``: never):
   op's coefficient gradients into the layer's pre-piece backward (``mhc_boundary_bwd``,
   ``mhc_layer_pre_bwd(layer_out=...)``); on a GPU those two ops' new paths (``mhc_coeffs_mma_bwd_dy_kernel``,
   ``mhc_layer_post_pre_bwd_kernel``) run only under it, else NotImplementedError (CPU inputs run the reference
-  either way).  Off by default until a GPU run has checked the kernels.
+  either way).  Off by default: its GPU tests pass on the H200, but the sanitizers have not run on it and
+  the fused backward measured slower there (benchmarks/h200_stack.md).
 
 When it is read: once, when what runs the kernels is built.  The coefficient path's layouts
 (``ops.coeffs.fwd.mma_layout``, ``ops.coeffs.split_bwd.SplitBwd``) read ``wg_fwd`` / ``wg_dx`` when

@@ -7,8 +7,8 @@ forward of one layer with an identity sublayer, without autograd (``torch.no_gra
 
 * ``mhc_cupy``: ``mhc_cupy.torch.MHC(C, n)``;
 * ``mhc_cupy small`` (T <= 64): the same under the kernel choice ``small=True`` (the coefficient GEMV
-  and the pre piece's tail kernel: two launches for the pre piece; off by default until a GPU run
-  has checked it);
+  and the pre piece's tail kernel: two launches for the pre piece; off by default: slower under CUDA
+  graphs on the H200);
 * ``torch`` / ``torch.compile``: ``mhc_cupy.torch.reference.MHCReference`` (the same maths and
   parameters in plain torch ops), eager and ``torch.compile(dynamic=False)``, each where it is
   among the baselines (``--baselines``; none with ``--no-baselines``).

@@ -154,7 +154,7 @@ class MHCStack(nn.Module):
             Default False.  The fused kernel itself runs only where the kernel choice says ``boundary=True``
             (``mhc_cupy._kernel_choice``; off by default, OPS.md section 12 gives its status); otherwise
             the boundary op runs the two ops' kernels (the chain's bits).  Under the kernel choice
-            ``boundary_bwd=True`` (n <= 4; off by default until a GPU run has checked its kernels) the
+            ``boundary_bwd=True`` (n <= 4; off by default, slower on the H200) the
             backward across each boundary is fused too: the next layer's dx kernel also writes this
             layer's d layer_out, and this layer's pre-piece backward computes its residual update's
             coefficient gradients (``mhc_boundary_bwd``, OPS.md section 12, "Fused boundary backward"),

@@ -74,7 +74,7 @@ def mma_fwd_smem(dt: str, ntile: int) -> tuple[int, int]:
 
 # The forward GEMM for a few tokens on CUDA cores (mhc_coeffs_gemv_fwd_kernel, coeffs_gemv.cu): phi
 # read as float32 (no planes pass), over about _GEMV_BLOCKS blocks; for at most _GEMV_MAX_T tokens,
-# where the kernel choice in force says small (off by default: checked correct on the H200, not yet shown faster there).
+# where the kernel choice in force says small (off by default: checked correct on the H200, slower there under CUDA graphs).
 _GEMV_MAX_T = 64
 _GEMV_BLOCKS = 256
 _GEMV_THREADS = 256
