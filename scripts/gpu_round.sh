@@ -3,14 +3,15 @@
 # BUDGET seconds, default 570, most important step first; what a step leaves unfinished is cut, and
 # the part's logs are packed into OUT/<part>.tar.gz even then).  scripts/gpu_check.sh is the full check.
 #   check    GPU tests (tests/gpu, test_bench_small.py; 16 workers), compute-sanitizer memcheck /
-#            racecheck / initcheck / synccheck on scripts/sanitize_subset.py, the boundary A/B
-#            (scripts/ab_kernels.py boundary), bench --small
+#            racecheck / initcheck / synccheck on scripts/sanitize_subset.py --opt-in (the off-by-default
+#            kernels; gpu_check.sh runs the whole subset)
+#   small    bench --small (kernel choice small against the default), the boundary A/B (ab_kernels.py boundary)
 #   bench    bench --stack with the fused boundary kernel (both configs; its fused bwd rows: the backward A/B), the narrow column sum's cost
 #   profile  scripts/profile_stack.py and profile_layer.py (n = 4, 8, 16), the _MMA_TARGET_BLOCKS A/B
 #   suite    the test files outside tests/gpu (the rest of the GPU suite; -v: cut runs still name failures)
 # Usage (repo root, on a CUDA machine):  BUDGET=570 bash scripts/gpu_round.sh check [OUT_DIR]
 set -u -o pipefail
-PART=${1:?part: check, bench, profile or suite}
+PART=${1:?part: check, small, bench, profile or suite}
 OUT=${2:-${OUT:-gpu_round_out}}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -25,15 +26,21 @@ case "$PART" in
 check)
     nvidia-smi --query-gpu=name,clocks.max.sm --format=csv | tee "$R/info.txt"
     $PY -m mhc_cupy warmup --dtypes bfloat16 --n 4 > "$R/warmup.log" 2>&1; echo "warmup rc=$? $((SECONDS - T0)) s"
-    timeout "$(cap 230 0)" $PY -m pytest -p no:cacheprovider -n 16 -v -rf tests/gpu tests/test_bench_small.py \
+    timeout "$(cap 260 0)" $PY -m pytest -p no:cacheprovider -n 16 -v -rf tests/gpu tests/test_bench_small.py \
         > "$R/tests.log" 2>&1
     echo "tests rc=$? $((SECONDS - T0)) s"; grep -E "passed|failed" "$R/tests.log" | tail -n 1
     grep -E "(FAILED|ERROR) " "$R/tests.log" | head -n 30
+    # the off-by-default kernels under the four sanitizers; their specialisations compiled first, without a
+    # sanitizer (compiling under one took the whole 60 s of each on the 2026-12-06 run)
+    timeout "$(cap 60 120)" $PY scripts/sanitize_subset.py --opt-in > "$R/sanitize_plain.log" 2>&1
+    echo "sanitize subset (compile) rc=$? $((SECONDS - T0)) s"
     for tool in memcheck racecheck initcheck synccheck; do
-        l=$(cap 60 150); [ "$l" -lt 20 ] && { echo "$tool: no time left"; continue; }
-        timeout "$l" compute-sanitizer --tool $tool --error-exitcode 9 $PY scripts/sanitize_subset.py > "$R/$tool.log" 2>&1
+        l=$(cap 60 5); [ "$l" -lt 20 ] && { echo "$tool: no time left"; continue; }
+        timeout "$l" compute-sanitizer --tool $tool --error-exitcode 9 $PY scripts/sanitize_subset.py --opt-in \
+            > "$R/$tool.log" 2>&1
         echo "$tool rc=$? $((SECONDS - T0)) s"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|sanitize subset" "$R/$tool.log"
-    done
+    done ;;
+small)
     timeout "$(cap 45 0)" $PY scripts/ab_kernels.py boundary 2>&1 | tee "$R/ab_boundary.log"
     l=$(left 5); [ "$l" -gt 30 ] && timeout "$l" $PY -m mhc_cupy.bench --small --out "$R/small" > "$R/small.log" 2>&1
     echo "small rc=$? $((SECONDS - T0)) s"; grep -v "^$" "$R/small/small.md" 2>/dev/null | head -n 40 ;;
@@ -57,5 +64,5 @@ suite)
     echo "suite rc=$? $((SECONDS - T0)) s"; grep -E "passed|failed" "$R/suite.log" | tail -n 1
     grep -E "(FAILED|ERROR) " "$R/suite.log" | head -n 40 ;;
 *)
-    echo "part must be check, bench, profile or suite, got '$PART'" >&2; exit 2 ;;
+    echo "part must be check, small, bench, profile or suite, got '$PART'" >&2; exit 2 ;;
 esac
