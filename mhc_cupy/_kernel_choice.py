@@ -27,6 +27,10 @@ wherever it applies; ``False``: never):
   (``mhc_layer_pre_tail_kernel``): ``mhc_layer_pre_fwd`` in two launches.  Else the tensor-core GEMM
   and the separate kernels.  Off by default: checked correct on the H200, slower there under CUDA graphs
   (benchmarks/h200_small.md: 38.7 against 32.1 us at one token).
+* ``tail``: at most 64 tokens, the pre piece after the tensor-core GEMM in one launch: the small path's
+  ``mhc_layer_pre_tail_kernel`` (finish, Sinkhorn, activations, aggregate; the three kernels' bits) after
+  the default GEMM, so ``mhc_layer_pre_fwd`` takes three launches (phi's planes, the GEMM, the tail)
+  instead of five, with the default path's bits.  Off by default until bench --small has measured it.
 * ``layer_in``: ``mhc_layer_pre_norm_fwd`` / ``mhc_layer_pre_fp8_fwd`` (OPS.md section 13) run their
   kernel (``mhc_stream_aggregate_out_kernel``) on the GPU; else they raise NotImplementedError there
   (no other GPU route; CPU inputs run the reference either way).  Off by default until a GPU run has
@@ -59,7 +63,7 @@ __all__ = ["KernelChoice", "LIBRARY_CHOICE", "current", "kernel_choice", "restor
 
 #: What ``None`` means for each variant: the library's own choice.
 LIBRARY_CHOICE = {"wg_fwd": True, "wg_dx": True, "fused": True, "boundary": False, "small": False,
-                  "layer_in": False, "boundary_bwd": False}
+                  "layer_in": False, "boundary_bwd": False, "tail": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +71,8 @@ class KernelChoice:
     """The variants asked for (see the module docstring); hashable, a plan-cache key as it is.
 
     Attributes:
-        wg_fwd, wg_dx, fused, boundary, small, layer_in, boundary_bwd: True, False or None (default: the
-            library's choice).
+        wg_fwd, wg_dx, fused, boundary, small, layer_in, boundary_bwd, tail: True, False or None (default:
+            the library's choice).
 
     Raises:
         TypeError: a variant that is not True, False or None (named).
@@ -81,6 +85,7 @@ class KernelChoice:
     small: bool | None = None
     layer_in: bool | None = None
     boundary_bwd: bool | None = None
+    tail: bool | None = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -90,7 +95,7 @@ class KernelChoice:
                                 f"got {v!r}")
 
     def runs(self, variant: str) -> bool:
-        """Whether ``variant`` ("wg_fwd", "wg_dx", "fused", "boundary", "small", "layer_in", "boundary_bwd") runs where it
+        """Whether ``variant`` (a key of :data:`LIBRARY_CHOICE`) runs where it
         applies: its value, or for None :data:`LIBRARY_CHOICE`'s.  ValueError: not a variant."""
         if variant not in LIBRARY_CHOICE:
             raise ValueError(f"variant must be one of {', '.join(LIBRARY_CHOICE)}, got {variant!r}")

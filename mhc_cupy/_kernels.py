@@ -39,10 +39,11 @@ def _infos(kernel, lead: tuple, sizes: dict, dt: str, tg: str, ptr: int, shared:
 
 #: Kernel variants that are off by default (mhc_cupy._kernel_choice) and which ops' plans use them: the
 #: dry runs plan those ops under the default choice and with the variant on, so CI compiles it too.
-_OPT_IN = {"mhc_boundary_fwd": ({"boundary": True}, {"small": True}), "mhc_layer_pre_fwd": ({"small": True},),
-           "mhc_coeffs_fwd": ({"small": True},),
+_OPT_IN = {"mhc_boundary_fwd": ({"boundary": True}, {"small": True}, {"tail": True}),
+           "mhc_layer_pre_fwd": ({"small": True}, {"tail": True}), "mhc_coeffs_fwd": ({"small": True},),
            "mhc_layer_pre_norm_fwd": ({"layer_in": True}, {"layer_in": True, "small": True}),
-           "mhc_layer_pre_fp8_fwd": ({"layer_in": True}, {"layer_in": True, "small": True}),
+           "mhc_layer_pre_fp8_fwd": ({"layer_in": True}, {"layer_in": True, "small": True},
+                                     {"layer_in": True, "tail": True}),
            "mhc_layer_pre_bwd": ({"boundary_bwd": True},), "mhc_boundary_bwd": ({"boundary_bwd": True},)}
 #: Ops that launch nothing on a GPU under the default choice (their only kernel is opt-in): planned with
 #: their _OPT_IN variants only.

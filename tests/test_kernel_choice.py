@@ -251,6 +251,35 @@ def test_the_small_token_forward_runs_only_when_chosen(tokens, gemv):
         assert chosen == default
 
 
+@pytest.mark.parametrize("op", ["mhc_layer_pre_fwd", "mhc_boundary_fwd", "mhc_layer_pre_norm_fwd"])
+@pytest.mark.parametrize("tokens", [1, 64, 65])
+@pytest.mark.parametrize("n,wgmma", [(4, False), (8, True)])
+def test_the_one_launch_tail_runs_only_when_chosen(op, tokens, n, wgmma):
+    """At most 64 tokens under tail=True: the tensor-core GEMM as by default (planes, then mma.sync or, bf16
+    n >= 7 on sm_90, wgmma), then the rest of the pre piece in mhc_layer_pre_tail_kernel: finish, Sinkhorn
+    and aggregate become one launch (the aggregate's stand-in, the layer_in kernel, still runs after it);
+    from 65 tokens, and by default, the separate kernels."""
+    from mhc_cupy import _jit
+
+    names = functools.partial(launched, op, tokens, n, 72)
+    with _jit.assume_wgmma(wgmma), kernel_choice(layer_in=True):
+        default = names()
+        with kernel_choice(tail=True):
+            chosen = names()
+    assert "mhc_layer_pre_tail_kernel" not in default
+    if tokens > 64:
+        assert chosen == default
+        return
+    separate = ["mhc_coeffs_fwd_finish_kernel", "mhc_sinkhorn_knopp_fwd_kernel", "mhc_stream_aggregate_fwd_kernel"]
+    gemm = [k for k in default if k not in separate]
+    assert len(gemm) == len(default) - (2 if op == "mhc_layer_pre_norm_fwd" else 3), default
+    assert ("mhc_coeffs_wg_fwd_kernel" in gemm) == wgmma and "mhc_coeffs_gemv_fwd_kernel" not in gemm
+    if op == "mhc_layer_pre_norm_fwd":  # the layer_in kernel (in place of the aggregate) after the tail
+        assert chosen == gemm[:-1] + ["mhc_layer_pre_tail_kernel", gemm[-1]], chosen
+    else:
+        assert chosen == gemm + ["mhc_layer_pre_tail_kernel"], chosen
+
+
 def test_torch_backward_plans_under_the_choice_of_its_forward(monkeypatch):
     """A torch backward may run where the forward's kernel_choice block is not: after it, or (CUDA
     tensors) in autograd's device thread, which does not see the caller's context variables.  The eager

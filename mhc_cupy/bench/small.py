@@ -9,6 +9,8 @@ forward of one layer with an identity sublayer, without autograd (``torch.no_gra
 * ``mhc_cupy small`` (T <= 64): the same under the kernel choice ``small=True`` (the coefficient GEMV
   and the pre piece's tail kernel: two launches for the pre piece; off by default: slower under CUDA
   graphs on the H200);
+* ``mhc_cupy tail`` (T <= 64): under the kernel choice ``tail=True`` (the default tensor-core GEMM, then
+  the pre piece's tail kernel: three launches for the pre piece instead of five, the default's bits);
 * ``torch`` / ``torch.compile``: ``mhc_cupy.torch.reference.MHCReference`` (the same maths and
   parameters in plain torch ops), eager and ``torch.compile(dynamic=False)``, each where it is
   among the baselines (``--baselines``; none with ``--no-baselines``).
@@ -53,8 +55,9 @@ def small_case(T: int, C: int, n: int, cfg, on_gpu: bool, compile_: bool) -> dic
     impls = {"mhc_cupy": layer}
     if "torch" in cfg.baselines:
         impls["torch"] = MHCReference.from_layer(layer)
-    if T <= _GEMV_MAX_T:  # (where the small-token forward applies)
+    if T <= _GEMV_MAX_T:  # (where the small-token forward and the one-launch tail apply)
         impls["mhc_cupy small"] = _chosen(layer, small=True)
+        impls["mhc_cupy tail"] = _chosen(layer, tail=True)
     if compile_:
         torch._dynamo.reset()
         impls["torch.compile"] = torch.compile(MHCReference.from_layer(layer), dynamic=False)

@@ -134,7 +134,7 @@ def _plan_fwd(infos, s: LayerSettings):
             splits = mma.splits
         launch_pre_from_sums(dt, n, C, D, K, tokens, rms_eps, s, x=out, part=sc["part"], splits=splits,
                              alpha=p["alpha"], bias=p["bias"], outs=outs[1:], sc=sc, stream=stream,
-                             small=mma.gemv is not None)
+                             tail=mma.tail)
 
     def ref(a):
         return reference.mhc_boundary_fwd(a["layer_out"], a["x"], a["H_post"], a["H_res"], a["phi"], a["alpha"],

@@ -71,16 +71,16 @@ PRE_TAIL = KernelSpec(
 
 
 def launch_pre_from_sums(dt, n, C, D, K, tokens, rms_eps, s: LayerSettings, *, x, part, splits, alpha, bias, outs, sc,
-                         stream, small: bool = False, aggregate=None):
+                         stream, tail: bool = False, aggregate=None):
     """The layer's pre piece from the forward GEMM's per-range sums part [splits, T, K+1]: the raw
     coefficients (and stats), Sinkhorn and the activations, then layer_in = sum_i H_pre_i x_i.
     ``outs``: (layer_in, H_pre, H_post, H_res, stats); ``sc``: :func:`raw_coefficient_scratch`.
-    ``small`` (a few tokens, the kernel choice ``small``): all in one launch, mhc_layer_pre_tail_kernel,
-    with the three kernels' bits; else three launches.  ``aggregate(H_pre)``: launches what replaces
-    the aggregate (layer_in for the next GEMM, ``ops.layer_in``), after the tail kernel where ``small``
-    (whose layer_in then goes to scratch)."""
+    ``tail`` (a few tokens, the kernel choice ``small`` or ``tail``: MmaLayout.tail): all in one launch,
+    mhc_layer_pre_tail_kernel, with the three kernels' bits; else three launches.  ``aggregate(H_pre)``:
+    launches what replaces the aggregate (layer_in for the next GEMM, ``ops.layer_in``), after the tail
+    kernel where ``tail`` (whose layer_in then goes to scratch)."""
     layer_in, H_pre, H_post, H_res, stats = outs
-    if small:
+    if tail:
         PRE_TAIL.bind(T=dt, N=n, G=fwd_group(n), DS=s.deepseek).launch(
             (min(tokens, MAX_GRID), 1, 1), (256, 1, 1), stream, part=part, alpha=alpha, bias=bias, x=x, stats=stats,
             H_pre=H_pre, H_post=H_post, H_res=H_res, layer_in=layer_in, tokens=tokens, C=C, splits=splits,
@@ -117,9 +117,10 @@ class PrePiece(NamedTuple):
     mma: object  # ops.coeffs.mma_layout's
 
     @property
-    def small(self) -> bool:
-        """The small-token path (the kernel choice ``small``): the GEMV, then mhc_layer_pre_tail_kernel."""
-        return self.mma.gemv is not None
+    def tail(self) -> bool:
+        """The pre piece after the GEMM in one launch, mhc_layer_pre_tail_kernel (a few tokens, the kernel
+        choice ``small``, after its GEMV, or ``tail``, after the tensor-core GEMM)."""
+        return self.mma.tail
 
     def scratch(self) -> dict:
         return {"part": ((self.mma.splits, self.tokens, self.K + 1), "float32"), "planes": self.mma.planes_shape,
@@ -131,7 +132,7 @@ class PrePiece(NamedTuple):
                         planes=sc["planes"], mma=self.mma, stream=stream)
         launch_pre_from_sums(self.dt, self.n, self.C, self.D, self.K, self.tokens, self.rms_eps, s, x=p["x"],
                              part=sc["part"], splits=self.mma.splits, alpha=p["alpha"], bias=p["bias"], outs=outs,
-                             sc=sc, stream=stream, small=self.small, aggregate=aggregate)
+                             sc=sc, stream=stream, tail=self.tail, aggregate=aggregate)
 
 
 def pre_piece(infos, s: LayerSettings) -> PrePiece:

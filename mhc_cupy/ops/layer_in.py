@@ -64,7 +64,7 @@ def _plan(infos, s: LayerSettings, norm_eps, fp8: bool):
         _checks.expect_shape("norm_weight", w.shape, (C,), "one weight per element of layer_in [..., C]")
     norm_eps = _checks.eps("norm_eps", norm_eps)
     scratch = pp.scratch()
-    if pp.small:  # the tail kernel's layer_in, recomputed by the out kernel
+    if pp.tail:  # the tail kernel's layer_in, recomputed by the out kernel
         scratch["layer_in"] = ((tokens, C), dt)
     outputs = [(lead + (C,), "float8_e4m3fn" if fp8 else dt), (lead + (1,), "float32")] + \
         pre_outputs(lead, n, C, K, dt)[1:]

@@ -80,7 +80,7 @@ def test_tail_kernel_has_the_separate_kernels_bits(rng, monkeypatch, n, conventi
     with kernel_choice(small=True):
         tail = m.mhc_layer_pre_fwd(*args, convention=convention)
         real = layer.launch_pre_from_sums
-        monkeypatch.setattr(layer, "launch_pre_from_sums", lambda *a, **k: real(*a, **{**k, "small": False}))
+        monkeypatch.setattr(layer, "launch_pre_from_sums", lambda *a, **k: real(*a, **{**k, "tail": False}))
         _dispatch._plans.clear()
         _dispatch._fast.clear()
         sep = m.mhc_layer_pre_fwd(*args, convention=convention)
@@ -89,3 +89,49 @@ def test_tail_kernel_has_the_separate_kernels_bits(rng, monkeypatch, n, conventi
     for a, b, name in zip(tail, sep, ("layer_in", "H_pre", "H_post", "H_res", "stats")):
         assert np.array_equal(np.ascontiguousarray(to_host(a)).view(np.uint8),
                               np.ascontiguousarray(to_host(b)).view(np.uint8)), name
+
+
+def _bits(a):
+    return np.ascontiguousarray(to_host(a)).view(np.uint8)
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float32"])
+@pytest.mark.parametrize("n", [1, 4, 5, 8, 16])
+@pytest.mark.parametrize("T,C", [(1, 7168), (3, 200), (64, 72), (65, 24)])
+@pytest.mark.parametrize("convention", ["paper", "deepseek"])
+def test_one_launch_tail_after_the_tensor_cores_has_the_default_bits(rng, dt, n, T, C, convention):
+    """Kernel choice tail (at most 64 tokens; off by default until bench --small has measured it): the
+    default GEMM, then mhc_layer_pre_tail_kernel for finish, Sinkhorn and aggregate: mhc_layer_pre_fwd
+    and mhc_boundary_fwd bitwise the default path (which the tail kernel stands for), 65 tokens too (where
+    it does not apply), and MHC's forward and gradients bitwise through it."""
+    import torch
+
+    import mhc_cupy.torch as mt
+
+    if n * n * T * C > 2**26:
+        pytest.skip("large")
+    x, phi, alpha, bias = _case(rng, T, n, C, dt)
+    g = [to_gpu(a) for a in (x, phi, alpha, bias)]
+    y = to_gpu(rounded(rng, (T, C), dt))
+    H_post, H_res = to_gpu(coef(rng, (T, n))), to_gpu(coef(rng, (T, n, n), 0.5))
+    runs = {}
+    for choice in ("default", "tail"):
+        with poisoned_allocations(), kernel_choice(tail=choice == "tail"):
+            runs[choice] = (*m.mhc_layer_pre_fwd(*g, convention=convention),
+                            *m.mhc_boundary_fwd(y, g[0], H_post, H_res, *g[1:], convention=convention))
+    for a, b, i in zip(runs["tail"], runs["default"], range(11)):
+        assert np.array_equal(_bits(a), _bits(b)), f"output {i}"
+    dev = torch.device("cuda")
+    tdt = getattr(torch, dt)
+    layer = mt.MHC(C, n, torch.nn.Tanh(), convention=convention).to(dev)
+    xt = torch.from_numpy(x.astype(np.float32)).to(dev, tdt)
+    grads = {}
+    for choice in ("default", "tail"):
+        layer.zero_grad(set_to_none=True)
+        xg = xt.clone().requires_grad_()
+        with kernel_choice(tail=choice == "tail"):
+            out = layer(xg)
+            out.float().square().sum().backward()
+        grads[choice] = [out, xg.grad] + [p.grad for p in layer.parameters()]
+    for a, b in zip(grads["tail"], grads["default"]):
+        assert torch.equal(a, b)

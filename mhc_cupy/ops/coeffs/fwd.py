@@ -118,6 +118,7 @@ class MmaLayout(NamedTuple):
     wg_kc: int = 0  # columns per chunk of mhc_coeffs_wg_fwd_kernel (0: not used; bf16, K >= _WG_MIN_K, wg_fwd only)
     wg_ncc: int = 0  # its column chunks
     gemv: GemvLayout | None = None  # a few tokens: the GEMV instead (then splits, d_split are its)
+    tail: bool = False  # a few tokens: the pre piece after the GEMM in one launch (kernel choice small or tail)
 
     @property
     def planes_shape(self):
@@ -138,7 +139,9 @@ def mma_layout(tokens: int, D: int, K: int, dt: str) -> MmaLayout:
     D is split only when token tiles x column chunks give fewer than
     _MMA_TARGET_BLOCKS blocks, and never below _MIN_STEPS_PER_RANGE steps per range.  The wgmma
     kernel's chunks (wg_kc, wg_ncc) only where it may run: bf16, K >= _WG_MIN_K and the kernel
-    choice in force (``wg_fwd``, :mod:`mhc_cupy._kernel_choice`; read here, when a plan is made).
+    choice in force (``wg_fwd``, :mod:`mhc_cupy._kernel_choice`; read here, when a plan is made).  At
+    most _GEMV_MAX_T tokens: the GEMV instead under ``small``, the one-launch pre piece after the GEMM
+    (``tail``: ops.layer.launch_pre_from_sums) under ``small`` or ``tail``.
     """
     nt_total = _cdiv(K, 8)
     ncc = _cdiv(nt_total, _MMA_MAX_NTILE)
@@ -159,8 +162,9 @@ def mma_layout(tokens: int, D: int, K: int, dt: str) -> MmaLayout:
         wg_kc = 8 * _cdiv(_cdiv(K, 8), wg_ncc)
     if tokens <= _GEMV_MAX_T and current().runs("small"):
         g = gemv_layout(max(tokens, 1), D, K)
-        return MmaLayout(ntile, ncc, ncc * ntile * 8, units * step, tiles, g.splits, g.d_split, gemv=g)
-    return MmaLayout(ntile, ncc, ncc * ntile * 8, units * step, tiles, splits, per * step, wg_kc, wg_ncc)
+        return MmaLayout(ntile, ncc, ncc * ntile * 8, units * step, tiles, g.splits, g.d_split, gemv=g, tail=True)
+    return MmaLayout(ntile, ncc, ncc * ntile * 8, units * step, tiles, splits, per * step, wg_kc, wg_ncc,
+                     tail=tokens <= _GEMV_MAX_T and current().runs("tail"))
 
 
 def launch_mma_gemm(dt, D, K, tokens, *, x, phi, part, planes, mma: MmaLayout, stream):
