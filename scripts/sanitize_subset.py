@@ -13,7 +13,8 @@ element-wise fills, n = 7 with C = 13, and the wgmma dx for bf16 at n = 7 and 8 
 64-token tile; C = 24: D not a multiple of a block's 128 positions)); the kernels that are off by
 default until checked on a GPU, under their kernel choice: the fused boundary (mhc_boundary_fwd_kernel,
 n <= 6 with C % 8 == 0; 65 tokens: a partial 64-token tile) and the small-token forward (the GEMV and
-the pre piece's tail kernel, every case here has <= 65 tokens) and layer_in for the next GEMM
+the pre piece's tail kernel, every case here has <= 65 tokens), the tail kernel after the tensor-core GEMM
+(kernel choice tail) and layer_in for the next GEMM
 (mhc_layer_pre_norm_fwd, mhc_layer_pre_fp8_fwd) and the fused boundary backward (mhc_boundary_bwd,
 mhc_layer_pre_bwd with layer_out).  Exits non-zero if any result is not finite.
 
@@ -90,6 +91,9 @@ for T, n, C, dt in [(3, 3, 13, bf16), (5, 4, 1536, bf16), (2, 4, 2560, bf16), (2
         check("boundary", *m.mhc_boundary_fwd(y, x, H_post, H_res, phi, alpha, bias))
         check("boundary deepseek", *m.mhc_boundary_fwd(y, x, H_post, H_res, phi, alpha, bias, convention="deepseek"))
         check("small layer", *m.mhc_layer_pre_fwd(x, phi, alpha, bias), *m.mhc_coeffs_fwd(x, phi, alpha, bias))
+    with kernel_choice(tail=True):  # the one-launch tail after the tensor-core GEMM (off by default)
+        check("tail layer", *m.mhc_layer_pre_fwd(x, phi, alpha, bias),
+              *m.mhc_boundary_fwd(y, x, H_post, H_res, phi, alpha, bias, convention="deepseek"))
     with kernel_choice(boundary_bwd=True):  # the fused boundary backward (off by default)
         g_li = gy.astype(g.dtype)
         check("boundary bwd", *m.mhc_boundary_bwd(g_li, g, None, None, x, phi, alpha, bias, stats, H_pre, H_res, y,
