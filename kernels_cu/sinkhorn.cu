@@ -248,9 +248,10 @@ __global__ void mhc_sinkhorn_knopp_fwd_kernel(const float* __restrict__ logits, 
 //   stats and the raw coefficients h (mhc_coeffs_fwd_finish_kernel's sums in its order and formula),
 //   Sinkhorn of h_res and the activations H_pre, H_post on the first G lanes
 //   (mhc_sinkhorn_knopp_fwd_kernel's lanes and steps),
-//   layer_in = sum_i H_pre_i x_i (mhc_stream_aggregate_fwd_kernel's order):
+//   layer_in = sum_i H_pre_i x_i (mhc_stream_aggregate_fwd_kernel's order, E columns a thread access as
+//   there: C % E == 0 and x, layer_in aligned to E elements, up to 16 bytes):
 // the bits of those three kernels.  blockDim.x a multiple of 32; G as the forward's (fwd_group).
-template <typename T, int N, int G, bool DS>
+template <typename T, int N, int G, bool DS, int E>
 __global__ void mhc_layer_pre_tail_kernel(const float* __restrict__ part, const float* __restrict__ alpha,
                                           const float* __restrict__ bias, const T* __restrict__ x,
                                           float* __restrict__ stats, float* __restrict__ H_pre,
@@ -293,11 +294,19 @@ __global__ void mhc_layer_pre_tail_kernel(const float* __restrict__ part, const 
         }
         __syncthreads();
         const T* xt = x + t * N * (i64)C;
-        for (int c = threadIdx.x; c < C; c += blockDim.x) {
-            float s = 0.f;
+        for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
+            float xv[N][E];
 #pragma unroll
-            for (int i = 0; i < N; ++i) s = fmaf(s_pre[i], mhc::to_float<T>(xt[(i64)i * C + c]), s);
-            layer_in[t * (i64)C + c] = mhc::from_float<T>(s);
+            for (int i = 0; i < N; ++i) mhc::load_vec<T, E>(xt + (i64)i * C + c, xv[i]);
+            float o[E];
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                float s = 0.f;
+#pragma unroll
+                for (int i = 0; i < N; ++i) s = fmaf(s_pre[i], xv[i][e], s);
+                o[e] = s;
+            }
+            mhc::store_vec<T, E>(layer_in + t * (i64)C + c, o);
         }
     }
 }

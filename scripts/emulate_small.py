@@ -15,7 +15,8 @@ by element, res_t, in float32 fmaf and rounded to T, stored and staged), each th
 mhc_layer_pre_tail_kernel: the grid-stride token loop, split_sum with SumSq, h = fmaf(alpha_grp H, rinv,
 bias) into s_h, Sinkhorn on the first G lanes (lane_exp, lane_iteration, DS's softmax start, group_sum
 as shfl.sync.bfly with the PTX ISA's segment rule and the mask (1u << G) - 1), the activations into
-H_pre / s_pre / H_post, and layer_in = sum_i H_pre_i x_i by fmaf in i order.
+H_pre / s_pre / H_post, and layer_in = sum_i H_pre_i x_i by fmaf in i order, E columns a thread access
+(every vector whole and aligned to min(E * itemsize, 16) bytes).
 
 Asserted on the way: every global read in bounds (and of written elements, for the buffers the
 plan writes), every shared index inside its array (GEMV_SMEM_FLOATS; s_h[K], s_pre[N]) and reading
@@ -395,7 +396,7 @@ def lane_sinkhorn(L, lanes_ok, N, G, DS, iters, eps, mask, executing):
 
 
 def run_tail(targs, grid, block, a, mem):
-    dt, N, G, DS = _CTYPE[targs[0]], int(targs[1]), int(targs[2]), targs[3] == "true"
+    dt, N, G, DS, E = _CTYPE[targs[0]], int(targs[1]), int(targs[2]), targs[3] == "true", int(targs[4])
     _require(block[1:] == (1, 1) and block[0] % 32 == 0 and block[0] >= 32 >= G, "tail launch shape")
     NT = block[0]
     K = N * N + 2 * N
@@ -452,15 +453,23 @@ def run_tail(targs, grid, block, a, mem):
             s_pre.store(i, hp, ok, it, 0, N, "s_pre")
             hq = (post_mult * sigmoid(s_h.load(N + i, ok, it, N, 2 * N, "s_h (post)"))).astype(F32)
             H_post.write(tw * N + i, hq, ok, "H_post")
-        # __syncthreads; layer_in
-        for cc in range(_cdiv(C, NT)):
-            c = tid + NT * cc
-            m = active & (c < C)
-            s = np.zeros(m.shape, F32)
-            for i in range(N):
-                hp = s_pre.load(np.full(m.shape, i), m, it, 0, N, "s_pre")
-                s = fmaf(hp, x.read(t * N * C + i * C + c, m, "x"), s)
-            layer_in.write(t * C + c, round_to(s, dt), m, "layer_in")
+        # __syncthreads; layer_in: E columns a thread access (load_vec / store_vec: whole vectors, aligned)
+        size = np.dtype(NP_DTYPE[dt]).itemsize
+        for cc in range(_cdiv(C, NT * E)):
+            c0 = (tid + NT * cc) * E
+            m0 = active & (c0 < C)
+            _require(E == 1 or C % E == 0, "C % E == 0 (no partial vector)")
+            for base, start in ((a["x"], t * N * C + np.arange(N)[:, None, None] * C + c0), (a["layer_in"], t * C + c0)):
+                off = (base + np.broadcast_to(start, (start.shape[0],) + m0.shape)[..., m0] * size) % min(E * size, 16)
+                _require((off == 0).all(), "vector accesses aligned to min(E * itemsize, 16) bytes")
+            for e in range(E):
+                c = c0 + e
+                m = m0 & (c < C)
+                s = np.zeros(m.shape, F32)
+                for i in range(N):
+                    hp = s_pre.load(np.full(m.shape, i), m, it, 0, N, "s_pre")
+                    s = fmaf(hp, x.read(t * N * C + i * C + c, m, "x"), s)
+                layer_in.write(t * C + c, round_to(s, dt), m, "layer_in")
     return debug_h
 
 

@@ -34,7 +34,7 @@ from .._kernel_choice import current as current_choice
 from .coeffs import (backward_layout, check as _check_coeffs, launch_finish, launch_mma_gemm, launch_param_bwd,
                      launch_prep, mma_layout, padded_row, param_grad_plan)
 from .coeffs.bwd import MmaBwd
-from ._launch import MAX_GRID, KernelSpec
+from ._launch import MAX_GRID, KernelSpec, vec_width
 from .sinkhorn import bwd_history, fwd_group, launch_bwd, launch_fwd
 from .stream import (check_grad, launch_aggregate_bwd, launch_aggregate_fwd, launch_layer_post_pre_bwd,
                      launch_mix_distribute_bwd)
@@ -64,7 +64,7 @@ def raw_coefficient_scratch(tokens: int, n: int) -> dict:
 
 #: The pre piece after the GEMM in one launch, for a few tokens (sinkhorn.cu: it runs Sinkhorn's lanes)
 PRE_TAIL = KernelSpec(
-    "sinkhorn.cu", "mhc_layer_pre_tail_kernel", "typename T, int N, int G, bool DS",
+    "sinkhorn.cu", "mhc_layer_pre_tail_kernel", "typename T, int N, int G, bool DS, int E",
     "const float* part, const float* alpha, const float* bias, const T* x, float* stats, float* H_pre, "
     "float* H_post, float* H_res, T* layer_in, i64 tokens, int C, int splits, float rms_eps, int iters, float eps, "
     "float hc_eps, float post_mult")
@@ -81,7 +81,8 @@ def launch_pre_from_sums(dt, n, C, D, K, tokens, rms_eps, s: LayerSettings, *, x
     kernel where ``tail`` (whose layer_in then goes to scratch)."""
     layer_in, H_pre, H_post, H_res, stats = outs
     if tail:
-        PRE_TAIL.bind(T=dt, N=n, G=fwd_group(n), DS=s.deepseek).launch(
+        E = vec_width(n, C, [(x, dt), (layer_in, dt)])  # (the aggregate kernel's)
+        PRE_TAIL.bind(T=dt, N=n, G=fwd_group(n), DS=s.deepseek, E=E).launch(
             (min(tokens, MAX_GRID), 1, 1), (256, 1, 1), stream, part=part, alpha=alpha, bias=bias, x=x, stats=stats,
             H_pre=H_pre, H_post=H_post, H_res=H_res, layer_in=layer_in, tokens=tokens, C=C, splits=splits,
             rms_eps=rms_eps, iters=s.num_iters, eps=s.eps, hc_eps=s.hc_eps, post_mult=s.post_mult)
