@@ -214,9 +214,17 @@ _block.defvjp(_block_fwd, _block_bwd)
 
 
 # ------------------------------------------------------------------ public API
-def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, fuse_boundaries: bool = False, num_iters=DEFAULT,
-              eps=DEFAULT, rms_eps=DEFAULT, grad_mode: str = "unrolled", convention: str = "paper", hc_eps=DEFAULT,
-              post_mult=DEFAULT):
+def _python_loop(body, carry, xs):
+    """``jax.lax.scan(body, carry, xs)`` for a body whose outputs are (carry, None), unrolled in Python:
+    (final carry, None)."""
+    for i in range(jax.tree_util.tree_leaves(xs)[0].shape[0]):
+        carry, _ = body(carry, jax.tree.map(lambda a: a[i], xs))
+    return carry, None
+
+
+def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, fuse_boundaries: bool = False,
+              unroll: bool = False, num_iters=DEFAULT, eps=DEFAULT, rms_eps=DEFAULT, grad_mode: str = "unrolled",
+              convention: str = "paper", hc_eps=DEFAULT, post_mult=DEFAULT):
     """L mHC layers applied in order, with optional stream recompute (JAX; paper section 4.3,
     docs/OPS.md section 12): x_{l+1} = H_res,l x_l + H_post,l^T f_l(H_pre,l x_l), l = 0 .. L-1.
 
@@ -230,9 +238,10 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, fuse_boundar
     On the GPU, XLA also compiles and autotunes f's own matmuls per program, so the gradients of f's
     parameters may differ in rounding from another program's (seen: 2.4e-7 of their max on the H200,
     with the output and the gradients of x and the mHC parameters bitwise).
-    A ``lax.scan`` over the layers: one trace of the layer whatever L; usable under ``jax.jit``,
-    ``jax.grad``, ``jax.checkpoint``, inside an outer ``lax.scan``, and under ``jax.vmap`` (of x or
-    of the parameters; batched parameters run the kernels once per example).
+    A ``lax.scan`` over the layers (or recompute blocks): one trace of the layer whatever L; usable under
+    ``jax.jit``, ``jax.grad``, ``jax.checkpoint``, inside an outer ``lax.scan``, and under ``jax.vmap`` (of x
+    or of the parameters; batched parameters run the kernels once per example).  ``unroll=True``: a
+    Python loop instead, the same values and gradients.
 
     Args:
         params: {"phi" [L, n*C, n*n + 2n], "alpha" [L, 3], "bias" [L, n*n + 2n]}, float32: L layers'
@@ -267,6 +276,13 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, fuse_boundar
             computes its residual update's coefficient gradients (``mhc_boundary_bwd``, OPS.md section 12,
             "Fused boundary backward"; bitwise the unfused stack on the CPU).  Default False; a bool,
             static, keyword only.
+        unroll: False (default): a ``lax.scan`` over the layers (recompute blocks), traced once.  True:
+            a Python loop, traced L times (compile time grows with L, f's too), without what XLA's
+            while loop adds to every layer: it writes each layer's saved streams into a stacked
+            [L, ..., n, C] array (and reads them back in backward) and copies the loop-carried streams
+            and their gradient: in the CPU's compiled jit(vjp) of an 8-layer bf16 stack, ~7 writes of
+            [..., n, C] a layer (as many reads) besides the kernels', which move ~9 (fwd+bwd); the
+            GPU's time: ``python -m mhc_cupy.bench --stack``'s unroll rows.  A bool, static, keyword only.
         num_iters, eps, rms_eps, grad_mode, convention, hc_eps, post_mult: as
             :func:`mhc_cupy.jax.mhc_layer` (the same for every layer), keyword only; left out, the
             convention's defaults (paper: 20, 1e-8, 1e-5, "unrolled", hc_eps 0, post_mult 2).
@@ -277,7 +293,7 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, fuse_boundar
     Raises:
         TypeError: params not a dict of phi / alpha / bias arrays; f neither callable nor None;
             f_params given with f None, or holding a non-array; recompute neither None, an int nor
-            a str; fuse_boundaries not a bool.
+            a str; fuse_boundaries or unroll not a bool.
         ValueError: params not stacked (phi of rank 3, alpha and bias of rank 2) or of different
             L, L = 0; x not [..., n, C] for phi; an f_params leaf without the leading L axis;
             recompute < 1 or a str other than "auto"; f's output not of its input's shape; the
@@ -291,6 +307,7 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, fuse_boundar
     mj = _mj()
     L = _layers(params)
     fuse_boundaries = _checks.flag("fuse_boundaries", fuse_boundaries)
+    scan = _python_loop if _checks.flag("unroll", unroll) else jax.lax.scan
     settings = mj._layer_settings(num_iters, eps, rms_eps, grad_mode, _convention.check(convention), hc_eps,
                                   post_mult)
     _layer.check_x({"phi": jax.ShapeDtypeStruct(params["phi"].shape[1:], params["phi"].dtype)}, x)
@@ -310,7 +327,7 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, fuse_boundar
             phi, alpha, bias, leaves_l = p
             return mj._fused_layer(g, settings, fold, phi, alpha, bias, x, *leaves_l, *consts), None
 
-        return jax.lax.scan(layer, x, (*stacked, leaves))[0]
+        return scan(layer, x, (*stacked, leaves))[0]
 
     # Blocks of L_r layers (fused boundaries without recompute: of one layer, each saving its input
     # streams; with a linked backward, of L_r* layers keeping theirs): the first ceil(L / L_r) - 1 in a
@@ -332,7 +349,7 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, fuse_boundar
     if head:
         blocks = jax.tree.map(lambda a: a[:head].reshape((head // L_r, L_r) + a.shape[1:]), per_layer)
         nxts = jax.tree.map(lambda a: a[L_r:head + 1:L_r], stacked) if fuse_boundaries else None
-        carry = jax.lax.scan(block, carry, (*blocks, nxts))[0]
+        carry = scan(block, carry, (*blocks, nxts))[0]
     x, pre, acc = carry
     phi, alpha, bias, leaves_b = jax.tree.map(lambda a: a[head:], per_layer)
     return _block(g, settings, mode, phi, alpha, bias, leaves_b, x, consts, acc, pre, None)[0]

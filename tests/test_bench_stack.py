@@ -80,10 +80,12 @@ def test_stack_mode_jax_rows_tiny(tmp_path):
     res = json.loads((out / "stack.json").read_text())
     (row,) = res["results"]
     jx = row["jax"]
-    for name in ("jax mhc_stack", "jax.jit stack"):
+    for name in ("jax mhc_stack", "jax mhc_stack unroll", "jax.jit stack"):
         for d in ("fwd", "fwd+bwd"):
             assert jx[name][d]["us"] > 0, (name, d, jx[name][d])
     assert jx["speedup"]["fwd+bwd"] == pytest.approx(jx["jax.jit stack"]["fwd+bwd"]["us"] / jx["jax mhc_stack"]["fwd+bwd"]["us"])
+    assert jx["speedup unroll"]["fwd"] == pytest.approx(jx["jax.jit stack"]["fwd"]["us"] /
+                                                        jx["jax mhc_stack unroll"]["fwd"]["us"])
     (t,) = [t for t in res["targets"] if t["name"].startswith("JAX mhc_stack")]
     if res["meta"]["device"]["sm"]:
         assert t["measured"] == pytest.approx(jx["speedup"]["fwd+bwd"]) and t["status"] in ("met", "missed")
@@ -92,6 +94,7 @@ def test_stack_mode_jax_rows_tiny(tmp_path):
         assert t["status"] == "not measured" and t["measured"] is None and "had none" in t["detail"]
     text = (out / "stack.md").read_text()
     assert "| 2 | 16 | 1 x 3 | jax mhc_stack |" in text and "| 2 | 16 | 1 x 3 | jax.jit stack |" in text
+    assert "| 2 | 16 | 1 x 3 | jax mhc_stack unroll |" in text
 
 
 def test_stack_jax_target_judges_every_configuration():

@@ -105,6 +105,33 @@ def test_stack_equals_the_layer_loop_bitwise(rng, case, convention):
         got = vjp_all(lambda p, x, W: mj.mhc_stack(p, x, sub, W, recompute=recompute, convention=convention),
                       (params, x, W), g)
         assert_same(got, want, f"recompute={recompute!r}")
+        got = vjp_all(lambda p, x, W: mj.mhc_stack(p, x, sub, W, recompute=recompute, convention=convention,
+                                                   unroll=True), (params, x, W), g)
+        assert_same(got, want, f"recompute={recompute!r}, unroll")
+
+
+@pytest.mark.parametrize("recompute,fuse", [(None, False), (2, False), (None, True), (2, True)])
+def test_unroll_leaves_no_loop_nor_stacked_streams(rng, recompute, fuse):
+    """unroll=True: the compiled jit(vjp) has no while loop and no dynamic-update-slice (a scan's body
+    writes each layer's saved streams into a stacked array); the scan's has the loop (and, without
+    recompute, the stacking).  Values and gradients bitwise the scan's."""
+    L, lead, n, C = 7, (5,), 4, 8  # (recompute 2: a scan of 3 blocks; XLA removes a loop of one trip)
+    params, x, g, W = make(rng, lead, n, C, L, "bfloat16")
+    hlo = {}
+    for unroll in (False, True):
+        def fn(p, x, W):
+            return mj.mhc_stack(p, x, sub, W, recompute=recompute, fuse_boundaries=fuse, unroll=unroll)
+
+        def run(args, g):
+            out, vjp = jax.vjp(fn, *args)
+            return out, vjp(g)
+        hlo[unroll] = jax.jit(run).lower((params, x, W), g).compile().as_text()
+        assert_same(vjp_all(fn, (params, x, W), g), vjp_all(lambda p, x, W: mj.mhc_stack(
+            p, x, sub, W, recompute=recompute, fuse_boundaries=fuse), (params, x, W), g), f"unroll={unroll}")
+    assert " while(" in hlo[False] and "dynamic-update-slice" in hlo[False]
+    assert " while(" not in hlo[True] and "dynamic-update-slice" not in hlo[True]
+    with pytest.raises(TypeError, match="unroll"):
+        mj.mhc_stack(params, x, sub, W, unroll=1)
 
 
 @pytest.mark.parametrize("lead", [(3,), (1,)])

@@ -12,14 +12,14 @@ all with the same weights:
 * ``MHCStack fused`` / ``MHCStack fused recompute``: the same with ``fuse_boundaries=True`` (each
   residual update with the next layer's pre piece, ``mhc_boundary_fwd``; OPS.md section 12);
 * ``MHCStack fused bwd`` / ``MHCStack fused bwd recompute``: those under the kernel choice
-  ``boundary_bwd=True`` (the fused boundary backward, OPS.md section 12; off by default until checked
-  on a GPU), in force for their forward and backward: the A/B of the fused backward in one run;
+  ``boundary_bwd=True`` (the fused boundary backward, OPS.md section 12; off by default: slower on the
+  H200), in force for their forward and backward: the A/B of the fused backward in one run;
 * with ``torch.compile`` among the baselines: ``plain compiled`` and ``mhc chain compiled``;
 * with ``jax.jit`` among the baselines, the mHC layers alone in JAX (2L layers, the sublayer ``tanh``):
-  ``jax mhc_stack``, :func:`mhc_cupy.jax.mhc_stack` (a ``lax.scan`` over the layers), against ``jax.jit
-  stack``, a ``lax.scan`` of :func:`mhc_cupy.bench.baselines.jnp_mhc_layer` (the same maths in plain
+  ``jax mhc_stack``, :func:`mhc_cupy.jax.mhc_stack` (a ``lax.scan`` over the layers), ``jax mhc_stack
+  unroll`` (``unroll=True``: a Python loop), against ``jax.jit stack``, a ``lax.scan`` of :func:`mhc_cupy.bench.baselines.jnp_mhc_layer` (the same maths in plain
   ``jax.numpy``) over the same stacked parameters; ``jax.jit`` of the forward and of its VJP (wall clock +
-  ``block_until_ready``), ``speedup`` = jax.jit's time / mhc_stack's.
+  ``block_until_ready``), ``speedup`` = jax.jit's time / mhc_stack's (``speedup unroll``: / the unrolled's).
 
 Timed: a training step of the model, ``torch.autograd.grad(model(x), [x, *weights], g)`` (CUDA events
 around ``calls`` eager calls, median of ``reps`` after warm-up; wall clock on the CPU), and the peak of
@@ -151,14 +151,17 @@ def jax_stack_rows(layers: int, C: int, batch: int, seq: int, n: int, cfg) -> di
     x = jax.random.normal(kx, (batch, seq, n, C), jnp.float32).astype(dt)
     g = jax.random.normal(kg, (batch, seq, n, C), jnp.float32).astype(dt)
     impls = {"jax mhc_stack": lambda p, x: mj.mhc_stack(p, x, jnp.tanh),
+             "jax mhc_stack unroll": lambda p, x: mj.mhc_stack(p, x, jnp.tanh, unroll=True),
              "jax.jit stack": lambda p, x: jax.lax.scan(lambda h, pl: (jnp_mhc_layer(pl, h, jnp.tanh), None), x, p)[0]}
     out = {}
     for name, fn in impls.items():
         out[name] = measure_jax(fn, params, [x], [g], cfg.min_calls, cfg)[0]
         env._log(f"  {name}: " + ", ".join(f"{d} {r['us'] / 1e3:.3f} ms" if "us" in r else f"{d} error"
                                          for d, r in out[name].items()))
-    ours, base = out["jax mhc_stack"], out["jax.jit stack"]
-    out["speedup"] = {d: base[d]["us"] / ours[d]["us"] for d in ours if "us" in ours[d] and "us" in base.get(d, {})}
+    base = out["jax.jit stack"]
+    for key, name in (("speedup", "jax mhc_stack"), ("speedup unroll", "jax mhc_stack unroll")):
+        ours = out[name]
+        out[key] = {d: base[d]["us"] / ours[d]["us"] for d in ours if "us" in ours[d] and "us" in base.get(d, {})}
     return out
 
 
@@ -226,15 +229,17 @@ def format_stack_report(result: dict) -> str:
     jax_rows = [r for r in result.get("results", []) if "jax" in r]
     if not jax_rows:
         return text
-    lines = ["", "JAX, the 2L mHC layers alone (sublayer tanh; lax.scan over the layers; jax.jit, wall clock + "
-             "block_until_ready): speedup = jax.jit stack's time / jax mhc_stack's", "",
+    lines = ["", "JAX, the 2L mHC layers alone (sublayer tanh; lax.scan over the layers, unroll: a Python loop; "
+             "jax.jit, wall clock + block_until_ready): speedup = jax.jit stack's time / that row's", "",
              "| L | C | tokens | impl | fwd ms | fwd+bwd ms | speedup fwd / fwd+bwd |", "|---|---|---|---|---|---|---|"]
     for r in jax_rows:
-        sp = r["jax"]["speedup"]
-        for name in ("jax mhc_stack", "jax.jit stack"):
-            v = r["jax"][name]
+        for name, key in (("jax mhc_stack", "speedup"), ("jax mhc_stack unroll", "speedup unroll"),
+                          ("jax.jit stack", None)):
+            v = r["jax"].get(name)
+            if v is None:  # (a result file from before the unroll rows)
+                continue
+            sp = r["jax"].get(key, {})
             ms = [f"{v[d]['us'] / 1e3:.3f}" if "us" in v.get(d, {}) else "err" for d in ("fwd", "fwd+bwd")]
-            spd = " / ".join(f"{sp[d]:.2f}x" if d in sp else "-" for d in ("fwd", "fwd+bwd"))
-            lines.append(f"| {r['L']} | {r['C']} | {r['batch']} x {r['seq']} | {name} | {ms[0]} | {ms[1]} | "
-                         f"{spd if name == 'jax mhc_stack' else ''} |")
+            spd = " / ".join(f"{sp[d]:.2f}x" if d in sp else "-" for d in ("fwd", "fwd+bwd")) if key else ""
+            lines.append(f"| {r['L']} | {r['C']} | {r['batch']} x {r['seq']} | {name} | {ms[0]} | {ms[1]} | {spd} |")
     return text + "\n".join(lines) + "\n"
