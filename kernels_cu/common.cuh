@@ -189,6 +189,24 @@ __device__ __forceinline__ void store_vec(T* __restrict__ p, const float (&in)[E
     }
 }
 
+// The stream aggregate of E columns: o[e] = sum_i h[i] x_i[c + e] (fmaf in i order, from 0; float32),
+// x_i = xt + i C (load_vec's alignment; H: its cache priority).  mhc_stream_aggregate_fwd_kernel's sum,
+// and the kernels that stand for it (the pre piece's tail, layer_in for the next GEMM).
+template <typename T, int N, int E, Evict H = Evict::normal>
+__device__ __forceinline__ void aggregate_cols(const T* __restrict__ xt, const float* h, int C, unsigned c,
+                                               float (&o)[E]) {
+    float xv[N][E];
+#pragma unroll
+    for (int i = 0; i < N; ++i) load_vec<T, E, H>(xt + (i64)i * C + c, xv[i]);
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < N; ++i) s = fmaf(h[i], xv[i][e], s);
+        o[e] = s;
+    }
+}
+
 // E contiguous elements of T kept as raw 32-bit words (E * sizeof(T) a
 // multiple of 4): half the registers of floats for 16-bit types, so a whole
 // row can stay on chip between the two passes of a row reduction.

@@ -295,17 +295,8 @@ __global__ void mhc_layer_pre_tail_kernel(const float* __restrict__ part, const 
         __syncthreads();
         const T* xt = x + t * N * (i64)C;
         for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
-            float xv[N][E];
-#pragma unroll
-            for (int i = 0; i < N; ++i) mhc::load_vec<T, E>(xt + (i64)i * C + c, xv[i]);
             float o[E];
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                float s = 0.f;
-#pragma unroll
-                for (int i = 0; i < N; ++i) s = fmaf(s_pre[i], xv[i][e], s);
-                o[e] = s;
-            }
+            mhc::aggregate_cols<T, N, E>(xt, s_pre, C, c, o);
             mhc::store_vec<T, E>(layer_in + t * (i64)C + c, o);
         }
     }

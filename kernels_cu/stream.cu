@@ -391,17 +391,8 @@ __global__ void mhc_stream_aggregate_fwd_kernel(const T* __restrict__ x, const f
         __syncthreads();
         const T* xt = x + t * N * (i64)C;
         for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
-            float xv[N][E];
-#pragma unroll
-            for (int i = 0; i < N; ++i) mhc::load_vec<T, E>(xt + (i64)i * C + c, xv[i]);
             float o[E];
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                float s = 0.f;
-#pragma unroll
-                for (int i = 0; i < N; ++i) s = fmaf(s_h[i], xv[i][e], s);
-                o[e] = s;
-            }
+            mhc::aggregate_cols<T, N, E>(xt, s_h, C, c, o);
             mhc::store_vec<T, E>(out + t * (i64)C + c, o);
         }
     }
@@ -414,16 +405,9 @@ namespace {
 template <typename T, int N, int E, mhc::Evict H>
 __device__ __forceinline__ void aggregate_vec(const T* __restrict__ xt, const float* s_h, int C, unsigned c,
                                               float (&v)[E]) {
-    float xv[N][E];
+    mhc::aggregate_cols<T, N, E, H>(xt, s_h, C, c, v);
 #pragma unroll
-    for (int i = 0; i < N; ++i) mhc::load_vec<T, E, H>(xt + (i64)i * C + c, xv[i]);
-#pragma unroll
-    for (int e = 0; e < E; ++e) {
-        float s = 0.f;
-#pragma unroll
-        for (int i = 0; i < N; ++i) s = fmaf(s_h[i], xv[i][e], s);
-        v[e] = mhc::to_float<T>(mhc::from_float<T>(s));
-    }
+    for (int e = 0; e < E; ++e) v[e] = mhc::to_float<T>(mhc::from_float<T>(v[e]));
 }
 
 // The kept row: element e of vector vi (of V) in cell e V + vi, so a warp's cells are consecutive
