@@ -381,16 +381,22 @@ def test_extra_forward_arguments_reach_every_sublayer(rng):
     assert torch.equal(got[0], out.detach()) and torch.equal(got[1], x1.grad)
 
 
-def _streams_alive_after_forward(stack, x):
-    """Which layers' input streams are still held (by the autograd graph) after the forward."""
+def _forward_with_refs(stack, x, outputs: bool = False):
+    """(stack(x), weak references to each layer's input streams, or with ``outputs`` its output)."""
     refs = []
-    hooks = [layer.register_forward_pre_hook(lambda mod, args: refs.append(weakref.ref(args[0])))
+    hooks = [layer.register_forward_hook(lambda mod, args, out: refs.append(weakref.ref(out))) if outputs else
+             layer.register_forward_pre_hook(lambda mod, args: refs.append(weakref.ref(args[0])))
              for layer in stack.layers]
     try:
-        out = stack(x)
+        return stack(x), refs
     finally:
         for h in hooks:
             h.remove()
+
+
+def _streams_alive_after_forward(stack, x):
+    """Which layers' input streams are still held (by the autograd graph) after the forward."""
+    out, refs = _forward_with_refs(stack, x)
     gc.collect()
     return out, [r() is not None for r in refs]
 
@@ -420,14 +426,7 @@ def test_a_graph_dropped_without_its_full_backward_frees_the_streams(rng, recomp
     boundary streams, for good (break-it pass 13)."""
     stack = mt.MHCStack(make_layers(6, 4, 8, 15), recompute=recompute, fuse_boundaries=fuse)
     x = torch.from_numpy(rng.standard_normal((3, 4, 8))).float().requires_grad_()
-    outputs = []
-    hooks = [layer.register_forward_hook(lambda mod, args, out: outputs.append(weakref.ref(out)))
-             for layer in stack.layers]
-    try:
-        out = stack(x)
-    finally:
-        for h in hooks:
-            h.remove()
+    out, outputs = _forward_with_refs(stack, x, outputs=True)
     if backward == "partial":
         torch.autograd.grad(out.sum(), [stack[5].phi])
     elif backward == "retain_graph":
