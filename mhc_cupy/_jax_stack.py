@@ -85,6 +85,17 @@ def _layers(params) -> int:
     return L
 
 
+def _check_stacked_shapes(params, L: int, n: int, C: int) -> None:
+    """ValueError naming params['phi'] / ['alpha'] / ['bias'] and its whole stacked shape where it is not
+    the L layers' parameters for x [..., n, C] (a layer's kernel would name one layer's slice)."""
+    m = n * n + 2 * n
+    for k, want, what in (("phi", (L, n * C, m), "[L, n*C, n*n + 2n]"), ("alpha", (L, 3), "[L, 3]"),
+                          ("bias", (L, m), "[L, n*n + 2n]")):
+        if tuple(params[k].shape) != want:
+            raise ValueError(f"params['{k}'] has shape {tuple(params[k].shape)}; mhc_stack needs {what} = {want} "
+                             f"for x [..., n, C] = [..., {n}, {C}]")
+
+
 def _f_params(f, f_params, L: int) -> tuple:
     """(leaves [L, ...] of f_params, one layer's type as ShapeDtypeStructs or None)."""
     if f_params is None:
@@ -295,7 +306,8 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, fuse_boundar
             f_params given with f None, or holding a non-array; recompute neither None, an int nor
             a str; fuse_boundaries or unroll not a bool.
         ValueError: params not stacked (phi of rank 3, alpha and bias of rank 2) or of different
-            L, L = 0; x not [..., n, C] for phi; an f_params leaf without the leading L axis;
+            L, L = 0, or not [L, n*C, n*n + 2n] / [L, 3] / [L, n*n + 2n] for x (named, whole shape);
+            x not [..., n, C] for phi; an f_params leaf without the leading L axis;
             recompute < 1 or a str other than "auto"; f's output not of its input's shape; the
             layer settings (as mhc_layer).  All at trace time.
 
@@ -311,7 +323,8 @@ def mhc_stack(params: dict, x, f, f_params=None, *, recompute=None, fuse_boundar
     settings = mj._layer_settings(num_iters, eps, rms_eps, grad_mode, _convention.check(convention), hc_eps,
                                   post_mult)
     _layer.check_x({"phi": jax.ShapeDtypeStruct(params["phi"].shape[1:], params["phi"].dtype)}, x)
-    n = x.shape[-2]
+    n, C = x.shape[-2:]
+    _check_stacked_shapes(params, L, n, C)
     L_r = recompute_blocks(recompute, n, L)
     leaves, one = _f_params(f, f_params, L)
     stacked = (params["phi"], params["alpha"], params["bias"])

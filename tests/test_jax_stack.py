@@ -341,6 +341,13 @@ def test_bad_input_names_the_argument():
          "different numbers of layers"),
         (lambda: mj.mhc_stack(jax.tree.map(lambda a: a[:0], params), x, None), ValueError, "L = 0 layers"),
         (lambda: mj.mhc_stack(params, jnp.ones((2, 4, 6)), None), ValueError, r"x has shape \(2, 4, 6\)"),
+        # a stacked parameter of the wrong shape names it and its whole [L, ...] shape (pass 13: one layer's slice)
+        (lambda: mj.mhc_stack({**params, "phi": params["phi"][..., :20]}, x, None), ValueError,
+         r"params\['phi'\] has shape \(3, 20, 20\); mhc_stack needs \[L, n\*C, n\*n \+ 2n\] = \(3, 20, 24\)"),
+        (lambda: mj.mhc_stack({**params, "alpha": params["alpha"][:, :2]}, x, None), ValueError,
+         r"params\['alpha'\] has shape \(3, 2\); mhc_stack needs \[L, 3\] = \(3, 3\)"),
+        (lambda: mj.mhc_stack({**params, "bias": params["bias"][:, 1:]}, x, None), ValueError,
+         r"params\['bias'\] has shape \(3, 23\); .* = \(3, 24\) for x \[\.\.\., n, C\] = \[\.\.\., 4, 5\]"),
         (lambda: mj.mhc_stack(params, x, sub, W[:2]), ValueError,
          r"f_params has shape \(2, 5, 5\); it needs a leading axis of the L = 3 layers"),
         (lambda: mj.mhc_stack(params, x, sub, {"w": W, "b": jnp.float32(1)}), ValueError,
@@ -355,6 +362,7 @@ def test_bad_input_names_the_argument():
         (lambda: mj.mhc_stack(params, x, None, recompute=True), TypeError, "recompute must be .* got bool"),
         (lambda: mj.mhc_stack(params, x, None, num_iters=-1), ValueError, "num_iters"),
         (lambda: mj.mhc_stack(params, x, None, convention="v4"), ValueError, "convention"),
+        (lambda: mj.mhc_stack(params, x, None, unroll="yes"), TypeError, "unroll"),
     ]
     for call, exc, match in cases:
         with pytest.raises(exc, match=match):
