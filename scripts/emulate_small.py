@@ -2,7 +2,7 @@
 
 The kernel choice ``small`` (mhc_cupy._kernel_choice, at most 64 tokens) runs mhc_layer_pre_fwd and
 mhc_boundary_fwd in two launches: mhc_coeffs_gemv_fwd_kernel<T, POST> (kernels_cu/coeffs_gemv.cu)
-then mhc_layer_pre_tail_kernel<T, N, G, DS> (kernels_cu/sinkhorn.cu).  Here the ops' real plans run
+then mhc_layer_pre_tail_kernel<T, N, G, DS, E> (kernels_cu/sinkhorn.cu).  Here the ops' real plans run
 inside ``_jit.dry_run`` on fake pointers, each a NumPy buffer of its shape, and every launch the plan
 makes (grid, block, template arguments, arguments by name) runs in NumPy: every block and thread,
 vectorised over them, each with its own indices from the kernel's formulas.

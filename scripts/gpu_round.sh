@@ -5,7 +5,7 @@
 #   check    GPU tests (tests/gpu, test_bench_small.py; 16 workers), compute-sanitizer memcheck /
 #            racecheck / initcheck / synccheck on scripts/sanitize_subset.py --opt-in (the off-by-default
 #            kernels; gpu_check.sh runs the whole subset)
-#   small    bench --small (kernel choice small against the default), the boundary A/B (ab_kernels.py boundary)
+#   small    bench --small (kernel choices small and tail against the default), the boundary A/B (ab_kernels.py boundary)
 #   bench    bench --stack with the fused boundary kernel (both configs; its fused bwd rows: the backward A/B), the narrow column sum's cost
 #   profile  scripts/profile_stack.py and profile_layer.py (n = 4, 8, 16), the _MMA_TARGET_BLOCKS A/B
 #   suite    the test files outside tests/gpu (the rest of the GPU suite; -v: cut runs still name failures)

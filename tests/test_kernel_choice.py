@@ -308,3 +308,69 @@ def test_torch_backward_plans_under_the_choice_of_its_forward(monkeypatch):
             else:
                 out.sum().backward()
             assert seen and all(c.wg_dx is False for c in seen), (where, seen)
+
+
+def _planned_launches(op: str, tokens: int, n: int, C: int, dt: str, misalign: bool) -> tuple:
+    """(launches by kernel name -> [args by name], scratch names by pointer, outputs' pointers) of op's plan
+    in a dry run on distinct fake pointers (the activations 2 bytes off 16 with ``misalign``)."""
+    from mhc_cupy import _jit, _kernels
+    from mhc_cupy.ops import SPECS
+    from mhc_cupy.ops.spec import shape_of
+
+    k = SPECS[op]
+    ptr = iter(range(1 << 32, 1 << 50, 1 << 28))
+    sizes = {"n": n, "C": C, "K": n * n + 2 * n}
+    infos = {a.name: _kernels._info(shape_of(a, (tokens,), sizes), dt if a.kind == "activation" else "float32",
+                                    next(ptr) + (2 if misalign and a.kind == "activation" else 0)) for a in k.args}
+    with _jit.dry_run() as launches:
+        plan = k.planner(infos, **k.params)
+        outs = [next(ptr) for _ in plan.outputs]
+        base = next(ptr)
+        scratch = [base + o for o in plan.scratch_layout[1]]
+        plan.launch({a: v.ptr for a, v in infos.items()}, outs, scratch, 0)
+    by_name = {}
+    for _, expr, grid, block, args, _ in launches:
+        by_name.setdefault(expr.split("<")[0], []).append((expr, args))
+    return by_name, dict(zip(scratch, plan.scratch)), outs
+
+
+@pytest.mark.parametrize("boundary", [False, True])
+@pytest.mark.parametrize("op", ["mhc_layer_pre_fwd", "mhc_boundary_fwd", "mhc_layer_pre_fp8_fwd"])
+@pytest.mark.parametrize("tokens,n,C,dt,misalign", [(1, 1, 8, "float32", False), (7, 3, 13, "float16", True),
+                                                    (64, 4, 64, "bfloat16", False), (5, 8, 24, "bfloat16", True),
+                                                    (3, 16, 72, "float16", False), (2, 32, 8, "bfloat16", False),
+                                                    (5, 2, 200, "float16", False)])  # fused boundary: 4 splits, GEMM 1
+def test_the_tail_reads_what_the_default_path_reads(op, tokens, n, C, dt, misalign, boundary):
+    """Under tail=True the tail kernel takes the GEMM's part with the splits the default path's finish kernel
+    sums (the fused boundary kernel's own splits under boundary=True), the aggregate's x, layer_in where the
+    op's (or, for the layer_in ops, their scratch) goes, and the aggregate's vector width E; the GEMM
+    launches are the default's.  (Dry runs, mma.sync and wgmma.)"""
+    from mhc_cupy import _jit
+    from mhc_cupy.ops._launch import vec_width
+    from mhc_cupy.ops.coeffs.fwd import FINISH
+    from mhc_cupy.ops.layer import PRE_TAIL
+
+    if boundary and op != "mhc_boundary_fwd":
+        pytest.skip("the boundary choice is the boundary op's")
+    tail_only = {"mhc_layer_pre_tail_kernel", "mhc_coeffs_fwd_finish_kernel", "mhc_sinkhorn_knopp_fwd_kernel",
+                 "mhc_stream_aggregate_fwd_kernel", "mhc_stream_aggregate_out_kernel"}
+    for wg in (False, True):
+        with _jit.assume_wgmma(wg), kernel_choice(layer_in=True, boundary=boundary):
+            default, sc0, _ = _planned_launches(op, tokens, n, C, dt, misalign)
+            with kernel_choice(tail=True):
+                chosen, sc1, outs = _planned_launches(op, tokens, n, C, dt, misalign)
+        assert {k: [e for e, _ in v] for k, v in default.items() if k not in tail_only} == \
+            {k: [e for e, _ in v] for k, v in chosen.items() if k not in tail_only}
+        (expr, args), = chosen["mhc_layer_pre_tail_kernel"]
+        t = dict(zip([p for _, p in PRE_TAIL.params], args))
+        f = dict(zip([p for _, p in FINISH.params], default["mhc_coeffs_fwd_finish_kernel"][0][1]))
+        assert int(t["splits"]) == int(f["splits"]) and sc1[t["part"]] == sc0[f["part"]] == "part"
+        agg = (default.get("mhc_stream_aggregate_fwd_kernel") or default["mhc_stream_aggregate_out_kernel"])[0][1]
+        assert t["x"] == agg[0]
+        if op == "mhc_layer_pre_fp8_fwd":
+            assert sc1[t["layer_in"]] == "layer_in"
+            (_, out_args), = chosen["mhc_stream_aggregate_out_kernel"]
+            assert out_args[1] == t["H_pre"]
+        else:
+            assert t["layer_in"] == outs[1 if op == "mhc_boundary_fwd" else 0]
+        assert int(expr.rstrip(">").split(",")[-1]) == vec_width(n, C, [(t["x"], dt), (t["layer_in"], dt)])

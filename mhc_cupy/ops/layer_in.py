@@ -13,7 +13,8 @@ H_pre, H_post, H_res, stats are mhc_layer_pre_fwd's, bitwise.  One kernel
 (``mhc_stream_aggregate_out_kernel``) replaces the aggregate: the row reductions (sum of squares,
 amax) and their second passes in one block per token, the row kept in shared memory.  Under the kernel
 choice ``small`` (at most 64 tokens) the GEMV and the tail kernel run first (the tail's layer_in goes
-to scratch), then this kernel: three launches.  On a GPU the kernel runs only under the kernel choice
+to scratch), then this kernel: three launches (under ``tail``: phi's planes, the tensor-core GEMM, the tail
+kernel, then this kernel: four).  On a GPU the kernel runs only under the kernel choice
 ``layer_in`` (off by default until a GPU run has checked it; else NotImplementedError).
 """
 
