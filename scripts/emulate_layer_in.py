@@ -324,8 +324,8 @@ CASES = [  # (op, T, n, C, dtype, norm, misalign)
     ("mhc_layer_pre_norm_fwd", 3, 4, 1000, "float16", True, False),  # E = 8, 4 warps, several trips
     ("mhc_layer_pre_norm_fwd", 3, 3, 24, "float32", True, True),  # E = 1
     ("mhc_layer_pre_fp8_fwd", 1, 4, 7, "bfloat16", False, False),
-    ("mhc_layer_pre_fp8_fwd", 3, 1, 4096, "bfloat16", False, False),  # E = 8: 8-byte stores of q (q counted
-    # as x's dtype, so E <= 16 / sizeof(T) and 16-byte stores of q no longer occur)
+    ("mhc_layer_pre_fp8_fwd", 3, 1, 4096, "bfloat16", False, False),  # no RMSNorm: E = 16, 16-byte stores of q
+    ("mhc_layer_pre_fp8_fwd", 3, 1, 4096, "bfloat16", True, False),  # RMSNorm: q counted as x's dtype, E = 8
     ("mhc_layer_pre_fp8_fwd", 5, 3, 72, "float32", True, False),
     ("mhc_layer_pre_fp8_fwd", 3, 4, 2050, "float16", True, False),  # E = 2
     ("mhc_layer_pre_fp8_fwd", 2, 8, 33, "bfloat16", True, True),

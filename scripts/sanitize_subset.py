@@ -11,12 +11,12 @@ ends in a partial column tile);
 the post op's dx given as g or as grad_x; on sm_90 the wgmma forward GEMM for bf16 at n = 8, 16, 17 and,
 element-wise fills, n = 7 with C = 13, and the wgmma dx for bf16 at n = 7 and 8 (65 tokens: a partial
 64-token tile; C = 24: D not a multiple of a block's 128 positions)); the kernels that are off by
-default until checked on a GPU, under their kernel choice: the fused boundary (mhc_boundary_fwd_kernel,
-n <= 6 with C % 8 == 0; 65 tokens: a partial 64-token tile) and the small-token forward (the GEMV and
-the pre piece's tail kernel, every case here has <= 65 tokens), the tail kernel after the tensor-core GEMM
-(kernel choice tail) and layer_in for the next GEMM
-(mhc_layer_pre_norm_fwd, mhc_layer_pre_fp8_fwd) and the fused boundary backward (mhc_boundary_bwd,
-mhc_layer_pre_bwd with layer_out).  Exits non-zero if any result is not finite.
+default, each under its own kernel choice: the fused boundary (mhc_boundary_fwd_kernel, n <= 6 with
+C % 8 == 0; 65 tokens: a partial 64-token tile; with the tail after it too), the small-token forward (the
+GEMV and the pre piece's tail kernel, every case here has <= 65 tokens; the boundary op's GEMV with the
+residual update), the tail kernel after the tensor-core GEMM (kernel choice tail), layer_in for the next
+GEMM (mhc_layer_pre_norm_fwd, mhc_layer_pre_fp8_fwd; after the small path's and the tail's kernels too) and
+the fused boundary backward (mhc_boundary_bwd, mhc_layer_pre_bwd with layer_out).  Exits non-zero if any result is not finite.
 
     python scripts/sanitize_subset.py [--opt-in]
 
@@ -87,10 +87,14 @@ for T, n, C, dt in [(3, 3, 13, bf16), (5, 4, 1536, bf16), (2, 4, 2560, bf16), (2
         _, dx_post, _, _ = m.mhc_post_op_bwd(g, y, x, H_post, H_res)  # the adapters' form for n > 4: grad_x
         check("layer bwd grad_x", *m.mhc_layer_pre_bwd(gy.astype(g.dtype), None, dH_post, dH_res, x, phi, alpha, bias,
                                                        stats, H_pre, H_res, grad_x=dx_post.astype(g.dtype)))
-    with kernel_choice(boundary=True, small=True):
+    with kernel_choice(boundary=True):  # (alone: under small the GEMV takes every case of <= 64 tokens)
         check("boundary", *m.mhc_boundary_fwd(y, x, H_post, H_res, phi, alpha, bias))
-        check("boundary deepseek", *m.mhc_boundary_fwd(y, x, H_post, H_res, phi, alpha, bias, convention="deepseek"))
-        check("small layer", *m.mhc_layer_pre_fwd(x, phi, alpha, bias), *m.mhc_coeffs_fwd(x, phi, alpha, bias))
+        with kernel_choice(tail=True):
+            check("boundary deepseek tail",
+                  *m.mhc_boundary_fwd(y, x, H_post, H_res, phi, alpha, bias, convention="deepseek"))
+    with kernel_choice(small=True):
+        check("small layer", *m.mhc_layer_pre_fwd(x, phi, alpha, bias), *m.mhc_coeffs_fwd(x, phi, alpha, bias),
+              *m.mhc_boundary_fwd(y, x, H_post, H_res, phi, alpha, bias))
     with kernel_choice(tail=True):  # the one-launch tail after the tensor-core GEMM (off by default)
         check("tail layer", *m.mhc_layer_pre_fwd(x, phi, alpha, bias),
               *m.mhc_boundary_fwd(y, x, H_post, H_res, phi, alpha, bias, convention="deepseek"))
@@ -106,6 +110,8 @@ for T, n, C, dt in [(3, 3, 13, bf16), (5, 4, 1536, bf16), (2, 4, 2560, bf16), (2
         check("layer_in fp8", *m.mhc_layer_pre_fp8_fwd(x, phi, alpha, bias, w)[1:])  # (float8 bits: uint8)
         with kernel_choice(small=True):
             check("layer_in fp8 small", *m.mhc_layer_pre_fp8_fwd(x, phi, alpha, bias)[1:])
+        with kernel_choice(tail=True):
+            check("layer_in norm tail", *m.mhc_layer_pre_norm_fwd(x, phi, alpha, bias, w))
     for iters in (() if OPT_IN else (20, 200)):
         check("sinkhorn", m.sinkhorn_knopp_fwd(M, iters), m.sinkhorn_knopp_bwd(M, M, iters))
         check("sinkhorn deepseek", m.sinkhorn_knopp_bwd(M, M, iters, convention="deepseek"))

@@ -57,7 +57,7 @@ def small_case(T: int, C: int, n: int, cfg, on_gpu: bool, compile_: bool) -> dic
         impls["torch"] = MHCReference.from_layer(layer)
     if T <= _GEMV_MAX_T:  # (where the small-token forward and the one-launch tail apply)
         impls["mhc_cupy small"] = _chosen(layer, small=True)
-        impls["mhc_cupy tail"] = _chosen(layer, tail=True)
+        impls["mhc_cupy tail"] = _chosen(layer, tail=True, small=False)  # (small would take precedence)
     if compile_:
         torch._dynamo.reset()
         impls["torch.compile"] = torch.compile(MHCReference.from_layer(layer), dynamic=False)

@@ -45,10 +45,11 @@ def launch_aggregate_out(dt, n, C, tokens, *, x, h, w, out, q, stat, eps, stream
     """layer_in = sum_i h_i x_i (h per token [T, n]) then, with ``w`` (float32 [C]), its RMSNorm into
     ``out`` (x's dtype) or, with ``q``, its float8 e4m3 bits into ``q`` ([T, C] bytes) after the
     RMSNorm where ``w`` is given; ``stat`` [T] float32: rstd (RMSNorm alone) or the scale."""
-    # q's bytes counted as x's dtype: the vector width, and so the order of the RMSNorm's sum of squares
-    # (rstd's bits), is then the same whether the normed row is written (out) or quantised (q), so that
-    # the float8 form quantises the bits mhc_layer_pre_norm_fwd returns (a 1-byte q allowed twice the width)
-    E = vec_width(n, C, [(x, dt), (out, dt), (w, "float32"), (q, dt)])
+    # with the RMSNorm (w), q's bytes counted as x's dtype: the vector width, and so the order of the sum of
+    # squares (rstd's bits), is then the same whether the normed row is written (out) or quantised (q), so
+    # that the float8 form quantises the bits mhc_layer_pre_norm_fwd returns (a 1-byte q allowed twice the
+    # width); without it (amax alone, independent of the order) q keeps its own, wider accesses
+    E = vec_width(n, C, [(x, dt), (out, dt), (w, "float32"), (q, dt if w is not None else "float8_e4m3fn")])
     keep = keeps_row(C, dt)
     expr = (f"mhc_stream_aggregate_out_kernel<{CTYPE[dt]},{n},{E},{'true' if w is not None else 'false'},"
             f"{'true' if q is not None else 'false'}>")
