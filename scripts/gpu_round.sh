@@ -9,9 +9,11 @@
 #   bench    bench --stack with the fused boundary kernel (both configs; its fused bwd rows: the backward A/B), the narrow column sum's cost
 #   profile  scripts/profile_stack.py and profile_layer.py (n = 4, 8, 16), the _MMA_TARGET_BLOCKS A/B
 #   suite    the test files outside tests/gpu (the rest of the GPU suite; -v: cut runs still name failures)
+#   ncu      Nsight Compute (full set, source counters) of the layer backward's slowest kernels at 8192 x 2048 x 4
+#            (scripts/ncu_driver.py), and the kernel times of a decode-sized forward (profile_layer.py, T 1 / 64)
 # Usage (repo root, on a CUDA machine):  BUDGET=570 bash scripts/gpu_round.sh check [OUT_DIR]
 set -u -o pipefail
-PART=${1:?part: check, small, bench, profile or suite}
+PART=${1:?part: check, small, bench, profile, suite or ncu}
 OUT=${2:-${OUT:-gpu_round_out}}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -63,6 +65,17 @@ suite)
     timeout "$(left 10)" $PY -m pytest -p no:cacheprovider -n 16 -v -rf tests --ignore=tests/gpu > "$R/suite.log" 2>&1
     echo "suite rc=$? $((SECONDS - T0)) s"; grep -E "passed|failed" "$R/suite.log" | tail -n 1
     grep -E "(FAILED|ERROR) " "$R/suite.log" | head -n 40 ;;
+ncu)
+    timeout "$(cap 60 0)" $PY scripts/profile_layer.py --shapes 1x7168x4,64x7168x4 --rows 12 > "$R/profile_small.log" 2>&1
+    tail -n 70 "$R/profile_small.log" | cut -c1-150
+    K='regex:mhc_coeffs_mma_bwd_kernel|mhc_stream_mix_distribute_bwd|mhc_coeffs_mma_fwd'
+    timeout "$(cap 300 30)" ncu --clock-control none -k "$K" --launch-skip 3 --launch-count 3 --set full \
+        --import-source yes -o "$R/layer" $PY scripts/ncu_driver.py 8192 2048 4 --reps 4 > "$R/ncu_run.log" 2>&1
+    echo "ncu rc=$? $((SECONDS - T0)) s"; tail -n 5 "$R/ncu_run.log"
+    ncu --import "$R/layer.ncu-rep" --page details > "$R/ncu_details.txt" 2>&1
+    ncu --import "$R/layer.ncu-rep" --page source --csv --print-source sass > "$R/ncu_source.csv" 2>&1
+    grep -E "^  [a-z_]+.*\(|Duration|Throughput|Registers|Achieved Occupancy|Issue Slots|Stall|Warp Cycles|No Eligible" \
+        "$R/ncu_details.txt" | head -n 120; rm -f "$R/layer.ncu-rep" ;;
 *)
-    echo "part must be check, small, bench, profile or suite, got '$PART'" >&2; exit 2 ;;
+    echo "part must be check, small, bench, profile, suite or ncu, got '$PART'" >&2; exit 2 ;;
 esac
