@@ -3,7 +3,9 @@
 Compares: a raw CuPy launch of the same kernel (the floor for a Python
 launch), the functional API with CuPy and with torch inputs, the
 ``mhc_cupy.torch`` adapter, and a native torch op.
-Usage on a GPU machine:  python scripts/profile_host.py [--profile]
+``--layer``: also an ``MHC`` forward under ``torch.no_grad`` at 1 token, C 7168, n 4, bf16 (the decode
+call of ``bench --small``), timed and cProfiled.
+Usage on a GPU machine:  python scripts/profile_host.py [--profile] [--layer]
 """
 
 import cProfile
@@ -50,12 +52,22 @@ try:
     xg = xt.clone().requires_grad_()
     rows["mhc_cupy.torch.stream_mix (requires grad)"] = lambda: mt.stream_mix(xg, Mt)
     rows["native torch.add"] = lambda: torch.add(a, a)
+    if "--layer" in sys.argv:
+        layer = mt.MHC(7168, 4, torch.nn.Identity(), device="cuda")
+        xl = torch.randn(1, 4, 7168, device="cuda", dtype=torch.bfloat16)
+
+        def layer_fwd():
+            with torch.no_grad():
+                return layer(xl)
+
+        rows["MHC forward, 1 x 7168 x 4 bf16 (no grad)"] = layer_fwd
 except ImportError:
     pass
 for name, f in rows.items():
     print(f"{name:<45} {per_call_us(f):7.1f} us per call")
 if "--profile" in sys.argv:
-    for name in ("functional API, cupy inputs", "functional API, torch inputs"):
+    for name in ("functional API, cupy inputs", "functional API, torch inputs",
+                 "MHC forward, 1 x 7168 x 4 bf16 (no grad)"):
         if name not in rows:
             continue
         pr = cProfile.Profile()
@@ -64,4 +76,4 @@ if "--profile" in sys.argv:
             rows[name]()
         pr.disable()
         print(name)
-        pstats.Stats(pr).sort_stats("tottime").print_stats(12)
+        pstats.Stats(pr).sort_stats("tottime").print_stats(25 if name.startswith("MHC") else 12)
