@@ -8,6 +8,9 @@ replays, ``mhc_cupy.bench.timing.time_ms``; the copy bandwidth of ``copy_bandwid
                                             # backward's block target; one process per K: plans are cached);
                                             # hashes of dx and dphi compare the bits across K
     python scripts/ab_kernels.py colsum     # the one-block narrow column sum (dalpha / dbias over tokens)
+    python scripts/ab_kernels.py postbwd    # mhc_layer_post_bwd (the fused layer's post backward, no dx) at n = 4 on
+                                            # the CUDA-core kernel (default) and on the tensor-core kernel of n >= 5
+                                            # (ops.stream.POST_BWD_MMA_MIN_N = 4), against its byte floor
 
 GPU only; prints one line per case.
 """
@@ -105,6 +108,28 @@ def colsum():
             print(f"column_sum rows {rows} cols {cols}: {t:.1f} us (|err| {err:.2g})")
 
 
+def postbwd(bw):
+    from mhc_cupy.ops import stream
+
+    for T, C, n in ((8192, 2048, 4), (16384, 4096, 4), (4096, 7168, 4)):
+        x, y, g = act(T, n, C), act(T, C), act(T, n, C)
+        H_post = rng.random((T, n), dtype=cp.float32)
+        H_res = rng.random((T, n, n), dtype=cp.float32) / n
+        floor = 2 * (2 * T * n * C + 2 * T * C) / bw / 1e3  # read g, x, y; write dy (bf16), us
+        row = []
+        for min_n in (stream.POST_BWD_MMA_MIN_N, 4):
+            stream.POST_BWD_MMA_MIN_N, keep = min_n, stream.POST_BWD_MMA_MIN_N
+            m._dispatch._plans.clear(), m._dispatch._fast.clear()
+            try:
+                def f():
+                    return m.mhc_layer_post_bwd(g, y, x, H_post, H_res)
+                r = f()
+                row.append(f"min_n {min_n}: {graph_us(f):.1f} us (dy {digest(r[0])}, dH_res {digest(r[2])})")
+            finally:
+                stream.POST_BWD_MMA_MIN_N = keep
+        print(f"post bwd {T}x{C}x{n}: " + "; ".join(row) + f"; floor {floor:.1f} us")
+
+
 if __name__ == "__main__":
     if MODE == "boundary":
         boundary(copy_bandwidth()["GBps"])
@@ -112,5 +137,7 @@ if __name__ == "__main__":
         bwd()
     elif MODE == "colsum":
         colsum()
+    elif MODE == "postbwd":
+        postbwd(copy_bandwidth()["GBps"])
     else:
-        sys.exit(f"mode must be boundary, bwd K or colsum, got {MODE!r}")
+        sys.exit(f"mode must be boundary, bwd K, colsum or postbwd, got {MODE!r}")

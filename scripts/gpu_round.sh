@@ -70,6 +70,7 @@ ncu)
     tail -n 70 "$R/profile_small.log" | cut -c1-150
     timeout "$(cap 40 0)" $PY scripts/profile_host.py --profile --layer > "$R/profile_host.log" 2>&1
     head -n 8 "$R/profile_host.log"
+    timeout "$(cap 40 0)" $PY scripts/ab_kernels.py postbwd 2>&1 | tee "$R/ab_postbwd.log"
     K='regex:mhc_coeffs_mma_bwd_kernel|mhc_stream_mix_distribute_bwd|mhc_coeffs_mma_fwd'
     timeout "$(cap 300 30)" ncu --clock-control none -k "$K" --launch-skip 3 --launch-count 3 --set full \
         --import-source yes -o "$R/layer" $PY scripts/ncu_driver.py 8192 2048 4 --reps 4 > "$R/ncu_run.log" 2>&1
