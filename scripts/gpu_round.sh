@@ -10,7 +10,7 @@
 #   profile  scripts/profile_stack.py and profile_layer.py (n = 4, 8, 16), the _MMA_TARGET_BLOCKS A/B
 #   suite    the test files outside tests/gpu (the rest of the GPU suite; -v: cut runs still name failures)
 #   ncu      Nsight Compute (full set, source counters) of the layer backward's slowest kernels at 8192 x 2048 x 4
-#            (scripts/ncu_driver.py), and the kernel times of a decode-sized forward (profile_layer.py, T 1 / 64), its host time (profile_host.py)
+#            (scripts/ncu_driver.py), and the kernel times of a decode-sized forward (profile_layer.py, T 1 / 64), its host time (profile_host.py), the post backward A/B, JAX mhc_stack's scaling with tokens
 # Usage (repo root, on a CUDA machine):  BUDGET=570 bash scripts/gpu_round.sh check [OUT_DIR]
 set -u -o pipefail
 PART=${1:?part: check, small, bench, profile, suite or ncu}
@@ -71,6 +71,7 @@ ncu)
     timeout "$(cap 40 0)" $PY scripts/profile_host.py --profile --layer > "$R/profile_host.log" 2>&1
     head -n 8 "$R/profile_host.log"
     timeout "$(cap 40 0)" $PY scripts/ab_kernels.py postbwd 2>&1 | tee "$R/ab_postbwd.log"
+    timeout "$(cap 90 200)" $PY scripts/jax_scaling.py 2>&1 | tail -n 5 | tee "$R/jax_scaling.log"
     K='regex:mhc_coeffs_mma_bwd_kernel|mhc_stream_mix_distribute_bwd|mhc_coeffs_mma_fwd'
     timeout "$(cap 300 30)" ncu --clock-control none -k "$K" --launch-skip 3 --launch-count 3 --set full \
         --import-source yes -o "$R/layer" $PY scripts/ncu_driver.py 8192 2048 4 --reps 4 > "$R/ncu_run.log" 2>&1
