@@ -1,7 +1,7 @@
 """Whether ``mhc_cupy.jax.mhc_stack`` is bound by the host (its buffer_callbacks) or by the GPU: the
 fwd+bwd time of 16 mHC layers (C 2048, n 4, bf16, sublayer tanh; ``lax.scan`` and ``unroll=True``) and of
-``jax.jit`` of the same maths, at 8192, 2048 and 512 tokens.  GPU-bound times shrink with the tokens;
-host-bound ones stay.  Wall clock of ``jax.jit`` calls + ``block_until_ready`` (median of 10 after 3).
+``jax.jit`` of the same maths, at 8192, 2048 and 512 tokens; ``replay``: with the callbacks' launch replay
+(``mhc_cupy._jax_kernels.REPLAY``).  GPU-bound times shrink with the tokens; host-bound ones stay.  Wall clock of ``jax.jit`` calls + ``block_until_ready`` (median of 10 after 3).
 
     python scripts/jax_scaling.py
 """
@@ -15,12 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import mhc_cupy.jax as mj
+from mhc_cupy import _jax_kernels
 from mhc_cupy.bench.baselines import jnp_mhc_layer
 
 L, C, n = 16, 2048, 4
 params = mj.mhc_stack_init(jax.random.PRNGKey(0), L, dim=C, n_streams=n)
 impls = {"mhc_stack": lambda p, x: mj.mhc_stack(p, x, jnp.tanh),
+         "mhc_stack replay": lambda p, x: mj.mhc_stack(p, x, jnp.tanh),
          "mhc_stack unroll": lambda p, x: mj.mhc_stack(p, x, jnp.tanh, unroll=True),
+         "mhc_stack unroll replay": lambda p, x: mj.mhc_stack(p, x, jnp.tanh, unroll=True),
          "jax.jit stack": lambda p, x: jax.lax.scan(lambda h, pl: (jnp_mhc_layer(pl, h, jnp.tanh), None), x, p)[0]}
 for T in (8192, 2048, 512):
     kx, kg = jax.random.split(jax.random.PRNGKey(T))
@@ -28,6 +31,7 @@ for T in (8192, 2048, 512):
     g = jax.random.normal(kg, (T, n, C), jnp.float32).astype(jnp.bfloat16)
     row = []
     for name, fn in impls.items():
+        _jax_kernels.REPLAY = name.endswith("replay")
         for d, f, args in (("fwd", jax.jit(fn), (params, x)),
                            ("fwd+bwd", jax.jit(lambda p, x, g, fn=fn: jax.vjp(fn, p, x)[1](g)), (params, x, g))):
             for _ in range(3):

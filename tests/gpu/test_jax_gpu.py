@@ -252,3 +252,33 @@ def test_second_gpu_same_results(rng):
     for g0, g1 in zip(r0, r1):
         assert g1.devices() == {gpus[1]}
         C.assert_same(jax.device_put(g1, gpus[0]), g0)
+
+
+@pytest.mark.parametrize("n,C,dtype", [(4, 1000, "bfloat16"), (8, 2048, "bfloat16"), (3, 33, "float32")])
+def test_replay_is_bitwise_the_plan(n, C, dtype, rng, monkeypatch):
+    """mhc_cupy._jax_kernels.REPLAY (off by default until this passes on a GPU): a jitted layer's forward and
+    VJP on fresh inputs each call, with the callbacks' recorded launches replayed after their first call,
+    bitwise the run that plans every call; and the replay did run."""
+    from mhc_cupy import _jax_kernels, _replay
+
+    p = mj.mhc_init(jax.random.PRNGKey(0), C, n)
+    p = {k: v + jnp.asarray(rng.normal(0, 0.05, v.shape), jnp.float32) for k, v in p.items()}
+    xs = [jnp.asarray(rng.standard_normal((37, n, C)), dtype) for _ in range(3)]
+    gs = [jnp.asarray(rng.standard_normal((37, n, C)), dtype) for _ in range(3)]
+    W = jnp.asarray(rng.standard_normal((C, C)) / np.sqrt(C), dtype)
+
+    def step(p, x, g):
+        out, vjp = jax.vjp(lambda p, x: mj.mhc_layer(p, x, lambda li: jnp.tanh(li @ W)), p, x)
+        return out, vjp(g)
+
+    replayed = []
+    launch = _replay.Replay.launch
+    monkeypatch.setattr(_replay.Replay, "launch", lambda self, *a: (replayed.append(1), launch(self, *a))[1])
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(_jax_kernels, "REPLAY", on)
+        f = jax.jit(step)  # (a fresh trace: the callbacks are cached per plan, their replays per device)
+        runs[on] = [jax.block_until_ready(f(p, x, g)) for x, g in zip(xs, gs)]
+    assert replayed, "no callback replayed its launches"
+    for a, b in zip(jax.tree_util.tree_leaves(runs[False]), jax.tree_util.tree_leaves(runs[True])):
+        C.assert_same(b, a)
