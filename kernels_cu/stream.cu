@@ -15,6 +15,7 @@
 // matrix is H_res transposed, out_j = sum_i H_res[i, j] x_i + H_post[j] y.  Only the index
 // of H_res changes, when a block copies it to shared memory (and when it stores dH_res).
 #include "common.cuh"
+#include "mma.cuh"
 
 using mhc::i64;
 
@@ -91,8 +92,22 @@ __global__ void mhc_stream_mix_distribute_fwd_kernel(const T* __restrict__ x, co
 // (mhc::block_sum<N>, the same per-thread order: its bits), and writes the pre op's
 // d_pre_j = dh_j s_j (1 - s_j), s = sigmoid(h_pre_raw) (that kernel's ACT = 1 without gh);
 // g_post / g_res (may be null): other gradients of H_post / H_res, added to d_post / d_res.
+// STAGES > 0 (mhc_stream_post_bwd_pipe_kernel: one pass, 16-byte vectors of 16-bit g, x, y, not LI): a
+// thread's next chunks of g, x and y (STAGES - 1 ahead, across tokens) come through cp.async into its
+// own slots of dynamic shared memory, [STAGES][2N + 1][blockDim.x] 16-byte slots, while it works on
+// the current one: the loads of the next token are in flight during this token's block reduction.
+// Each thread reads only what it copied (no barrier for the slots); the arithmetic, and so the bits,
+// are the direct loads'.
 namespace mhc_stream {
-template <typename T, typename TG, int N, int E, int RB, bool HAS_X, bool HAS_Y, bool LI>
+// The 8 16-bit values of 16 bytes (a pipelined slot) as floats.
+template <typename U>
+__device__ __forceinline__ void unpack16(uint4 w, float (&v)[8]) {
+    const unsigned ww[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = mhc::word_elem<U>(ww[e / 2], e & 1);
+}
+
+template <typename T, typename TG, int N, int E, int RB, bool HAS_X, bool HAS_Y, bool LI, int STAGES = 0>
 __device__ __forceinline__ void mix_distribute_bwd(const TG* __restrict__ g, const T* __restrict__ x,
                                                    const T* __restrict__ y, const float* __restrict__ h_post,
                                                    i64 h_post_stride, const float* __restrict__ h_res,
@@ -109,6 +124,35 @@ __device__ __forceinline__ void mix_distribute_bwd(const TG* __restrict__ g, con
     __shared__ float s_res[HAS_X ? N * N : 1];
     __shared__ float s_post[HAS_Y ? N : 1];
     __shared__ float red[K * 32];  // K values x up to 32 warps
+    // STAGES: the cp.async ring (see above); (pt, pc) the next chunk to fetch, in the order of the loops below
+    constexpr int PR = 2 * N + 1;  // slot rows: g_0..g_{N-1}, x_0..x_{N-1}, y
+    static_assert(STAGES == 0 || (!LI && HAS_X && HAS_Y && RB >= N && E * sizeof(T) == 16 &&
+                                  sizeof(TG) == sizeof(T)), "the pipelined loads: one pass of 16-byte vectors");
+    extern __shared__ __align__(16) unsigned char pipe_smem[];
+    i64 pt = blockIdx.x;
+    unsigned pc = threadIdx.x * E;
+    int stage = 0;
+    auto fetch = [&](int st) {  // one commit group per call (empty when this thread has nothing left)
+        if (pt < tokens && pc < (unsigned)C) {
+            uint4* slot = reinterpret_cast<uint4*>(pipe_smem) + (i64)st * PR * blockDim.x + threadIdx.x;
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                mhc_mma::cp_async16(slot + i * blockDim.x, g + (pt * N + i) * (i64)C + pc, true);
+                mhc_mma::cp_async16(slot + (N + i) * blockDim.x, x + (pt * N + i) * (i64)C + pc, true);
+            }
+            mhc_mma::cp_async16(slot + 2 * N * blockDim.x, y + pt * (i64)C + pc, true);
+            pc += blockDim.x * E;
+            if (pc >= (unsigned)C) {
+                pt += gridDim.x;
+                pc = threadIdx.x * E;
+            }
+        }
+        mhc_mma::cp_async_commit();
+    };
+    if constexpr (STAGES > 0) {
+#pragma unroll
+        for (int st = 0; st < STAGES - 1; ++st) fetch(st);
+    }
     for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
         stage_coefficients<N, HAS_X && !LI, HAS_Y && !LI>(s_res, s_post, h_res, h_post, h_post_stride, t, res_t);
         const TG* gt = g + t * N * (i64)C;
@@ -126,13 +170,27 @@ __device__ __forceinline__ void mix_distribute_bwd(const TG* __restrict__ g, con
                 float gv[N][E];
                 float xv[HAS_X ? N : 1][E];
                 float yv[E];
+                if constexpr (STAGES > 0) {  // this chunk's slots, then the chunk STAGES - 1 ahead into the freed stage
+                    mhc_mma::cp_async_wait<STAGES - 2>();
+                    const uint4* slot = reinterpret_cast<const uint4*>(pipe_smem) + (i64)stage * PR * blockDim.x +
+                                        threadIdx.x;
 #pragma unroll
-                for (int i = 0; i < N; ++i) mhc::load_vec<TG, E>(gt + (i64)i * C + c, gv[i]);
-                if (HAS_X) {
+                    for (int i = 0; i < N; ++i) {
+                        unpack16<TG>(slot[i * blockDim.x], gv[i]);
+                        unpack16<T>(slot[(N + i) * blockDim.x], xv[i]);
+                    }
+                    unpack16<T>(slot[2 * N * blockDim.x], yv);
+                    fetch(stage == 0 ? STAGES - 1 : stage - 1);
+                    stage = stage == STAGES - 1 ? 0 : stage + 1;
+                } else {
 #pragma unroll
-                    for (int j = 0; j < N; ++j) mhc::load_vec<T, E>(xt + (i64)j * C + c, xv[j]);
+                    for (int i = 0; i < N; ++i) mhc::load_vec<TG, E>(gt + (i64)i * C + c, gv[i]);
+                    if (HAS_X) {
+#pragma unroll
+                        for (int j = 0; j < N; ++j) mhc::load_vec<T, E>(xt + (i64)j * C + c, xv[j]);
+                    }
+                    if (HAS_Y) mhc::load_vec<T, E>(yt + c, yv);
                 }
-                if (HAS_Y) mhc::load_vec<T, E>(yt + c, yv);
                 if (LI && first) {  // in mhc_stream_aggregate_bwd_kernel's order (g_li null: zeros)
                     float lv[E];
                     if (g_li != nullptr) {
@@ -244,6 +302,21 @@ __global__ void mhc_stream_mix_distribute_bwd_kernel(const TG* __restrict__ g, c
                                                      float* __restrict__ d_post, float* __restrict__ d_res,
                                                      i64 tokens, int C, int res_t) {
     mhc_stream::mix_distribute_bwd<T, TG, N, E, RB, HAS_X, HAS_Y, false>(
+        g, x, y, h_post, h_post_stride, h_res, dx, dy, d_post, d_res, tokens, C, res_t, nullptr, nullptr, nullptr,
+        nullptr, nullptr);
+}
+
+// mhc_stream_mix_distribute_bwd_kernel with x and y, one pass (N <= 4) of 16-byte vectors of 16-bit g, x, y
+// (E = 8), its loads pipelined through cp.async STAGES deep (mix_distribute_bwd above): its bits.  Dynamic
+// shared memory STAGES (2N + 1) blockDim.x 16 bytes.  Kernel choice post_pipe (off until measured).
+template <typename T, int N, int STAGES>
+__global__ void mhc_stream_post_bwd_pipe_kernel(const T* __restrict__ g, const T* __restrict__ x,
+                                                const T* __restrict__ y, const float* __restrict__ h_post,
+                                                i64 h_post_stride, const float* __restrict__ h_res,
+                                                T* __restrict__ dx, T* __restrict__ dy,
+                                                float* __restrict__ d_post, float* __restrict__ d_res,
+                                                i64 tokens, int C, int res_t) {
+    mhc_stream::mix_distribute_bwd<T, T, N, 8, N, true, true, false, STAGES>(
         g, x, y, h_post, h_post_stride, h_res, dx, dy, d_post, d_res, tokens, C, res_t, nullptr, nullptr, nullptr,
         nullptr, nullptr);
 }

@@ -35,6 +35,10 @@ wherever it applies; ``False``: never):
   kernel (``mhc_stream_aggregate_out_kernel``) on the GPU; else they raise NotImplementedError there
   (no other GPU route; CPU inputs run the reference either way).  Off by default until a GPU run has
   checked the kernel.
+* ``post_pipe``: the post op's backward with x and y on CUDA cores (n <= 4, 16-bit arrays, 16-byte
+  vectors: ``mhc_layer_post_bwd`` / ``mhc_post_op_bwd``) loads each thread's next chunks through a cp.async
+  ring (``mhc_stream_post_bwd_pipe_kernel``: loads of the next token in flight during this token's block
+  reduction), the same bits.  Off by default until the H200 has checked and measured it.
 * ``boundary_bwd``: the fused boundary backward (OPS.md section 12): ``MHCStack(fuse_boundaries=True)``'s
   backward hands each layer's dy to the previous layer from the next layer's dx kernel and moves the post
   op's coefficient gradients into the layer's pre-piece backward (``mhc_boundary_bwd``,
@@ -63,7 +67,8 @@ __all__ = ["KernelChoice", "LIBRARY_CHOICE", "current", "kernel_choice", "restor
 
 #: What ``None`` means for each variant: the library's own choice.
 LIBRARY_CHOICE = {"wg_fwd": True, "wg_dx": True, "fused": True, "boundary": False, "small": False,
-                  "layer_in": False, "boundary_bwd": False, "tail": False}
+                  "layer_in": False, "boundary_bwd": False, "tail": False,
+                  "post_pipe": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +76,8 @@ class KernelChoice:
     """The variants asked for (see the module docstring); hashable, a plan-cache key as it is.
 
     Attributes:
-        wg_fwd, wg_dx, fused, boundary, small, layer_in, boundary_bwd, tail: True, False or None (default:
-            the library's choice).
+        wg_fwd, wg_dx, fused, boundary, small, layer_in, boundary_bwd, tail, post_pipe: True, False or None
+            (default: the library's choice).
 
     Raises:
         TypeError: a variant that is not True, False or None (named).
@@ -86,6 +91,7 @@ class KernelChoice:
     layer_in: bool | None = None
     boundary_bwd: bool | None = None
     tail: bool | None = None
+    post_pipe: bool | None = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

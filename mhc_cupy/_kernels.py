@@ -44,7 +44,8 @@ _OPT_IN = {"mhc_boundary_fwd": ({"boundary": True}, {"small": True}, {"tail": Tr
            "mhc_layer_pre_norm_fwd": ({"layer_in": True}, {"layer_in": True, "small": True}),
            "mhc_layer_pre_fp8_fwd": ({"layer_in": True}, {"layer_in": True, "small": True},
                                      {"layer_in": True, "tail": True}),
-           "mhc_layer_pre_bwd": ({"boundary_bwd": True},), "mhc_boundary_bwd": ({"boundary_bwd": True},)}
+           "mhc_layer_pre_bwd": ({"boundary_bwd": True},), "mhc_boundary_bwd": ({"boundary_bwd": True},),
+           "mhc_layer_post_bwd": ({"post_pipe": True},), "mhc_post_op_bwd": ({"post_pipe": True},)}
 #: Ops that launch nothing on a GPU under the default choice (their only kernel is opt-in): planned with
 #: their _OPT_IN variants only.
 _GATED = {"mhc_layer_pre_norm_fwd", "mhc_layer_pre_fp8_fwd", "mhc_boundary_bwd"}

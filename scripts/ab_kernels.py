@@ -9,8 +9,9 @@ replays, ``mhc_cupy.bench.timing.time_ms``; the copy bandwidth of ``copy_bandwid
                                             # hashes of dx and dphi compare the bits across K
     python scripts/ab_kernels.py colsum     # the one-block narrow column sum (dalpha / dbias over tokens)
     python scripts/ab_kernels.py postbwd    # mhc_layer_post_bwd (the fused layer's post backward, no dx) at n = 4 on
-                                            # the CUDA-core kernel (default) and on the tensor-core kernel of n >= 5
-                                            # (ops.stream.POST_BWD_MMA_MIN_N = 4), against its byte floor
+                                            # the CUDA-core kernel (default), on the tensor-core kernel of n >= 5
+                                            # (ops.stream.POST_BWD_MMA_MIN_N = 4) and with kernel choice post_pipe
+                                            # (2 and 3 stages), against its byte floor
 
 GPU only; prints one line per case.
 """
@@ -111,23 +112,30 @@ def colsum():
 def postbwd(bw):
     from mhc_cupy.ops import stream
 
+    variants = {"default": ({}, stream.POST_BWD_MMA_MIN_N, 2), "tensor cores": ({}, 4, 2),
+                "pipe 2": ({"post_pipe": True}, stream.POST_BWD_MMA_MIN_N, 2),
+                "pipe 3": ({"post_pipe": True}, stream.POST_BWD_MMA_MIN_N, 3)}
+    keep = stream.POST_BWD_MMA_MIN_N, stream.POST_BWD_PIPE_STAGES
     for T, C, n in ((8192, 2048, 4), (16384, 4096, 4), (4096, 7168, 4)):
         x, y, g = act(T, n, C), act(T, C), act(T, n, C)
         H_post = rng.random((T, n), dtype=cp.float32)
         H_res = rng.random((T, n, n), dtype=cp.float32) / n
         floor = 2 * (2 * T * n * C + 2 * T * C) / bw / 1e3  # read g, x, y; write dy (bf16), us
         row = []
-        for min_n in (stream.POST_BWD_MMA_MIN_N, 4):
-            stream.POST_BWD_MMA_MIN_N, keep = min_n, stream.POST_BWD_MMA_MIN_N
+        for name, (choice, min_n, stages) in variants.items():
+            stream.POST_BWD_MMA_MIN_N, stream.POST_BWD_PIPE_STAGES = min_n, stages
             m._dispatch._plans.clear(), m._dispatch._fast.clear()
             try:
-                def f():
-                    return m.mhc_layer_post_bwd(g, y, x, H_post, H_res)
-                r = f()
-                row.append(f"min_n {min_n}: {graph_us(f):.1f} us (dy {digest(r[0])}, dH_res {digest(r[2])})")
+                with kernel_choice(**choice):
+                    def f():
+                        return m.mhc_layer_post_bwd(g, y, x, H_post, H_res)
+                    r = f()
+                    row.append(f"{name} {graph_us(f):.1f} us (dy {digest(r[0])}, dH_res {digest(r[2])})")
+            except Exception as e:  # noqa: BLE001 - a variant that fails is reported, the others still run
+                row.append(f"{name} failed: {type(e).__name__}: {str(e)[:200]}")
             finally:
-                stream.POST_BWD_MMA_MIN_N = keep
-        print(f"post bwd {T}x{C}x{n}: " + "; ".join(row) + f"; floor {floor:.1f} us")
+                stream.POST_BWD_MMA_MIN_N, stream.POST_BWD_PIPE_STAGES = keep
+        print(f"post bwd {T}x{C}x{n} (floor {floor:.1f} us): " + "; ".join(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -195,10 +195,13 @@ def _plan_post_bwd(infos, convention):
     dt, lead, n, C, tokens, res_t = _check_post(infos, convention)
     tg = check_grad("grad", infos["grad"], infos["x"].shape, dt)
 
+    pipe = current_choice().runs("post_pipe")
+
     def run_kernels(p, outs, sc, stream):
         dy, d_post, d_res = outs
         launch_mix_distribute_bwd(dt, tg, n, C, tokens, g=p["grad"], x=p["x"], M=p["H_res"], y=p["layer_out"],
-                                  h=p["H_post"], h_stride=n, dy=dy, dh=d_post, dM=d_res, stream=stream, res_t=res_t)
+                                  h=p["H_post"], h_stride=n, dy=dy, dh=d_post, dM=d_res, stream=stream, res_t=res_t,
+                                  pipe=pipe)
 
     def ref(a):
         dy, _, d_post, d_res = reference.mhc_post_op_bwd(a["grad"], a["layer_out"], a["x"], a["H_post"], a["H_res"],

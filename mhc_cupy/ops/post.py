@@ -5,6 +5,7 @@ from __future__ import annotations
 from .. import _convention, reference
 from .._dispatch import Plan, run
 from ._launch import tokens_of
+from .._kernel_choice import current as current_choice
 from .stream import check_grad, check_h, check_matrix, check_x, check_y, launch_mix_distribute_bwd, launch_mix_distribute_fwd
 from .spec import CONVENTION, GRAD_X, H_POST, H_RES, LAYER_OUT, X, Arg, Kernel
 
@@ -34,10 +35,13 @@ def _plan_bwd(infos, convention):
     dt, lead, n, C, tokens, res_t = _check(infos, convention)
     tg = check_grad("grad", infos["grad"], infos["x"].shape, dt)
 
+    pipe = current_choice().runs("post_pipe")
+
     def run_kernels(p, outs, sc, stream):
         dy, dx, dh, dM = outs
         launch_mix_distribute_bwd(dt, tg, n, C, tokens, g=p["grad"], x=p["x"], M=p["H_res"], y=p["layer_out"],
-                                  h=p["H_post"], h_stride=n, dx=dx, dy=dy, dh=dh, dM=dM, stream=stream, res_t=res_t)
+                                  h=p["H_post"], h_stride=n, dx=dx, dy=dy, dh=dh, dM=dM, stream=stream, res_t=res_t,
+                                  pipe=pipe)
 
     return Plan([(infos["layer_out"].shape, dt), (infos["x"].shape, dt), (infos["H_post"].shape, "float32"),
                  (infos["H_res"].shape, "float32")], run_kernels,
