@@ -16,7 +16,8 @@ C % 8 == 0; 65 tokens: a partial 64-token tile; with the tail after it too), the
 GEMV and the pre piece's tail kernel, every case here has <= 65 tokens; the boundary op's GEMV with the
 residual update), the tail kernel after the tensor-core GEMM (kernel choice tail), layer_in for the next
 GEMM (mhc_layer_pre_norm_fwd, mhc_layer_pre_fp8_fwd; after the small path's and the tail's kernels too) and
-the fused boundary backward (mhc_boundary_bwd, mhc_layer_pre_bwd with layer_out).  Exits non-zero if any result is not finite.
+the fused boundary backward (mhc_boundary_bwd, mhc_layer_pre_bwd with layer_out), the post backward's
+cp.async ring (kernel choice post_pipe).  Exits non-zero if any result is not finite.
 
     python scripts/sanitize_subset.py [--opt-in]
 
@@ -104,6 +105,9 @@ for T, n, C, dt in [(3, 3, 13, bf16), (5, 4, 1536, bf16), (2, 4, 2560, bf16), (2
                                                   H_post))
         check("layer bwd layer_out", *m.mhc_layer_pre_bwd(g_li, g, dH_post, None, x, phi, alpha, bias, stats, H_pre,
                                                           H_res, layer_out=y, convention="deepseek"))
+    with kernel_choice(post_pipe=True):  # the post backward's cp.async ring (off by default; n <= 4, 16-bit)
+        check("post bwd pipe", *m.mhc_layer_post_bwd(g, y, x, H_post, H_res),
+              *m.mhc_post_op_bwd(g, y, x, H_post, H_res, convention="deepseek"))
     with kernel_choice(layer_in=True):  # layer_in for the next GEMM (off by default)
         w = act(C)
         check("layer_in norm", *m.mhc_layer_pre_norm_fwd(x, phi, alpha, bias, w))
