@@ -66,8 +66,11 @@ suite)
     echo "suite rc=$? $((SECONDS - T0)) s"; grep -E "passed|failed" "$R/suite.log" | tail -n 1
     grep -E "(FAILED|ERROR) " "$R/suite.log" | head -n 40 ;;
 ncu)
-    timeout "$(cap 60 0)" $PY scripts/profile_layer.py --shapes 1x7168x4,64x7168x4 --rows 12 > "$R/profile_small.log" 2>&1
-    tail -n 70 "$R/profile_small.log" | cut -c1-150
+    for ch in "" small=true tail=true; do
+        timeout "$(cap 40 0)" $PY scripts/profile_layer.py --shapes 1x7168x4,64x7168x4 --rows 10 --choose "$ch" \
+            >> "$R/profile_small.log" 2>&1
+    done
+    grep -v "^USDT\|^ *$" "$R/profile_small.log" | cut -c1-150 | head -n 130
     timeout "$(cap 40 0)" $PY scripts/profile_host.py --profile --layer > "$R/profile_host.log" 2>&1
     head -n 8 "$R/profile_host.log"
     timeout "$(cap 40 0)" $PY scripts/ab_kernels.py postbwd 2>&1 | tee "$R/ab_postbwd.log"

@@ -10,7 +10,7 @@ the NumPy reference on the CPU and lists CPU operators instead (a smoke test).
 
 Usage (repo root):
     python scripts/profile_layer.py [--shapes 16384x4096x4,8192x1024x16] [--dtype bfloat16]
-                                    [--steps 5] [--fused default|both] [--rows 14]
+                                    [--steps 5] [--fused default|both] [--rows 14] [--choose small=true]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import mhc_cupy.torch as mt
 from mhc_cupy._kernel_choice import kernel_choice
+from mhc_cupy.bench.cli import _choice
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:
@@ -96,7 +97,10 @@ def main(argv=None) -> int:
                     help="default: the layer's own choice; both: the fused pieces and the separate ops")
     ap.add_argument("--rows", type=int, default=14, help="kernels listed per table (default 14)")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    ap.add_argument("--choose", default="", metavar="VARIANT=BOOL,...",
+                    help="kernel choices in force (mhc_cupy._kernel_choice), as bench --choose")
     cfg = ap.parse_args(argv)
+    choose = _choice(cfg.choose, ap)
     if cfg.steps < 1 or cfg.rows < 1:
         raise SystemExit("--steps and --rows must be at least 1")
     dev = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -104,7 +108,9 @@ def main(argv=None) -> int:
         print("no GPU: profiling the NumPy reference path (CPU operators)", file=sys.stderr)
     for T, C, n in parse_shapes(cfg.shapes):
         for fused in ((None,) if cfg.fused == "default" else (True, False)):
-            print(profile_shape(T, C, n, getattr(torch, cfg.dtype), fused, cfg.steps, cfg.rows, dev), flush=True)
+            with kernel_choice(**choose):
+                text = profile_shape(T, C, n, getattr(torch, cfg.dtype), fused, cfg.steps, cfg.rows, dev)
+            print(text.replace("\n", f" (choose {cfg.choose})\n", 1) if choose else text, flush=True)
     return 0
 
 
