@@ -66,6 +66,14 @@ suite)
     echo "suite rc=$? $((SECONDS - T0)) s"; grep -E "passed|failed" "$R/suite.log" | tail -n 1
     grep -E "(FAILED|ERROR) " "$R/suite.log" | head -n 40 ;;
 ncu)
+    K='regex:mhc_coeffs_mma_bwd_kernel|mhc_stream_mix_distribute_bwd|mhc_coeffs_mma_fwd'
+    timeout "$(cap 240 200)" ncu --clock-control none -k "$K" --launch-skip 3 --launch-count 3 --set full \
+        --import-source yes -o "$R/layer" $PY scripts/ncu_driver.py 8192 2048 4 --reps 4 > "$R/ncu_run.log" 2>&1
+    echo "ncu rc=$? $((SECONDS - T0)) s"; tail -n 5 "$R/ncu_run.log"
+    ncu --import "$R/layer.ncu-rep" --page details > "$R/ncu_details.txt" 2>&1
+    ncu --import "$R/layer.ncu-rep" --page source --csv --print-source sass > "$R/ncu_source.csv" 2>&1
+    grep -E "^  [a-z_]+.*\(|Duration|Throughput|Registers|Achieved Occupancy|Issue Slots|Stall|Warp Cycles|No Eligible" \
+        "$R/ncu_details.txt" | head -n 120; rm -f "$R/layer.ncu-rep"
     for ch in "" small=true tail=true; do
         timeout "$(cap 40 0)" $PY scripts/profile_layer.py --shapes 1x7168x4,64x7168x4 --rows 10 --choose "$ch" \
             >> "$R/profile_small.log" 2>&1
@@ -74,15 +82,7 @@ ncu)
     timeout "$(cap 40 0)" $PY scripts/profile_host.py --profile --layer > "$R/profile_host.log" 2>&1
     head -n 8 "$R/profile_host.log"
     timeout "$(cap 40 0)" $PY scripts/ab_kernels.py postbwd 2>&1 | tee "$R/ab_postbwd.log"
-    timeout "$(cap 90 200)" $PY scripts/jax_scaling.py 2>&1 | tail -n 5 | tee "$R/jax_scaling.log"
-    K='regex:mhc_coeffs_mma_bwd_kernel|mhc_stream_mix_distribute_bwd|mhc_coeffs_mma_fwd'
-    timeout "$(cap 300 30)" ncu --clock-control none -k "$K" --launch-skip 3 --launch-count 3 --set full \
-        --import-source yes -o "$R/layer" $PY scripts/ncu_driver.py 8192 2048 4 --reps 4 > "$R/ncu_run.log" 2>&1
-    echo "ncu rc=$? $((SECONDS - T0)) s"; tail -n 5 "$R/ncu_run.log"
-    ncu --import "$R/layer.ncu-rep" --page details > "$R/ncu_details.txt" 2>&1
-    ncu --import "$R/layer.ncu-rep" --page source --csv --print-source sass > "$R/ncu_source.csv" 2>&1
-    grep -E "^  [a-z_]+.*\(|Duration|Throughput|Registers|Achieved Occupancy|Issue Slots|Stall|Warp Cycles|No Eligible" \
-        "$R/ncu_details.txt" | head -n 120; rm -f "$R/layer.ncu-rep" ;;
+    timeout "$(cap 90 0)" $PY scripts/jax_scaling.py 2>&1 | tail -n 5 | tee "$R/jax_scaling.log" ;;
 *)
     echo "part must be check, small, bench, profile, suite or ncu, got '$PART'" >&2; exit 2 ;;
 esac
