@@ -92,7 +92,8 @@ __global__ void mhc_stream_mix_distribute_fwd_kernel(const T* __restrict__ x, co
 // (mhc::block_sum<N>, the same per-thread order: its bits), and writes the pre op's
 // d_pre_j = dh_j s_j (1 - s_j), s = sigmoid(h_pre_raw) (that kernel's ACT = 1 without gh);
 // g_post / g_res (may be null): other gradients of H_post / H_res, added to d_post / d_res.
-// STAGES > 0 (mhc_stream_post_bwd_pipe_kernel: one pass, 16-byte vectors of 16-bit g, x, y, not LI): a
+// STAGES > 0 (mhc_stream_mix_distribute_bwd_kernel's post_pipe form: one pass, 16-byte vectors of 16-bit g, x,
+// y, not LI): a
 // thread's next chunks of g, x and y (STAGES - 1 ahead, across tokens) come through cp.async into its
 // own slots of dynamic shared memory, [STAGES][2N + 1][blockDim.x] 16-byte slots, while it works on
 // the current one: the loads of the next token are in flight during this token's block reduction.
@@ -294,29 +295,17 @@ __device__ __forceinline__ void mix_distribute_bwd(const TG* __restrict__ g, con
 }
 }  // namespace mhc_stream
 
-template <typename T, typename TG, int N, int E, int RB, bool HAS_X, bool HAS_Y>
+// STAGES > 0 (kernel choice post_pipe, off until measured): with x and y, one pass (N <= 4) of 16-byte vectors
+// of 16-bit g, x, y (E = 8), the loads pipelined through cp.async STAGES deep (mix_distribute_bwd above), the
+// same bits; dynamic shared memory STAGES (2N + 1) blockDim.x 16 bytes.
+template <typename T, typename TG, int N, int E, int RB, bool HAS_X, bool HAS_Y, int STAGES = 0>
 __global__ void mhc_stream_mix_distribute_bwd_kernel(const TG* __restrict__ g, const T* __restrict__ x,
                                                      const T* __restrict__ y, const float* __restrict__ h_post,
                                                      i64 h_post_stride, const float* __restrict__ h_res,
                                                      T* __restrict__ dx, T* __restrict__ dy,
                                                      float* __restrict__ d_post, float* __restrict__ d_res,
                                                      i64 tokens, int C, int res_t) {
-    mhc_stream::mix_distribute_bwd<T, TG, N, E, RB, HAS_X, HAS_Y, false>(
-        g, x, y, h_post, h_post_stride, h_res, dx, dy, d_post, d_res, tokens, C, res_t, nullptr, nullptr, nullptr,
-        nullptr, nullptr);
-}
-
-// mhc_stream_mix_distribute_bwd_kernel with x and y, one pass (N <= 4) of 16-byte vectors of 16-bit g, x, y
-// (E = 8), its loads pipelined through cp.async STAGES deep (mix_distribute_bwd above): its bits.  Dynamic
-// shared memory STAGES (2N + 1) blockDim.x 16 bytes.  Kernel choice post_pipe (off until measured).
-template <typename T, int N, int STAGES>
-__global__ void mhc_stream_post_bwd_pipe_kernel(const T* __restrict__ g, const T* __restrict__ x,
-                                                const T* __restrict__ y, const float* __restrict__ h_post,
-                                                i64 h_post_stride, const float* __restrict__ h_res,
-                                                T* __restrict__ dx, T* __restrict__ dy,
-                                                float* __restrict__ d_post, float* __restrict__ d_res,
-                                                i64 tokens, int C, int res_t) {
-    mhc_stream::mix_distribute_bwd<T, T, N, 8, N, true, true, false, STAGES>(
+    mhc_stream::mix_distribute_bwd<T, TG, N, E, RB, HAS_X, HAS_Y, false, STAGES>(
         g, x, y, h_post, h_post_stride, h_res, dx, dy, d_post, d_res, tokens, C, res_t, nullptr, nullptr, nullptr,
         nullptr, nullptr);
 }

@@ -1,7 +1,7 @@
-"""The cp.async ring of mhc_stream_post_bwd_pipe_kernel (kernels_cu/stream.cu, mix_distribute_bwd with
-STAGES > 0), emulated per thread without a GPU: the chunk (token, column) each iteration reads from its
-stage is the one the loops of the direct loads read there, the stage it refills was read before, and the
-commit groups complete in order (cp.async.wait_group STAGES - 2 before each read)."""
+"""The cp.async ring of the post backward under the kernel choice post_pipe (kernels_cu/stream.cu,
+mix_distribute_bwd with STAGES > 0), emulated per thread without a GPU: the chunk (token, column) each
+iteration reads from its stage is the one the loops of the direct loads read there, the stage it refills
+was read before, and the commit groups complete in order (cp.async.wait_group STAGES - 2 before each read)."""
 
 from __future__ import annotations
 

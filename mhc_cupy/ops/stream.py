@@ -96,7 +96,7 @@ def launch_mix_distribute_fwd(dt, n, C, tokens, *, out, stream, x=None, M=None, 
 POST_BWD_MMA_MIN_N = 5
 
 
-#: Stages of the cp.async ring of mhc_stream_post_bwd_pipe_kernel (kernel choice post_pipe).
+#: Stages of the cp.async ring of the post backward under the kernel choice post_pipe.
 POST_BWD_PIPE_STAGES = 2
 
 
@@ -105,7 +105,7 @@ def launch_mix_distribute_bwd(dt, tg, n, C, tokens, *, g, stream, x=None, M=None
     """Backward of :func:`launch_mix_distribute_fwd` (incoming gradient g); an absent (None)
     output is not written (dx, dy: activation dtype; dh, dM: float32 per token).  ``pipe`` (the plan's
     kernel choice post_pipe): the CUDA-core kernel with x and y, n <= 4 and 16-byte vectors of 16-bit g, x,
-    y loads them through a cp.async ring (mhc_stream_post_bwd_pipe_kernel: the same bits)."""
+    y loads them through a cp.async ring (mhc_stream_mix_distribute_bwd_kernel<..., STAGES>: the same bits)."""
     has_x, has_y = x is not None, y is not None
     if has_x and has_y and dt == tg and dt != "float32" and n >= POST_BWD_MMA_MIN_N:
         vec = vec8(C, g, x, y)
@@ -119,7 +119,8 @@ def launch_mix_distribute_bwd(dt, tg, n, C, tokens, *, g, stream, x=None, M=None
     rb = dh_rows(n) if has_x else 1
     if pipe and has_x and has_y and dt == tg and dt != "float32" and E == 8 and rb >= n:
         threads, st = threads_for(C, E), POST_BWD_PIPE_STAGES
-        launch(_FILE, f"mhc_stream_post_bwd_pipe_kernel<{CTYPE[dt]},{n},{st}>", grid_for(tokens), (threads, 1, 1),
+        launch(_FILE, f"mhc_stream_mix_distribute_bwd_kernel<{CTYPE[dt]},{CTYPE[dt]},{n},8,{n},true,true,{st}>",
+               grid_for(tokens), (threads, 1, 1),
                (g, x, y, h, i64(h_stride), M, dx, dy, dh, dM, i64(tokens), i32(C), i32(res_t)), stream,
                st * (2 * n + 1) * threads * 16)
         return
