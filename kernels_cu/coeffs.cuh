@@ -91,11 +91,30 @@ __device__ __forceinline__ FwdBlock fwd_block(i64 tiles, int ncc) {
 
 // Token t's raw H~_k summed over the forward GEMM's D ranges part [splits, T, K+1] in range order,
 // and its sums of squares added to q (mhc_coeffs_fwd_finish_kernel, the small-token tail kernel).
+// The loads go SPLIT_BATCH ranges at a time before their sums (the same additions in the same order):
+// one at a time, SumSq::add's branch on each loaded value held the next load back, a round trip to L2
+// per range (at one token the small path's tail sums 256 ranges, the tensor-core path's finish 64).
+constexpr int SPLIT_BATCH = 16;
 __device__ __forceinline__ float split_sum(const float* __restrict__ part, i64 tokens, i64 t, int k, int K,
                                            int splits, SumSq& q) {
     float H = 0.f;
-    for (int s = 0; s < splits; ++s) {
-        const float* row = part + ((i64)s * tokens + t) * (K + 1);
+    const i64 stride = tokens * (K + 1);
+    const float* row = part + t * (K + 1);
+    int s = 0;
+    for (; s + SPLIT_BATCH <= splits; s += SPLIT_BATCH, row += SPLIT_BATCH * stride) {
+        float h[SPLIT_BATCH], v[SPLIT_BATCH];
+#pragma unroll
+        for (int b = 0; b < SPLIT_BATCH; ++b) {
+            h[b] = row[b * stride + k];
+            v[b] = row[b * stride + K];
+        }
+#pragma unroll
+        for (int b = 0; b < SPLIT_BATCH; ++b) {
+            H += h[b];
+            q.add(v[b]);
+        }
+    }
+    for (; s < splits; ++s, row += stride) {
         H += row[k];
         q.add(row[K]);
     }

@@ -18,13 +18,8 @@ namespace mhc_coeffs {
 __device__ __forceinline__ float head_logit(const float* __restrict__ part, const float* __restrict__ hc_scale,
                                             const float* __restrict__ hc_base, i64 t, i64 tokens, int n, int k,
                                             int splits, int D, float rms_eps, float& H, float& rinv) {
-    H = 0.f;
     SumSq q;
-    for (int s = 0; s < splits; ++s) {
-        const float* row = part + ((i64)s * tokens + t) * (n + 1);
-        H += row[k];
-        q.add(row[n]);
-    }
+    H = split_sum(part, tokens, t, k, n, splits, q);
     rinv = q.rinv(D, rms_eps);
     return fmaf(H * rinv, hc_scale[0], hc_base[k]);
 }
