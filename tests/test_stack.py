@@ -13,6 +13,7 @@ CPU tensors run the NumPy reference; the GPU variant at the end runs the kernels
 from __future__ import annotations
 
 import gc
+import sys
 import warnings
 import weakref
 
@@ -310,7 +311,8 @@ def test_fused_boundary_backward_runs_under_the_choice_of_its_forward(rng, monke
 
     def current():
         choice = _kernel_choice.current()
-        planned.append(choice.runs("boundary_bwd"))
+        if sys._getframe(1).f_code.co_name != "_plan_post_bwd":  # (that plan reads post_pipe only)
+            planned.append(choice.runs("boundary_bwd"))
         return choice
 
     monkeypatch.setattr(ops_layer, "current_choice", current)
