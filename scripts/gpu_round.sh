@@ -28,7 +28,7 @@ case "$PART" in
 check)
     nvidia-smi --query-gpu=name,clocks.max.sm --format=csv | tee "$R/info.txt"
     $PY -m mhc_cupy warmup --dtypes bfloat16 --n 4 > "$R/warmup.log" 2>&1; echo "warmup rc=$? $((SECONDS - T0)) s"
-    timeout "$(cap 260 0)" $PY -m pytest -p no:cacheprovider -n 16 -v -rf tests/gpu tests/test_bench_small.py \
+    timeout "$(cap 290 0)" $PY -m pytest -p no:cacheprovider -n 16 -v -rf tests/gpu tests/test_bench_small.py \
         > "$R/tests.log" 2>&1
     echo "tests rc=$? $((SECONDS - T0)) s"; grep -E "passed|failed" "$R/tests.log" | tail -n 1
     grep -E "(FAILED|ERROR) " "$R/tests.log" | head -n 30
