@@ -207,6 +207,13 @@ __device__ __forceinline__ void aggregate_cols(const T* __restrict__ xt, const f
     }
 }
 
+// The columns of a token row that this thread owns, E at a time: c = first_col(E), then + col_step(E).
+// A row's columns may be split over gridDim.y blocks (a few tokens: more blocks than tokens); with
+// gridDim.y = 1 a block owns the whole row.  What a thread computes at a column does not depend on
+// the split (no reductions over columns where it is used).
+__device__ __forceinline__ unsigned first_col(int E) { return (blockIdx.y * blockDim.x + threadIdx.x) * E; }
+__device__ __forceinline__ unsigned col_step(int E) { return gridDim.y * blockDim.x * E; }
+
 // E contiguous elements of T kept as raw 32-bit words (E * sizeof(T) a
 // multiple of 4): half the registers of floats for 16-bit types, so a whole
 // row can stay on chip between the two passes of a row reduction.

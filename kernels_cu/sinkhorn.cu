@@ -251,6 +251,8 @@ __global__ void mhc_sinkhorn_knopp_fwd_kernel(const float* __restrict__ logits, 
 //   layer_in = sum_i H_pre_i x_i (mhc_stream_aggregate_fwd_kernel's order, E columns a thread access as
 //   there: C % E == 0 and x, layer_in aligned to E elements, up to 16 bytes):
 // the bits of those three kernels.  blockDim.x a multiple of 32; G as the forward's (fwd_group).
+// gridDim.y > 1: a token's columns split over that many blocks (mhc::first_col), each computing the
+// token's coefficients (the same), the first of them writing them.
 template <typename T, int N, int G, bool DS, int E>
 __global__ void mhc_layer_pre_tail_kernel(const float* __restrict__ part, const float* __restrict__ alpha,
                                           const float* __restrict__ bias, const T* __restrict__ x,
@@ -265,11 +267,14 @@ __global__ void mhc_layer_pre_tail_kernel(const float* __restrict__ part, const 
     const int D = N * C;
     for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
         __syncthreads();  // the previous token's s_h, s_pre are read
+        const bool writes = blockIdx.y == 0;  // (the blocks of a token's other columns compute the same)
         for (int k = threadIdx.x; k < K; k += blockDim.x) {
             mhc_coeffs::SumSq q;
             const float H = mhc_coeffs::split_sum(part, tokens, t, k, K, splits, q);
-            stats[t * (K + 1) + k] = H;
-            if (k == 0) stats[t * (K + 1) + K] = q.saved();
+            if (writes) {
+                stats[t * (K + 1) + k] = H;
+                if (k == 0) stats[t * (K + 1) + K] = q.saved();
+            }
             s_h[k] = fmaf(alpha[mhc_coeffs::group_of(k, N)] * H, q.rinv(D, rms_eps), bias[k]);
         }
         __syncthreads();
@@ -282,19 +287,21 @@ __global__ void mhc_layer_pre_tail_kernel(const float* __restrict__ part, const 
             for (int r = 0; r < R; ++r) {
                 const int i = lane + r * G;
                 if (i < N) {
-                    float* out = H_res + (t * N + i) * N;
-#pragma unroll
-                    for (int j = 0; j < N; ++j) out[j] = p[r][j];
                     const float hp = mhc::sigmoid(s_h[i]) + hc_eps;
-                    H_pre[t * N + i] = hp;
                     s_pre[i] = hp;
-                    H_post[t * N + i] = post_mult * mhc::sigmoid(s_h[N + i]);
+                    if (writes) {
+                        float* out = H_res + (t * N + i) * N;
+#pragma unroll
+                        for (int j = 0; j < N; ++j) out[j] = p[r][j];
+                        H_pre[t * N + i] = hp;
+                        H_post[t * N + i] = post_mult * mhc::sigmoid(s_h[N + i]);
+                    }
                 }
             }
         }
         __syncthreads();
         const T* xt = x + t * N * (i64)C;
-        for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
+        for (unsigned c = mhc::first_col(E); c < (unsigned)C; c += mhc::col_step(E)) {
             float o[E];
             mhc::aggregate_cols<T, N, E>(xt, s_pre, C, c, o);
             mhc::store_vec<T, E>(layer_in + t * (i64)C + c, o);

@@ -7,7 +7,8 @@
 //
 // Launch layout: one block per token (grid-stride over tokens), blockDim.x a
 // multiple of 32; each thread owns E contiguous columns at a time for all N
-// streams.  E > 1 needs every pointer aligned to the E-element access and
+// streams.  The forward kernels without reductions (post op / mix / distribute, aggregate) may
+// split a token's columns over gridDim.y blocks (mhc::first_col: a few tokens, kernel choice small).  E > 1 needs every pointer aligned to the E-element access and
 // C % E == 0; E = 1 is the general path (odd C, offset views).
 // Backward per-token reductions (dH, dh) use mhc::block_sum: deterministic.
 //
@@ -52,7 +53,7 @@ __global__ void mhc_stream_mix_distribute_fwd_kernel(const T* __restrict__ x, co
         const T* xt = x + t * N * (i64)C;
         const T* yt = y + t * (i64)C;
         T* ot = out + t * N * (i64)C;
-        for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
+        for (unsigned c = mhc::first_col(E); c < (unsigned)C; c += mhc::col_step(E)) {
             float xv[HAS_X ? N : 1][E];
             float yv[E];
             if (HAS_X) {
@@ -452,7 +453,7 @@ __global__ void mhc_stream_aggregate_fwd_kernel(const T* __restrict__ x, const f
         for (int k = threadIdx.x; k < N; k += blockDim.x) s_h[k] = h[t * h_stride + k];
         __syncthreads();
         const T* xt = x + t * N * (i64)C;
-        for (unsigned c = threadIdx.x * E; c < (unsigned)C; c += blockDim.x * E) {
+        for (unsigned c = mhc::first_col(E); c < (unsigned)C; c += mhc::col_step(E)) {
             float o[E];
             mhc::aggregate_cols<T, N, E>(xt, s_h, C, c, o);
             mhc::store_vec<T, E>(out + t * (i64)C + c, o);

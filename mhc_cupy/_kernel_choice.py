@@ -24,7 +24,9 @@ wherever it applies; ``False``: never):
 * ``small``: the small-token forward (at most 64 tokens): the coefficient GEMM on CUDA cores, phi
   read as float32 (``mhc_coeffs_gemv_fwd_kernel``, no bf16 planes pass; ``ops.coeffs.fwd.gemv_layout``)
   and the layer's pre piece after it (finish, Sinkhorn, activations, aggregate) in one kernel
-  (``mhc_layer_pre_tail_kernel``): ``mhc_layer_pre_fwd`` in two launches.  Else the tensor-core GEMM
+  (``mhc_layer_pre_tail_kernel``): ``mhc_layer_pre_fwd`` in two launches; the post op's forward then splits a
+  token's columns over several blocks (``ops._launch.column_blocks``, as the tail kernel does wherever it
+  runs; the same bits).  Else the tensor-core GEMM
   and the separate kernels.  Off by default: checked correct on the H200, slower there under CUDA graphs
   (benchmarks/h200_small.md: 38.7 against 32.1 us at one token).
 * ``tail``: at most 64 tokens, the pre piece after the tensor-core GEMM in one launch: the small path's

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..ops.coeffs.fwd import _GEMV_MAX_T
+from ..ops.coeffs.fwd import SMALL_MAX_TOKENS
 from . import env
 from .report import gpu_targets, mode_report, run_rows, target
 
@@ -55,7 +55,7 @@ def small_case(T: int, C: int, n: int, cfg, on_gpu: bool, compile_: bool) -> dic
     impls = {"mhc_cupy": layer}
     if "torch" in cfg.baselines:
         impls["torch"] = MHCReference.from_layer(layer)
-    if T <= _GEMV_MAX_T:  # (where the small-token forward and the one-launch tail apply)
+    if T <= SMALL_MAX_TOKENS:  # (where the small-token forward and the one-launch tail apply)
         impls["mhc_cupy small"] = _chosen(layer, small=True)
         impls["mhc_cupy tail"] = _chosen(layer, tail=True, small=False)  # (small would take precedence)
     if compile_:

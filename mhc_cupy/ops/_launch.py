@@ -80,8 +80,21 @@ def threads_for(C: int, E: int) -> int:
     return max(32, min(MAX_THREADS, -(-per_round // 32) * 32))
 
 
-def grid_for(tokens: int) -> tuple:
-    return (min(tokens, MAX_GRID), 1, 1)
+def grid_for(tokens: int, column_blocks: int = 1) -> tuple:
+    """One block per token (grid-stride past MAX_GRID), each token's columns split over ``column_blocks``."""
+    return (min(tokens, MAX_GRID), column_blocks, 1)
+
+
+#: Blocks that a forward kernel without reductions over columns aims at when it splits a token's columns
+#: over several blocks (mhc::first_col; a few tokens, kernel choice small): two an SM of the H200's 132.
+SPLIT_BLOCKS = 264
+
+
+def column_blocks(tokens: int, C: int, E: int, threads: int) -> int:
+    """gridDim.y for such a kernel: about SPLIT_BLOCKS blocks in all, at most one per round of the block's
+    threads over a row (each thread then takes one E-column piece of it, where the row allows)."""
+    rounds = -(-max(1, -(-C // E)) // threads)
+    return max(1, min(rounds, -(-SPLIT_BLOCKS // max(tokens, 1))))
 
 
 def grid_stride(count: int) -> tuple[tuple, tuple]:

@@ -34,7 +34,7 @@ from .._kernel_choice import current as current_choice
 from .coeffs import (backward_layout, check as _check_coeffs, launch_finish, launch_mma_gemm, launch_param_bwd,
                      launch_prep, mma_layout, padded_row, param_grad_plan)
 from .coeffs.bwd import MmaBwd
-from ._launch import MAX_GRID, KernelSpec, vec_width
+from ._launch import KernelSpec, column_blocks, grid_for, vec_width
 from .sinkhorn import bwd_history, fwd_group, launch_bwd, launch_fwd
 from .stream import (check_grad, launch_aggregate_bwd, launch_aggregate_fwd, launch_layer_post_pre_bwd,
                      launch_mix_distribute_bwd)
@@ -83,7 +83,7 @@ def launch_pre_from_sums(dt, n, C, D, K, tokens, rms_eps, s: LayerSettings, *, x
     if tail:
         E = vec_width(n, C, [(x, dt), (layer_in, dt)])  # (the aggregate kernel's)
         PRE_TAIL.bind(T=dt, N=n, G=fwd_group(n), DS=s.deepseek, E=E).launch(
-            (min(tokens, MAX_GRID), 1, 1), (256, 1, 1), stream, part=part, alpha=alpha, bias=bias, x=x, stats=stats,
+            grid_for(tokens, column_blocks(tokens, C, E, 256)), (256, 1, 1), stream, part=part, alpha=alpha, bias=bias, x=x, stats=stats,
             H_pre=H_pre, H_post=H_post, H_res=H_res, layer_in=layer_in, tokens=tokens, C=C, splits=splits,
             rms_eps=rms_eps, iters=s.num_iters, eps=s.eps, hc_eps=s.hc_eps, post_mult=s.post_mult)
     else:

@@ -6,6 +6,7 @@ from .. import _convention, reference
 from .._dispatch import Plan, run
 from ._launch import tokens_of
 from .._kernel_choice import current as current_choice
+from .coeffs.fwd import SMALL_MAX_TOKENS
 from .stream import check_grad, check_h, check_matrix, check_x, check_y, launch_mix_distribute_bwd, launch_mix_distribute_fwd
 from .spec import CONVENTION, GRAD_X, H_POST, H_RES, LAYER_OUT, X, Arg, Kernel
 
@@ -21,10 +22,11 @@ def _check(infos, convention):
 
 def _plan_fwd(infos, convention):
     dt, lead, n, C, tokens, res_t = _check(infos, convention)
+    split = tokens <= SMALL_MAX_TOKENS and current_choice().runs("small")  # (a few tokens: columns over blocks)
 
     def run_kernels(p, outs, sc, stream):
         launch_mix_distribute_fwd(dt, n, C, tokens, x=p["x"], M=p["H_res"], y=p["layer_out"], h=p["H_post"],
-                                  h_stride=n, out=outs[0], stream=stream, res_t=res_t)
+                                  h_stride=n, out=outs[0], stream=stream, res_t=res_t, split=split)
 
     return Plan([(infos["x"].shape, dt)], run_kernels,
                 lambda a: (reference.mhc_post_op_fwd(a["layer_out"], a["x"], a["H_post"], a["H_res"], convention),),

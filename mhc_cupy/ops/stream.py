@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .. import _checks, reference
 from .._dispatch import Plan, run
-from ._launch import CTYPE, column_sum, f32, grid_for, i32, i64, launch, threads_for, tokens_of, vec8, vec_width
+from ._launch import CTYPE, column_blocks, column_sum, f32, grid_for, i32, i64, launch, threads_for, tokens_of, vec8, vec_width
 from .spec import GRAD_X, X, Arg, Kernel
 
 _FILE = "stream.cu"
@@ -79,13 +79,15 @@ def check_grad(name: str, info, shape, dtype, what: str = "the shape of the forw
 
 # --------------------------------------------------------------- launchers
 def launch_mix_distribute_fwd(dt, n, C, tokens, *, out, stream, x=None, M=None, y=None, h=None, h_stride=0,
-                              res_t=False):
+                              res_t=False, split=False):
     """out_i = sum_j M_ij x_j + h_i y: stream mix (x, M), distribute (y, h) or both (the post op,
     M = H_res, h = H_post); ``h_stride``: 0 for a shared h [n], n for one per token; ``res_t``: M
-    transposed (out_j = sum_i M_ij x_i, the post op under convention="deepseek")."""
+    transposed (out_j = sum_i M_ij x_i, the post op under convention="deepseek"); ``split``: a token's
+    columns over several blocks (:func:`column_blocks`; the same bits)."""
     E = vec_width(n, C, [(p, dt) for p in (x, y, out) if p is not None])
+    threads = threads_for(C, E)
     expr = f"mhc_stream_mix_distribute_fwd_kernel<{CTYPE[dt]},{n},{E},{_b(x is not None)},{_b(y is not None)}>"
-    launch(_FILE, expr, grid_for(tokens), (threads_for(C, E), 1, 1),
+    launch(_FILE, expr, grid_for(tokens, column_blocks(tokens, C, E, threads) if split else 1), (threads, 1, 1),
            (x, y, h, i64(h_stride), M, out, i64(tokens), i32(C), i32(res_t)), stream)
 
 

@@ -73,9 +73,9 @@ def mma_fwd_smem(dt: str, ntile: int) -> tuple[int, int]:
 
 
 # The forward GEMM for a few tokens on CUDA cores (mhc_coeffs_gemv_fwd_kernel, coeffs_gemv.cu): phi
-# read as float32 (no planes pass), over about _GEMV_BLOCKS blocks; for at most _GEMV_MAX_T tokens,
+# read as float32 (no planes pass), over about _GEMV_BLOCKS blocks; for at most SMALL_MAX_TOKENS tokens,
 # where the kernel choice in force says small (off by default: checked correct on the H200, slower there under CUDA graphs).
-_GEMV_MAX_T = 64
+SMALL_MAX_TOKENS = 64
 _GEMV_BLOCKS = 256
 _GEMV_THREADS = 256
 _GEMV_MAX_OUTS = 8  # outputs per thread (the kernel's GEMV_MAX_OUTS)
@@ -140,7 +140,7 @@ def mma_layout(tokens: int, D: int, K: int, dt: str) -> MmaLayout:
     _MMA_TARGET_BLOCKS blocks, and never below _MIN_STEPS_PER_RANGE steps per range.  The wgmma
     kernel's chunks (wg_kc, wg_ncc) only where it may run: bf16, K >= _WG_MIN_K and the kernel
     choice in force (``wg_fwd``, :mod:`mhc_cupy._kernel_choice`; read here, when a plan is made).  At
-    most _GEMV_MAX_T tokens: the GEMV instead under ``small``, the one-launch pre piece after the GEMM
+    most SMALL_MAX_TOKENS tokens: the GEMV instead under ``small``, the one-launch pre piece after the GEMM
     (``tail``: ops.layer.launch_pre_from_sums) under ``small`` or ``tail``.
     """
     nt_total = _cdiv(K, 8)
@@ -160,11 +160,11 @@ def mma_layout(tokens: int, D: int, K: int, dt: str) -> MmaLayout:
     if dt == "bfloat16" and K >= _WG_MIN_K and current().runs("wg_fwd"):  # (step = 64: the wgmma kernel's stage)
         wg_ncc = _cdiv(K, _WG_MAX_KC)
         wg_kc = 8 * _cdiv(_cdiv(K, 8), wg_ncc)
-    if tokens <= _GEMV_MAX_T and current().runs("small"):
+    if tokens <= SMALL_MAX_TOKENS and current().runs("small"):
         g = gemv_layout(max(tokens, 1), D, K)
         return MmaLayout(ntile, ncc, ncc * ntile * 8, units * step, tiles, g.splits, g.d_split, gemv=g, tail=True)
     return MmaLayout(ntile, ncc, ncc * ntile * 8, units * step, tiles, splits, per * step, wg_kc, wg_ncc,
-                     tail=tokens <= _GEMV_MAX_T and current().runs("tail"))
+                     tail=tokens <= SMALL_MAX_TOKENS and current().runs("tail"))
 
 
 def launch_mma_gemm(dt, D, K, tokens, *, x, phi, part, planes, mma: MmaLayout, stream):
