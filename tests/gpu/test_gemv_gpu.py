@@ -135,3 +135,40 @@ def test_one_launch_tail_after_the_tensor_cores_has_the_default_bits(rng, dt, n,
         grads[choice] = [out, xg.grad] + [p.grad for p in layer.parameters()]
     for a, b in zip(grads["tail"], grads["default"]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dt", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("n", [1, 4, 8])
+@pytest.mark.parametrize("T,C", [(1, 7168), (3, 4104), (64, 2048), (2, 13), (65, 7168)])
+@pytest.mark.parametrize("convention", ["paper", "deepseek"])
+def test_post_op_with_its_columns_over_blocks_has_the_default_bits(rng, dt, n, T, C, convention):
+    """Under small (at most 64 tokens) the post op's forward splits a token's columns over several blocks
+    (ops._launch.column_blocks; the grid it launched checked): bitwise the default's one block a token, on
+    poisoned outputs, and close to the float64 reference."""
+    from mhc_cupy import _jit
+
+    x, y = to_gpu(rounded(rng, (T, n, C), dt)), to_gpu(rounded(rng, (T, C), dt))
+    H_post, H_res = to_gpu(coef(rng, (T, n))), to_gpu(coef(rng, (T, n, n), 0.5))
+    runs, grids = {}, {}
+    launch = _jit.launch
+    for choice in ("default", "small"):
+        seen = []
+
+        def spy(filename, expr, grid, *a, **k):
+            seen.append(tuple(grid))
+            return launch(filename, expr, grid, *a, **k)
+
+        with poisoned_allocations(), kernel_choice(small=choice == "small"):
+            _jit.launch = spy
+            try:
+                m._dispatch._fast.clear()
+                runs[choice] = m.mhc_post_op_fwd(y, x, H_post, H_res, convention=convention)
+            finally:
+                _jit.launch = launch
+        grids[choice] = seen
+    assert grids["default"] == [(T, 1, 1)]
+    # split where the row takes a block's threads more than one round (C 7168 and 4104 at a few tokens)
+    assert (grids["small"][0][1] > 1) == ((T, C) in ((1, 7168), (3, 4104))), grids
+    assert np.array_equal(_bits(runs["small"]), _bits(runs["default"]))
+    ref = R.mhc_post_op_fwd(*(to_host(a) for a in (y, x, H_post, H_res)), convention)
+    assert_close(to_host(runs["small"]), ref, ACT_TOL[dt], "out")
