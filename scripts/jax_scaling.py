@@ -1,7 +1,9 @@
 """Whether ``mhc_cupy.jax.mhc_stack`` is bound by the host (its buffer_callbacks) or by the GPU: the
 fwd+bwd time of 16 mHC layers (C 2048, n 4, bf16, sublayer tanh; ``lax.scan`` and ``unroll=True``) and of
-``jax.jit`` of the same maths, at 8192, 2048 and 512 tokens; ``replay``: with the callbacks' launch replay
-(``mhc_cupy._jax_kernels.REPLAY``).  GPU-bound times shrink with the tokens; host-bound ones stay.  Wall clock of ``jax.jit`` calls + ``block_until_ready`` (median of 10 after 3).
+``jax.jit`` of the same maths, at 8192 and 1024 tokens; mhc_stack with and without the callbacks' launch
+replay (``mhc_cupy._jax_kernels.REPLAY``, read when a callback runs: one compiled program serves both).
+GPU-bound times shrink with the tokens; host-bound ones stay.  Wall clock of the jitted call +
+``block_until_ready`` (median of 10 after 3).
 
     python scripts/jax_scaling.py
 """
@@ -21,25 +23,30 @@ from mhc_cupy.bench.baselines import jnp_mhc_layer
 L, C, n = 16, 2048, 4
 params = mj.mhc_stack_init(jax.random.PRNGKey(0), L, dim=C, n_streams=n)
 impls = {"mhc_stack": lambda p, x: mj.mhc_stack(p, x, jnp.tanh),
-         "mhc_stack replay": lambda p, x: mj.mhc_stack(p, x, jnp.tanh),
          "mhc_stack unroll": lambda p, x: mj.mhc_stack(p, x, jnp.tanh, unroll=True),
-         "mhc_stack unroll replay": lambda p, x: mj.mhc_stack(p, x, jnp.tanh, unroll=True),
          "jax.jit stack": lambda p, x: jax.lax.scan(lambda h, pl: (jnp_mhc_layer(pl, h, jnp.tanh), None), x, p)[0]}
-for T in (8192, 2048, 512):
+
+
+def median_ms(f, args) -> float:
+    for _ in range(3):
+        jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(10):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts)) * 1e3
+
+
+for T in (8192, 1024):
     kx, kg = jax.random.split(jax.random.PRNGKey(T))
     x = jax.random.normal(kx, (T, n, C), jnp.float32).astype(jnp.bfloat16)
     g = jax.random.normal(kg, (T, n, C), jnp.float32).astype(jnp.bfloat16)
     row = []
     for name, fn in impls.items():
-        _jax_kernels.REPLAY = name.endswith("replay")
-        for d, f, args in (("fwd", jax.jit(fn), (params, x)),
-                           ("fwd+bwd", jax.jit(lambda p, x, g, fn=fn: jax.vjp(fn, p, x)[1](g)), (params, x, g))):
-            for _ in range(3):
-                jax.block_until_ready(f(*args))
-            ts = []
-            for _ in range(10):
-                t = time.perf_counter()
-                jax.block_until_ready(f(*args))
-                ts.append(time.perf_counter() - t)
-            row.append(f"{name} {d} {np.median(ts) * 1e3:.2f} ms")
-    print(f"T {T}: " + "; ".join(row), flush=True)
+        step = jax.jit(lambda p, x, g, fn=fn: jax.vjp(fn, p, x)[1](g))
+        for replay in ((False, True) if name.startswith("mhc_stack") else (False,)):
+            _jax_kernels.REPLAY = replay
+            row.append(f"{name}{' replay' if replay else ''} {median_ms(step, (params, x, g)):.2f} ms")
+    _jax_kernels.REPLAY = False
+    print(f"T {T}, fwd+bwd: " + "; ".join(row), flush=True)
