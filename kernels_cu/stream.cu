@@ -7,9 +7,10 @@
 //
 // Launch layout: one block per token (grid-stride over tokens), blockDim.x a
 // multiple of 32; each thread owns E contiguous columns at a time for all N
-// streams.  The forward kernels without reductions (post op / mix / distribute, aggregate) may
-// split a token's columns over gridDim.y blocks (mhc::first_col: a few tokens, kernel choice small).  E > 1 needs every pointer aligned to the E-element access and
-// C % E == 0; E = 1 is the general path (odd C, offset views).
+// streams.  E > 1 needs every pointer aligned to the E-element access and
+// C % E == 0; E = 1 is the general path (odd C, offset views).  The forward kernels without
+// reductions (post op / mix / distribute, aggregate) may split a token's columns over gridDim.y
+// blocks (mhc::first_col: a few tokens, kernel choice small).
 // Backward per-token reductions (dH, dh) use mhc::block_sum: deterministic.
 //
 // res_t (the post op under convention="deepseek", OPS.md "DeepSeek-V4 convention"): the

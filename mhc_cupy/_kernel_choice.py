@@ -39,8 +39,8 @@ wherever it applies; ``False``: never):
   checked the kernel.
 * ``post_pipe``: the post op's backward with x and y on CUDA cores (n <= 4, 16-bit arrays, 16-byte
   vectors: ``mhc_layer_post_bwd`` / ``mhc_post_op_bwd``) loads each thread's next chunks through a cp.async
-  ring (``mhc_stream_mix_distribute_bwd_kernel`` with STAGES: loads of the next token in flight during this token's block
-  reduction), the same bits.  Off by default until the H200 has checked and measured it.
+  ring (``mhc_stream_mix_distribute_bwd_kernel`` with STAGES: loads of the next token in flight during this
+  token's block reduction), the same bits.  Off by default until the H200 has checked and measured it.
 * ``boundary_bwd``: the fused boundary backward (OPS.md section 12): ``MHCStack(fuse_boundaries=True)``'s
   backward hands each layer's dy to the previous layer from the next layer's dx kernel and moves the post
   op's coefficient gradients into the layer's pre-piece backward (``mhc_boundary_bwd``,

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from .. import _checks, reference
 from .._dispatch import Plan, run
-from ._launch import CTYPE, column_blocks, column_sum, f32, grid_for, i32, i64, launch, threads_for, tokens_of, vec8, vec_width
+from ._launch import (CTYPE, column_blocks, column_sum, f32, grid_for, i32, i64, launch, threads_for, tokens_of, vec8,
+                      vec_width)
 from .spec import GRAD_X, X, Arg, Kernel
 
 _FILE = "stream.cu"
