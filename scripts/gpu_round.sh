@@ -10,7 +10,8 @@
 #   profile  scripts/profile_stack.py and profile_layer.py (n = 4, 8, 16), the _MMA_TARGET_BLOCKS A/B
 #   suite    the test files outside tests/gpu (the rest of the GPU suite; -v: cut runs still name failures)
 #   ncu      Nsight Compute (full set, source counters) of the layer backward's slowest kernels at 8192 x 2048 x 4
-#            (scripts/ncu_driver.py), and the kernel times of a decode-sized forward (profile_layer.py, T 1 / 64), its host time (profile_host.py), the post backward A/B, JAX mhc_stack's scaling with tokens
+#            (scripts/ncu_driver.py); the kernel times of a decode-sized forward (profile_layer.py, T 1 / 64),
+#            its host time (profile_host.py), the post backward A/B, JAX mhc_stack's scaling with tokens
 # Usage (repo root, on a CUDA machine):  BUDGET=570 bash scripts/gpu_round.sh check [OUT_DIR]
 set -u -o pipefail
 PART=${1:?part: check, small, bench, profile, suite or ncu}

@@ -84,8 +84,8 @@ def launch_pre_from_sums(dt, n, C, D, K, tokens, rms_eps, s: LayerSettings, *, x
         E = vec_width(n, C, [(x, dt), (layer_in, dt)])  # (the aggregate kernel's)
         PRE_TAIL.bind(T=dt, N=n, G=fwd_group(n), DS=s.deepseek, E=E).launch(
             grid_for(tokens, column_blocks(tokens, C, E, 256)), (256, 1, 1), stream, part=part, alpha=alpha,
-            bias=bias, x=x, stats=stats, H_pre=H_pre, H_post=H_post, H_res=H_res, layer_in=layer_in, tokens=tokens, C=C, splits=splits,
-            rms_eps=rms_eps, iters=s.num_iters, eps=s.eps, hc_eps=s.hc_eps, post_mult=s.post_mult)
+            bias=bias, x=x, stats=stats, H_pre=H_pre, H_post=H_post, H_res=H_res, layer_in=layer_in, tokens=tokens,
+            C=C, splits=splits, rms_eps=rms_eps, iters=s.num_iters, eps=s.eps, hc_eps=s.hc_eps, post_mult=s.post_mult)
     else:
         launch_finish(tokens, D, n, K, rms_eps, part=part, splits=splits, alpha=alpha, bias=bias, h_pre=sc["h_pre"],
                       h_post=sc["h_post"], h_res=sc["h_res"], stats=stats, stream=stream)

@@ -1,8 +1,8 @@
 """The post op's backward with its loads pipelined through cp.async (kernel choice post_pipe, off by default
 until this passes on a GPU and bench shows it faster: mhc_stream_mix_distribute_bwd_kernel with STAGES):
 mhc_layer_post_bwd and mhc_post_op_bwd bitwise the default kernel (the same arithmetic per thread), on
-NaN-poisoned outputs, every n it takes (1..4), both conventions, several tokens a block (grid smaller than the tokens), and close to
-the float64 reference; the cases it does not take (float32, odd C) run the default kernel."""
+NaN-poisoned outputs, every n it takes (1..4), both conventions, several tokens a block (grid smaller than
+the tokens), and close to the float64 reference; the cases it does not take (float32, odd C) run the default kernel."""
 
 from __future__ import annotations
 
