@@ -12,6 +12,8 @@ replays, ``mhc_cupy.bench.timing.time_ms``; the copy bandwidth of ``copy_bandwid
                                             # the CUDA-core kernel (default), on the tensor-core kernel of n >= 5
                                             # (ops.stream.POST_BWD_MMA_MIN_N = 4) and with kernel choice post_pipe
                                             # (2 and 3 stages), against its byte floor
+    python scripts/ab_kernels.py wgfwd      # mhc_layer_pre_fwd at n = 4 with the forward GEMM on mma.sync (default) and
+                                            # on wgmma (ops.coeffs.fwd._WG_MIN_K = 24), against the read of x
 
 GPU only; prints one line per case.
 """
@@ -138,6 +140,29 @@ def postbwd(bw):
         print(f"post bwd {T}x{C}x{n} (floor {floor:.1f} us): " + "; ".join(row), flush=True)
 
 
+def wgfwd(bw):
+    from mhc_cupy.ops.coeffs import fwd
+
+    keep = fwd._WG_MIN_K
+    for T, C, n in ((8192, 2048, 4), (16384, 4096, 4)):
+        x, phi, alpha, bias = layer_inputs(T, C, n)
+        floor = 2 * T * n * C / bw / 1e3  # read x once (bf16), us
+        row = []
+        for name, min_k in (("mma.sync", keep), ("wgmma", 24)):
+            fwd._WG_MIN_K = min_k
+            m._dispatch._plans.clear(), m._dispatch._fast.clear()
+            try:
+                def f():
+                    return m.mhc_layer_pre_fwd(x, phi, alpha, bias)
+                r = f()
+                row.append(f"{name} {graph_us(f):.1f} us (layer_in {digest(r[0])}, stats {digest(r[4])})")
+            except Exception as e:  # noqa: BLE001 - reported, the other still runs
+                row.append(f"{name} failed: {type(e).__name__}: {str(e)[:200]}")
+            finally:
+                fwd._WG_MIN_K = keep
+        print(f"pre fwd {T}x{C}x{n} (x read once {floor:.1f} us): " + "; ".join(row), flush=True)
+
+
 if __name__ == "__main__":
     if MODE == "boundary":
         boundary(copy_bandwidth()["GBps"])
@@ -147,5 +172,7 @@ if __name__ == "__main__":
         colsum()
     elif MODE == "postbwd":
         postbwd(copy_bandwidth()["GBps"])
+    elif MODE == "wgfwd":
+        wgfwd(copy_bandwidth()["GBps"])
     else:
-        sys.exit(f"mode must be boundary, bwd K, colsum or postbwd, got {MODE!r}")
+        sys.exit(f"mode must be boundary, bwd K, colsum, postbwd or wgfwd, got {MODE!r}")

@@ -83,6 +83,7 @@ ncu)
     timeout "$(cap 40 0)" $PY scripts/profile_host.py --profile --layer > "$R/profile_host.log" 2>&1
     head -n 8 "$R/profile_host.log"
     timeout "$(cap 40 0)" $PY scripts/ab_kernels.py postbwd 2>&1 | tee "$R/ab_postbwd.log"
+    timeout "$(cap 30 0)" $PY scripts/ab_kernels.py wgfwd 2>&1 | tee "$R/ab_wgfwd.log"
     timeout "$(cap 90 0)" $PY scripts/jax_scaling.py 2>&1 | tail -n 5 | tee "$R/jax_scaling.log" ;;
 *)
     echo "part must be check, small, bench, profile, suite or ncu, got '$PART'" >&2; exit 2 ;;
