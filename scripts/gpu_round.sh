@@ -22,7 +22,7 @@ export MHC_CUPY_CACHE_DIR=${MHC_CUPY_CACHE_DIR:-/tmp/mhc_kernel_cache}  # kept b
 PY=${PYTHON:-python3}
 T0=$SECONDS B=${BUDGET:-570} R=$(mktemp -d)
 left() { echo $(( B - (SECONDS - T0) - ${1:-0} )); }  # seconds left, keeping $1 for what follows
-cap() { local l; l=$(left "$2"); [ "$1" -lt "$l" ] && echo "$1" || echo "$l"; }
+cap() { local l; l=$(left "$2"); [ "$l" -lt 1 ] && l=1; [ "$1" -lt "$l" ] && echo "$1" || echo "$l"; }  # >= 1 (timeout 0: none)
 trap 'tar czf "$OUT/$PART.tar.gz" -C "$R" .' EXIT
 export MHC_TEST_FAILURES=$R/test_failures.txt  # each failure's traceback as it happens (tests/conftest.py)
 case "$PART" in
@@ -71,8 +71,9 @@ ncu)
     timeout "$(cap 240 200)" ncu --clock-control none -k "$K" --launch-skip 3 --launch-count 3 --set full \
         --import-source yes -o "$R/layer" $PY scripts/ncu_driver.py 8192 2048 4 --reps 4 > "$R/ncu_run.log" 2>&1
     echo "ncu rc=$? $((SECONDS - T0)) s"; tail -n 5 "$R/ncu_run.log"
-    ncu --import "$R/layer.ncu-rep" --page details > "$R/ncu_details.txt" 2>&1
-    ncu --import "$R/layer.ncu-rep" --page source --csv --print-source sass > "$R/ncu_source.csv" 2>&1
+    timeout "$(cap 60 150)" ncu --import "$R/layer.ncu-rep" --page details > "$R/ncu_details.txt" 2>&1
+    timeout "$(cap 60 150)" ncu --import "$R/layer.ncu-rep" --page source --csv --print-source sass \
+        > "$R/ncu_source.csv" 2>&1
     grep -E "^  [a-z_]+.*\(|Duration|Throughput|Registers|Achieved Occupancy|Issue Slots|Stall|Warp Cycles|No Eligible" \
         "$R/ncu_details.txt" | head -n 120; rm -f "$R/layer.ncu-rep"
     for ch in "" small=true tail=true; do

@@ -37,7 +37,8 @@ out = cp.empty_like(x)
 m.stream_mix_fwd(x, M)
 fn = _jit.get_function("stream.cu", "mhc_stream_mix_distribute_fwd_kernel<float,4,4,true,false>")
 stream = cp.cuda.get_current_stream()
-args = (x.data.ptr, None, None, 0, M.data.ptr, out.data.ptr, 1, np.int32(64))
+# (x, y, h_post, h_post_stride, h_res, out, tokens, C, res_t): the kernel's nine parameters, in their C types
+args = (x.data.ptr, None, None, np.int64(0), M.data.ptr, out.data.ptr, np.int64(1), np.int32(64), np.int32(0))
 rows = {"raw cupy Function launch": lambda: fn((1, 1, 1), (32, 1, 1), args, stream=stream),
         "functional API, cupy inputs": lambda: m.stream_mix_fwd(x, M)}
 try:

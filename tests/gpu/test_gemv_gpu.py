@@ -10,6 +10,7 @@ import pytest
 import mhc_cupy as m
 from mhc_cupy import reference as R
 from mhc_cupy._kernel_choice import kernel_choice
+from mhc_cupy.ops._launch import column_blocks
 
 from .helpers import ACT_TOL, assert_close, coef, poisoned_allocations, rounded, to_gpu, to_host
 
@@ -145,30 +146,34 @@ def test_post_op_with_its_columns_over_blocks_has_the_default_bits(rng, dt, n, T
     """Under small (at most 64 tokens) the post op's forward splits a token's columns over several blocks
     (ops._launch.column_blocks; the grid it launched checked): bitwise the default's one block a token, on
     poisoned outputs, and close to the float64 reference."""
-    from mhc_cupy import _jit
+    from mhc_cupy.ops import stream as ops_stream  # (it launches through the launch it imported: spy there)
 
     x, y = to_gpu(rounded(rng, (T, n, C), dt)), to_gpu(rounded(rng, (T, C), dt))
     H_post, H_res = to_gpu(coef(rng, (T, n))), to_gpu(coef(rng, (T, n, n), 0.5))
     runs, grids = {}, {}
-    launch = _jit.launch
+    launch = ops_stream.launch
     for choice in ("default", "small"):
         seen = []
 
-        def spy(filename, expr, grid, *a, **k):
-            seen.append(tuple(grid))
-            return launch(filename, expr, grid, *a, **k)
+        def spy(filename, expr, grid, block, *a, **k):
+            seen.append((tuple(grid), int(expr.split(",")[2]), block[0]))  # (grid, E, threads)
+            return launch(filename, expr, grid, block, *a, **k)
 
         with poisoned_allocations(), kernel_choice(small=choice == "small"):
-            _jit.launch = spy
+            ops_stream.launch = spy
             try:
                 m._dispatch._fast.clear()
                 runs[choice] = m.mhc_post_op_fwd(y, x, H_post, H_res, convention=convention)
             finally:
-                _jit.launch = launch
+                ops_stream.launch = launch
         grids[choice] = seen
-    assert grids["default"] == [(T, 1, 1)]
-    # split where the row takes a block's threads more than one round (C 7168 and 4104 at a few tokens)
-    assert (grids["small"][0][1] > 1) == ((T, C) in ((1, 7168), (3, 4104))), grids
+    assert [g for g, _, _ in grids["default"]] == [(T, 1, 1)]
+    # split where the row takes a block's threads more than one round (C 7168 and 4104 at a few tokens; at
+    # 64 x 2048 too where E = 4: float32, or n = 8)
+    (grid, E, threads), = grids["small"]
+    assert grid == (T, column_blocks(T, C, E, threads) if T <= 64 else 1, 1), grids
+    if (T, C) in ((1, 7168), (3, 4104)):
+        assert grid[1] > 1, grids
     assert np.array_equal(_bits(runs["small"]), _bits(runs["default"]))
     ref = R.mhc_post_op_fwd(*(to_host(a) for a in (y, x, H_post, H_res)), convention)
     assert_close(to_host(runs["small"]), ref, ACT_TOL[dt], "out")
