@@ -9,8 +9,8 @@
 // multiple of 32; each thread owns E contiguous columns at a time for all N
 // streams.  E > 1 needs every pointer aligned to the E-element access and
 // C % E == 0; E = 1 is the general path (odd C, offset views).  The forward kernels without
-// reductions (post op / mix / distribute, aggregate) may split a token's columns over gridDim.y
-// blocks (mhc::first_col: a few tokens, kernel choice small).
+// reductions (post op / mix / distribute, aggregate) take a token's columns split over gridDim.y
+// blocks (mhc::first_col) where launched so: the post op at a few tokens under kernel choice small.
 // Backward per-token reductions (dH, dh) use mhc::block_sum: deterministic.
 //
 // res_t (the post op under convention="deepseek", OPS.md "DeepSeek-V4 convention"): the
