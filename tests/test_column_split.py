@@ -37,17 +37,10 @@ def test_every_piece_of_a_row_has_one_owner(C, E, tokens):
 
 
 def _grids(op: str, tokens: int, n: int, C: int) -> dict:
-    from mhc_cupy import _jit, _kernels
-    from mhc_cupy.ops import SPECS
+    """Kernel name -> grid of op's plan (test_kernel_choice.launched's dry run)."""
+    from test_kernel_choice import launched
 
-    k = SPECS[op]
-    infos = _kernels._infos(k, (tokens,), {"n": n, "C": C, "K": n * n + 2 * n}, "bfloat16", "bfloat16",
-                            _kernels._ALIGNED)
-    with _jit.dry_run() as launches:
-        plan = k.planner(infos, **k.params)
-        plan.launch({a: v.ptr for a, v in infos.items()}, [_kernels._ALIGNED] * len(plan.outputs),
-                    [_kernels._ALIGNED] * len(plan.scratch), 0)
-    return {expr.split("<")[0]: tuple(grid) for _, expr, grid, *_ in launches}
+    return dict(launched(op, tokens, n, C, with_grids=True))
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 64, 65])

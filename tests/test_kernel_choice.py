@@ -203,8 +203,9 @@ def test_mhc_reads_fused_when_built(monkeypatch):
     assert calls == ["layer_pre"]
 
 
-def launched(op: str, tokens: int, n: int, C: int) -> list:
-    """Kernel names that op's plan launches (a dry run on fake bf16 pointers) under the choice in force."""
+def launched(op: str, tokens: int, n: int, C: int, with_grids: bool = False) -> list:
+    """Kernel names that op's plan launches (a dry run on fake bf16 pointers) under the choice in force
+    (``with_grids``: (name, grid) pairs)."""
     from mhc_cupy import _jit, _kernels
     from mhc_cupy.ops import SPECS
 
@@ -215,7 +216,7 @@ def launched(op: str, tokens: int, n: int, C: int) -> list:
         plan = k.planner(infos, **k.params)
         plan.launch({a: v.ptr for a, v in infos.items()}, [_kernels._ALIGNED] * len(plan.outputs),
                     [_kernels._ALIGNED] * len(plan.scratch), 0)
-    return [expr.split("<")[0] for _, expr, *_ in launches]
+    return [(expr.split("<")[0], tuple(grid)) if with_grids else expr.split("<")[0] for _, expr, grid, *_ in launches]
 
 
 def test_the_boundary_kernel_runs_only_when_chosen():
