@@ -120,16 +120,13 @@ def launch_mix_distribute_bwd(dt, tg, n, C, tokens, *, g, stream, x=None, M=None
         return
     E = vec_width(n, C, [(g, tg)] + [(p, dt) for p in (x, y, dx, dy) if p is not None])
     rb = dh_rows(n) if has_x else 1
-    if pipe and has_x and has_y and dt == tg and dt != "float32" and E == 8 and rb >= n:
-        threads, st = threads_for(C, E), POST_BWD_PIPE_STAGES
-        launch(_FILE, f"mhc_stream_mix_distribute_bwd_kernel<{CTYPE[dt]},{CTYPE[dt]},{n},8,{n},true,true,{st}>",
-               grid_for(tokens), (threads, 1, 1),
-               (g, x, y, h, i64(h_stride), M, dx, dy, dh, dM, i64(tokens), i32(C), i32(res_t)), stream,
-               st * (2 * n + 1) * threads * 16)
-        return
-    expr = f"mhc_stream_mix_distribute_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{n},{E},{rb},{_b(has_x)},{_b(has_y)}>"
-    launch(_FILE, expr, grid_for(tokens), (threads_for(C, E), 1, 1),
-           (g, x, y, h, i64(h_stride), M, dx, dy, dh, dM, i64(tokens), i32(C), i32(res_t)), stream)
+    threads = threads_for(C, E)
+    st = POST_BWD_PIPE_STAGES if pipe and has_x and has_y and dt == tg != "float32" and E == 8 and rb >= n else 0
+    expr = (f"mhc_stream_mix_distribute_bwd_kernel<{CTYPE[dt]},{CTYPE[tg]},{n},{E},{rb},{_b(has_x)},{_b(has_y)}"
+            + (f",{st}>" if st else ">"))  # (STAGES 0, the default: left out of the name)
+    launch(_FILE, expr, grid_for(tokens), (threads, 1, 1),
+           (g, x, y, h, i64(h_stride), M, dx, dy, dh, dM, i64(tokens), i32(C), i32(res_t)), stream,
+           st * (2 * n + 1) * threads * 16)
 
 
 def launch_layer_post_pre_bwd(dt, tg, n, C, tokens, *, g, x, y, g_li, h_pre_raw, g_post, g_res, d_pre, d_post, d_res,
