@@ -32,3 +32,31 @@ def recompute_blocks(recompute, n: int, L: int) -> Optional[int]:
     else:
         L_r = int(recompute)
     return L_r if L_r > 1 else None
+
+
+def block_sizes(recompute, n: int, L: int) -> Optional[tuple]:
+    """The number of layers in each recompute block, first block to last (summing to L), or None where
+    nothing is recomputed (:func:`recompute_blocks` is None).
+
+    An int L_r: blocks of L_r layers, the last one of the 1 .. L_r layers left.  ``"auto"``: B blocks,
+    B = ceil(L / L_r*) for the paper's L_r* (or more, where B (B + 1) / 2 < L), sized to shrink toward
+    the output: block k (0 = the first) holds at most B - k layers, as many as that allows from the first
+    block on, one at least.  The backward starts at the output, where every sublayer's activations are
+    still held (a model's peak): there the stack holds its B - 1 boundary streams and rebuilds none
+    (blocks of L_r* layers: as many boundaries and L_r* - 1 rebuilt streams); at block k's last layer it
+    holds k boundaries and at most B - k - 1 rebuilt streams, no more than at the output.  The number of
+    streams rebuilt, L - B, is the paper's or fewer.
+    """
+    L_r = recompute_blocks(recompute, n, L)
+    if L_r is None:
+        return None
+    B = -(-L // L_r)
+    if recompute != "auto":
+        return (L_r,) * (B - 1) + (L - L_r * (B - 1),)
+    while B * (B + 1) // 2 < L:
+        B += 1
+    sizes, left = [], L
+    for k in range(B):  # as many layers as block k may hold, leaving one for each block after it
+        sizes.append(min(B - k, left - (B - k - 1)))
+        left -= sizes[-1]
+    return tuple(sizes)

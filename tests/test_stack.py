@@ -13,6 +13,7 @@ CPU tensors run the NumPy reference; the GPU variant at the end runs the kernels
 from __future__ import annotations
 
 import gc
+import itertools
 import sys
 import warnings
 import weakref
@@ -77,7 +78,7 @@ def assert_bitwise(a, b, what):
 
 CASES = [  # (lead, n, C, L)
     ((1,), 1, 5, 1), ((3,), 2, 8, 2), ((2, 3), 4, 7, 3), ((127,), 4, 16, 5), ((3,), 5, 3, 4),
-    ((2,), 8, 9, 5), ((1,), 16, 4, 3),
+    ((2,), 8, 9, 5), ((1,), 16, 4, 3), ((2,), 4, 6, 8),
 ]
 
 
@@ -403,16 +404,19 @@ def _streams_alive_after_forward(stack, x):
     return out, [r() is not None for r in refs]
 
 
-@pytest.mark.parametrize("recompute,boundaries", [(None, [0, 1, 2, 3, 4, 5]), (2, [0, 2, 4]), (3, [0, 3]),
-                                                  ("auto", [0, 2, 4])])
-def test_recompute_keeps_only_the_block_boundaries(rng, recompute, boundaries):
-    """After the forward, the graph holds the input streams of boundary layers only; the backward
-    rebuilds the others (bitwise: see above) and frees them again."""
-    layers = make_layers(6, 4, 8, 2)
+@pytest.mark.parametrize("L,recompute,boundaries", [(6, None, [0, 1, 2, 3, 4, 5]), (6, 2, [0, 2, 4]), (6, 3, [0, 3]),
+                                                    (6, "auto", [0, 3, 5]), (8, "auto", [0, 4, 6, 7]),
+                                                    (8, 3, [0, 3, 6])])
+def test_recompute_keeps_only_the_block_boundaries(rng, L, recompute, boundaries):
+    """After the forward, the graph holds the input streams of boundary layers only (the starts of
+    ``stack.blocks``: "auto" at L = 6, n = 4 in blocks of 3, 2, 1 layers, at L = 8 of 4, 2, 1, 1); the
+    backward rebuilds the others (bitwise: see above) and frees them again."""
+    layers = make_layers(L, 4, 8, 2)
     stack = mt.MHCStack(layers, recompute=recompute)
     x = torch.from_numpy(rng.standard_normal((3, 4, 8))).float().requires_grad_()
     out, alive = _streams_alive_after_forward(stack, x)
     assert [i for i, a in enumerate(alive) if a] == boundaries
+    assert list(itertools.accumulate(stack.blocks or [1] * L, initial=0))[:-1] == boundaries
     out.sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
@@ -555,6 +559,30 @@ def test_auto_block_size_is_the_papers(n, L, want):
     """L_r* = sqrt(n L / (n + 2)) rounded (paper section 4.3); 1 means no recompute (None)."""
     got = mt.stack.recompute_blocks("auto", n, L)
     assert got == (None if want == 1 else want)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 16, 32])
+def test_auto_blocks_shrink_toward_the_output(n):
+    """recompute="auto": B >= ceil(L / L_r*) blocks (the paper's number, so no more streams rebuilt, L - B),
+    block k of 1 .. B - k layers (k = 0 the first), the last of one: at each block's last layer the stack
+    holds no more streams (k boundaries, s_k - 1 rebuilt) than at the output (B - 1), where the backward
+    starts with every sublayer's activations held.  An int L_r: blocks of L_r, the last of what is left."""
+    for L in range(1, 131):
+        L_r = mt.recompute_blocks("auto", n, L)
+        sizes = mt.block_sizes("auto", n, L)
+        assert (sizes is None) == (L_r is None), (n, L)
+        if sizes is None:
+            continue
+        B = len(sizes)
+        assert sum(sizes) == L and B >= -(-L // L_r) and sizes[-1] == 1, (n, L, sizes)
+        assert all(1 <= s <= B - k for k, s in enumerate(sizes)), (n, L, sizes)
+        assert list(sizes) == sorted(sizes, reverse=True), (n, L, sizes)
+        for L_r in (2, 3, 7):
+            got = mt.block_sizes(L_r, n, L)
+            assert got is not None and sum(got) == L and set(got[:-1]) <= {L_r} and 1 <= got[-1] <= L_r
+    assert mt.block_sizes("auto", 4, 8) == (4, 2, 1, 1) and mt.recompute_blocks("auto", 4, 8) == 2
+    assert mt.block_sizes("auto", 4, 16) == (6, 5, 2, 1, 1, 1) and mt.block_sizes(3, 4, 16) == (3, 3, 3, 3, 3, 1)
+    assert mt.block_sizes(None, 4, 8) is None and mt.block_sizes(1, 4, 8) is None
 
 
 @pytest.mark.parametrize("layers,recompute,exc,match", [

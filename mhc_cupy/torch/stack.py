@@ -8,7 +8,7 @@ x_l only at every L_r-th layer (the block boundaries) and rebuilds the others in
 block by block, with the residual update x_{j+1} = H_res,j x_j + H_post,j^T y_j from what the
 layers save anyway (the sublayer outputs y_j and the per-token coefficients H_post,j, H_res,j):
 the paper's recompute of the mHC pieces in blocks of L_r layers, L_r* = sqrt(n L / (n + 2))
-(``recompute="auto"``).  The sublayers are not recomputed (checkpoint them yourself if you want
+(``recompute="auto"``: as many blocks, shrinking toward the output, :func:`block_sizes`).  The sublayers are not recomputed (checkpoint them yourself if you want
 to).  The rebuilt streams are bitwise the forward's (the same deterministic op on the same
 inputs), so gradients are bitwise those without recompute.
 
@@ -24,6 +24,7 @@ without recompute (the same values and gradients, with every layer's streams sav
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Sequence, Union
 
 import torch
@@ -31,14 +32,14 @@ from torch import Tensor, nn
 
 from .. import _checks, mhc_post_op_fwd
 from .._kernel_choice import current as current_choice
-from .._stack import recompute_blocks
+from .._stack import block_sizes, recompute_blocks
 from ..ops.layer import fold_post_dx
 from . import _transforms
 from ._link import stream_key
 from .functions import NextPre
 from .layers import MHC, _as_f32, _check_tensor
 
-__all__ = ["MHCStack", "recompute_blocks"]
+__all__ = ["MHCStack", "block_sizes", "recompute_blocks"]
 
 
 def _version(t: Tensor):
@@ -141,8 +142,10 @@ class MHCStack(nn.Module):
             ``MHC.from_deepseek`` layers and existing checkpoints load as they are.  ``len(stack)``,
             ``stack[i]`` and iteration reach the layers too.
         recompute: None (default: every layer saves its input streams), an int L_r >= 1 (save the
-            streams at every L_r-th layer only and rebuild the rest in backward), or "auto" (the
-            paper's L_r* = sqrt(n L / (n + 2)), section 4.3).  While a recomputing forward runs,
+            streams at every L_r-th layer only and rebuild the rest in backward), or "auto" (as many
+            blocks as the paper's L_r* = sqrt(n L / (n + 2)) gives, section 4.3, shrinking toward the
+            output, where the backward starts with every sublayer's activations held: ``stack.blocks``,
+            :func:`block_sizes`).  While a recomputing forward runs,
             its layers hold its block's state (``MHC._stack_slot``): run them in one thread at a
             time (two threads' forwards through the same layers would record into each other's
             blocks).
@@ -210,6 +213,13 @@ class MHCStack(nn.Module):
         return recompute_blocks(self._recompute, self.n_streams, len(self.layers))
 
     @property
+    def blocks(self):
+        """The layers of each recompute block, first to last, of ``recompute`` and the current number of
+        layers (``mhc_cupy.torch.block_sizes``: "auto" shrinks them toward the output); None where nothing is
+        recomputed."""
+        return block_sizes(self._recompute, self.n_streams, len(self.layers))
+
+    @property
     def fuse_boundaries(self) -> bool:
         """The ``fuse_boundaries`` setting; an assignment is checked as the argument."""
         return self._fuse_boundaries
@@ -240,12 +250,13 @@ class MHCStack(nn.Module):
             for layer in self.layers:
                 x = layer(x, *args, **kwargs)
             return x
-        L_r = self.block_layers if torch.is_grad_enabled() else None
+        sizes = self.blocks if torch.is_grad_enabled() else None
+        starts = set(itertools.accumulate(sizes[:-1], initial=0)) if sizes else None
         fuse = self.fuse_boundaries
         slot = nxt = None
         for l, layer in enumerate(self.layers):
-            if L_r is not None:  # a new block every L_r layers, or where a hook changed the streams
-                i = slot.i + 1 if slot is not None and slot.i + 1 < L_r and slot.leads_to(x) else 0
+            if starts is not None:  # a new block where one starts, or where a hook changed the streams
+                i = slot.i + 1 if slot is not None and l not in starts and slot.leads_to(x) else 0
                 slot = layer._stack_slot = _Slot(_Block(x) if i == 0 else slot.block, i, x)
             given, nxt = nxt, self._next_pre(l) if fuse else None
             layer._pre_given, layer._pre_next = given, nxt
