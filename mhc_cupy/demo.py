@@ -58,7 +58,7 @@ from torch import nn  # noqa: E402
 
 from .torch import MHC, MHCStack, collapse_streams, expand_streams
 from ._checks import MAX_N
-from ._stack import recompute_blocks
+from ._stack import block_sizes, recompute_blocks
 
 GPU_PRESET = dict(dim=256, layers=6, heads=4, seq=256, batch=32, steps=1000, lr=2e-3, eval_every=100,
                   eval_batches=4, dropout=0.1)
@@ -556,8 +556,9 @@ def _run(args, device, use_gpu, dp) -> dict:
           + ", ".join(f"{k}={v}" for k, v in asdict(cfg).items()))
 
     L_r = recompute_blocks(cfg.recompute, cfg.streams, 2 * cfg.layers)
+    blocks = block_sizes(cfg.recompute, cfg.streams, 2 * cfg.layers)
     print(f"mHC: one MHCStack of {2 * cfg.layers} MHC layers (each block's attention and MLP); stream recompute "
-          + (f"in blocks of {L_r} layers" if L_r else "off"))
+          + (f"in blocks of {', '.join(map(str, blocks))} layers" if blocks else "off"))
 
     is_main = dp is None or dp.main  # only rank 0 writes the outputs
     if is_main:
@@ -600,7 +601,8 @@ def _run(args, device, use_gpu, dp) -> dict:
         "stream_dtype": str(stream_dtype).replace("torch.", ""),
         "corpus": src, "corpus_bytes": len(data), "held_out_bytes": len(held_out),
         "steps": cfg.steps, "wall_s": wall, "ranks": dp.world if dp else 1,
-        "mhc_stack": {"layers": 2 * cfg.layers, "recompute": cfg.recompute, "recompute_blocks": L_r},
+        "mhc_stack": {"layers": 2 * cfg.layers, "recompute": cfg.recompute, "recompute_blocks": L_r,
+                      "blocks": list(blocks) if blocks else None},
         "notes": {"final_train_loss": "mean over the last 20 training steps",
                   "final_eval_loss": "held-out loss after the last step",
                   "tokens_per_s": "training steps only (no evaluation), after the first 3 steps"},

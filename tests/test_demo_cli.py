@@ -52,15 +52,15 @@ def test_progress_bar_only_on_a_terminal(tmp_path, capsys, monkeypatch, terminal
 
 
 def test_demo_trains_with_mhcstack_and_recompute_changes_no_loss(tmp_path, capsys):
-    """The demo's mHC model is one MHCStack (issue 44 item 5); stream recompute (auto: blocks of 2 of
-    the 4 layers here) gives the same losses, bitwise, as the run without it."""
+    """The demo's mHC model is one MHCStack (issue 44 item 5); stream recompute (auto: the paper's
+    L_r* = 2, so 3 blocks, of 2, 1, 1 of the 4 layers here) gives the same losses, bitwise, as the run without it."""
     argv = TINY + ["--layers", "2", "--streams", "4"]  # auto: sqrt(4 * 4 / 6) -> 2
     runs = {}
     for recompute in ("none", "auto", "3"):
         runs[recompute] = demo.main(argv + ["--recompute", recompute, "--out", str(tmp_path / recompute)])
         out = capsys.readouterr().out
         assert "mHC: one MHCStack of 4 MHC layers" in out
-    assert runs["auto"]["mhc_stack"] == {"layers": 4, "recompute": "auto", "recompute_blocks": 2}
+    assert runs["auto"]["mhc_stack"] == {"layers": 4, "recompute": "auto", "recompute_blocks": 2, "blocks": [2, 1, 1]}
     assert runs["none"]["mhc_stack"]["recompute_blocks"] is None and runs["3"]["mhc_stack"]["recompute_blocks"] == 3
     for recompute in ("auto", "3"):
         assert runs[recompute]["mhc"]["eval_loss"] == runs["none"]["mhc"]["eval_loss"]
