@@ -11,6 +11,9 @@ forward of one layer with an identity sublayer, without autograd (``torch.no_gra
   graphs on the H200);
 * ``mhc_cupy tail`` (T <= 64): under the kernel choice ``tail=True`` (the default tensor-core GEMM, then
   the pre piece's tail kernel: three launches for the pre piece instead of five, the default's bits);
+* ``mhc_cupy MHCStack, per layer``: an :class:`mhc_cupy.torch.MHCStack` of ``STACK_LAYERS`` such layers
+  (identity sublayers; a decode step of a model), its times and counts per layer: the whole stack's
+  forward captured in one CUDA graph, and eager;
 * ``torch`` / ``torch.compile``: ``mhc_cupy.torch.reference.MHCReference`` (the same maths and
   parameters in plain torch ops), eager and ``torch.compile(dynamic=False)``, each where it is
   among the baselines (``--baselines``; none with ``--no-baselines``).
@@ -35,6 +38,8 @@ from .report import gpu_targets, mode_report, run_rows, target
 
 #: Default token counts, hidden size and streams.
 SMALL_TOKENS, SMALL_C, SMALL_N = (1, 8, 64, 256, 4096), 7168, 4
+#: Layers of the "mhc_cupy MHCStack, per layer" row (its times and counts are the stack's / STACK_LAYERS).
+STACK_LAYERS = 8
 #: Targets at T <= 64 (C 7168): graph replay and eager wall time per call of mhc_cupy, microseconds.
 SMALL_TARGETS = {"graph": 8.0, "eager": 30.0}
 
@@ -53,6 +58,9 @@ def small_case(T: int, C: int, n: int, cfg, on_gpu: bool, compile_: bool) -> dic
     torch.manual_seed(0)
     layer = mt.MHC(C, n, device=dev)
     impls = {"mhc_cupy": layer}
+    per = {"mhc_cupy MHCStack, per layer": STACK_LAYERS}  # rows timed over that many layers
+    impls["mhc_cupy MHCStack, per layer"] = mt.MHCStack([layer] + [mt.MHC(C, n, device=dev)
+                                                                   for _ in range(STACK_LAYERS - 1)])
     if "torch" in cfg.baselines:
         impls["torch"] = MHCReference.from_layer(layer)
     if T <= SMALL_MAX_TOKENS:  # (where the small-token forward and the one-launch tail apply)
@@ -80,6 +88,9 @@ def small_case(T: int, C: int, n: int, cfg, on_gpu: bool, compile_: bool) -> dic
                 v.update(host_counts(lambda: fn(x)))
             unit = host_unit_costs()
             v["driver_floor_us"] = v["launches"] * unit["launch_us"] + v["allocations"] * unit["allocation_us"]
+        for k in ("eager_us", "graph_us", "launches", "allocations", "driver_floor_us"):
+            if k in v and name in per:
+                v[k] /= per[name]
         env._log(f"  {name}: " + ", ".join(f"{k} {v[k]:.1f}" for k in ("eager_us", "graph_us", "driver_floor_us")
                                            if k in v)
                  + (f" {v['error']}" if "error" in v else ""))
@@ -202,12 +213,13 @@ def format_small_report(result: dict) -> str:
 
     def cells(r, name, v):
         times = [f"{v[k]:.1f}" if k in v else ("err" if "error" in v else "") for k in ("eager_us", "graph_us")]
-        floor = f"{v['launches']} / {v['allocations']} / {v['driver_floor_us']:.1f}" if "driver_floor_us" in v else ""
+        floor = f"{v['launches']:g} / {v['allocations']:g} / {v['driver_floor_us']:.1f}" if "driver_floor_us" in v else ""
         return [str(r["tokens"]), name, *times, floor]
 
     return mode_report(
         result, "small",
-        f"one mHC layer forward (identity sublayer, no autograd), C {st.get('C')}, n {st.get('n')}; eager = wall clock "
+        f"one mHC layer forward (identity sublayer, no autograd), C {st.get('C')}, n {st.get('n')} (the MHCStack row: a "
+        f"stack of {STACK_LAYERS} such layers, per layer); eager = wall clock "
         "per back-to-back call (host included); graph = CUDA-event time per replayed call (GPU only); "
         "launches / allocations / driver floor us = kernel launches and PyTorch allocations of one call, and their "
         "host time at this run's cost of one cuLaunchKernel and one torch.empty (mhc_cupy on a GPU: what bounds "
