@@ -32,8 +32,8 @@ def test_small_mode_runs_tiny(tmp_path):
     res = json.loads((out / "small.json").read_text())
     assert res["schema"] == "mhc_cupy.bench.small/1" and [r["tokens"] for r in res["results"]] == [1, 3]
     for row in res["results"]:
-        assert set(row["impls"]) == {"mhc_cupy", "mhc_cupy MHCStack, per layer", "mhc_cupy small", "mhc_cupy tail",
-                                     "torch"} and (row["C"], row["n"]) == (24, 2)
+        assert set(row["impls"]) == {"mhc_cupy", "mhc_cupy MHCStack, per layer", "mhc_cupy MHCStack fused, per layer",
+                                     "mhc_cupy small", "mhc_cupy tail", "torch"} and (row["C"], row["n"]) == (24, 2)
         for name, v in row["impls"].items():  # graph replay where a GPU runs them, not on the CPU
             gpu = torch.cuda.is_available()
             assert v["eager_us"] > 0 and (v["graph_us"] > 0 if gpu else "graph_us" not in v), v
@@ -55,7 +55,8 @@ def test_small_mode_no_baselines_times_mhc_cupy_only(tmp_path):
             "--min-calls", "1", "--no-baselines", "--out", str(out)]
     assert bench.main(argv) == 0
     res = json.loads((out / "small.json").read_text())
-    assert [set(r["impls"]) for r in res["results"]] == [{"mhc_cupy", "mhc_cupy MHCStack, per layer", "mhc_cupy small",
+    assert [set(r["impls"]) for r in res["results"]] == [{"mhc_cupy", "mhc_cupy MHCStack, per layer",
+                                                          "mhc_cupy MHCStack fused, per layer", "mhc_cupy small",
                                                           "mhc_cupy tail"}]
     assert res["meta"]["settings"]["compile"] is False
 

@@ -13,7 +13,8 @@ forward of one layer with an identity sublayer, without autograd (``torch.no_gra
   the pre piece's tail kernel: three launches for the pre piece instead of five, the default's bits);
 * ``mhc_cupy MHCStack, per layer``: an :class:`mhc_cupy.torch.MHCStack` of ``STACK_LAYERS`` such layers
   (identity sublayers; a decode step of a model), its times and counts per layer: the whole stack's
-  forward captured in one CUDA graph, and eager;
+  forward captured in one CUDA graph, and eager; ``... fused``: with ``fuse_boundaries=True`` (each residual
+  update and the next layer's pre piece one op: one call less a layer);
 * ``torch`` / ``torch.compile``: ``mhc_cupy.torch.reference.MHCReference`` (the same maths and
   parameters in plain torch ops), eager and ``torch.compile(dynamic=False)``, each where it is
   among the baselines (``--baselines``; none with ``--no-baselines``).
@@ -58,9 +59,10 @@ def small_case(T: int, C: int, n: int, cfg, on_gpu: bool, compile_: bool) -> dic
     torch.manual_seed(0)
     layer = mt.MHC(C, n, device=dev)
     impls = {"mhc_cupy": layer}
-    per = {"mhc_cupy MHCStack, per layer": STACK_LAYERS}  # rows timed over that many layers
-    impls["mhc_cupy MHCStack, per layer"] = mt.MHCStack([layer] + [mt.MHC(C, n, device=dev)
-                                                                   for _ in range(STACK_LAYERS - 1)])
+    stack = [layer] + [mt.MHC(C, n, device=dev) for _ in range(STACK_LAYERS - 1)]
+    impls["mhc_cupy MHCStack, per layer"] = mt.MHCStack(stack)
+    impls["mhc_cupy MHCStack fused, per layer"] = mt.MHCStack(stack, fuse_boundaries=True)
+    per = dict.fromkeys(("mhc_cupy MHCStack, per layer", "mhc_cupy MHCStack fused, per layer"), STACK_LAYERS)
     if "torch" in cfg.baselines:
         impls["torch"] = MHCReference.from_layer(layer)
     if T <= SMALL_MAX_TOKENS:  # (where the small-token forward and the one-launch tail apply)
