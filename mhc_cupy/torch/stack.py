@@ -8,9 +8,10 @@ x_l only at every L_r-th layer (the block boundaries) and rebuilds the others in
 block by block, with the residual update x_{j+1} = H_res,j x_j + H_post,j^T y_j from what the
 layers save anyway (the sublayer outputs y_j and the per-token coefficients H_post,j, H_res,j):
 the paper's recompute of the mHC pieces in blocks of L_r layers, L_r* = sqrt(n L / (n + 2))
-(``recompute="auto"``: as many blocks, shrinking toward the output, :func:`block_sizes`).  The sublayers are not recomputed (checkpoint them yourself if you want
-to).  The rebuilt streams are bitwise the forward's (the same deterministic op on the same
-inputs), so gradients are bitwise those without recompute.
+(``recompute="auto"``: as many blocks, shrinking toward the output, :func:`block_sizes`).  The
+sublayers are not recomputed (checkpoint them yourself if you want to).  The rebuilt streams are
+bitwise the forward's (the same deterministic op on the same inputs), so gradients are bitwise
+those without recompute.
 
 Mechanism: the mHC pieces of each layer of a block (not its sublayer) run inside
 ``torch.autograd.graph.saved_tensors_hooks`` whose pack hook replaces a saved x_l of a
@@ -145,10 +146,9 @@ class MHCStack(nn.Module):
             streams at every L_r-th layer only and rebuild the rest in backward), or "auto" (as many
             blocks as the paper's L_r* = sqrt(n L / (n + 2)) gives, section 4.3, shrinking toward the
             output, where the backward starts with every sublayer's activations held: ``stack.blocks``,
-            :func:`block_sizes`).  While a recomputing forward runs,
-            its layers hold its block's state (``MHC._stack_slot``): run them in one thread at a
-            time (two threads' forwards through the same layers would record into each other's
-            blocks).
+            :func:`block_sizes`).  While a recomputing forward runs, its layers hold its block's
+            state (``MHC._stack_slot``): run them in one thread at a time (two threads' forwards
+            through the same layers would record into each other's blocks).
         fuse_boundaries: run each layer's residual update and the next layer's pre piece as one op
             (``mhc_boundary_fwd``, OPS.md section 12: the streams are read once less per boundary;
             eager only, between layers of one convention that run the fused layer pieces: not
