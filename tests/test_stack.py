@@ -421,6 +421,41 @@ def test_recompute_keeps_only_the_block_boundaries(rng, L, recompute, boundaries
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize("recompute,held", [(None, 8), (2, 5), ("auto", 4)])
+def test_streams_held_where_the_backward_starts(rng, monkeypatch, recompute, held):
+    """When the backward reaches the last layer's sublayer (the top of a model's memory: every sublayer's
+    activations still held), the streams [..., n, C] alive: the saved inputs of the boundary layers and the
+    streams rebuilt so far.  8 layers, n = 4 (L_r* = 2): blocks of 2 keep layers 0, 2, 4, 6 and rebuild 7;
+    "auto" (blocks 4, 2, 1, 1) keeps 0, 4, 6, 7 and rebuilds none."""
+    lead, n, C = (5,), 4, 8
+    layers = make_layers(8, n, C, 3)
+    stack = mt.MHCStack(layers, recompute=recompute)
+    x = torch.from_numpy(rng.standard_normal(lead + (n, C))).float().requires_grad_()
+    g = torch.from_numpy(rng.standard_normal(lead + (n, C))).float()
+    refs, seen = [], []
+    rebuild = mt.stack.mhc_post_op_fwd
+
+    def rebuilt(*args, **kwargs):  # the streams the backward rebuilds
+        out = rebuild(*args, **kwargs)
+        refs.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(mt.stack, "mhc_post_op_fwd", rebuilt)
+    hooks = [layer.register_forward_pre_hook(lambda mod, args: refs.append(weakref.ref(args[0]))) for layer in layers]
+
+    def count(module, grad_output):
+        gc.collect()
+        seen.append(sum(r() is not None for r in refs))
+
+    hooks.append(layers[-1].sublayer.register_full_backward_pre_hook(count))
+    try:
+        stack(x).backward(g)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen == [held], seen
+
+
 @pytest.mark.parametrize("backward", ["none", "partial", "retain_graph"])
 @pytest.mark.parametrize("recompute,fuse", [(2, False), (3, True)])
 def test_a_graph_dropped_without_its_full_backward_frees_the_streams(rng, recompute, fuse, backward):
