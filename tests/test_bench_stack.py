@@ -118,3 +118,25 @@ def test_stack_jax_target_judges_every_configuration():
     t = jax_target([row(8, 2048, None, failed=True), row(4, 4096, 2.5)])
     assert t["status"] == "missed" and "8 blocks, C 2048" in t["detail"], t
     assert jax_target([])["status"] == "not measured"
+
+
+def test_memory_proxy_script_on_cpu():
+    """scripts/memory_cpu.py (the CPU proxy of the stack's peak memory, GPU route planned dry) runs end to
+    end: a line per variant, the recompute variants below MHCStack's, auto's blocks named, and auto not
+    above blocks of 2 (at 4 blocks, the H200's 1.34x with equal blocks)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("torch")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "memory_cpu.py"
+    run = subprocess.run([sys.executable, str(script), "--config", "4:64:2:160:64", "--recompute", "auto,2"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    over = {m[1].strip(): float(m[2]) for m in re.finditer(r"^  (.+?)\s+[\d.]+\s+over plain\s+([-+][\d.]+)$",
+                                                           run.stdout, re.M)}
+    assert set(over) == {"plain", "MHCStack", "MHCStack recompute='auto' (4, 2, 1, 1)",
+                         "MHCStack recompute=2 (2, 2, 2, 2)"}, run.stdout
+    assert over["plain"] == 0 and over["MHCStack recompute='auto' (4, 2, 1, 1)"] <= over["MHCStack recompute=2 (2, 2, 2, 2)"]
+    assert over["MHCStack recompute=2 (2, 2, 2, 2)"] < over["MHCStack"], run.stdout
