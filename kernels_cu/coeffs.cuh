@@ -121,6 +121,51 @@ __device__ __forceinline__ float split_sum(const float* __restrict__ part, i64 t
     return H;
 }
 
+// split_sum for the columns k = threadIdx.x + j blockDim.x (j < KPT) of token t, every thread of the
+// block taking part (a barrier inside: all of them call it): the ranges come into shared memory
+// `stage` (stage_floats floats, at least K + 1) as many at a time as fit, STAGE_LOADS loads a thread in
+// flight, then each thread sums its columns' ranges in range order, split_sum's additions in its
+// order (its bits); q gets the ranges' sums of squares (column K, the same for every k).  One L2 round
+// trip a stage, where split_sum makes one every SPLIT_BATCH ranges with only K threads loading (the
+// small path's tail kernel at one token: 256 ranges, 16 round trips).
+constexpr int STAGE_LOADS = 8;
+template <int KPT>
+__device__ __forceinline__ void staged_split_sums(const float* __restrict__ part, i64 tokens, i64 t, int K,
+                                                  int splits, float* __restrict__ stage, int stage_floats,
+                                                  float (&H)[KPT], SumSq& q) {
+    const int KW = K + 1, chunk = stage_floats / KW;
+    const i64 stride = tokens * KW;
+#pragma unroll
+    for (int j = 0; j < KPT; ++j) H[j] = 0.f;
+    for (int s0 = 0; s0 < splits; s0 += chunk) {
+        const int count = min(chunk, splits - s0) * KW;  // floats of this stage: ranges s0 .. , columns 0 .. K
+        const float* src = part + (i64)s0 * stride + t * KW;
+        __syncthreads();  // the previous stage read
+        for (int i0 = threadIdx.x; i0 < count; i0 += STAGE_LOADS * blockDim.x) {
+            float v[STAGE_LOADS];
+#pragma unroll
+            for (int b = 0; b < STAGE_LOADS; ++b) {
+                const int i = i0 + b * blockDim.x, s = i / KW;
+                v[b] = i < count ? src[s * stride + (i - s * KW)] : 0.f;
+            }
+#pragma unroll
+            for (int b = 0; b < STAGE_LOADS; ++b)
+                if (i0 + b * blockDim.x < count) stage[i0 + b * blockDim.x] = v[b];
+        }
+        __syncthreads();
+        if ((int)threadIdx.x < K) {
+            for (const float* row = stage; row < stage + count; row += KW) {
+#pragma unroll
+                for (int j = 0; j < KPT; ++j) {
+                    const int k = threadIdx.x + j * blockDim.x;
+                    if (k < K) H[j] += row[k];
+                }
+                q.add(row[K]);
+            }
+        }
+    }
+}
+
 // Steps ahead that the dx kernels ask L2 for the rows of x and the layer's gradients they read
 // straight from global memory (mhc::prefetch_l2).
 constexpr int DX_PREFETCH = 1;

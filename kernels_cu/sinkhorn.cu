@@ -252,9 +252,15 @@ __global__ void mhc_sinkhorn_knopp_fwd_kernel(const float* __restrict__ logits, 
 //   there: C % E == 0 and x, layer_in aligned to E elements, up to 16 bytes):
 // the bits of those three kernels.  blockDim.x a multiple of 32; G as the forward's (fwd_group).
 // gridDim.y > 1: a token's columns split over that many blocks (mhc::first_col), each computing the
-// token's coefficients (the same), the first of them writing them.
+// token's coefficients (the same), the first of them writing them.  The ranges' sums come through
+// shared memory (mhc_coeffs::staged_split_sums: the finish kernel's additions in its order), every
+// thread loading: blockDim.x = TAIL_THREADS.
+namespace mhc_tail {
+constexpr int TAIL_THREADS = 256;
+constexpr int TAIL_STAGE_FLOATS = 6144;  // 24 KiB of the ranges' sums: 245 ranges at n = 4, 5 at n = 32
+}  // namespace mhc_tail
 template <typename T, int N, int G, bool DS, int E>
-__global__ void mhc_layer_pre_tail_kernel(const float* __restrict__ part, const float* __restrict__ alpha,
+__global__ void __launch_bounds__(mhc_tail::TAIL_THREADS) mhc_layer_pre_tail_kernel(const float* __restrict__ part, const float* __restrict__ alpha,
                                           const float* __restrict__ bias, const T* __restrict__ x,
                                           float* __restrict__ stats, float* __restrict__ H_pre,
                                           float* __restrict__ H_post, float* __restrict__ H_res,
@@ -262,20 +268,26 @@ __global__ void mhc_layer_pre_tail_kernel(const float* __restrict__ part, const 
                                           int iters, float eps, float hc_eps, float post_mult) {
     constexpr int K = N * N + 2 * N;
     constexpr int R = Layout<N, G>::R;
+    constexpr int KPT = (K + mhc_tail::TAIL_THREADS - 1) / mhc_tail::TAIL_THREADS;  // columns a thread
     __shared__ float s_h[K];   // the token's raw coefficients: pre | post | res
     __shared__ float s_pre[N];  // its H_pre
+    __shared__ float s_stage[mhc_tail::TAIL_STAGE_FLOATS];  // the ranges' sums (staged_split_sums)
     const int D = N * C;
     for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
-        __syncthreads();  // the previous token's s_h, s_pre are read
         const bool writes = blockIdx.y == 0;  // (the blocks of a token's other columns compute the same)
-        for (int k = threadIdx.x; k < K; k += blockDim.x) {
-            mhc_coeffs::SumSq q;
-            const float H = mhc_coeffs::split_sum(part, tokens, t, k, K, splits, q);
+        float H[KPT];
+        mhc_coeffs::SumSq q;
+        // (its first barrier: the previous token's s_h, s_pre are read)
+        mhc_coeffs::staged_split_sums<KPT>(part, tokens, t, K, splits, s_stage, mhc_tail::TAIL_STAGE_FLOATS, H, q);
+#pragma unroll
+        for (int j = 0; j < KPT; ++j) {
+            const int k = threadIdx.x + j * blockDim.x;
+            if (k >= K) continue;
             if (writes) {
-                stats[t * (K + 1) + k] = H;
+                stats[t * (K + 1) + k] = H[j];
                 if (k == 0) stats[t * (K + 1) + K] = q.saved();
             }
-            s_h[k] = fmaf(alpha[mhc_coeffs::group_of(k, N)] * H, q.rinv(D, rms_eps), bias[k]);
+            s_h[k] = fmaf(alpha[mhc_coeffs::group_of(k, N)] * H[j], q.rinv(D, rms_eps), bias[k]);
         }
         __syncthreads();
         if (threadIdx.x < G) {

@@ -12,14 +12,16 @@ staging loops of s_phi and s_x (POST: the residual update out = post op(y, x, H_
 by element, res_t, in float32 fmaf and rounded to T, stored and staged), each thread's outputs (the
 `output` lambda and its break), the fmaf chains over the staged rows, the sum of squares with its
 2^-100-scaled twin and the epilogue's -qs after an overflow.
-mhc_layer_pre_tail_kernel: the grid-stride token loop, split_sum with SumSq, h = fmaf(alpha_grp H, rinv,
+mhc_layer_pre_tail_kernel: the grid-stride token loop, staged_split_sums (the ranges' sums staged in
+s_stage by every thread, STAGE_LOADS at a time, a stage of TAIL_STAGE_FLOATS, then split_sum's additions
+per column from there) with SumSq, h = fmaf(alpha_grp H, rinv,
 bias) into s_h, Sinkhorn on the first G lanes (lane_exp, lane_iteration, DS's softmax start, group_sum
 as shfl.sync.bfly with the PTX ISA's segment rule and the mask (1u << G) - 1), the activations into
 H_pre / s_pre / H_post, and layer_in = sum_i H_pre_i x_i by fmaf in i order, E columns a thread access
 (every vector whole and aligned to min(E * itemsize, 16) bytes).
 
 Asserted on the way: every global read in bounds (and of written elements, for the buffers the
-plan writes), every shared index inside its array (GEMV_SMEM_FLOATS; s_h[K], s_pre[N]) and reading
+plan writes), every shared index inside its array (GEMV_SMEM_FLOATS; s_h[K], s_pre[N], s_stage) and reading
 a value the current phase staged (no stale or unwritten cell, no two writers of one cell), every
 shuffle's source lane executing and in the mask (so < G), every part[split, t, k] (k <= K), out,
 stats, H_pre, H_post, H_res and layer_in element written exactly once.  Compared: out bitwise with
@@ -85,6 +87,16 @@ _K = _kernel_constants()
 GEMV_THREADS, GEMV_MAX_OUTS, GEMV_SMEM_FLOATS = _K["GEMV_THREADS"], _K["GEMV_MAX_OUTS"], _K["GEMV_SMEM_FLOATS"]
 assert (GEMV_THREADS, GEMV_MAX_OUTS, GEMV_SMEM_FLOATS) == (
     coeffs_fwd._GEMV_THREADS, coeffs_fwd._GEMV_MAX_OUTS, coeffs_fwd._GEMV_SMEM_FLOATS), "host and kernel constants"
+
+
+def _tail_constants():
+    """TAIL_THREADS, TAIL_STAGE_FLOATS (sinkhorn.cu) and STAGE_LOADS (coeffs.cuh) as the kernels define them."""
+    src = "".join((_ROOT / "kernels_cu" / f).read_text() for f in ("sinkhorn.cu", "coeffs.cuh"))
+    return {m[0]: int(m[1]) for m in re.findall(r"constexpr int ((?:TAIL|STAGE)_\w+) = (\d+);", src)}
+
+
+_T = _tail_constants()
+TAIL_THREADS, TAIL_STAGE_FLOATS, STAGE_LOADS = _T["TAIL_THREADS"], _T["TAIL_STAGE_FLOATS"], _T["STAGE_LOADS"]
 
 
 def _cdiv(a, b):
@@ -395,6 +407,12 @@ def lane_sinkhorn(L, lanes_ok, N, G, DS, iters, eps, mask, executing):
     return p, rows_ok
 
 
+def stage_source(i, KW, stride, s0, t):
+    """Where staged_split_sums loads stage element i from: range s0 + i // KW, column i % KW of token t."""
+    s = i // KW
+    return s0 * stride + t * KW + s * stride + (i - s * KW)
+
+
 def run_tail(targs, grid, block, a, mem):
     dt, N, G, DS, E = _CTYPE[targs[0]], int(targs[1]), int(targs[2]), targs[3] == "true", int(targs[4])
     _require(block[1:] == (1, 1) and block[0] % 32 == 0 and block[0] >= 32 >= G, "tail launch shape")
@@ -412,25 +430,45 @@ def run_tail(targs, grid, block, a, mem):
     lane = np.arange(32)
     s_h, s_pre = Shared("s_h", B, K), Shared("s_pre", B, N)
     mask = tail_mask(G)
+    _require(NT == TAIL_THREADS, "blockDim.x = TAIL_THREADS (the kernel's columns a thread)")
+    s_stage = Shared("s_stage", B, TAIL_STAGE_FLOATS)
+    KW, KPT = K + 1, _cdiv(K, TAIL_THREADS)
+    chunk, stride = TAIL_STAGE_FLOATS // KW, tokens * KW
     debug_h = np.full((tokens, K), np.nan, F32)
     for it in range(_cdiv(tokens, B)):
         t = np.arange(B)[:, None] + it * B  # blockIdx.x + it * gridDim.x
         active = t < tokens
         s_h.begin()
-        for kk in range(_cdiv(K, NT)):
+        # staged_split_sums: each stage's ranges loaded by every thread, STAGE_LOADS a thread at a time,
+        # then the threads k < K sum their columns' ranges in order (split_sum's additions)
+        H = [np.zeros((B, NT), F32) for _ in range(KPT)]
+        q = SumSq((B, NT))
+        summing = active & (tid < K)
+        for si, s0 in enumerate(range(0, splits, chunk)):
+            count, phase = min(chunk, splits - s0) * KW, it * 1_000_000 + si
+            s_stage.begin()
+            for base in range(0, count, STAGE_LOADS * NT):
+                for b in range(STAGE_LOADS):
+                    i = tid + base + b * NT
+                    m = active & (i < count)
+                    s_stage.store(i, part.read(stage_source(i, KW, stride, s0, t), m, "part"), m, phase, 0, count,
+                                  "s_stage")
+            for row in range(0, count, KW):  # (a barrier before)
+                for j in range(KPT):
+                    k = tid + j * NT
+                    m = summing & (k < K)
+                    H[j] = np.where(m, (H[j] + s_stage.load(row + k, m, phase, 0, count, "s_stage")).astype(F32),
+                                    H[j])
+                q.add(s_stage.load(np.full(summing.shape, row + K), summing, phase, 0, count, "s_stage"))
+        for kk in range(KPT):
             k = tid + NT * kk
             m = active & (k < K)
-            q = SumSq(m.shape)
-            H = np.zeros(m.shape, F32)
-            for s in range(splits):  # split_sum
-                row = (s * tokens + t) * (K + 1)
-                H = (H + part.read(row + k, m, "part")).astype(F32)
-                q.add(part.read(row + K, m, "part"))
-            stats.write(t * (K + 1) + k, H, m, "stats")
+            H_k = H[kk]
+            stats.write(t * (K + 1) + k, H_k, m, "stats")
             stats.write(t * (K + 1) + K, q.saved(), m & (k == 0), "stats")
             grp = np.where(k < N, 0, np.where(k < 2 * N, 1, 2))
             al = alpha.read(grp, m, "alpha")
-            h = fmaf((al * H).astype(F32), q.rinv(D, rms_eps), bias.read(k, m, "bias"))
+            h = fmaf((al * H_k).astype(F32), q.rinv(D, rms_eps), bias.read(k, m, "bias"))
             s_h.store(k, h, m, it, 0, K, "s_h")
             debug_h[np.broadcast_to(t, m.shape)[m], np.broadcast_to(k, m.shape)[m]] = h[m]
         # __syncthreads; the first G threads (warp 0's lanes < G)

@@ -73,10 +73,21 @@ def test_fmaf_is_the_boundary_emulations():
     assert float(emu.fmaf(a, a, tiny)) == 1 + 2 ** -11 + 2 ** -23  # one rounding (a float64 sum rounds twice)
 
 
+def test_tail_stages_of_the_cases():
+    """The cases reach several stages of the tail's ranges (staged_split_sums), the last one partial."""
+    from mhc_cupy.ops.coeffs.fwd import gemv_layout
+
+    stages = [(gemv_layout(T, n * C, n * n + 2 * n).splits, emu.TAIL_STAGE_FLOATS // (n * n + 2 * n + 1))
+              for _, T, n, C, *_ in emu.CASES]
+    assert any(splits > chunk and splits % chunk for splits, chunk in stages), stages
+    assert emu.TAIL_THREADS == 256 and emu.STAGE_LOADS >= 1
+
+
 @pytest.mark.parametrize("fault,caught", [("output_mod_k", "s_gemv load outside"), ("sx_stride_nr", "part differs"),
                                           ("res_not_transposed", "out differs"),
                                           ("group_sum_32_lanes", "a shuffle reads a lane outside"),
-                                          ("mask_drops_lane_0", "shuffle mask")])
+                                          ("mask_drops_lane_0", "shuffle mask"),
+                                          ("stage_range_stride_kw", "H~ differs from the float32 split sums")])
 def test_emulation_catches_faults(monkeypatch, fault, caught):
     """Each fault is one wrong index a kernel edit could make; the emulation must reject it."""
     case = ("mhc_boundary_fwd", 3, 5, 7, "bfloat16", True)  # two D ranges, the second a partial chunk; G = 8
@@ -88,6 +99,8 @@ def test_emulation_catches_faults(monkeypatch, fault, caught):
         monkeypatch.setattr(emu, "res_index", lambda si, j, n, res_t: si * n + j)
     elif fault == "group_sum_32_lanes":  # group_sum<32> where G = 8
         monkeypatch.setattr(emu, "group_width", lambda G: 32)
+    elif fault == "stage_range_stride_kw":  # the stage's ranges K + 1 apart in part, not tokens (K + 1)
+        monkeypatch.setattr(emu, "stage_source", lambda i, KW, stride, s0, t: s0 * stride + t * KW + i)
     else:
         monkeypatch.setattr(emu, "tail_mask", lambda G: (1 << G) - 2)
     with pytest.raises(emu.EmulationError, match=caught):
