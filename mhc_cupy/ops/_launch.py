@@ -125,6 +125,11 @@ def column_sum(part_ptr, out_ptr, rows: int, cols: int, stream) -> None:
 # ------------------------------------------------------------------ typed launch descriptions
 #: NumPy type of each scalar C type a kernel takes (``mhc::i64`` is long long).
 _SCALARS = {"int": np.int32, "unsigned": np.uint32, "i64": np.int64, "long long": np.int64, "float": np.float32}
+#: (min, max) of each integer C type's NumPy type (np.iinfo made at each argument cost a microsecond a call)
+_RANGES = {t: (int(np.iinfo(t).min), int(np.iinfo(t).max)) for t in set(_SCALARS.values()) if t is not np.float32}
+_REALS = (int, float, np.integer, np.floating)
+_INTS = (int, np.integer)
+_BOOLS = (bool, np.bool_)
 _DECL = re.compile(r"^(.*?)\s*\b(\w+)$")
 #: Every KernelSpec by kernel name (tests compare them with the kernels' C++ declarations).
 KERNEL_SPECS: dict = {}
@@ -179,6 +184,9 @@ class KernelSpec:
         if not set(nullable) <= pointers:
             raise ValueError(f"{name}: nullable {sorted(set(nullable) - pointers)} are not pointer parameters")
         self.nullable = frozenset(nullable)
+        self._names = frozenset(p for _, p in self.params)
+        # per parameter, what pack checks: (name, C type, None for a pointer or the NumPy scalar type)
+        self._packing = tuple((p, ctype, None if ctype.endswith("*") else _SCALARS[ctype]) for ctype, p in self.params)
         self.smem_bytes, self.smem_cxx = smem if smem else (None, None)
         self._smem_args = tuple(inspect.signature(self.smem_bytes).parameters) if smem else ()
         if not set(self._smem_args) <= {t for _, t in self.template}:
@@ -240,31 +248,33 @@ class KernelSpec:
                 int, or None where the kernel needs one; a scalar that is not an int / a real number).
             ValueError: an integer outside its C type's range.
         """
-        names = [p for _, p in self.params]
-        if set(args) != set(names):
+        if len(args) != len(self._names) or not self._names.issuperset(args):
+            names = [p for _, p in self.params]
             raise TypeError(f"{expr} takes arguments {names}; missing {sorted(set(names) - set(args))}, "
                             f"unknown {sorted(set(args) - set(names))}")
         out = []
-        for ctype, p in self.params:
+        for p, ctype, t in self._packing:
             v = args[p]
-            if ctype.endswith("*"):
+            if t is None:  # a pointer
                 if v is None and p in self.nullable or isinstance(v, int) and not isinstance(v, bool) and v >= 0:
                     out.append(v)
                     continue
                 need = "a device pointer (int)" + (" or None" if p in self.nullable else "")
-            else:
-                t = _SCALARS[ctype]
-                real = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
-                if t is np.float32 and real:
+            elif isinstance(v, _BOOLS):
+                need = f"a {'real number' if t is np.float32 else 'Python or NumPy int'} (C type {ctype})"
+            elif t is np.float32:
+                if isinstance(v, _REALS):
                     out.append(np.float32(v))
                     continue
-                if t is not np.float32 and isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
-                    info = np.iinfo(t)
-                    if not info.min <= v <= info.max:
+                need = f"a real number (C type {ctype})"
+            else:
+                if isinstance(v, _INTS):
+                    lo, hi = _RANGES[t]
+                    if not lo <= v <= hi:
                         raise ValueError(f"{expr}: argument {p} = {v} does not fit its C type {ctype}")
                     out.append(t(v))
                     continue
-                need = f"a {'real number' if t is np.float32 else 'Python or NumPy int'} (C type {ctype})"
+                need = f"a Python or NumPy int (C type {ctype})"
             raise TypeError(f"{expr}: argument {p} is {v!r} ({type(v).__name__}); it needs {need}")
         return tuple(out)
 
