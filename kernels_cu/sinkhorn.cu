@@ -260,12 +260,12 @@ constexpr int TAIL_THREADS = 256;
 constexpr int TAIL_STAGE_FLOATS = 6144;  // 24 KiB of the ranges' sums: 245 ranges at n = 4, 5 at n = 32
 }  // namespace mhc_tail
 template <typename T, int N, int G, bool DS, int E>
-__global__ void __launch_bounds__(mhc_tail::TAIL_THREADS) mhc_layer_pre_tail_kernel(const float* __restrict__ part, const float* __restrict__ alpha,
-                                          const float* __restrict__ bias, const T* __restrict__ x,
-                                          float* __restrict__ stats, float* __restrict__ H_pre,
-                                          float* __restrict__ H_post, float* __restrict__ H_res,
-                                          T* __restrict__ layer_in, i64 tokens, int C, int splits, float rms_eps,
-                                          int iters, float eps, float hc_eps, float post_mult) {
+__global__ void __launch_bounds__(mhc_tail::TAIL_THREADS)
+mhc_layer_pre_tail_kernel(const float* __restrict__ part, const float* __restrict__ alpha,
+                          const float* __restrict__ bias, const T* __restrict__ x, float* __restrict__ stats,
+                          float* __restrict__ H_pre, float* __restrict__ H_post, float* __restrict__ H_res,
+                          T* __restrict__ layer_in, i64 tokens, int C, int splits, float rms_eps, int iters,
+                          float eps, float hc_eps, float post_mult) {
     constexpr int K = N * N + 2 * N;
     constexpr int R = Layout<N, G>::R;
     constexpr int KPT = (K + mhc_tail::TAIL_THREADS - 1) / mhc_tail::TAIL_THREADS;  // columns a thread
