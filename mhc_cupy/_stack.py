@@ -48,7 +48,7 @@ def block_sizes(recompute, n: int, L: int) -> Optional[tuple]:
     streams rebuilt, L - B, is the paper's or fewer.
     """
     L_r = recompute_blocks(recompute, n, L)
-    if L_r is None:
+    if L_r is None or L < 1:  # (L = 0: a stack whose layers were all deleted)
         return None
     B = -(-L // L_r)
     if recompute != "auto":

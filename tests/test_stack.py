@@ -456,6 +456,30 @@ def test_streams_held_where_the_backward_starts(rng, monkeypatch, recompute, hel
     assert seen == [held], seen
 
 
+@pytest.mark.parametrize("recompute,fuse", [(3, False), (None, True), (3, True)])
+def test_streams_that_took_a_freed_outputs_address_are_not_it(rng, monkeypatch, recompute, fuse):
+    """The stack knows a layer's output (the next streams of its recompute block; the streams its fused
+    next pre piece was computed for) by its key: address, shape, strides, dtype, device, version.  A
+    forward hook that replaces the output frees it, and the next tensor of that size may take its
+    address and so its key (break-it pass 16: a second hook's o * 2 did, on the CPU now and then):
+    backward then rebuilt the freed output for it (recompute), or the next layer took the pre piece of
+    the freed output (fused), silently wrong.  Forced here by keys without the address: the layer's output
+    counts only while it lives."""
+    from mhc_cupy.torch import functions
+
+    def key(t):  # every tensor of one shape, dtype and version alike
+        return (tuple(t.shape), t.stride(), t.dtype, t.device, t._version)
+
+    monkeypatch.setattr(mt.stack, "stream_key", key)
+    monkeypatch.setattr(functions, "_stream_key", key)
+    layers = make_layers(4, 4, 8, 17)
+    layers[1].register_forward_hook(lambda mod, args, out: out * 2.0)  # the output freed, another in its place
+    x = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+    g = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+    want = run(nn.Sequential(*layers), x, g)
+    assert_bitwise(run(mt.MHCStack(layers, recompute=recompute, fuse_boundaries=fuse), x, g), want, "hooked")
+
+
 @pytest.mark.parametrize("backward", ["none", "partial", "retain_graph"])
 @pytest.mark.parametrize("recompute,fuse", [(2, False), (3, True)])
 def test_a_graph_dropped_without_its_full_backward_frees_the_streams(rng, recompute, fuse, backward):

@@ -32,6 +32,7 @@ that torch is installed first.
 """
 
 import dataclasses
+import weakref
 
 import torch
 from torch import Tensor
@@ -385,11 +386,11 @@ class NextPre:
     ``fuse_bwd``: the backward across the boundary fused too (:class:`BoundaryGrad`, set by :meth:`run`
     where the residual update records gradients)."""
 
-    __slots__ = ("phi", "alpha", "bias", "settings", "out_key", "outputs", "fuse_bwd", "grad")
+    __slots__ = ("phi", "alpha", "bias", "settings", "out_key", "out_ref", "outputs", "fuse_bwd", "grad")
 
     def __init__(self, phi, alpha, bias, settings: LayerSettings, fuse_bwd: bool = False):
         self.phi, self.alpha, self.bias, self.settings, self.fuse_bwd = phi, alpha, bias, settings, fuse_bwd
-        self.out_key = self.outputs = self.grad = None
+        self.out_key = self.out_ref = self.outputs = self.grad = None
 
     def run(self, layer_out, x, H_post, H_res, grad: bool = False) -> Tensor:
         """The residual update (bitwise mhc_post_op_fwd's) and the next pre piece's outputs, kept;
@@ -397,14 +398,15 @@ class NextPre:
         out, *rest = _run_plan(_ops.SPECS["mhc_boundary_fwd"].planner, {
             "layer_out": layer_out, "x": x, "H_post": H_post, "H_res": H_res, "phi": self.phi, "alpha": self.alpha,
             "bias": self.bias}, settings=self.settings)
-        self.out_key, self.outputs = _stream_key(out), tuple(rest)
+        self.out_key, self.out_ref, self.outputs = _stream_key(out), weakref.ref(out), tuple(rest)
         self.grad = BoundaryGrad(H_post) if grad and self.fuse_bwd else None
         return out
 
     def take(self, x: Tensor):
         """((layer_in, H_pre, H_post, H_res, stats), BoundaryGrad or None) computed for x, once; None for
-        other streams."""
-        if self.outputs is None or _stream_key(x) != self.out_key:
+        other streams (also where the residual update's output is gone: a forward hook replaced it, and
+        another tensor, a pre-hook's, may have its address and so its key)."""
+        if self.outputs is None or self.out_ref() is None or _stream_key(x) != self.out_key:
             return None
         outputs, self.outputs = self.outputs, None
         return outputs, self.grad

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from typing import Sequence, Union
 
 import torch
@@ -100,7 +101,7 @@ class _Slot:
     def __init__(self, block: _Block, i: int, x: Tensor):
         self.block, self.i = block, i
         self.key = stream_key(x)  # not x: autograd keeps the pack hook alive
-        self.out_key = None  # the block's (i + 1)-th streams, once recorded
+        self.out_key = self.out_ref = None  # the block's (i + 1)-th streams, once recorded (key, weak reference)
         block.uses.append(0)
 
     def pack(self, t: Tensor):
@@ -118,10 +119,14 @@ class _Slot:
         pre-hook may have given the layer others, or changed them in place)."""
         self.block.update.append((y.detach(), _version(y), H_post.detach(), H_res.detach(), convention))
         self.out_key = stream_key(out) if stream_key(x) == self.key else None
+        self.out_ref = weakref.ref(out) if self.out_key is not None else None
 
     def leads_to(self, x: Tensor) -> bool:
-        """x, what the layer call returned (forward hooks included), is the block's (i + 1)-th streams."""
-        return self.out_key is not None and stream_key(x) == self.out_key
+        """x, what the layer call returned (forward hooks included), is the block's (i + 1)-th streams.
+        Only while the layer's output lives: once freed (a forward hook returned another tensor), another
+        tensor may take its address and so its key (two forward hooks, the second's result where the first
+        freed the output), and backward would rebuild the output for it."""
+        return self.out_key is not None and self.out_ref() is not None and stream_key(x) == self.out_key
 
 
 def _unpack(saved):
