@@ -11,7 +11,8 @@ from typing import Optional
 
 def recompute_blocks(recompute, n: int, L: int) -> Optional[int]:
     """L_r, the layers per recompute block, for ``recompute`` None (no recompute), a positive
-    int (Python or NumPy), or "auto" (the paper's L_r* = sqrt(n L / (n + 2)) rounded, at least 1, section 4.3).
+    int (Python or NumPy), or "auto" (the paper's L_r* = sqrt(n L / (n + 2)) rounded, at least 1, section 4.3;
+    the blocks a stack makes of it: :func:`block_sizes`).
 
     Returns None where nothing is recomputed (None, or L_r = 1: every layer is a boundary).
 

@@ -3,8 +3,9 @@
 A decoder-only transformer (causal self-attention + MLP blocks, pre-norm
 inside each sublayer) whose every sublayer is wrapped by :class:`mhc_cupy.torch.MHC`
 with n = 4 residual streams (paper: arXiv 2512.24880), all of them in one
-:class:`mhc_cupy.torch.MHCStack` with stream recompute (``--recompute``, default the paper's
-block size: the same losses as without, less activation memory), trained on real text:
+:class:`mhc_cupy.torch.MHCStack` with stream recompute (``--recompute``, default "auto": the paper's
+number of blocks, shrinking toward the output; the same losses as without, less activation memory),
+trained on real text:
 by default the documentation shipped with CPython (``pydoc_data.topics``,
 about 0.47 MB), byte-level tokens (vocabulary 256), so it runs offline.  The
 last 5% of the bytes are held out.
@@ -454,8 +455,9 @@ def parse_args(argv=None):
     ap.add_argument("--heads", type=int, help="attention heads (GPU 4, tiny 4); must divide --dim")
     ap.add_argument("--streams", type=int, default=4, help="mHC residual streams n (default 4)")
     ap.add_argument("--recompute", default="auto",
-                    help="MHCStack's stream recompute: none, a block size L_r, or auto (default: the paper's "
-                         "sqrt(n L / (n + 2)) over the 2 x --layers mHC layers)")
+                    help="MHCStack's stream recompute: none, a block size L_r, or auto (default: as many blocks as the "
+                         "paper's L_r* = sqrt(n L / (n + 2)) gives over the 2 x --layers mHC layers, shrinking toward "
+                         "the output)")
     ap.add_argument("--lr", type=float, help="peak AdamW learning rate (GPU 2e-3, tiny 3e-3)")
     ap.add_argument("--eval-every", type=int, help="steps between held-out evaluations (GPU 100, tiny 25)")
     ap.add_argument("--text", help="train on this file (bytes) instead of CPython's documentation")

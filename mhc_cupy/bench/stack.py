@@ -8,7 +8,8 @@ all with the same weights:
 * ``mhc chain``: every residual replaced by an ``MHC`` layer (2L of them), applied one after the other
   on ``x [B, S, n, C]``;
 * ``MHCStack``: the same 2L layers in one :class:`mhc_cupy.torch.MHCStack` (recompute off);
-* ``MHCStack recompute``: with ``recompute="auto"`` (the paper's L_r*; section 4.3);
+* ``MHCStack recompute``: with ``recompute="auto"`` (the paper's number of blocks, shrinking toward the output:
+  ``MHCStack.blocks``, recorded as ``blocks``; section 4.3);
 * ``MHCStack fused`` / ``MHCStack fused recompute``: the same with ``fuse_boundaries=True`` (each
   residual update with the next layer's pre piece, ``mhc_boundary_fwd``; OPS.md section 12);
 * ``MHCStack fused bwd`` / ``MHCStack fused bwd recompute``: those under the kernel choice
@@ -87,7 +88,8 @@ def stack_case(L: int, C: int, heads: int, ffn: int, batch: int, seq: int, cfg, 
     dt = getattr(torch, cfg.dtype)
     n = cfg.streams
     row = {"L": L, "C": C, "heads": heads, "ffn": ffn, "batch": batch, "seq": seq, "n": n, "dtype": cfg.dtype,
-           "recompute_blocks": mt.stack.recompute_blocks("auto", n, 2 * L), "impls": {}, "overhead": {},
+           "recompute_blocks": mt.stack.recompute_blocks("auto", n, 2 * L),
+           "blocks": list(mt.stack.block_sizes("auto", n, 2 * L) or []), "impls": {}, "overhead": {},
            "memory": {}}
     timer = torch_timer(on_gpu, cfg)
 

@@ -4,7 +4,8 @@ A stack of L :class:`~mhc_cupy.torch.MHC` layers computes x_{l+1} = H_res,l x_l 
 F_l(H_pre,l x_l) for l = 0 .. L-1 (paper Eq. 3), exactly as the layers applied one after the
 other.  What it adds is memory: each mHC layer saves its input streams x_l ([..., n, C], n
 times a plain residual's activation) for backward.  With ``recompute = L_r`` the stack keeps
-x_l only at every L_r-th layer (the block boundaries) and rebuilds the others in backward,
+x_l only at every L_r-th layer (the block boundaries; "auto": at the starts of ``stack.blocks``) and
+rebuilds the others in backward,
 block by block, with the residual update x_{j+1} = H_res,j x_j + H_post,j^T y_j from what the
 layers save anyway (the sublayer outputs y_j and the per-token coefficients H_post,j, H_res,j):
 the paper's recompute of the mHC pieces in blocks of L_r layers, L_r* = sqrt(n L / (n + 2))
@@ -213,8 +214,8 @@ class MHCStack(nn.Module):
 
     @property
     def block_layers(self):
-        """L_r, the layers per recompute block, of ``recompute`` and the current number of layers; None
-        where nothing is recomputed."""
+        """L_r, the layers per recompute block, of ``recompute`` and the current number of layers (for "auto"
+        the paper's L_r*, whose number of blocks ``blocks`` takes); None where nothing is recomputed."""
         return recompute_blocks(self._recompute, self.n_streams, len(self.layers))
 
     @property
