@@ -69,15 +69,17 @@ def test_gemv_backward_and_head(rng):
     assert_close(out, R.mhc_head_fwd(x, fn, scale, base), ACT_TOL[dt], "head")
 
 
-@pytest.mark.parametrize("n", [1, 4, 5, 16])
+@pytest.mark.parametrize("n,T,C", [(1, 7, 200), (4, 7, 200), (5, 7, 200), (16, 7, 200), (4, 1, 7168), (32, 2, 600)])
 @pytest.mark.parametrize("convention", ["paper", "deepseek"])
-def test_tail_kernel_has_the_separate_kernels_bits(rng, monkeypatch, n, convention):
+def test_tail_kernel_has_the_separate_kernels_bits(rng, monkeypatch, n, T, C, convention):
     """From the same GEMV partials, mhc_layer_pre_tail_kernel gives the bits of the finish, Sinkhorn and
-    aggregate kernels it stands for (the plan rebuilt with the tail switched off)."""
+    aggregate kernels it stands for (the plan rebuilt with the tail switched off).  One token at C 7168, n 4:
+    the GEMV's 256 ranges come through the tail's shared memory in two stages (staged_split_sums); n 32: 5
+    ranges a stage."""
     from mhc_cupy import _dispatch
     from mhc_cupy.ops import layer
 
-    args = [to_gpu(a) for a in _case(rng, 7, n, 200, "bfloat16")]
+    args = [to_gpu(a) for a in _case(rng, T, n, C, "bfloat16")]
     with kernel_choice(small=True):
         tail = m.mhc_layer_pre_fwd(*args, convention=convention)
         real = layer.launch_pre_from_sums
