@@ -50,7 +50,7 @@ def test_stack_mode_runs_tiny_and_merges(tmp_path):
     res = json.loads((out / "stack.json").read_text())
     assert res["schema"] == "mhc_cupy.bench.stack/1"
     (row,) = res["results"]
-    assert (row["L"], row["C"], row["n"], row["recompute_blocks"]) == (4, 16, 2, 2)  # auto: sqrt(2 * 8 / 4) = 2
+    assert (row["L"], row["C"], row["n"], row["recompute_blocks"], row["blocks"]) == (4, 16, 2, 2, [4, 2, 1, 1])  # L_r* 2
     assert set(row["impls"]) == {"plain", "mhc chain", "MHCStack", "MHCStack recompute", "MHCStack fused",
                                  "MHCStack fused recompute", "MHCStack fused bwd", "MHCStack fused bwd recompute"}
     for name, v in row["impls"].items():
@@ -62,7 +62,7 @@ def test_stack_mode_runs_tiny_and_merges(tmp_path):
                  "MHCStack fused bwd recompute"):                                      # float64 references)
         assert row["impls"][name]["dx_rel_diff"] == 0.0, name
     text = (out / "stack.md").read_text()
-    assert "| 4 | 16 | 1 x 4 | MHCStack recompute |" in text and "targets:" in text
+    assert "| 4 | 16 | 1 x 4 | MHCStack recompute (4, 2, 1, 1) |" in text and "targets:" in text  # auto's blocks
     merged = tmp_path / "m"
     assert bench.main(["--merge", str(out / "stack.json"), "--out", str(merged)]) == 0
     assert json.loads((merged / "stack.json").read_text())["results"] == res["results"]

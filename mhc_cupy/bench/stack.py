@@ -218,6 +218,8 @@ def format_stack_report(result: dict) -> str:
 
     def cells(r, name, v):
         ov, mem, peak = r["overhead"].get(name), r["memory"].get(name), v.get("peak_bytes")
+        if "recompute" in name and r.get("blocks"):  # (recompute="auto": its blocks, first to last)
+            name = f"{name} ({', '.join(map(str, r['blocks']))})"
         return [str(r["L"]), str(r["C"]), f"{r['batch']} x {r['seq']}", name,
                 f"{v['us'] / 1e3:.3f}" if "us" in v else "err", "" if ov is None else f"{ov:+.1%}",
                 "" if not peak else f"{peak / 2**30:.2f}", "" if mem is None else f"{mem:.2f}x"]
