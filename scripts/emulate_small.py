@@ -77,26 +77,19 @@ F32 = np.float32
 _CTYPE = {"__nv_bfloat16": "bfloat16", "__half": "float16", "float": "float32"}
 
 
-def _kernel_constants():
-    """GEMV_THREADS, GEMV_MAX_OUTS, GEMV_SMEM_FLOATS as coeffs_gemv.cu defines them."""
-    src = (_ROOT / "kernels_cu" / "coeffs_gemv.cu").read_text()
-    return {m[0]: int(m[1]) for m in re.findall(r"constexpr int (GEMV_\w+) = (\d+);", src)}
+def _kernel_constants(*files):
+    """The ``constexpr int NAME = value;`` constants the kernel files define."""
+    src = "".join((_ROOT / "kernels_cu" / f).read_text() for f in files)
+    return {m[0]: int(m[1]) for m in re.findall(r"constexpr int (\w+) = (\d+);", src)}
 
 
-_K = _kernel_constants()
+_K = _kernel_constants("coeffs_gemv.cu", "sinkhorn.cu", "coeffs.cuh")
 GEMV_THREADS, GEMV_MAX_OUTS, GEMV_SMEM_FLOATS = _K["GEMV_THREADS"], _K["GEMV_MAX_OUTS"], _K["GEMV_SMEM_FLOATS"]
 assert (GEMV_THREADS, GEMV_MAX_OUTS, GEMV_SMEM_FLOATS) == (
     coeffs_fwd._GEMV_THREADS, coeffs_fwd._GEMV_MAX_OUTS, coeffs_fwd._GEMV_SMEM_FLOATS), "host and kernel constants"
 
 
-def _tail_constants():
-    """TAIL_THREADS, TAIL_STAGE_FLOATS (sinkhorn.cu) and STAGE_LOADS (coeffs.cuh) as the kernels define them."""
-    src = "".join((_ROOT / "kernels_cu" / f).read_text() for f in ("sinkhorn.cu", "coeffs.cuh"))
-    return {m[0]: int(m[1]) for m in re.findall(r"constexpr int ((?:TAIL|STAGE)_\w+) = (\d+);", src)}
-
-
-_T = _tail_constants()
-TAIL_THREADS, TAIL_STAGE_FLOATS, STAGE_LOADS = _T["TAIL_THREADS"], _T["TAIL_STAGE_FLOATS"], _T["STAGE_LOADS"]
+TAIL_THREADS, TAIL_STAGE_FLOATS, STAGE_LOADS = _K["TAIL_THREADS"], _K["TAIL_STAGE_FLOATS"], _K["STAGE_LOADS"]
 
 
 def _cdiv(a, b):

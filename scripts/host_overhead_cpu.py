@@ -7,13 +7,15 @@ cuLaunchKernel nor the CUDA caching allocator: use it to compare two versions of
 one machine, and ``python -m mhc_cupy.bench`` (host rows) on a GPU for the real numbers.
 
     python scripts/host_overhead_cpu.py
+    python scripts/host_overhead_cpu.py --plans   # also: the plans' Python per call at 8192 x 2048 x 4 (what a
+                                                  # JAX callback, a first call or a call that cannot replay runs)
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
-import numpy as np
 import torch
 
 import mhc_cupy as m
@@ -83,6 +85,34 @@ def per_call_us(f, calls: int = 4000, bursts: int = 15) -> float:
     return best
 
 
+def plan_python_us(tokens: int = 8192, n: int = 4, C: int = 2048) -> dict:
+    """{op: (launches, us a call)}: the Python of the layer ops' plans (``Plan.launch`` on fake bf16 pointers,
+    ``_jit.dry_run``, its name normalising stubbed: not on the launch path), best of 7 bursts; CuPy's
+    launch itself is not in it."""
+    from mhc_cupy import _kernels
+    from mhc_cupy.ops import SPECS
+
+    real, _jit.normalise = _jit.normalise, lambda expr: expr
+    out = {}
+    try:
+        for op, absent in (("mhc_layer_pre_fwd", ()), ("mhc_post_op_fwd", ()), ("mhc_layer_post_bwd", ()),
+                           ("mhc_layer_pre_bwd", ("layer_out", "grad_x"))):
+            k = SPECS[op]
+            infos = _kernels._infos(k, (tokens,), {"n": n, "C": C, "K": n * n + 2 * n}, "bfloat16", "bfloat16",
+                                    _kernels._ALIGNED)
+            infos.update(dict.fromkeys(absent))
+            plan = k.planner(infos, **k.params)
+            ptrs = {a: None if v is None else v.ptr for a, v in infos.items()}
+            outs, scratch = [_kernels._ALIGNED] * len(plan.outputs), [_kernels._ALIGNED] * len(plan.scratch)
+            with _jit.dry_run() as launches:
+                us = per_call_us(lambda: (plan.launch(ptrs, outs, scratch, 0), launches.clear()), 500, 7)
+                plan.launch(ptrs, outs, scratch, 0)
+                out[op] = (len(launches), us)
+    finally:
+        _jit.normalise = real
+    return out
+
+
 def main() -> None:
     pose_as_gpu()
     torch.manual_seed(0)
@@ -109,6 +139,10 @@ def main() -> None:
         print(f"  {'MHC forward (no grad)':44s} {per_call_us(lambda: layer(x), 1000):8.2f}")
     for name, f in rows.items():
         print(f"  {name:44s} {per_call_us(f, 1000 if 'MHC' in name else 4000):8.2f}")
+    if "--plans" in sys.argv:
+        print("the plans' Python per call (8192 x 2048 x 4 bfloat16, dry run; no CuPy launch), us:")
+        for op, (count, us) in plan_python_us().items():
+            print(f"  {op:24s} {count:2d} launches {us:8.1f}")
 
 
 if __name__ == "__main__":

@@ -443,27 +443,26 @@ def test_streams_held_where_the_backward_starts(rng, monkeypatch, recompute, hel
     stack = mt.MHCStack(layers, recompute=recompute)
     x = torch.from_numpy(rng.standard_normal(lead + (n, C))).float().requires_grad_()
     g = torch.from_numpy(rng.standard_normal(lead + (n, C))).float()
-    refs, seen = [], []
+    rebuilt, seen = [], []
     rebuild = mt.stack.mhc_post_op_fwd
 
-    def rebuilt(*args, **kwargs):  # the streams the backward rebuilds
+    def rebuilding(*args, **kwargs):  # the streams the backward rebuilds
         out = rebuild(*args, **kwargs)
-        refs.append(weakref.ref(out))
+        rebuilt.append(weakref.ref(out))
         return out
 
-    monkeypatch.setattr(mt.stack, "mhc_post_op_fwd", rebuilt)
-    hooks = [layer.register_forward_pre_hook(lambda mod, args: refs.append(weakref.ref(args[0]))) for layer in layers]
+    monkeypatch.setattr(mt.stack, "mhc_post_op_fwd", rebuilding)
 
     def count(module, grad_output):
         gc.collect()
-        seen.append(sum(r() is not None for r in refs))
+        seen.append(sum(r() is not None for r in inputs + rebuilt))
 
-    hooks.append(layers[-1].sublayer.register_full_backward_pre_hook(count))
+    hook = layers[-1].sublayer.register_full_backward_pre_hook(count)
     try:
-        stack(x).backward(g)
+        out, inputs = _forward_with_refs(stack, x)  # (weak references to each layer's input streams)
+        out.backward(g)
     finally:
-        for h in hooks:
-            h.remove()
+        hook.remove()
     assert seen == [held], seen
 
 

@@ -62,7 +62,6 @@ def small_case(T: int, C: int, n: int, cfg, on_gpu: bool, compile_: bool) -> dic
     stack = [layer] + [mt.MHC(C, n, device=dev) for _ in range(STACK_LAYERS - 1)]
     impls["mhc_cupy MHCStack, per layer"] = mt.MHCStack(stack)
     impls["mhc_cupy MHCStack fused, per layer"] = mt.MHCStack(stack, fuse_boundaries=True)
-    per = dict.fromkeys(("mhc_cupy MHCStack, per layer", "mhc_cupy MHCStack fused, per layer"), STACK_LAYERS)
     if "torch" in cfg.baselines:
         impls["torch"] = MHCReference.from_layer(layer)
     if T <= SMALL_MAX_TOKENS:  # (where the small-token forward and the one-launch tail apply)
@@ -91,8 +90,8 @@ def small_case(T: int, C: int, n: int, cfg, on_gpu: bool, compile_: bool) -> dic
             unit = host_unit_costs()
             v["driver_floor_us"] = v["launches"] * unit["launch_us"] + v["allocations"] * unit["allocation_us"]
         for k in ("eager_us", "graph_us", "launches", "allocations", "driver_floor_us"):
-            if k in v and name in per:
-                v[k] /= per[name]
+            if k in v and name.endswith("per layer"):  # (timed over the stack's STACK_LAYERS layers)
+                v[k] /= STACK_LAYERS
         env._log(f"  {name}: " + ", ".join(f"{k} {v[k]:.1f}" for k in ("eager_us", "graph_us", "driver_floor_us")
                                            if k in v)
                  + (f" {v['error']}" if "error" in v else ""))
