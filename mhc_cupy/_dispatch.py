@@ -75,12 +75,8 @@ class Plan:
         """(bytes, offsets): the temporaries as pieces of one byte buffer, in the order of
         ``self.scratch``, each at a multiple of SCRATCH_ALIGN bytes: a GPU call allocates them at
         once (each allocation costs host time: a torch one about 1.4 us on the CPU)."""
-        offsets, end = [], 0
-        for shape, dt in self.scratch.values():
-            offsets.append(end)
-            size = max(math.prod(shape) * _interop.numpy_dtype(dt).itemsize, 1)
-            end += -(-size // SCRATCH_ALIGN) * SCRATCH_ALIGN
-        return end, tuple(offsets)
+        offsets, end = pack(self.scratch.values())
+        return end, offsets
 
     def scratch_ptrs(self, fe, like) -> tuple:
         """(buffer, pointers): the temporaries allocated in ``fe`` (a front end, on ``like``'s device
@@ -92,6 +88,17 @@ class Plan:
         buf = fe.empty((size,), "uint8", like)
         base = fe.ptr(buf)
         return buf, [base + o for o in offsets]
+
+
+def pack(buffers, end: int = 0) -> tuple:
+    """(offsets, end): ``buffers`` [(shape, dtype name)] placed in one byte buffer from byte ``end``, each
+    at a multiple of SCRATCH_ALIGN bytes (at least one byte each)."""
+    offsets = []
+    for shape, dt in buffers:
+        offsets.append(end)
+        size = max(math.prod(shape) * _interop.numpy_dtype(dt).itemsize, 1)
+        end += -(-size // SCRATCH_ALIGN) * SCRATCH_ALIGN
+    return tuple(offsets), end
 
 
 #: Alignment of the temporaries within their buffer (Plan.scratch_layout), in bytes: more than any kernel's
@@ -247,28 +254,39 @@ def _fast_inputs(arrays: dict):
 _get_device = None  # cupy.cuda.runtime.getDevice, bound at the first GPU call
 
 
-def _run_fast(entry: _Entry, in_ptrs: list, like, arrays: dict):
+def current_device() -> int:
+    """The current CUDA device (CuPy's runtime call, bound once)."""
     global _get_device
     if _get_device is None:
         import cupy
 
         _get_device = cupy.cuda.runtime.getDevice
+    return _get_device()
+
+
+def launch(entry: _Entry, arrays: dict, in_ptrs: list, out_ptrs: list, scratch_ptrs: list, stream: int) -> None:
+    """Queue a fast-path entry's kernels with this call's pointers: the recorded launches when they can be
+    replayed (every pointer 16-byte aligned), else the plan.  ``arrays``: the inputs by name (None where
+    absent), ``in_ptrs`` the present ones' pointers in that order."""
+    all_ptrs = in_ptrs + out_ptrs + scratch_ptrs
+    if entry.replay is not None and _replay.aligned(all_ptrs):
+        _replay.ensure_context(entry.dev)
+        entry.replay.launch(all_ptrs, stream)
+    else:
+        names = iter(in_ptrs)
+        entry.plan.launch({k: None if v is None else next(names) for k, v in arrays.items()}, out_ptrs,
+                          scratch_ptrs, stream)
+
+
+def _run_fast(entry: _Entry, in_ptrs: list, like, arrays: dict):
     plan, fe, dev = entry.plan, entry.fe, entry.dev
-    if _get_device() != dev:
+    if current_device() != dev:
         return None
     ptr = fe.ptr
     outs = [fe.empty(shape, dt, like) for shape, dt in plan.outputs]
     if not plan.empty:
         _buf, scratch_ptrs = plan.scratch_ptrs(fe, like)
-        out_ptrs = [ptr(o) for o in outs]
-        all_ptrs = in_ptrs + out_ptrs + scratch_ptrs
-        if entry.replay is not None and _replay.aligned(all_ptrs):
-            _replay.ensure_context(dev)
-            entry.replay.launch(all_ptrs, fe.stream(dev))
-        else:
-            names = iter(in_ptrs)
-            plan.launch({k: None if v is None else next(names) for k, v in arrays.items()}, out_ptrs,
-                        all_ptrs[len(in_ptrs) + len(outs):], fe.stream(dev))
+        launch(entry, arrays, in_ptrs, [ptr(o) for o in outs], scratch_ptrs, fe.stream(dev))
     return outs[0] if plan.single else tuple(outs)
 
 

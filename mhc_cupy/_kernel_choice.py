@@ -48,6 +48,11 @@ wherever it applies; ``False``: never):
   ``mhc_layer_post_pre_bwd_kernel``) run only under it, else NotImplementedError (CPU inputs run the reference
   either way).  Off by default: its GPU tests pass on the H200, but the sanitizers have not run on it and
   the fused backward measured slower there (benchmarks/h200_stack.md).
+* ``lane``: a repeated :class:`mhc_cupy.torch.MHC` call without autograd (decoding) queues the general
+  route's recorded launches itself, its coefficients and temporaries in one buffer
+  (:mod:`mhc_cupy.torch._no_grad`: the same kernels and bits, half the host work, three allocations
+  instead of seven).  Off by default until a GPU run has checked it (its launches are checked equal to
+  the general route's on the CPU).  Read at each call.
 
 When it is read: once, when what runs the kernels is built.  The coefficient path's layouts
 (``ops.coeffs.fwd.mma_layout``, ``ops.coeffs.split_bwd.SplitBwd``) read ``wg_fwd`` / ``wg_dx`` when
@@ -70,7 +75,7 @@ __all__ = ["KernelChoice", "LIBRARY_CHOICE", "current", "kernel_choice", "restor
 #: What ``None`` means for each variant: the library's own choice.
 LIBRARY_CHOICE = {"wg_fwd": True, "wg_dx": True, "fused": True, "boundary": False, "small": False,
                   "layer_in": False, "boundary_bwd": False, "tail": False,
-                  "post_pipe": False}
+                  "post_pipe": False, "lane": False}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +83,7 @@ class KernelChoice:
     """The variants asked for (see the module docstring); hashable, a plan-cache key as it is.
 
     Attributes:
-        wg_fwd, wg_dx, fused, boundary, small, layer_in, boundary_bwd, tail, post_pipe: True, False or None
+        wg_fwd, wg_dx, fused, boundary, small, layer_in, boundary_bwd, tail, post_pipe, lane: True, False or None
             (default: the library's choice).
 
     Raises:
@@ -94,6 +99,7 @@ class KernelChoice:
     boundary_bwd: bool | None = None
     tail: bool | None = None
     post_pipe: bool | None = None
+    lane: bool | None = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -23,6 +23,12 @@ import mhc_cupy.torch as mt
 from mhc_cupy import _dispatch, _interop, _jit
 
 
+class _NoLaunch:
+    @staticmethod
+    def launch(ptrs, stream):
+        pass
+
+
 class _FrontEnd:
     """The torch front end, on the CPU, with stream 0."""
 
@@ -41,10 +47,7 @@ class _FrontEnd:
         return 0
 
 
-class _NoLaunch:
-    @staticmethod
-    def launch(ptrs, stream):
-        pass
+_REPLAY = _NoLaunch()  # the fast-path entries' replay (None: their plans launch, dry runs record them)
 
 
 def _first_call(planner, arrays, fast_key, params):
@@ -59,17 +62,21 @@ def _first_call(planner, arrays, fast_key, params):
     with _jit.dry_run():
         plan = _dispatch._plan(planner, infos, params)
     entry = _dispatch._fast[_dispatch._key(planner, fast[0], params)] = _dispatch._Entry(plan, _FrontEnd(), 0,
-                                                                                           _NoLaunch())
+                                                                                           _REPLAY)
     return _dispatch._run_fast(entry, fast[1], fast[2], arrays)
 
 
-def pose_as_gpu() -> None:
-    """Patch torch and mhc_cupy so that CPU tensors take the GPU route (this process only)."""
-    torch.Tensor.get_device = lambda self: 0
-    _dispatch._get_device = lambda: 0
-    _dispatch._replay.ensure_context = lambda dev: None
-    _dispatch._replay.aligned = lambda ptrs: True
-    _dispatch._run = _first_call
+def pose_as_gpu(setattr=setattr, record: bool = False) -> None:
+    """Patch torch and mhc_cupy so that CPU tensors take the GPU route (this process only; tests pass
+    ``monkeypatch.setattr``).  ``record``: the fast path's calls launch their plans (which, within
+    ``_jit.dry_run()``, record their launches), else nothing."""
+    global _REPLAY
+    setattr(torch.Tensor, "get_device", lambda self: 0)
+    setattr(_dispatch, "_get_device", lambda: 0)
+    setattr(_dispatch._replay, "ensure_context", lambda dev: None)
+    setattr(_dispatch._replay, "aligned", lambda ptrs: True)
+    setattr(_dispatch, "_run", _first_call)
+    _REPLAY = None if record else _NoLaunch()
 
 
 def per_call_us(f, calls: int = 4000, bursts: int = 15) -> float:

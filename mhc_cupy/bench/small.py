@@ -15,6 +15,10 @@ forward of one layer with an identity sublayer, without autograd (``torch.no_gra
   (identity sublayers; a decode step of a model), its times and counts per layer: the whole stack's
   forward captured in one CUDA graph, and eager; ``... fused``: with ``fuse_boundaries=True`` (each residual
   update and the next layer's pre piece one op: one call less a layer);
+* ``mhc_cupy lane`` / ``mhc_cupy lane off``: the layer under the kernel choice ``lane=True`` / ``False`` (the
+  repeated no-grad call through :mod:`mhc_cupy.torch._no_grad`, the same launches with less host work; off by
+  default until checked on a GPU), each call inside the same ``kernel_choice`` block, so the two eager
+  times compare; ``mhc_cupy MHCStack lane, per layer``: the stack so;
 * ``torch`` / ``torch.compile``: ``mhc_cupy.torch.reference.MHCReference`` (the same maths and
   parameters in plain torch ops), eager and ``torch.compile(dynamic=False)``, each where it is
   among the baselines (``--baselines``; none with ``--no-baselines``).
@@ -62,6 +66,9 @@ def small_case(T: int, C: int, n: int, cfg, on_gpu: bool, compile_: bool) -> dic
     stack = [layer] + [mt.MHC(C, n, device=dev) for _ in range(STACK_LAYERS - 1)]
     impls["mhc_cupy MHCStack, per layer"] = mt.MHCStack(stack)
     impls["mhc_cupy MHCStack fused, per layer"] = mt.MHCStack(stack, fuse_boundaries=True)
+    # the no-grad lane's A/B, both rows paying the same kernel_choice block around each call
+    impls["mhc_cupy lane"], impls["mhc_cupy lane off"] = _chosen(layer, lane=True), _chosen(layer, lane=False)
+    impls["mhc_cupy MHCStack lane, per layer"] = _chosen(mt.MHCStack(stack), lane=True)
     if "torch" in cfg.baselines:
         impls["torch"] = MHCReference.from_layer(layer)
     if T <= SMALL_MAX_TOKENS:  # (where the small-token forward and the one-launch tail apply)

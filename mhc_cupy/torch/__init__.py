@@ -54,7 +54,9 @@ The package (no module imports another in a circle):
   :mod:`mhc_cupy.torch._factory` (what every op's adapter derives from the op table);
 * :mod:`mhc_cupy.torch.layers`: the ``nn.Module`` :class:`MHC` and the
   stream helpers (``expand_streams``, ``collapse_streams``, ``identity_bias``,
-  ``ExpandStreams``, ``CollapseStreams``), built on ``functions``;
+  ``ExpandStreams``, ``CollapseStreams``), built on ``functions``; a repeated
+  ``MHC`` call without autograd (decoding) queues the same launches with less host
+  work (:mod:`mhc_cupy.torch._no_grad`);
 * :mod:`mhc_cupy.torch.stack`: :class:`MHCStack`, a network's sequence of :class:`MHC` layers
   with stream recompute (paper section 4.3), built on ``layers``;
 * :mod:`mhc_cupy.torch.reference`: the same ops and layer in plain torch ops

@@ -358,3 +358,79 @@ def test_backward_deterministic_under_load(gen, op, shared):
     torch.cuda.synchronize()
     for i, (r1, r2) in enumerate(zip(*results)):
         assert_same(r1, r2, f"{op} grad {i}")
+
+
+# ------------------------------------------------------------------ MHC.forward without autograd (the lane)
+class _Squash(torch.nn.Module):
+    def forward(self, li):
+        return torch.tanh(li.float() * 1.5).to(li.dtype) * 0.7
+
+
+def _general_route(layer, x):
+    """``layer(x)`` under no_grad through the general route (the lane switched off for the call)."""
+    from mhc_cupy.torch import layers
+
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        mp.setattr(layers, "_no_grad_forward", lambda *a: None)
+        return layer(x)
+
+
+def _poison_pool():
+    """Best effort: the caching allocator's next small blocks come from memory just filled with NaN."""
+    torch.full((1 << 22,), float("nan"), device=DEV)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("T,n,C,dtype,convention,choice", [
+    (1, 4, 7168, torch.bfloat16, "paper", {}), (3, 1, 7, torch.float32, "deepseek", {}),
+    (127, 2, 40, torch.float16, "paper", {}), (64, 8, 1000, torch.bfloat16, "deepseek", {}),
+    (5, 32, 24, torch.float32, "paper", {}), (1, 4, 7168, torch.bfloat16, "deepseek", {"small": True}),
+    (8, 4, 7168, torch.bfloat16, "paper", {"tail": True})])
+def test_no_grad_lane_is_bitwise_the_general_route(gen, T, n, C, dtype, convention, choice):
+    """MHC.forward under no_grad on repeated shapes (mhc_cupy.torch._no_grad: the same recorded launches,
+    its coefficients and temporaries in one buffer) == the general route, bitwise, fresh x each call."""
+    from mhc_cupy._kernel_choice import kernel_choice
+    from mhc_cupy.torch import _no_grad
+
+    layer = mt.MHC(C, n, _Squash(), convention=convention).to(DEV)
+    with kernel_choice(lane=True, **choice):
+        for call in range(4):
+            x = rand(gen, (T, n, C), dtype=dtype, grad=False)
+            _poison_pool()
+            want = _general_route(layer, x)
+            _poison_pool()
+            with torch.no_grad():
+                got = layer(x)
+            assert_same(got, want, f"call {call}")
+            assert torch.isfinite(got).all()
+        assert layer in _no_grad._LANES, "the lane was not taken"
+
+
+def test_no_grad_lane_in_a_cuda_graph(gen):
+    """A no-grad stack of MHC layers (the lane each) captured in a CUDA graph, x changed in place, replayed:
+    bitwise the general route's eager output."""
+    from mhc_cupy._kernel_choice import kernel_choice
+    from mhc_cupy.torch import _no_grad
+
+    T, n, C = 4, 4, 2048
+    stack = torch.nn.Sequential(*[mt.MHC(C, n, _Squash()) for _ in range(3)]).to(DEV)
+    x = rand(gen, (T, n, C), dtype=torch.bfloat16, grad=False)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with kernel_choice(lane=True), torch.no_grad():
+        with torch.cuda.stream(side):
+            for _ in range(3):  # the general route's first call, then the lane
+                stack(x)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph, stream=side):
+            static_out = stack(x)
+        assert all(layer in _no_grad._LANES for layer in stack), "the lane was not taken"
+        for _ in range(2):
+            x.copy_(rand(gen, x.shape, dtype=x.dtype, grad=False))
+            graph.replay()
+            torch.cuda.synchronize()
+            want = x
+            for layer in stack:
+                want = _general_route(layer, want)
+            assert_same(static_out, want, "replayed no-grad stack")
