@@ -114,6 +114,19 @@ def test_compile_dynamic_two_fused_layers(rng, fresh_dynamo, route, convention):
             assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
 
 
+@pytest.mark.parametrize("lane", [None, True])
+def test_compile_fullgraph_mhc_without_grad(rng, fresh_dynamo, lane):
+    """MHC compiled (fullgraph) and called under torch.no_grad (inference): the no-grad lane's kernel choice
+    (a context variable, which Dynamo cannot read) is not reached while Dynamo traces; equal to eager."""
+    from mhc_cupy._kernel_choice import kernel_choice
+
+    layer = mt.MHC(16, 4, torch.nn.Linear(16, 16))
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    x = tensor(rng, (3, 4, 16), grad=False)
+    with torch.no_grad(), kernel_choice(lane=lane):
+        assert_same(compiled(x), layer(x))
+
+
 def test_compile_pre_op_unused_outputs(rng, fresh_dynamo):
     """Compiled: only layer_in used; gradients equal eager (None handled on the custom-op route)."""
     c = case("mhc_pre_op", rng, (2, 3), 4, 7)

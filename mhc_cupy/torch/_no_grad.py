@@ -31,7 +31,7 @@ from .. import _dispatch
 from .._dispatch import _Entry
 from .._kernel_choice import current as _kernel_choice
 from ..ops import SPECS
-from ._factory import use_custom_op
+from ._factory import is_compiling, use_custom_op
 from ._link import tag
 from .functions import layer_post
 
@@ -82,6 +82,8 @@ def _build(layer, x, fast, choice) -> Lane | None:
 def forward(layer, x, args: tuple, kwargs: dict):
     """``layer(x, *args, **kwargs)`` with grad mode off, through the lane; None (nothing done) where it
     does not apply: the caller takes the general route."""
+    if is_compiling():  # (Dynamo traces the general route; it cannot read the kernel choice, a context variable)
+        return None
     choice = _kernel_choice()
     if not choice.runs("lane"):
         return None
