@@ -265,6 +265,9 @@ class MHCStack(nn.Module):
                 i = slot.i + 1 if slot is not None and l not in starts and slot.leads_to(x) else 0
                 slot = layer._stack_slot = _Slot(_Block(x) if i == 0 else slot.block, i, x)
             given, nxt = nxt, self._next_pre(l) if fuse else None
+            if starts is None and given is None and nxt is None:  # (nothing to hand over: no attributes to set)
+                x = layer(x, *args, **kwargs)
+                continue
             layer._pre_given, layer._pre_next = given, nxt
             try:
                 x = layer(x, *args, **kwargs)
