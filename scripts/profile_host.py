@@ -4,7 +4,8 @@ Compares: a raw CuPy launch of the same kernel (the floor for a Python
 launch), the functional API with CuPy and with torch inputs, the
 ``mhc_cupy.torch`` adapter, and a native torch op.
 ``--layer``: also an ``MHC`` forward under ``torch.no_grad`` at 1 token, C 7168, n 4, bf16 (the decode
-call of ``bench --small``), timed and cProfiled.
+call of ``bench --small``), timed and cProfiled, and with the kernel choice ``lane`` on / off (each
+inside the same ``kernel_choice`` block).
 Usage on a GPU machine:  python scripts/profile_host.py [--profile] [--layer]
 """
 
@@ -18,6 +19,7 @@ import numpy as np
 
 import mhc_cupy as m
 from mhc_cupy import _jit
+from mhc_cupy._kernel_choice import kernel_choice
 
 
 def per_call_us(fn, calls=3000):
@@ -62,13 +64,24 @@ try:
                 return layer(xl)
 
         rows["MHC forward, 1 x 7168 x 4 bf16 (no grad)"] = layer_fwd
+
+        def lane_fwd():  # the no-grad lane (kernel choice lane, mhc_cupy.torch._no_grad)
+            with torch.no_grad(), kernel_choice(lane=True):
+                return layer(xl)
+
+        def general_fwd():  # the same block around the call, the lane off: the A/B of the lane
+            with torch.no_grad(), kernel_choice(lane=False):
+                return layer(xl)
+
+        rows["MHC forward ... (no grad), lane"] = lane_fwd
+        rows["MHC forward ... (no grad), lane off"] = general_fwd
 except ImportError:
     pass
 for name, f in rows.items():
     print(f"{name:<45} {per_call_us(f):7.1f} us per call")
 if "--profile" in sys.argv:
     for name in ("functional API, cupy inputs", "functional API, torch inputs",
-                 "MHC forward, 1 x 7168 x 4 bf16 (no grad)"):
+                 "MHC forward, 1 x 7168 x 4 bf16 (no grad)", "MHC forward ... (no grad), lane"):
         if name not in rows:
             continue
         pr = cProfile.Profile()
