@@ -21,6 +21,7 @@ import torch
 import mhc_cupy as m
 import mhc_cupy.torch as mt
 from mhc_cupy import _dispatch, _interop, _jit
+from mhc_cupy._kernel_choice import kernel_choice
 
 
 class _NoLaunch:
@@ -144,6 +145,8 @@ def main() -> None:
     print(f"host cost per call on the CPU, launches stubbed out (tokens {T}, n {n}, C {C}, bfloat16), us:")
     with torch.no_grad():
         print(f"  {'MHC forward (no grad)':44s} {per_call_us(lambda: layer(x), 1000):8.2f}")
+        with kernel_choice(lane=True):  # (mhc_cupy.torch._no_grad; off by default until checked on a GPU)
+            print(f"  {'MHC forward (no grad), kernel choice lane':44s} {per_call_us(lambda: layer(x), 1000):8.2f}")
     for name, f in rows.items():
         print(f"  {name:44s} {per_call_us(f, 1000 if 'MHC' in name else 4000):8.2f}")
     if "--plans" in sys.argv:

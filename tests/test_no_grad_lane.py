@@ -181,3 +181,130 @@ def test_lane_is_off_by_default(posed):
         layer(x)
         layer(x)
     assert layer not in _no_grad._LANES
+
+
+# ---------------------------------------------------------------- break-it pass 17: each failed before its fix
+def _launches(layer, x, lane: bool):
+    """(launches, output) of one no-grad call through the lane or the general route."""
+    with torch.no_grad(), _jit.dry_run() as launches, pytest.MonkeyPatch.context() as mp:
+        if not lane:
+            mp.setattr(layers, "_no_grad_forward", lambda *a: None)
+        out = layer(x)
+    return list(launches), out
+
+
+@pytest.mark.parametrize("lane", [False, True])
+def test_a_parametrized_phi_is_computed_once_a_call(lane):
+    """spectral_norm on phi (training mode: a power iteration at each read), plain CPU tensors: the lane
+    declines (CPU), and the general route uses the phi it read, so results do not depend on the lane."""
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    def run(lane):
+        torch.manual_seed(0)
+        layer = spectral_norm(mt.MHC(16, 4), "phi")
+        x = torch.randn(2, 4, 16)
+        with torch.no_grad(), kernel_choice(lane=lane):
+            return [layer(x) for _ in range(3)][-1]
+
+    assert torch.equal(run(False), run(lane))
+
+
+def test_a_parametrized_phi_is_read_once_where_the_lane_declines(posed):
+    from torch.nn.utils import parametrize
+
+    reads = []
+
+    class Count(torch.nn.Module):
+        def forward(self, w):
+            reads.append(1)
+            return w
+
+    layer = mt.MHC(16, 4, torch.nn.Identity())
+    parametrize.register_parametrization(layer, "phi", Count())
+    x = torch.randn(4, 2, 16).transpose(0, 1)  # not contiguous: the lane declines after reading phi
+    for lane in (False, True):
+        reads.clear()
+        _launches(layer, x, lane)
+        assert len(reads) == 1, (lane, len(reads))
+
+
+def test_the_lane_checks_x_as_the_general_route(posed):
+    """MHC(16, 4) given an MHC(32, 4)'s phi: both routes raise the shape error (the lane could have been built
+    from the other layer's fast-path entries of the same settings)."""
+    a, b = mt.MHC(16, 4, torch.nn.Identity()), mt.MHC(32, 4, torch.nn.Identity())
+    x = torch.randn(2, 4, 32)
+    _launches(b, x, True)
+    _launches(b, x, True)
+    a.phi = torch.nn.Parameter(b.phi.detach().clone())
+    for lane in (False, True):
+        with pytest.raises(ValueError, match="dim=16"):
+            _launches(a, x, lane)
+
+
+def test_the_shape_error_comes_first_under_vmap():
+    layer = mt.MHC(16, 4)
+    for lane in (False, True):
+        with torch.no_grad(), kernel_choice(lane=lane), pytest.raises(ValueError, match="dim=16"):
+            torch.func.vmap(layer)(torch.randn(3, 2, 4, 15))
+
+
+def test_the_post_op_reads_x_where_it_is_after_the_sublayer(posed):
+    """A sublayer that gives x new storage (x.set_): the post op reads the new storage, as the general route's."""
+    box = {}
+
+    class SetX(torch.nn.Module):
+        def forward(self, li):
+            box["x"].set_(torch.randn(box["x"].shape))
+            return li * 2
+
+    layer = mt.MHC(16, 4, SetX())
+    for lane in (False, True, True):
+        x = box["x"] = torch.randn(2, 4, 16)
+        launches, _ = _launches(layer, x, lane)
+        assert x.data_ptr() in launches[-1][4], lane
+
+
+def test_a_kernel_choice_the_sublayer_leaves_holds_for_the_post_op(posed):
+    """The general route plans the post op under the choice in force after the sublayer (small: a token's
+    columns over 2 blocks); so does the lane (it takes the general post op then)."""
+    import dataclasses
+
+    from mhc_cupy import _kernel_choice
+
+    x = torch.randn(1, 4, 4096, dtype=torch.bfloat16)
+    _launches(mt.MHC(4096, 4, torch.nn.Identity()), x, True)  # another layer leaves the entries of these shapes
+
+    class Small(torch.nn.Module):
+        def forward(self, li):
+            _kernel_choice._CURRENT.set(dataclasses.replace(_kernel_choice.current(), small=True))
+            return li * 2
+
+    layer, grids = mt.MHC(4096, 4, Small()), []
+    for lane in (False, True, True):
+        token = _kernel_choice._CURRENT.set(_kernel_choice.current())
+        launches, _ = _launches(layer, x, lane)
+        _kernel_choice._CURRENT.reset(token)
+        grids.append(launches[-1][2])
+    assert grids[0] == grids[1] == grids[2], grids
+
+
+def test_an_unhashable_layer_takes_the_general_route(posed):
+    class Eq(mt.MHC):
+        def __eq__(self, other):
+            return self is other
+
+    layer, x = Eq(8, 2, torch.nn.Identity()), torch.randn(1, 2, 8)
+    for lane in (False, True, True):
+        _launches(layer, x, lane)
+
+
+def test_an_equal_kernel_choice_keeps_the_lane(posed):
+    """A new kernel_choice block each step (a new, equal KernelChoice): the lane is not rebuilt."""
+    layer, x = mt.MHC(16, 4, Sublayer(posed)), torch.randn(2, 4, 16)
+    _launches(layer, x, True)
+    with kernel_choice(lane=True):
+        _launches(layer, x, True)
+    lane = _no_grad._LANES[layer]
+    with kernel_choice(lane=True):
+        _launches(layer, x, True)
+    assert _no_grad._LANES[layer] is lane

@@ -8,8 +8,7 @@ queues the same two fast-path entries (the launches ``_dispatch`` recorded: the 
 arguments and bits) with the Python of one call, and puts those four outputs and both ops'
 temporaries in one buffer: three allocations instead of seven.  Host cost of the decode-sized
 forward (tokens 1, n 4, C 64, no grad; ``python scripts/host_overhead_cpu.py``, launches stubbed,
-the 2-core CPU host of 2026-12-07, three alternating runs each): 40.7-41.3 us general, 20.6-22.1 us
-through the lane.
+the 2-core CPU host of 2026-12-07): ~40 us through the general route, ~22.5 us through the lane.
 
 Under the kernel choice ``lane`` (:mod:`mhc_cupy._kernel_choice`; off by default until a GPU run has
 checked it) it applies to the fused layer (the default kernel choice) outside a stack's recompute / fused
@@ -79,23 +78,28 @@ def _build(layer, x, fast, choice) -> Lane | None:
                 post_scratch)
 
 
-def forward(layer, x, args: tuple, kwargs: dict):
-    """``layer(x, *args, **kwargs)`` with grad mode off, through the lane; None (nothing done) where it
-    does not apply: the caller takes the general route."""
+def forward(layer, x, phi, alpha, bias, args: tuple, kwargs: dict):
+    """``layer(x, *args, **kwargs)`` with grad mode off, through the lane, with the parameters as read (once:
+    a parametrization runs at each read); None (nothing done) where it does not apply: the caller takes the
+    general route."""
     if is_compiling():  # (Dynamo traces the general route; it cannot read the kernel choice, a context variable)
         return None
     choice = _kernel_choice()
     if not choice.runs("lane"):
         return None
-    phi, alpha, bias = layer.phi, layer.alpha, layer.bias
+    layer._check(x)  # (as the general route, first: its errors, in its order)
     if phi.dtype != _F32 or alpha.dtype != _F32 or bias.dtype != _F32 or use_custom_op(x, phi, alpha, bias):
         return None
     arrays = {"x": x, "phi": phi, "alpha": alpha, "bias": bias}
     fast = _dispatch._fast_inputs(arrays)
     if fast is None:
         return None
-    lane = _LANES.get(layer)
-    if lane is None or lane.parts != fast[0] or lane.settings is not layer.settings or lane.choice is not choice:
+    try:
+        lane = _LANES.get(layer)
+    except TypeError:  # an unhashable layer (a subclass with its own __eq__)
+        return None
+    if lane is None or lane.parts != fast[0] or lane.settings is not layer.settings or (
+            lane.choice is not choice and lane.choice != choice):  # (each kernel_choice block: a new, equal value)
         lane = _build(layer, x, fast, choice)
         if lane is None:
             return None
@@ -104,21 +108,23 @@ def forward(layer, x, args: tuple, kwargs: dict):
     dev, fe = pre.dev, pre.fe
     if _dispatch.current_device() != dev:
         return None
+    stream = fe.stream(dev)
     layer_in = fe.empty(*lane.layer_in, x)
     buf = fe.empty((lane.size,), "uint8", x)
     base = buf.data_ptr()
     _dispatch.launch(pre, arrays, fast[1], [layer_in.data_ptr(), *[base + o for o in lane.pre_outs]],
-                     [base + o for o in lane.pre_scratch], fe.stream(dev))
+                     [base + o for o in lane.pre_scratch], stream)
     y = layer._sublayer_output(layer_in, x, args, kwargs)
-    got = _dispatch._fast_inputs({"layer_out": y})
-    if (got is None or got[0][0] != lane.y_part or torch.is_grad_enabled() or use_custom_op(y)
-            or _dispatch.current_device() != dev):  # the general post op, on views of the buffer
+    got = _dispatch._fast_inputs({"layer_out": y, "x": x})  # (x too: the sublayer may have given it new storage)
+    if (got is None or got[0] != (lane.y_part, fast[0][0]) or torch.is_grad_enabled() or use_custom_op(y)
+            or _kernel_choice() is not choice or _dispatch.current_device() != dev or fe.stream(dev) != stream):
+        # what the sublayer returned or left in force is not what the post entry was recorded for: the general
+        # post op, on views of the buffer
         (_, _, (s_post, _), (s_res, _), _), (_, o_post, o_res, _) = pre.plan.outputs, lane.pre_outs
         H_post = buf[o_post:o_post + 4 * math.prod(s_post)].view(_F32).view(s_post)
         H_res = tag(buf[o_res:o_res + 4 * math.prod(s_res)].view(_F32).view(s_res), layer.convention)
         return layer_post(y, x, H_post, H_res, layer.convention)
     out = fe.empty(*post.plan.outputs[0], x)
-    _dispatch.launch(post, _POST_ARRAYS,
-                     [got[1][0], fast[1][0], base + lane.pre_outs[1], base + lane.pre_outs[2]], [out.data_ptr()],
-                     [base + o for o in lane.post_scratch], fe.stream(dev))
+    _dispatch.launch(post, _POST_ARRAYS, [*got[1], base + lane.pre_outs[1], base + lane.pre_outs[2]],
+                     [out.data_ptr()], [base + o for o in lane.post_scratch], stream)
     return out
