@@ -33,7 +33,8 @@ def test_small_mode_runs_tiny(tmp_path):
     assert res["schema"] == "mhc_cupy.bench.small/1" and [r["tokens"] for r in res["results"]] == [1, 3]
     for row in res["results"]:
         assert set(row["impls"]) == {"mhc_cupy", "mhc_cupy MHCStack, per layer", "mhc_cupy MHCStack fused, per layer",
-                                     "mhc_cupy small", "mhc_cupy tail", "mhc_cupy lane", "mhc_cupy lane off",
+                                     "mhc_cupy small", "mhc_cupy tail", "mhc_cupy tail lane", "mhc_cupy lane",
+                                     "mhc_cupy lane off",
                                      "mhc_cupy MHCStack lane, per layer", "torch"} and (row["C"], row["n"]) == (24, 2)
         if torch.cuda.is_available():  # the lane taken: layer_in, its one buffer and the output (the general route: 7)
             assert row["impls"]["mhc_cupy lane"]["allocations"] == 3 < row["impls"]["mhc_cupy lane off"]["allocations"]
@@ -60,7 +61,8 @@ def test_small_mode_no_baselines_times_mhc_cupy_only(tmp_path):
     res = json.loads((out / "small.json").read_text())
     assert [set(r["impls"]) for r in res["results"]] == [{"mhc_cupy", "mhc_cupy MHCStack, per layer",
                                                           "mhc_cupy MHCStack fused, per layer", "mhc_cupy small",
-                                                          "mhc_cupy tail", "mhc_cupy lane", "mhc_cupy lane off",
+                                                          "mhc_cupy tail", "mhc_cupy tail lane", "mhc_cupy lane",
+                                                          "mhc_cupy lane off",
                                                           "mhc_cupy MHCStack lane, per layer"}]
     assert res["meta"]["settings"]["compile"] is False
 

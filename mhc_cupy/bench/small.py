@@ -18,7 +18,8 @@ forward of one layer with an identity sublayer, without autograd (``torch.no_gra
 * ``mhc_cupy lane`` / ``mhc_cupy lane off``: the layer under the kernel choice ``lane=True`` / ``False`` (the
   repeated no-grad call through :mod:`mhc_cupy.torch._no_grad`, the same launches with less host work; off by
   default until checked on a GPU), each call inside the same ``kernel_choice`` block, so the two eager
-  times compare; ``mhc_cupy MHCStack lane, per layer``: the stack so;
+  times compare; ``mhc_cupy MHCStack lane, per layer``: the stack so; ``mhc_cupy tail lane`` (T <= 64): tail
+  and lane together;
 * ``torch`` / ``torch.compile``: ``mhc_cupy.torch.reference.MHCReference`` (the same maths and
   parameters in plain torch ops), eager and ``torch.compile(dynamic=False)``, each where it is
   among the baselines (``--baselines``; none with ``--no-baselines``).
@@ -74,6 +75,8 @@ def small_case(T: int, C: int, n: int, cfg, on_gpu: bool, compile_: bool) -> dic
     if T <= SMALL_MAX_TOKENS:  # (where the small-token forward and the one-launch tail apply)
         impls["mhc_cupy small"] = _chosen(layer, small=True)
         impls["mhc_cupy tail"] = _chosen(layer, tail=True, small=False)  # (small would take precedence)
+        impls["mhc_cupy tail lane"] = _chosen(layer, tail=True, small=False, lane=True)  # (the fewest launches and
+        # the least host work together)
     if compile_:
         torch._dynamo.reset()
         impls["torch.compile"] = torch.compile(MHCReference.from_layer(layer), dynamic=False)
