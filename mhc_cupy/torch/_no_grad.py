@@ -15,7 +15,8 @@ checked it) it applies to the fused layer (the default kernel choice) outside a 
 boundaries, with plain tensors on the current device, once a general call of the same shapes,
 dtypes, settings and kernel choice has left both entries in the fast-path cache; otherwise (and
 for a sublayer output the post op's fast path would not take: another device, strides, a tensor
-subclass, grad mode turned on inside the sublayer) the general route runs, with the same results.
+subclass; or grad mode, another kernel choice, device or stream left in force by the sublayer) the general
+route runs, with the same results.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class Lane(NamedTuple):
     """One layer's repeated no-grad call: what it is valid for and where its pieces go."""
     parts: tuple  # what it is for: the pre op's fast-path key parts (inputs' shapes, dtypes, device),
     settings: object  # the layer's settings (LayerSettings)
-    choice: object  # and the kernel choice in force (KernelChoice), compared by identity
+    choice: object  # and the kernel choice in force (KernelChoice)
     pre: _Entry
     post: _Entry
     layer_in: tuple  # (shape, dtype name)
