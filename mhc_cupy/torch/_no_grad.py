@@ -46,7 +46,6 @@ class Lane(NamedTuple):
     choice: object  # and the kernel choice in force (KernelChoice)
     pre: _Entry
     post: _Entry
-    layer_in: tuple  # (shape, dtype name)
     y_part: tuple  # the sublayer output's fast-path key part (shape, dtype, device)
     size: int  # bytes of the shared buffer
     pre_outs: tuple  # offsets of H_pre, H_post, H_res and the statistics in it
@@ -65,7 +64,7 @@ def _build(layer, x, fast, choice) -> Lane | None:
     pre = _dispatch._fast.get(_dispatch._key(_PRE, fast[0], {"settings": layer.settings}))
     if pre is None or pre.plan.empty:
         return None
-    (li_shape, li_dt), *coeffs = pre.plan.outputs  # layer_in, H_pre, H_post, H_res, statistics
+    (li_shape, _), *coeffs = pre.plan.outputs  # layer_in, H_pre, H_post, H_res, statistics
     dev, x_part = pre.dev, fast[0][0]
     y_part = (torch.Size(li_shape), x.dtype, dev)
     parts = (y_part, x_part, (torch.Size(coeffs[1][0]), _F32, dev), (torch.Size(coeffs[2][0]), _F32, dev))
@@ -75,8 +74,7 @@ def _build(layer, x, fast, choice) -> Lane | None:
     pre_outs, end = _dispatch.pack(coeffs)
     pre_scratch, end = _dispatch.pack(pre.plan.scratch.values(), end)
     post_scratch, end = _dispatch.pack(post.plan.scratch.values(), end)
-    return Lane(fast[0], layer.settings, choice, pre, post, (li_shape, li_dt), y_part, end, pre_outs, pre_scratch,
-                post_scratch)
+    return Lane(fast[0], layer.settings, choice, pre, post, y_part, end, pre_outs, pre_scratch, post_scratch)
 
 
 def forward(layer, x, phi, alpha, bias, args: tuple, kwargs: dict):
@@ -110,7 +108,7 @@ def forward(layer, x, phi, alpha, bias, args: tuple, kwargs: dict):
     if _dispatch.current_device() != dev:
         return None
     stream = fe.stream(dev)
-    layer_in = fe.empty(*lane.layer_in, x)
+    layer_in = fe.empty(*pre.plan.outputs[0], x)
     buf = fe.empty((lane.size,), "uint8", x)
     base = buf.data_ptr()
     _dispatch.launch(pre, arrays, fast[1], [layer_in.data_ptr(), *[base + o for o in lane.pre_outs]],
