@@ -117,6 +117,7 @@ from . import _jax_shard as _shard  # noqa: E402
 from ._jax_stack import mhc_stack, mhc_stack_init  # noqa: E402,F401 - stacks of layers (OPS.md section 12)
 from ._jax_layer_in import mhc_layer_in  # noqa: E402,F401 - layer_in for the next GEMM (OPS.md section 13)
 from ._jax_kernels import _k  # noqa: E402 - one kernel entry point as a JAX function
+from ._kernel_choice import current as _current_choice  # noqa: E402
 from ._settings import LayerSettings  # noqa: E402
 from . import ops as _ops  # noqa: E402
 
@@ -162,9 +163,21 @@ def _differentiable(op: str):
 
     f.__name__ = op
     f.defvjp(f_fwd, f_bwd, symbolic_zeros=not single)
+
     # jitted: eager calls hit a compiled-program cache; inside an outer jit / grad / vmap they are
-    # ordinary nested calls
-    return _jax.jit(f, static_argnums=(n,))
+    # ordinary nested calls, whose traces JAX caches too.  The kernel choice in force (what _k plans
+    # under when it traces) is a static argument, so a call under another choice traces afresh: a trace
+    # made under one choice would otherwise serve every later call of those shapes, eager or in a new jit.
+    def g(*args):
+        return f(*args[:n + 1])
+
+    g.__name__ = op
+    jitted = _jax.jit(g, static_argnums=(n, n + 1))
+
+    @functools.wraps(f)
+    def call(*args):
+        return jitted(*args, _current_choice())
+    return call
 
 
 def _conv(convention) -> tuple:

@@ -175,6 +175,41 @@ def test_jax_plans_key_on_the_choice_at_trace_time(monkeypatch):
     assert seen and set(seen) == {KernelChoice(wg_fwd=False)}
 
 
+@pytest.mark.parametrize("op", ["mhc_coeffs", "stream_mix"])
+def test_jax_ops_trace_anew_under_another_choice(monkeypatch, op):
+    """An op of mhc_cupy.jax that ran at some shapes runs the plan of the choice in force at a later call of
+    those shapes, eager and in a new jax.jit (its internal jit's traces key on the choice: before, the first
+    trace served every later call, whatever the choice: break-it pass 18)."""
+    jax = pytest.importorskip("jax")
+    import numpy as np
+
+    from mhc_cupy import _jax_kernels as jk
+    import mhc_cupy.jax as mj
+
+    seen = []
+    real = jk._planned
+    monkeypatch.setattr(jk, "_planned", lambda *a: (seen.append(a[-1]), real(*a))[1])
+    x = jax.numpy.asarray(np.random.default_rng(0).standard_normal((3, 4, 8)), "float32")
+    if op == "mhc_coeffs":
+        phi, alpha, bias = np.full((32, 24), 0.01, np.float32), np.ones(3, np.float32), np.zeros(24, np.float32)
+        f = lambda x: mj.mhc_coeffs(x, phi, alpha, bias)  # noqa: E731
+    else:
+        M = jax.numpy.full((3, 4, 4), 0.25, "float32")
+        f = lambda x: mj.stream_mix(x, M)  # noqa: E731
+    want, used = f(x), {KernelChoice()}
+    for choice in (KernelChoice(small=True), KernelChoice(wg_fwd=False, tail=True), KernelChoice(),
+                   KernelChoice(small=True)):
+        for run in (f, jax.jit(f)):  # eager, then a new jit of the same shapes
+            seen.clear()
+            with kernel_choice(choice):
+                got = run(x)
+            assert all(c == choice for c in seen), (choice, seen)  # (a trace of this choice's own may serve it)
+            if choice not in used:
+                assert seen, f"{choice}: no plan made under it (another choice's trace served the call)"
+                used.add(choice)
+            jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, want)
+
+
 # ------------------------------------------------------------------ MHC's fused
 def test_mhc_reads_fused_when_built(monkeypatch):
     """MHC built under kernel_choice(fused=False) runs the separate ops wherever it is called; one
