@@ -609,6 +609,20 @@ def test_torch_func_transforms_are_refused_as_by_the_layers(rng, recompute, fuse
             transform()
 
 
+@pytest.mark.parametrize("recompute,fuse", [(None, False), (2, False), (None, True), (2, True)])
+@pytest.mark.parametrize("grad", [True, False])
+def test_a_hook_returning_no_tensor_gets_the_layers_error(rng, recompute, fuse, grad):
+    """A layer's forward hook that returns a tuple: the next layer's TypeError naming x, in every
+    configuration (with recompute or fused boundaries it was an AttributeError from the stack's bookkeeping:
+    break-it pass 18)."""
+    layers = make_layers(3, 4, 8, 7)
+    layers[0].register_forward_hook(lambda m, i, o: (o, "extra"))
+    stack = mt.MHCStack(layers, recompute=recompute, fuse_boundaries=fuse)
+    x = torch.from_numpy(rng.standard_normal((3, 4, 8))).float().requires_grad_(grad)
+    with torch.set_grad_enabled(grad), pytest.raises(TypeError, match=r"x must be a torch.Tensor .*got a tuple of 2"):
+        stack(x)
+
+
 def test_parameters_are_the_layers_and_load_a_chain_checkpoint(rng):
     layers = make_layers(3, 4, 8, 5)
     stack = mt.MHCStack(layers, recompute="auto")

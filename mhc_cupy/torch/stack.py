@@ -261,6 +261,8 @@ class MHCStack(nn.Module):
         fuse = self.fuse_boundaries
         slot = nxt = None
         for l, layer in enumerate(self.layers):
+            if not isinstance(x, Tensor):  # (a hook's output: the layer's error, before the slots look at it)
+                _check_tensor(x, self.n_streams, self.dim)
             if starts is not None:  # a new block where one starts, or where a hook changed the streams
                 i = slot.i + 1 if slot is not None and l not in starts and slot.leads_to(x) else 0
                 slot = layer._stack_slot = _Slot(_Block(x) if i == 0 else slot.block, i, x)
