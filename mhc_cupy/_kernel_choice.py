@@ -32,7 +32,8 @@ wherever it applies; ``False``: never):
 * ``tail``: at most 64 tokens, the pre piece after the tensor-core GEMM in one launch: the small path's
   ``mhc_layer_pre_tail_kernel`` (finish, Sinkhorn, activations, aggregate; the three kernels' bits) after
   the default GEMM, so ``mhc_layer_pre_fwd`` takes three launches (phi's planes, the GEMM, the tail)
-  instead of five, with the default path's bits.  Off by default until bench --small has measured it.
+  instead of five, with the default path's bits; the post op's forward splits a token's columns over
+  several blocks as under ``small``.  Off by default until bench --small has measured it.
 * ``layer_in``: ``mhc_layer_pre_norm_fwd`` / ``mhc_layer_pre_fp8_fwd`` (OPS.md section 13) run their
   kernel (``mhc_stream_aggregate_out_kernel``) on the GPU; else they raise NotImplementedError there
   (no other GPU route; CPU inputs run the reference either way).  Off by default until a GPU run has

@@ -1,5 +1,5 @@
 """A token's columns over several blocks (mhc::first_col / col_step, kernels_cu/common.cuh), for a few tokens
-under the kernel choice small: the post op's forward and the pre piece's tail kernel.  Emulated without a GPU:
+under the kernel choice small or tail: the post op's forward and the pre piece's tail kernel.  Emulated without a GPU:
 every E-column piece of a row is taken by exactly one (block, thread), with or without the split; the
 grids the plans launch."""
 
@@ -55,6 +55,9 @@ def test_the_split_runs_for_a_few_tokens_under_small(tokens):
     assert (small[post][1] > 1) == split and small[post][0] == tokens
     if split:  # the tail kernel after the GEMV: its columns split too
         assert pre[tail][0] == tokens and pre[tail][1] == column_blocks(tokens, 7168, 8, 256) > 1
-    with kernel_choice(tail=True):  # (the tail kernel splits wherever it runs)
+    with kernel_choice(tail=True):  # (the tail kernel splits wherever it runs; the post op's forward too)
         if split:
             assert _grids("mhc_layer_pre_fwd", tokens, 4, 7168)[tail][1] > 1
+        assert _grids("mhc_post_op_fwd", tokens, 4, 7168)[post] == small[post]
+        boundary = _grids("mhc_boundary_fwd", tokens, 4, 7168)
+        assert boundary[post] == small[post], "the boundary op's post kernel (tensor-core GEMM after it)"

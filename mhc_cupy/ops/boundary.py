@@ -128,7 +128,7 @@ def _plan_fwd(infos, s: LayerSettings):
             splits = b.splits
         else:
             launch_mix_distribute_fwd(dt, n, C, tokens, x=p["x"], M=p["H_res"], y=p["layer_out"], h=p["H_post"],
-                                      h_stride=n, out=out, stream=stream, res_t=res_t)
+                                      h_stride=n, out=out, stream=stream, res_t=res_t, split=mma.tail)
             launch_mma_gemm(dt, D, K, tokens, x=out, phi=p["phi"], part=sc["part"], planes=sc["planes"], mma=mma,
                             stream=stream)
             splits = mma.splits

@@ -6,7 +6,7 @@ from .. import _convention, reference
 from .._dispatch import Plan, run
 from ._launch import tokens_of
 from .._kernel_choice import current as current_choice
-from .coeffs.fwd import SMALL_MAX_TOKENS
+from .coeffs.fwd import few_tokens
 from .stream import check_grad, check_h, check_matrix, check_x, check_y, launch_mix_distribute_bwd, launch_mix_distribute_fwd
 from .spec import CONVENTION, GRAD_X, H_POST, H_RES, LAYER_OUT, X, Arg, Kernel
 
@@ -22,7 +22,7 @@ def _check(infos, convention):
 
 def _plan_fwd(infos, convention):
     dt, lead, n, C, tokens, res_t = _check(infos, convention)
-    split = tokens <= SMALL_MAX_TOKENS and current_choice().runs("small")  # (a few tokens: columns over blocks)
+    split = few_tokens(tokens)  # (a few tokens under small or tail: a token's columns over several blocks)
 
     def run_kernels(p, outs, sc, stream):
         launch_mix_distribute_fwd(dt, n, C, tokens, x=p["x"], M=p["H_res"], y=p["layer_out"], h=p["H_post"],

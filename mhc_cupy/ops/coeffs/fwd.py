@@ -86,6 +86,16 @@ GEMV_FWD = KernelSpec("coeffs_gemv.cu", "mhc_coeffs_gemv_fwd_kernel", "typename 
                       "int n, int res_t", nullable=("y", "h_post", "h_res", "out"))
 
 
+def few_tokens(tokens: int) -> bool:
+    """At most SMALL_MAX_TOKENS tokens under the kernel choice small or tail (read now: when a plan is made):
+    the pre piece after the GEMM in one launch, and a token's columns over several blocks in the kernels
+    without column reductions (the post op's forward; ops._launch.column_blocks, the same bits)."""
+    if tokens > SMALL_MAX_TOKENS:
+        return False
+    choice = current()
+    return choice.runs("small") or choice.runs("tail")
+
+
 class GemvLayout(NamedTuple):
     """Launch layout of mhc_coeffs_gemv_fwd_kernel (shapes only: the bits do not depend on the GPU)."""
 
@@ -164,7 +174,7 @@ def mma_layout(tokens: int, D: int, K: int, dt: str) -> MmaLayout:
         g = gemv_layout(max(tokens, 1), D, K)
         return MmaLayout(ntile, ncc, ncc * ntile * 8, units * step, tiles, g.splits, g.d_split, gemv=g, tail=True)
     return MmaLayout(ntile, ncc, ncc * ntile * 8, units * step, tiles, splits, per * step, wg_kc, wg_ncc,
-                     tail=tokens <= SMALL_MAX_TOKENS and current().runs("tail"))
+                     tail=few_tokens(tokens))
 
 
 def launch_mma_gemm(dt, D, K, tokens, *, x, phi, part, planes, mma: MmaLayout, stream):
