@@ -403,7 +403,7 @@ def train(name, model, cfg: Config, train_data, eval_xy, device, autocast, log_e
                 hist["eval_step"].append(done)
                 hist["eval_loss"].append(ev)
                 if main:
-                    bar.write(f"[{name}] step {done:5d}  train {values[-1]:.4f}  held-out {ev:.4f}  "
+                    bar.write(f"[{name}] step {done:5d}  batch {values[-1]:.4f}  held-out {ev:.4f}  "
                               f"{tok_s} tok/s")
             _sync(device)
             t0 = time.perf_counter()
@@ -629,7 +629,8 @@ def _run(args, device, use_gpu, dp) -> dict:
         with open(js, "w") as f:
             json.dump(summary, f, indent=2)
 
-    print("\nresults (held-out = cross-entropy in nats/byte on the last 5% of the corpus):")
+    print("\nresults (train = mean batch loss of the last 20 steps; held-out = cross-entropy in nats/byte on the "
+          "last 5% of the corpus):")
     for name, h in histories.items():
         tps = h["tokens_per_s"]
         print(f"  {name:8s}: train {h['final_train_loss']:.4f}  held-out {h['final_eval_loss']:.4f}  "

@@ -137,6 +137,24 @@ def test_layer_block_default_sizes_need_a_gpu(mode, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_layer_mode_runs_without_jax(tmp_path, monkeypatch):
+    """``--layer`` where jax is not importable (README command 1's venv): the JAX rows skipped, as announced,
+    not a ModuleNotFoundError from the case (the new-user trial of 2026-12-07)."""
+    pytest.importorskip("torch")
+    import sys
+
+    from mhc_cupy.bench import env
+
+    monkeypatch.setitem(sys.modules, "mhc_cupy.jax", None)  # (import raises ImportError)
+    monkeypatch.setattr(env, "_import_status", lambda name: "jax is not importable" if name == "jax" else None)
+    out = tmp_path / "o"
+    assert bench.main(["--layer", "--shapes", "3x8x4", "--reps", "1", "--warmup", "1", "--dtype", "float32",
+                       "--baselines", "torch,jax.jit", "--out", str(out)]) == 0
+    res = json.loads((out / "layer.json").read_text())
+    assert any(s.startswith("jax rows skipped") for s in res["skipped"])
+    assert not any(k.startswith("jax") for k in res["results"][0]["impls"]) and "torch" in res["results"][0]["impls"]
+
+
 def test_layer_mode_runs_tiny(tmp_path, capsys):
     """``--layer`` end to end at a tiny shape (CPU: wall clock): every implementation timed in both
     directions, each baseline's out and dx equal to mhc_cupy's, the JSON and markdown report written."""

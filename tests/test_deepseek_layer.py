@@ -168,7 +168,8 @@ def test_pre_init_is_h_pre_with_hc_eps():
         with torch.no_grad():
             layer.phi.zero_()
         x = torch.randn(2, 4, 8)
-        H_pre = m.mhc_pre_op_fwd(x, *layer.coefficients(x), convention="deepseek", hc_eps=hc_eps)[1]
+        with torch.no_grad():  # (the functional op records no graph: detached coefficients, no warning)
+            H_pre = m.mhc_pre_op_fwd(x, *layer.coefficients(x), convention="deepseek", hc_eps=hc_eps)[1]
         torch.testing.assert_close(H_pre, torch.full((2, 4), pre), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(torch.sigmoid(mt.MHC(8, 4, convention="deepseek", hc_eps=0.1).bias[:4]),
                                torch.full((4,), 0.25))  # default: sigmoid(b_pre) = 1/n, as before

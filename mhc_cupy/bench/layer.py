@@ -359,11 +359,8 @@ def layer_case(sublayer_name: str, T: int, C: int, n: int, cfg, copy_GBps, l2: i
     returns the result row."""
     import torch
 
-    import mhc_cupy.jax as mj
     import mhc_cupy.torch as mt
     from mhc_cupy.torch.reference import MHCReference
-
-    from .baselines import jnp_mhc_layer
 
     dev = torch.device("cuda" if on_gpu else "cpu")
     dt = getattr(torch, cfg.dtype)
@@ -426,7 +423,11 @@ def layer_case(sublayer_name: str, T: int, C: int, n: int, cfg, copy_GBps, l2: i
             record("torch.compile", *measure_torch(torch.compile(ref, dynamic=False), rparams, xs, gs, calls, timer,
                                                    on_gpu))
         del ref
-    if "jax.jit" in baselines:
+    if "jax.jit" in baselines:  # (jax importable: main() has checked)
+        import mhc_cupy.jax as mj
+
+        from .baselines import jnp_mhc_layer
+
         jparams = {k: torch_to_jax(p.detach().contiguous()) for k, p in zip(("phi", "alpha", "bias"), params)}
         jxs, jgs = [torch_to_jax(x) for x in xs], [torch_to_jax(g) for g in gs]
         record(JAX_OURS, *measure_jax(lambda p, x: mj.mhc_layer(p, x, sub_j), jparams, jxs, jgs, calls, cfg))
