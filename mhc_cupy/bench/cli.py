@@ -10,7 +10,6 @@ from pathlib import Path
 
 from .._checks import MAX_N
 from .._kernel_choice import LIBRARY_CHOICE, kernel_choice
-from . import __doc__ as _PACKAGE_DOC
 from . import block, cases, env, layer, small, stack
 from .block import BLOCK_BATCH, BLOCK_CONFIGS, BLOCK_N, BLOCK_SEQ
 from .layer import LAYER_BASELINES, LAYER_SHAPES, SUBLAYERS
@@ -21,6 +20,22 @@ from .specs import BASELINES, DEFAULT_OPS, DTYPE_ALIASES, SPECS
 
 QUICK = {"tokens": "32768", "C": "2560", "n": "4", "reps": 10, "warmup": 3}
 DEFAULT_EXTRA = "16384x4096x8"
+
+
+_DESCRIPTION = """\
+Time mhc_cupy on a GPU against the same maths in PyTorch eager, torch.compile and jax.jit, in one run,
+with a byte model and the device-to-device copy bandwidth measured in that run (CUDA-event medians
+after warm-up).  Modes:
+  (default)  the ops (--ops) forward and backward at tokens x C x n
+  --layer    one mHC layer (MHC, mhc_cupy.jax.mhc_layer) against its byte floor
+  --block    a pre-norm transformer block with and without mHC
+  --stack    L blocks: plain residuals, MHCStack (recompute off / on), a chain of MHC; time and peak memory
+  --small    a decode-sized layer forward (1-4096 tokens): eager per call and CUDA-graph replay
+Writes <out>/<mode>.json and .md; --merge joins runs.  How each number is taken and what the columns
+mean: benchmarks/README.md (and the docstring of mhc_cupy.bench).  Without a GPU: --merge, and the
+--layer / --block / --stack / --small modes at tiny sizes given explicitly (--shapes, --block-configs,
+--stack-configs, --small-tokens and --small-C), which time the NumPy reference path; else exit 2.
+"""
 
 
 def _ints(text: str, flag: str, ap) -> list[int]:
@@ -41,7 +56,7 @@ def _sizes_help(mode: str, form: str, default) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m mhc_cupy.bench", description=_PACKAGE_DOC,
+    ap = argparse.ArgumentParser(prog="python -m mhc_cupy.bench", description=_DESCRIPTION,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ops", default=",".join(DEFAULT_OPS), help="comma-separated ops (default: all)")
     ap.add_argument("--tokens", default=None, help="comma-separated token counts (default 4096,16384,32768)")
