@@ -14,6 +14,11 @@ replays, ``mhc_cupy.bench.timing.time_ms``; the copy bandwidth of ``copy_bandwid
                                             # (2 and 3 stages), against its byte floor
     python scripts/ab_kernels.py wgfwd      # mhc_layer_pre_fwd at n = 4 with the forward GEMM on mma.sync (default) and
                                             # on wgmma (ops.coeffs.fwd._WG_MIN_K = 24), against the read of x
+    python scripts/ab_kernels.py decode     # a decode-sized layer forward's two ops (mhc_layer_pre_fwd, mhc_post_op_fwd;
+                                            # T 1 / 8 / 64, C 7168, n 4 bf16) under the default, tail and small, and
+                                            # under tail with the forward GEMM's D ranges at most S (S = 64: today's
+                                            # ops.coeffs.common._MAX_SPLITS) of at least R 64-position steps (R = 4:
+                                            # _MIN_STEPS_PER_RANGE): at one token 64 blocks of 7 steps each
 
 GPU only; prints one line per case.
 """
@@ -163,6 +168,42 @@ def wgfwd(bw):
         print(f"pre fwd {T}x{C}x{n} (x read once {floor:.1f} us): " + "; ".join(row), flush=True)
 
 
+def decode():
+    from mhc_cupy.ops.coeffs import fwd
+
+    keep = fwd._MAX_SPLITS, fwd._MIN_STEPS_PER_RANGE
+    variants = [("default", {}, None), ("tail", {"tail": True}, None), ("small", {"small": True}, None)]
+    variants += [(f"tail S{s} R{r}", {"tail": True}, (s, r)) for s, r in ((128, 2), (224, 2), (448, 1))]
+    for T in (1, 8, 64):
+        C, n = 7168, 4
+        x, phi, alpha, bias = layer_inputs(T, C, n)
+        y = act(T, C)
+        row = []
+        for name, choice, splits in variants:
+            if splits:
+                fwd._MAX_SPLITS, fwd._MIN_STEPS_PER_RANGE = splits
+            m._dispatch._plans.clear(), m._dispatch._fast.clear()
+            try:
+                with kernel_choice(**choice):
+                    def pre():
+                        return m.mhc_layer_pre_fwd(x, phi, alpha, bias)
+                    r = pre()
+
+                    def post():
+                        return m.mhc_post_op_fwd(y, x, r[2], r[3])
+
+                    def layer():
+                        q = m.mhc_layer_pre_fwd(x, phi, alpha, bias)
+                        return m.mhc_post_op_fwd(q[0], x, q[2], q[3])
+                    row.append(f"{name}: pre {graph_us(pre):.1f} post {graph_us(post):.1f} layer {graph_us(layer):.1f} us"
+                               f" (layer_in {digest(r[0])}, stats {digest(r[4])})")
+            except Exception as e:  # noqa: BLE001 - reported, the others still run
+                row.append(f"{name} failed: {type(e).__name__}: {str(e)[:200]}")
+            finally:
+                fwd._MAX_SPLITS, fwd._MIN_STEPS_PER_RANGE = keep
+        print(f"decode T {T} x C {C} x n {n} (graph replay, per call):\n  " + "\n  ".join(row), flush=True)
+
+
 if __name__ == "__main__":
     if MODE == "boundary":
         boundary(copy_bandwidth()["GBps"])
@@ -174,5 +215,7 @@ if __name__ == "__main__":
         postbwd(copy_bandwidth()["GBps"])
     elif MODE == "wgfwd":
         wgfwd(copy_bandwidth()["GBps"])
+    elif MODE == "decode":
+        decode()
     else:
-        sys.exit(f"mode must be boundary, bwd K, colsum, postbwd or wgfwd, got {MODE!r}")
+        sys.exit(f"mode must be boundary, bwd K, colsum, postbwd, wgfwd or decode, got {MODE!r}")

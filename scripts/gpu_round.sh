@@ -12,8 +12,9 @@
 #   ncu      Nsight Compute (full set, source counters) of the layer backward's slowest kernels at 8192 x 2048 x 4
 #            (scripts/ncu_driver.py); the kernel times of a decode-sized forward (profile_layer.py, T 1 / 64),
 #            its host time (profile_host.py), the post backward A/B, JAX mhc_stack's scaling with tokens
-#   quick    the A/Bs of ncu without Nsight Compute (post backward, n = 4 wgmma forward, JAX scaling), the host
-#            overhead per call (profile_host.py --layer), then bench --small
+#   quick    the A/Bs of ncu without Nsight Compute (the decode-sized forward's variants and GEMM splits, post
+#            backward, n = 4 wgmma forward, JAX scaling), the host overhead per call (profile_host.py --layer), then
+#            bench --small
 # Usage (repo root, on a CUDA machine):  BUDGET=570 bash scripts/gpu_round.sh check [OUT_DIR]
 set -u -o pipefail
 PART=${1:?part: check, small, bench, profile, suite, ncu or quick}
@@ -89,6 +90,7 @@ ncu)
     timeout "$(cap 30 0)" $PY scripts/ab_kernels.py wgfwd 2>&1 | tee "$R/ab_wgfwd.log"
     timeout "$(cap 90 0)" $PY scripts/jax_scaling.py 2>&1 | tail -n 5 | tee "$R/jax_scaling.log" ;;
 quick)
+    timeout "$(cap 60 0)" $PY scripts/ab_kernels.py decode 2>&1 | tee "$R/ab_decode.log"
     timeout "$(cap 40 0)" $PY scripts/ab_kernels.py postbwd 2>&1 | tee "$R/ab_postbwd.log"
     timeout "$(cap 30 0)" $PY scripts/profile_host.py --layer 2>&1 | tee "$R/profile_host.log"
     timeout "$(cap 30 0)" $PY scripts/ab_kernels.py wgfwd 2>&1 | tee "$R/ab_wgfwd.log"
