@@ -6,7 +6,8 @@
 //
 // mhc_coeffs_gemv_fwd_kernel<T, POST>: grid (splits, token groups of tt tokens), 256 threads.  A block
 // stages `rows` rows of phi [rows][K] and the group's x [tt][rows] (as float) in its 48 KiB of static
-// shared memory at a time; thread r owns the outputs o = r + 256 j (j < outs <= GEMV_MAX_OUTS) of the group's
+// shared memory at a time (its whole D range where that fits: the host's gemv_layout); thread r owns
+// the outputs o = r + 256 j (j < outs <= GEMV_MAX_OUTS) of the group's
 // tt x (K + 1) (token o / (K + 1), column o % (K + 1); column K: the sum of squares, with its
 // 2^-100-scaled twin for a float32 overflow, as SumSq expects) and sums over its D range in
 // position order, one fmaf each: float32 throughout, a fixed order (bitwise repeatable, no atomics).
@@ -17,6 +18,7 @@ constexpr int GEMV_THREADS = 256;
 constexpr int GEMV_MAX_OUTS = 8;  // outputs per thread: tt (K + 1) <= 2048
 constexpr int GEMV_SMEM_FLOATS = 12288;  // static shared memory (48 KiB): rows (K + tt) <= this
 constexpr int GEMV_LOADS = 16;  // phi loads a thread has in flight while staging
+constexpr int GEMV_X_LOADS = 8;  // x (POST: out) elements a thread stages at a time
 }  // namespace mhc_coeffs
 
 // rows (K + tt) <= GEMV_SMEM_FLOATS, tt (K + 1) <= 256 outs, outs <= GEMV_MAX_OUTS (the host's layout).
@@ -69,26 +71,35 @@ mhc_coeffs_gemv_fwd_kernel(const T* __restrict__ x, const float* __restrict__ ph
             for (int b = 0; b < GEMV_LOADS; ++b)
                 if (i0 + b * GEMV_THREADS < nr * K) s_phi[i0 + b * GEMV_THREADS] = v[b];
         }
-        for (int i = threadIdx.x; i < tt * rows; i += GEMV_THREADS) {
-            const int t = i / rows, r = i - t * rows;
-            const i64 tok = t0 + t;
-            const int d = d0 + r;
-            float v = 0.f;
-            if (r < nr && tok < tokens) {
-                if constexpr (POST) {
-                    const int si = d / C, c = d - si * C;  // stream si of out, channel c
-                    const float* m = h_res + tok * n * n;
-                    float o = h_post[tok * n + si] * mhc::to_float<T>(y[tok * C + c]);
-                    for (int j = 0; j < n; ++j)
-                        o = fmaf(m[res_t ? j * n + si : si * n + j], mhc::to_float<T>(x[(tok * n + j) * C + c]), o);
-                    const T q = mhc::from_float<T>(o);
-                    out[tok * (i64)D + d] = q;
-                    v = mhc::to_float<T>(q);
-                } else {
-                    v = mhc::to_float<T>(x[tok * (i64)D + d]);
+        // the group's x (POST: out) rows, GEMV_X_LOADS elements a thread in flight before their stores (a
+        // thread's elements one at a time made a round trip each: 20 at 64 tokens, 307 rows a chunk)
+        for (int i0 = threadIdx.x; i0 < tt * rows; i0 += GEMV_X_LOADS * GEMV_THREADS) {
+            float v[GEMV_X_LOADS];
+#pragma unroll
+            for (int b = 0; b < GEMV_X_LOADS; ++b) {
+                const int i = i0 + b * GEMV_THREADS;
+                const int t = i / rows, r = i - t * rows;
+                const i64 tok = t0 + t;
+                const int d = d0 + r;
+                v[b] = 0.f;
+                if (i < tt * rows && r < nr && tok < tokens) {
+                    if constexpr (POST) {
+                        const int si = d / C, c = d - si * C;  // stream si of out, channel c
+                        const float* m = h_res + tok * n * n;
+                        float o = h_post[tok * n + si] * mhc::to_float<T>(y[tok * C + c]);
+                        for (int j = 0; j < n; ++j)
+                            o = fmaf(m[res_t ? j * n + si : si * n + j], mhc::to_float<T>(x[(tok * n + j) * C + c]), o);
+                        const T q = mhc::from_float<T>(o);
+                        out[tok * (i64)D + d] = q;
+                        v[b] = mhc::to_float<T>(q);
+                    } else {
+                        v[b] = mhc::to_float<T>(x[tok * (i64)D + d]);
+                    }
                 }
             }
-            s_x[i] = v;
+#pragma unroll
+            for (int b = 0; b < GEMV_X_LOADS; ++b)
+                if (i0 + b * GEMV_THREADS < tt * rows) s_x[i0 + b * GEMV_THREADS] = v[b];
         }
         __syncthreads();
 #pragma unroll

@@ -108,11 +108,14 @@ class GemvLayout(NamedTuple):
 
 
 def gemv_layout(tokens: int, D: int, K: int) -> GemvLayout:
+    """The D ranges: about _GEMV_BLOCKS blocks, each range at least 32 rows (or what shared memory holds);
+    a block stages its whole range at once where it fits (one HBM round trip for phi: at one token, C 7168,
+    n 4, 112 rows; the chunks do not change the order of any sum, so neither the bits)."""
     tt = max(1, min(tokens, 16, _GEMV_THREADS * _GEMV_MAX_OUTS // (K + 1)))
-    rows = max(1, min(32, _GEMV_SMEM_FLOATS // (K + tt)))
+    fit = max(1, _GEMV_SMEM_FLOATS // (K + tt))  # rows of phi and x that shared memory holds
     groups = _cdiv(tokens, tt)
-    d_split = max(rows, _cdiv(D, _cdiv(_GEMV_BLOCKS, groups)))
-    return GemvLayout(tt, groups, _cdiv(tt * (K + 1), _GEMV_THREADS), rows, _cdiv(D, d_split), d_split)
+    d_split = max(min(32, fit), _cdiv(D, _cdiv(_GEMV_BLOCKS, groups)))
+    return GemvLayout(tt, groups, _cdiv(tt * (K + 1), _GEMV_THREADS), min(fit, d_split), _cdiv(D, d_split), d_split)
 
 
 class MmaLayout(NamedTuple):
