@@ -74,8 +74,8 @@ def test_gemv_backward_and_head(rng):
 def test_tail_kernel_has_the_separate_kernels_bits(rng, monkeypatch, n, T, C, convention):
     """From the same GEMV partials, mhc_layer_pre_tail_kernel gives the bits of the finish, Sinkhorn and
     aggregate kernels it stands for (the plan rebuilt with the tail switched off).  One token at C 7168, n 4:
-    the GEMV's 256 ranges come through the tail's shared memory in two stages (staged_split_sums); n 32: 5
-    ranges a stage."""
+    the GEMV's 256 ranges come through the tail's shared memory in one stage (staged_split_sums); n 32: 7
+    ranges a stage, 256 ranges in 37 stages."""
     from mhc_cupy import _dispatch
     from mhc_cupy.ops import layer
 
