@@ -257,7 +257,8 @@ __global__ void mhc_sinkhorn_knopp_fwd_kernel(const float* __restrict__ logits, 
 // thread loading: blockDim.x = TAIL_THREADS.
 namespace mhc_tail {
 constexpr int TAIL_THREADS = 256;
-constexpr int TAIL_STAGE_FLOATS = 8192;  // 32 KiB of the ranges' sums: 327 ranges at n = 4 (the GEMV's 256 at one token in one stage), 7 at n = 32
+// 32 KiB of the ranges' sums: 327 ranges at n = 4 (the GEMV's 256 at one token in one stage), 7 at n = 32
+constexpr int TAIL_STAGE_FLOATS = 8192;
 }  // namespace mhc_tail
 template <typename T, int N, int G, bool DS, int E>
 __global__ void __launch_bounds__(mhc_tail::TAIL_THREADS)
