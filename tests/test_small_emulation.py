@@ -42,6 +42,18 @@ def test_gemv_layouts_of_the_cases():
     assert max(g.splits for _, _, g in lay) > 8
 
 
+@pytest.mark.parametrize("T,chunks", [(1, 1), (8, 1), (64, 2)])
+def test_gemv_stages_its_range_at_once_where_it_fits(T, chunks):
+    """A decode-sized GEMV block (C 7168, n 4) stages its whole D range of phi in one chunk where shared memory
+    holds it (each chunk a dependent HBM round trip: 32-row chunks made 4 at one token, 14 at 64 tokens), with
+    the D ranges of before (the bits depend on them, not on the chunks)."""
+    from mhc_cupy.ops.coeffs.fwd import _GEMV_SMEM_FLOATS, gemv_layout
+
+    g = gemv_layout(T, 4 * 7168, 24)
+    assert -(-g.d_split // g.rows) == chunks and g.rows * (24 + g.tt) <= _GEMV_SMEM_FLOATS
+    assert (g.splits, g.d_split) == {1: (256, 112), 8: (256, 112), 64: (64, 448)}[T]
+
+
 @pytest.mark.parametrize("n", range(1, 33))
 def test_group_sum_shuffles_stay_on_the_first_g_lanes(n):
     """G = fwd_group(n), mask (1u << G) - 1 (all lanes at G = 32): every shuffle's source lane executes,
