@@ -153,3 +153,68 @@ def test_emulated_kernel_grid(T):
     both conventions, both pipeline depths, SUB 1 and 2, boundary_layout's splits and a wider c_split."""
     for case in emu.grid((T,)):
         emu.check(*case)
+
+
+def _host_launches(T, n, C, dt, convention, wgmma):
+    """The launches mhc_boundary_fwd's real plan makes (kernel_choice(boundary=True), _jit.dry_run, 256-byte
+    aligned fake pointers) as [(kernel name, template args, grid, args by name)], the plan's scratch
+    {name: (size, pointer)}."""
+    from mhc_cupy import _jit
+    from mhc_cupy._interop import ArrayInfo
+    from mhc_cupy._kernel_choice import kernel_choice
+    from mhc_cupy._settings import LayerSettings
+    from mhc_cupy.ops import SPECS
+    from mhc_cupy.ops.boundary import BOUNDARY_FWD
+    from mhc_cupy.ops.coeffs.fwd import SPLIT_PHI_FWD
+    from mhc_cupy.ops.spec import shape_of
+
+    spec = SPECS["mhc_boundary_fwd"]
+    ptr = iter(range(1 << 32, 1 << 48, 1 << 32))
+    sizes = {"n": n, "C": C, "K": n * n + 2 * n}
+    infos = {a.name: ArrayInfo(shape_of(a, (T,), sizes), dt if a.kind == "activation" else "float32", ("cuda", 0),
+                               next(ptr), None) for a in spec.args}
+    with kernel_choice(boundary=True), _jit.assume_wgmma(wgmma), _jit.dry_run() as launches:
+        plan = spec.planner(infos, settings=LayerSettings.resolve(convention))
+        outs = [next(ptr) for _ in plan.outputs]
+        scratch = {name: (int(np.prod(shape)), next(ptr)) for name, (shape, _) in plan.scratch.items()}
+        plan.launch({k: v.ptr for k, v in infos.items()}, outs, [p for _, p in scratch.values()], 0)
+    params = {"mhc_boundary_fwd_kernel": BOUNDARY_FWD.params, "mhc_coeffs_split_phi_fwd_kernel": SPLIT_PHI_FWD.params}
+    ran = []
+    for _, expr, grid, _, args, _ in launches:
+        name = expr.split("<")[0]
+        targs = [s.strip() for s in expr.split("<", 1)[1].rstrip(">").split(",")] if "<" in expr else []
+        ran.append((name, targs, tuple(grid), dict(zip([p for _, p in params[name]], args)) if name in params else {}))
+    return ran, scratch, {k: v.ptr for k, v in infos.items()}, outs
+
+
+@pytest.mark.parametrize("wgmma", [False, True])
+@pytest.mark.parametrize("T,n,C,dt,convention", [(3, 2, 24, "float16", "deepseek"), (65, 4, 200, "bfloat16", "paper"),
+                                                 (65, 5, 72, "float32", "deepseek"), (1, 1, 8, "bfloat16", "paper"),
+                                                 (3, 4, 24, "float32", "paper")])
+def test_emulated_launch_is_the_host_plans(T, n, C, dt, convention, wgmma):
+    """emulate() rebuilds the launch from boundary_layout and its own res_t, STAGES, SUB: here the launch
+    the host's real plan makes (launch_boundary_gemm, _plan_fwd) is checked against it (res_t from the
+    convention, Dp, Kp, c_split, the planes and part buffers big enough and shared by the two kernels),
+    then emulated with the plan's res_t, STAGES and SUB.  (A host res_t of 0 under the DeepSeek
+    convention, a planes buffer sized for the other GEMM only, or split_phi's Dp off by a step passed
+    every CPU test before.)"""
+    from mhc_cupy.ops.boundary import _SMEM_SM90, boundary_layout, boundary_pipeline
+    from mhc_cupy.ops.coeffs.common import _SMEM_PORTABLE
+
+    ran, scratch, ptrs, outs = _host_launches(T, n, C, dt, convention, wgmma)
+    by = {name: (targs, grid, args) for name, targs, grid, args in ran}
+    assert "mhc_boundary_fwd_kernel" in by and "mhc_coeffs_split_phi_fwd_kernel" in by, [r[0] for r in ran]
+    K = n * n + 2 * n
+    b = boundary_layout(T, n, C)
+    stages, sub = boundary_pipeline(dt, n, b.ntile, _SMEM_SM90 if wgmma else _SMEM_PORTABLE)
+    targs, grid, a = by["mhc_boundary_fwd_kernel"]
+    assert targs[1:] == [str(n), str(b.ntile), str(stages), str(sub)] and grid[0] == b.tiles * b.splits
+    assert (a["tokens"], a["C"], a["Dp"], a["K"], a["tiles"], a["c_split"]) == (T, C, b.Dp, K, b.tiles, b.c_split)
+    assert a["res_t"] == (convention == "deepseek")
+    assert (a["x"], a["y"], a["h_post"], a["h_res"], a["out"]) == (
+        ptrs["x"], ptrs["layer_out"], ptrs["H_post"], ptrs["H_res"], outs[0])
+    _, _, s = by["mhc_coeffs_split_phi_fwd_kernel"]
+    assert (s["phi"], s["D"], s["K"], s["Dp"], s["Kp"]) == (ptrs["phi"], n * C, K, b.Dp, b.ntile * 8)
+    assert s["planes"] == a["planes"] == scratch["planes"][1] and scratch["planes"][0] >= 3 * b.ntile * 8 * b.Dp
+    assert a["part"] == scratch["part"][1] and scratch["part"][0] >= b.splits * T * (K + 1)
+    emu.check(T, n, C, dt, bool(a["res_t"]), stages, sub)
