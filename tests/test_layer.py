@@ -242,9 +242,9 @@ def test_bad_shapes_raise():
                           (lambda t: t.to(torch.complex64), "a torch.complex64 tensor of shape \\(2, 8\\)")):
         with pytest.raises(TypeError, match=f"sublayer returned {what}; MHC needs one real tensor"):
             MHC(8, 4, returns)(torch.randn(2, 4, 8))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"n_streams must be in 1\.\.32, got 0"):
         MHC(8, 0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="grad_mode must be 'unrolled' or 'implicit', got 'exact'"):
         MHC(8, 4, grad_mode="exact")
 
 
@@ -321,9 +321,9 @@ def test_expand_collapse():
     assert torch.equal(h.grad, torch.full_like(h, 4.0))  # gradient of the copy: sum over streams
     assert torch.allclose(CollapseStreams()(ExpandStreams(3)(h)), h, rtol=2**-23, atol=0)  # (3h)/3: one rounding
     assert torch.allclose(CollapseStreams("sum")(ExpandStreams(3)(h)), 3 * h)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="reduce must be 'mean' or 'sum', got 'max'"):
         collapse_streams(x, "max")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="n must be >= 1, got 0"):
         expand_streams(h, 0)
     for n in (2.5, "3", True):  # not an int: a TypeError naming n (torch's / Python's own errors, or True as 1)
         with pytest.raises(TypeError, match="n must be an int"):
@@ -347,7 +347,7 @@ def test_identity_bias(n):
         assert torch.allclose(H_res, expect, atol=1e-7)
     else:
         assert torch.allclose(H_res, torch.ones(1, 1, dtype=torch.float64))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"res_diag .* must be in \[1/n, 1\) = \[0\.25, 1\), got 0\.1"):
         identity_bias(4, res_diag=0.1)
 
 
