@@ -87,6 +87,10 @@ def test_sinkhorn_large_logits_finite(rng, n):
         assert np.all(np.isfinite(R.sinkhorn_knopp_bwd(G, L, grad_mode=mode)))
     L32 = L.astype(np.float32)
     assert np.all(np.isfinite(R.sinkhorn_knopp_fwd(L32)))
+    # (the comparisons the comment above names: P and both gradients against float64 torch)
+    assert_reference(P, sinkhorn_reference(torch.tensor(L), 20, 1e-8).numpy(), 1e-12)
+    _, (ref,) = torch_vjp(lambda l: sinkhorn_reference(l, 20, 1e-8), [L], [G])
+    assert_reference(R.sinkhorn_knopp_bwd(G, L), ref, 1e-9)
 
 
 @pytest.mark.parametrize("mode", ["unrolled", "implicit"])
