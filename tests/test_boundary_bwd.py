@@ -15,6 +15,7 @@ import pytest
 import mhc_cupy as m
 from mhc_cupy._kernel_choice import kernel_choice
 
+from harness import assert_rounded
 from test_kernel_choice import launched
 
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}
@@ -70,8 +71,7 @@ def test_equal_to_the_unfused_ops(rng, lead, n, C, dt, convention, given):
     assert np.array_equal(_bits(dy_prev), _bits(dy))
     # the float64 oracle of what it adds: sum_i H_post_prev_i dx_i of the dx returned
     want_dy = np.einsum("...i,...ic->...c", H_post_prev.astype(np.float64), np.asarray(rest[0], np.float64))
-    np.testing.assert_allclose(np.asarray(dy_prev, np.float64), want_dy, rtol=2e-2 if dt != "float32" else 1e-6,
-                               atol=1e-6)
+    assert_rounded(dy_prev, want_dy, dt)  # rounded once (was rtol 2e-2 for 16-bit dtypes, atol 1e-6)
 
 
 def test_without_layer_out_or_gradients(rng):
