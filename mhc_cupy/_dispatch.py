@@ -68,6 +68,8 @@ class Plan:
 
     def launch(self, ptrs: dict, outs: list, scratch: list, stream: int) -> None:
         """Queue the kernels; ``scratch``: the temporaries' pointers in the order of ``self.scratch``."""
+        if POISON:
+            poison(self, outs, scratch, stream)
         self.kernels(ptrs, outs, dict(zip(self.scratch, scratch)), stream)
 
     @functools.cached_property
@@ -104,6 +106,24 @@ def pack(buffers, end: int = 0) -> tuple:
 #: Alignment of the temporaries within their buffer (Plan.scratch_layout), in bytes: more than any kernel's
 #: vector loads need (16), and what CUDA's allocators give an allocation (256 or more)
 SCRATCH_ALIGN = 256
+
+#: For tests (tests/conftest.py's ``nan_poison``): every output and temporary of a GPU call, in every front
+#: end (torch, CuPy, JAX's XLA buffers) and on every route (plan, replayed launches), is filled with 0xFF bytes
+#: (NaN in each float dtype the ops write, float8_e4m3fn included) on the launch stream before the kernels, so an
+#: element no kernel writes reads NaN, whichever allocator gave the memory.  Read at each launch; off: no cost.
+POISON = False
+
+
+def poison(plan: Plan, out_ptrs: list, scratch_ptrs: list, stream: int) -> None:
+    """Fill ``plan``'s outputs and temporaries (their pointers, in the plan's order) with 0xFF bytes, queued on
+    ``stream`` (see POISON)."""
+    import cupy
+
+    buffers = list(plan.outputs) + list(plan.scratch.values())
+    for ptr, (shape, dt) in zip(list(out_ptrs) + list(scratch_ptrs), buffers, strict=True):
+        size = math.prod(shape) * _interop.numpy_dtype(dt).itemsize
+        if size:
+            cupy.cuda.runtime.memsetAsync(ptr, 0xFF, size, stream)
 
 
 class AutogradNotRecordedWarning(UserWarning):
@@ -271,6 +291,8 @@ def launch(entry: _Entry, arrays: dict, in_ptrs: list, out_ptrs: list, scratch_p
     all_ptrs = in_ptrs + out_ptrs + scratch_ptrs
     if entry.replay is not None and _replay.aligned(all_ptrs):
         _replay.ensure_context(entry.dev)
+        if POISON:
+            poison(entry.plan, out_ptrs, scratch_ptrs, stream)
         entry.replay.launch(all_ptrs, stream)
     else:
         names = iter(in_ptrs)

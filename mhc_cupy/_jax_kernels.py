@@ -14,7 +14,7 @@ import numpy as np
 import jax as _jax
 import jax.numpy as _jnp
 
-from . import _checks, _interop, _replay
+from . import _checks, _dispatch, _interop, _replay
 from . import _jax_shard as _shard
 from ._interop import ArrayInfo
 from ._kernel_choice import KernelChoice, current as current_choice, kernel_choice
@@ -193,6 +193,8 @@ def _make_callback(plan, names: tuple, present: tuple):
         replay = replays.get(dev) if REPLAY else None
         with cupy.cuda.Device(dev):
             if replay and _replay.aligned(in_ptrs) and _replay.aligned(out_ptrs):
+                if _dispatch.POISON:
+                    _dispatch.poison(plan, out_ptrs[:n_out], out_ptrs[n_out:], stream)
                 replay.launch(in_ptrs + out_ptrs, stream)
                 return
             ptrs = dict.fromkeys(names)

@@ -69,6 +69,17 @@ def jax_on_cpu():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _poisoned_outputs(request, monkeypatch):
+    """In every GPU test, each output and temporary of an mhc_cupy call (torch, CuPy or JAX's buffers, every
+    route) starts as 0xFF bytes, NaN (``mhc_cupy._dispatch.POISON``): an element no kernel writes fails the
+    comparison, whichever allocator gave the memory."""
+    if request.node.get_closest_marker("gpu") is not None:
+        from mhc_cupy import _dispatch
+
+        monkeypatch.setattr(_dispatch, "POISON", True)
+
+
 @pytest.fixture
 def nan_poison():
     """Every CuPy allocation of the test starts as 0xFF bytes (NaN): see harness.gpu_test."""

@@ -196,7 +196,8 @@ def gpu_test(*marks, poison: bool = True):
     """Decorator of a GPU case in a family's test file: ``pytest.mark.gpu`` (skipped without a
     CUDA GPU, see conftest.py), the given extra ``marks`` (e.g. a skipif), and with ``poison``
     the ``nan_poison`` fixture (every CuPy allocation starts as NaN, so an element a kernel
-    failed to write fails the comparison)."""
+    failed to write fails the comparison; the outputs of mhc_cupy's calls start as NaN in every
+    GPU test anyway: conftest.py's ``_poisoned_outputs``)."""
     import pytest
 
     def decorate(fn):
