@@ -419,7 +419,10 @@ class MHC(Float32Parameters):
                 return out
         s = self.settings
         slot = self._stack_slot
-        given, prev = (self._pre_given.take(x) if self._pre_given is not None else None) or (None, None)
+        given = prev = None
+        if self._pre_given is not None:  # (the outputs only for the parameters they came from: see NextPre)
+            params = params or (self.phi, self.alpha, self.bias)
+            given, prev = self._pre_given.take(x, params) or (None, None)
         with slot.saving():
             if given is not None or self._fused:
                 self._check(x)

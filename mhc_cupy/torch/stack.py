@@ -32,6 +32,8 @@ from typing import Sequence, Union
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.module import _global_forward_pre_hooks
+from torch.nn.utils.parametrize import is_parametrized
 
 from .. import _checks, mhc_post_op_fwd
 from .._kernel_choice import current as current_choice
@@ -158,7 +160,11 @@ class MHCStack(nn.Module):
         fuse_boundaries: run each layer's residual update and the next layer's pre piece as one op
             (``mhc_boundary_fwd``, OPS.md section 12: the streams are read once less per boundary;
             eager only, between layers of one convention that run the fused layer pieces: not
-            layers built under ``kernel_choice(fused=False)``).  The streams and the gradients' formulas
+            layers built under ``kernel_choice(fused=False)``, nor into a layer whose phi, alpha or bias is
+            parametrized (``torch.nn.utils.parametrize``) or that has forward pre-hooks, which run after the
+            previous layer read its parameters and may change them: an old-style weight norm, a max-norm clip,
+            FSDP2's unshard; nor into a layer whose phi, alpha or bias changed otherwise before its call:
+            those compute their pre piece themselves).  The streams and the gradients' formulas
             are the same; the next layer's coefficients may differ in the last float32 bits.
             Default False.  The fused kernel itself runs only where the kernel choice says ``boundary=True``
             (``mhc_cupy._kernel_choice``; off by default, OPS.md section 12 gives its status); otherwise
@@ -242,8 +248,15 @@ class MHCStack(nn.Module):
         layer, nxt = self.layers[l], self.layers[l + 1]
         if not (layer._fused and nxt._fused) or nxt.convention != layer.convention:
             return None
+        if nxt._forward_pre_hooks or _global_forward_pre_hooks or any(
+                is_parametrized(nxt, name) for name in ("phi", "alpha", "bias")):
+            # a forward pre-hook runs after this reading of nxt's parameters and may change them (a weight norm,
+            # a max-norm clip, FSDP2's unshard), in ways NextPre.take cannot see (through .data); a parametrized
+            # one is another tensor at each read, which take refuses: no boundary op computing it for nothing
+            return None
         fuse_bwd = fold_post_dx(self.n_streams) and current_choice().runs("boundary_bwd")
-        return NextPre(_as_f32(nxt.phi), _as_f32(nxt.alpha), _as_f32(nxt.bias), nxt.settings, fuse_bwd)
+        params = nxt.phi, nxt.alpha, nxt.bias  # (nxt's call checks that it reads these, unchanged: NextPre.take)
+        return NextPre(*(_as_f32(p) for p in params), nxt.settings, fuse_bwd, params)
 
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         if _transforms.active():  # as the layers would, before the recompute slots look at x's storage

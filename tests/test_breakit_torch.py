@@ -1,0 +1,168 @@
+"""A break-it pass over the PyTorch network API (``MHCStack`` and the torch oracles), CPU (NumPy reference):
+
+* a fusing stack (``fuse_boundaries=True``) reads the next layer's phi / alpha / bias before that layer's
+  own forward pre-hooks run; a pre-hook that changes them (in place: a max-norm clip; or other tensors in
+  their place: an old-style ``torch.nn.utils.weight_norm``, FSDP2's unshard) made the layer use the pre
+  piece computed from the old parameters while its backward differentiated the new ones (every later
+  value and gradient wrong; NaN under FSDP2 with one unit per MHC); now a stack does not fuse into a layer
+  with forward pre-hooks, and a layer takes the pre piece only for the parameter tensors it was computed
+  from, unchanged: the chain's bits.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from harness import default_dtype
+from test_stack import assert_bitwise, make_layers, run
+
+import mhc_cupy.torch as mt
+
+
+@pytest.fixture(autouse=True)
+def _float32_default():
+    with default_dtype(torch.float32):
+        yield
+
+
+def _scale_in_place(name, data):
+    """A forward pre-hook that scales the layer's parameter ``name`` in place (a max-norm clip does so),
+    through ``.data`` (no version change) or under no_grad."""
+    def hook(module, args):
+        with torch.no_grad():
+            p = getattr(module, name)
+            (p.data if data else p).mul_(3.0)
+
+    return hook
+
+
+@pytest.mark.parametrize("recompute", [None, 2])
+@pytest.mark.parametrize("what", ["phi no_grad", "alpha no_grad", "phi .data", "bias .data", "weight_norm"])
+def test_fused_boundary_follows_parameters_a_pre_hook_changes(rng, recompute, what):
+    seed = int(rng.integers(1 << 30))
+    x = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+    g = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+
+    def build():
+        layers = make_layers(3, 4, 8, seed)
+        if what == "weight_norm":  # phi recomputed from phi_g, phi_v by a pre-hook at each call
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (its deprecation warning)
+                for layer in layers:
+                    torch.nn.utils.weight_norm(layer, "phi", dim=1)
+            with torch.no_grad():
+                layers[1].phi_g.mul_(2.0)  # as an optimizer step does: layer 1's phi is stale until its pre-hook
+        else:
+            name, how = what.split()
+            layers[1].register_forward_pre_hook(_scale_in_place(name, how == ".data"))
+        return layers
+
+    want = run(nn.Sequential(*build()), x, g)
+    got = run(mt.MHCStack(build(), recompute=recompute, fuse_boundaries=True), x, g)
+    assert_bitwise(got, want, what)
+
+
+@pytest.mark.parametrize("recompute", [None, 2])
+@pytest.mark.parametrize("what", ["in place", "new parameter"])
+def test_fused_boundary_follows_parameters_changed_before_the_layers_call(rng, recompute, what):
+    """Layer 1's forward hook changes layer 2's phi after layer 1's residual update computed layer 2's pre
+    piece (in place under no_grad, or another Parameter in its place): layer 2 computes its own."""
+    seed = int(rng.integers(1 << 30))
+    x = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+    g = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+
+    def build():
+        layers = make_layers(3, 4, 8, seed)
+
+        def hook(module, args, out):
+            with torch.no_grad():
+                if what == "in place":
+                    layers[2].phi.mul_(3.0)
+                else:
+                    layers[2].phi = nn.Parameter(layers[2].phi * 3.0)
+
+        layers[1].register_forward_hook(hook)
+        return layers
+
+    want = run(nn.Sequential(*build()), x, g)
+    got = run(mt.MHCStack(build(), recompute=recompute, fuse_boundaries=True), x, g)
+    assert_bitwise(got, want, what)
+
+
+def test_a_parametrized_next_layer_is_not_fused_into(rng, monkeypatch):
+    """Each read of a parametrized phi computes another tensor: no boundary op computes the pre piece for
+    it (it would go unused); the stack is the chain bitwise."""
+    import torch.nn.utils.parametrize as parametrize
+
+    from mhc_cupy.torch import functions
+
+    class Twice(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    runs = []
+    real = functions.NextPre.run
+    monkeypatch.setattr(functions.NextPre, "run", lambda self, *a, **k: runs.append(1) or real(self, *a, **k))
+    seed = int(rng.integers(1 << 30))
+    x = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+    g = torch.from_numpy(rng.standard_normal((5, 4, 8))).float()
+
+    def build():
+        layers = make_layers(3, 4, 8, seed)
+        parametrize.register_parametrization(layers[2], "phi", Twice())
+        return layers
+
+    want = run(nn.Sequential(*build()), x, g)
+    runs.clear()
+    got = run(mt.MHCStack(build(), fuse_boundaries=True), x, g)
+    assert_bitwise(got, want, "parametrized phi")
+    assert len(runs) == 1  # the boundary 0 -> 1 only
+
+
+_FSDP_FUSED_SCRIPT = r"""
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+import sys
+sys.path.insert(0, "tests")
+from test_stack import make_layers, run
+import mhc_cupy.torch as mt
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+x, g = torch.randn(3, 4, 8), torch.randn(3, 4, 8)
+want = run(nn.Sequential(*make_layers(3, 4, 8, 70)), x, g)
+stack = mt.MHCStack(make_layers(3, 4, 8, 70), recompute=2, fuse_boundaries=True)
+for layer in stack.layers:
+    fully_shard(layer)  # one unit per MHC, as README's "Distributed" says
+fully_shard(stack)
+for step in range(2):
+    out, dx, grads = run(stack, x, g)
+    assert torch.equal(out, want[0]) and torch.equal(dx, want[1]), (step, (out - want[0]).abs().max())
+    for p, q in zip(grads, want[2]):
+        assert torch.equal(p.full_tensor(), q), step
+dist.destroy_process_group()
+print("FSDP2 FUSED OK")
+"""
+
+
+@pytest.mark.slow  # a subprocess
+def test_fused_stack_under_fsdp2_units_per_layer(tmp_path):
+    """FSDP2 with one unit per MHC swaps each layer's unsharded parameters in with a forward pre-hook:
+    a fusing stack read the next layer's (sharded, freed) parameters before it, and its pre piece came
+    out NaN (one gloo rank); now the stack does not fuse into such a layer: the chain's values."""
+    pytest.importorskip("torch.distributed.fsdp")
+    from multidevice import run as run_python
+    from test_torch_rough_edges import _free_port
+
+    script = tmp_path / "fsdp2_fused.py"
+    script.write_text(_FSDP_FUSED_SCRIPT)
+    out = run_python([str(script)], env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                                         "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+    assert "FSDP2 FUSED OK" in out, out[-3000:]
