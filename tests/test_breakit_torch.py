@@ -6,7 +6,12 @@
   piece computed from the old parameters while its backward differentiated the new ones (every later
   value and gradient wrong; NaN under FSDP2 with one unit per MHC); now a stack does not fuse into a layer
   with forward pre-hooks, and a layer takes the pre piece only for the parameter tensors it was computed
-  from, unchanged: the chain's bits.
+  from, unchanged: the chain's bits;
+* ``mhc_cupy.torch.reference.MHCReference`` (the documented autograd oracle of ``MHC``; ``from_layer``)
+  ignored the layer's convention, hc_eps and post_mult: a DeepSeek-convention layer's "reference" was the
+  paper's maths (values off by ~0.2-2), silently; now it follows them (checked against the independent
+  float64 oracle tests/deepseek_oracle.py), and a DeepSeek-convention stack matches a chain of float64
+  reference layers as a paper one does.
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ import pytest
 import torch
 from torch import nn
 
-from harness import default_dtype
-from test_stack import assert_bitwise, make_layers, run
+import deepseek_oracle
+from harness import TOL, assert_close, default_dtype
+from test_stack import CASES, assert_bitwise, make_layers, run
 
 import mhc_cupy.torch as mt
+from mhc_cupy.torch.reference import MHCReference
 
 
 @pytest.fixture(autouse=True)
@@ -166,3 +173,49 @@ def test_fused_stack_under_fsdp2_units_per_layer(tmp_path):
                                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
                                          "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
     assert "FSDP2 FUSED OK" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("kw", [{"convention": "deepseek"}, {"post_mult": 1.0}, {"hc_eps": 0.1},
+                                {"convention": "deepseek", "post_mult": 0.5, "hc_eps": 0.01, "num_iters": 3}])
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_reference_layer_follows_convention_hc_eps_and_post_mult(rng, n, kw):
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    C = 7
+    layer = mt.MHC(C, n, nn.Linear(C, C), alpha_init=1.0, **kw)
+    with torch.no_grad():
+        layer.bias.add_(torch.randn_like(layer.bias))
+    x = torch.from_numpy(rng.standard_normal((5, n, C)))
+    g = torch.from_numpy(rng.standard_normal((5, n, C)))
+    ref = MHCReference.from_layer(layer).double()
+    out_ref, dx_ref, grads_ref = run(ref, x, g)
+    s = layer.settings
+    sub = ref.sublayer
+    xo = x.clone().requires_grad_()
+    params = [p.detach().clone().requires_grad_() for p in (ref.phi, ref.alpha, ref.bias)]
+    if s.convention == "deepseek":  # the independent oracle (DeepSeek's layout: hc_fn = phi^T)
+        out = deepseek_oracle.layer(xo, params[0].t(), params[1], params[2], sub, s.num_iters, s.eps, s.rms_eps,
+                                    s.hc_eps, s.post_mult)
+        want = torch.autograd.grad(out, [xo, *params], g)
+        assert_close(out_ref, out.detach(), 1e-12, "out")
+        for i, (p, q) in enumerate(zip([dx_ref, *grads_ref[:3]], want)):
+            assert_close(p, q, 1e-10, f"gradient {i}")
+    out, dx, _ = run(layer, x.float(), g.float())  # the layer (NumPy reference) agrees with it
+    assert_close(out, out_ref, TOL["float32_layer"].value, "layer out")
+    assert_close(dx, dx_ref, TOL["float32_layer"].value, "layer dx")
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("lead,n,C,L", CASES[:6])
+def test_deepseek_stack_matches_a_chain_of_float64_reference_layers(rng, lead, n, C, L, fuse):
+    """test_stack's float64 check (paper only there) under convention="deepseek"."""
+    layers = make_layers(L, n, C, int(rng.integers(1 << 30)), "deepseek")
+    refs = nn.Sequential(*(MHCReference.from_layer(layer) for layer in layers)).double()
+    x = torch.from_numpy(rng.standard_normal(lead + (n, C))).float()
+    g = torch.from_numpy(rng.standard_normal(lead + (n, C))).float()
+    out, dx, grads = run(mt.MHCStack(layers, recompute=2, fuse_boundaries=fuse), x, g)
+    out_ref, dx_ref, grads_ref = run(refs, x.double(), g.double())
+    tol = TOL["float32_layer"].value * L * 4  # (test_stack's bound)
+    assert_close(out, out_ref, tol, "out")
+    assert_close(dx, dx_ref, tol, "dx")
+    for i, (p, q) in enumerate(zip(grads, grads_ref)):
+        assert_close(p, q, tol, f"grad of parameter {i}")

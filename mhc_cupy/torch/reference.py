@@ -19,14 +19,23 @@ import copy
 import torch
 from torch import Tensor
 
+from .. import _convention
 from .layers import MHC
 
 __all__ = ["sinkhorn_reference", "mhc_reference", "MHCReference"]
 
 
-def sinkhorn_reference(logits: Tensor, num_iters: int = 20, eps: float = 1e-8) -> Tensor:
-    """Sinkhorn-Knopp in plain torch ops, exactly as OPS.md section 1 (row-max shift first)."""
+def sinkhorn_reference(logits: Tensor, num_iters: int = 20, eps: float = 1e-8, convention: str = "paper") -> Tensor:
+    """Sinkhorn-Knopp in plain torch ops, exactly as OPS.md section 1 (row-max shift first); under
+    ``convention="deepseek"`` as OPS.md section 10: the softmax plus eps as the first row step, then a
+    column step, then ``num_iters - 1`` row and column steps."""
     P = torch.exp(logits - logits.max(dim=-1, keepdim=True).values)
+    if _convention.check(convention) == "deepseek":
+        if num_iters < 1:
+            raise ValueError(f"num_iters must be >= 1 under convention='deepseek', got {num_iters}")
+        P = P / P.sum(dim=-1, keepdim=True) + eps
+        P = P / (P.sum(dim=-2, keepdim=True) + eps)
+        num_iters -= 1
     for _ in range(num_iters):
         P = P / (P.sum(dim=-1, keepdim=True) + eps)
         P = P / (P.sum(dim=-2, keepdim=True) + eps)
@@ -41,11 +50,15 @@ def _alpha_columns(alpha: Tensor, n: int) -> Tensor:
 
 
 def mhc_reference(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, sublayer=None, num_iters: int = 20,
-                  eps: float = 1e-8, rms_eps: float = 1e-5, args=(), kwargs=None) -> Tensor:
+                  eps: float = 1e-8, rms_eps: float = 1e-5, args=(), kwargs=None, *, convention: str = "paper",
+                  hc_eps: float = 0.0, post_mult: float = 2.0) -> Tensor:
     """The whole mHC layer in plain torch ops (autograd oracle for :class:`MHC`).
 
     Same formulas as :class:`MHC` (OPS.md sections 6-8, paper Eqs. 3, 8,
-    14-18), computed in the dtype of x promoted to at least float32
+    14-18; ``convention="deepseek"``, ``hc_eps``, ``post_mult``: section 10, H_pre = sigmoid + hc_eps,
+    H_post = post_mult sigmoid, DeepSeek's Sinkhorn and H_res transposed in the post op; the
+    defaults are the paper's, whose eps / rms_eps defaults here stay the paper's under "deepseek"
+    too: pass the layer's), computed in the dtype of x promoted to at least float32
     (coefficients) and x's dtype (activations: pass float32 / float64).
     ``sublayer`` is called as ``sublayer(layer_in, *args, **kwargs)``.
     ``alpha`` [..., 3] and ``bias`` [..., n*n + 2n] may also be given per token
@@ -58,9 +71,11 @@ def mhc_reference(x: Tensor, phi: Tensor, alpha: Tensor, bias: Tensor, sublayer=
     xt = x.reshape(lead + (n * C,)).to(cdt)
     r = torch.sqrt(xt.square().mean(dim=-1, keepdim=True) + rms_eps)
     h = _alpha_columns(alpha.to(cdt), n) * (xt @ phi.to(cdt)) / r + bias.to(cdt)
-    H_pre = torch.sigmoid(h[..., :n])
-    H_post = 2.0 * torch.sigmoid(h[..., n:2 * n])
-    H_res = sinkhorn_reference(h[..., 2 * n:].reshape(lead + (n, n)), num_iters, eps)
+    H_pre = torch.sigmoid(h[..., :n]) + hc_eps
+    H_post = post_mult * torch.sigmoid(h[..., n:2 * n])
+    H_res = sinkhorn_reference(h[..., 2 * n:].reshape(lead + (n, n)), num_iters, eps, convention)
+    if convention == "deepseek":  # out_j = sum_i H_res[i, j] x_i
+        H_res = H_res.transpose(-1, -2)
     layer_in = (H_pre.unsqueeze(-1) * x.to(cdt)).sum(dim=-2).to(x.dtype)
     y = layer_in if sublayer is None else sublayer(layer_in, *args, **(kwargs or {}))
     out = H_res @ x.to(cdt) + H_post.unsqueeze(-1) * y.to(cdt).unsqueeze(-2)
@@ -73,8 +88,9 @@ class MHCReference(MHC):
     Same constructor, parameters and state dict as :class:`MHC`; use
     :meth:`from_layer` to get a reference copy of an existing layer (deep
     copy of its sublayer and parameters).  For tests: autograd of this
-    module is the oracle for the kernel path.  Unlike MHC, dtype casts apply to phi / alpha /
-    bias too (``.double()`` gives the float64 oracle).
+    module is the oracle for the kernel path, under the layer's convention, hc_eps and post_mult (its
+    Sinkhorn gradient is the unrolled one's, whatever ``grad_mode``).  Unlike MHC, dtype casts apply to
+    phi / alpha / bias too (``.double()`` gives the float64 oracle).
     """
 
     float32_parameters = ()
@@ -88,4 +104,5 @@ class MHCReference(MHC):
     def forward(self, x: Tensor, *args, **kwargs) -> Tensor:
         self._check(x)
         return mhc_reference(x, self.phi, self.alpha, self.bias, self.sublayer, self.num_iters, self.eps,
-                             self.rms_eps, args, kwargs)
+                             self.rms_eps, args, kwargs, convention=self.convention, hc_eps=self.hc_eps,
+                             post_mult=self.post_mult)
