@@ -11,7 +11,13 @@
   ignored the layer's convention, hc_eps and post_mult: a DeepSeek-convention layer's "reference" was the
   paper's maths (values off by ~0.2-2), silently; now it follows them (checked against the independent
   float64 oracle tests/deepseek_oracle.py), and a DeepSeek-convention stack matches a chain of float64
-  reference layers as a paper one does.
+  reference layers as a paper one does;
+* inside a recompute block (not at its first layer) the stack's saved-tensor hook handed autograd the
+  mHC pieces' other saved tensors detached, without autograd's check that they are unchanged at
+  backward: a layer's phi / alpha / bias changed in place between forward and backward (an optimizer
+  step or an EMA update before the backward), or a sublayer output changed after the forward, gave
+  gradients of the changed values silently where the chain (and the stack without recompute) raise
+  autograd's in-place RuntimeError; now they raise it too.
 """
 
 from __future__ import annotations
@@ -219,3 +225,28 @@ def test_deepseek_stack_matches_a_chain_of_float64_reference_layers(rng, lead, n
     assert_close(dx, dx_ref, tol, "dx")
     for i, (p, q) in enumerate(zip(grads, grads_ref)):
         assert_close(p, q, tol, f"grad of parameter {i}")
+
+
+class _Keeps(nn.Module):
+    """A sublayer that keeps its output (as a cache would), for the test to change it after the forward."""
+
+    def __init__(self, C):
+        super().__init__()
+        self.lin, self.kept = nn.Linear(C, C), None
+
+    def forward(self, h):
+        self.kept = self.lin(h)
+        return self.kept
+
+
+@pytest.mark.parametrize("recompute,fuse", [(None, False), (3, False), (3, True), ("auto", True), (1, False)])
+@pytest.mark.parametrize("what", ["phi", "alpha", "bias", "sublayer output"])
+def test_a_saved_tensor_changed_in_place_before_backward_raises_as_in_the_chain(rng, what, recompute, fuse):
+    torch.manual_seed(int(rng.integers(1 << 30)))
+    layers = [mt.MHC(8, 4, _Keeps(8), alpha_init=1.0) for _ in range(3)]
+    x = torch.from_numpy(rng.standard_normal((5, 4, 8))).float().requires_grad_()
+    out = mt.MHCStack(layers, recompute=recompute, fuse_boundaries=fuse)(x)
+    with torch.no_grad():  # layer 1 or 2: inside the first block of 3 layers (the first of "auto"'s 2 blocks)
+        (layers[2].sublayer.kept if what == "sublayer output" else getattr(layers[1], what)).mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()

@@ -111,7 +111,10 @@ class _Slot:
         if stream_key(t) == self.key:  # x, or x_link (a view), unchanged
             self.block.uses[self.i] += 1
             return (self.block, self.i)
-        return t.detach()  # (t itself: an output of the node that saves it, H_res, would hold that node)
+        # (t itself: an output of the node that saves it, H_res, would hold that node); with its version: a hook
+        # bypasses autograd's check that a saved tensor is unchanged at backward (phi changed in place by an
+        # optimizer step or an EMA before it, a sublayer output changed after the forward), done in _unpack
+        return _Saved(t.detach(), _version(t))
 
     def saving(self):
         """The context around the mHC pieces: nothing to change at the block's boundary (i = 0)."""
@@ -132,8 +135,27 @@ class _Slot:
         return self.out_key is not None and self.out_ref() is not None and stream_key(x) == self.out_key
 
 
+class _Saved:
+    """A tensor the mHC pieces of a block's layer saved (not its streams), detached (sharing its version
+    counter), with its version then."""
+
+    __slots__ = ("t", "version")
+
+    def __init__(self, t: Tensor, version):
+        self.t, self.version = t, version
+
+
 def _unpack(saved):
-    return saved[0].get(saved[1]) if isinstance(saved, tuple) else saved
+    if isinstance(saved, tuple):
+        return saved[0].get(saved[1])
+    t = saved.t
+    if saved.version is not None and t._version != saved.version:  # autograd's own check and message
+        raise RuntimeError(
+            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{t.type()} {list(t.shape)}], saved by an mHC layer of an MHCStack recompute block, is at version "
+            f"{t._version}; expected version {saved.version} instead.  Change it only after backward, or change a "
+            f"copy")
+    return t
 
 
 class MHCStack(nn.Module):
