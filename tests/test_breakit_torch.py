@@ -246,7 +246,7 @@ def test_a_saved_tensor_changed_in_place_before_backward_raises_as_in_the_chain(
     layers = [mt.MHC(8, 4, _Keeps(8), alpha_init=1.0) for _ in range(3)]
     x = torch.from_numpy(rng.standard_normal((5, 4, 8))).float().requires_grad_()
     out = mt.MHCStack(layers, recompute=recompute, fuse_boundaries=fuse)(x)
-    with torch.no_grad():  # layer 1 or 2: inside the first block of 3 layers (the first of "auto"'s 2 blocks)
+    with torch.no_grad():  # layer 1 or 2: inside the block of 3 layers ("auto" at L 3: no recompute, as None)
         (layers[2].sublayer.kept if what == "sublayer output" else getattr(layers[1], what)).mul_(2.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
