@@ -1,4 +1,5 @@
-"""A break-it pass over the PyTorch network API (``MHCStack`` and the torch oracles), CPU (NumPy reference):
+"""What ``MHCStack`` reads of its layers' parameters and saved tensors, and when; the torch oracle of a layer
+(found by a break-it pass over the PyTorch network API; CPU, NumPy reference):
 
 * a fusing stack (``fuse_boundaries=True``) reads the next layer's phi / alpha / bias before that layer's
   own forward pre-hooks run; a pre-hook that changes them (in place: a max-norm clip; or other tensors in
