@@ -671,8 +671,8 @@ def test_auto_blocks_shrink_toward_the_output(n):
 @pytest.mark.parametrize("layers,recompute,exc,match", [
     ([], None, ValueError, "layers must hold at least one MHC layer"),
     ([nn.Linear(8, 8)], None, TypeError, r"layers\[0\] must be an mhc_cupy.torch.MHC, got Linear"),
-    ("mixed", None, ValueError, r"layers\[1\] has n_streams=2, dim=8; layers\[0\] has n_streams=4"),
-    ("dims", None, ValueError, r"layers\[1\] has n_streams=4, dim=6; layers\[0\] has n_streams=4, dim=8"),
+    ("mixed", None, ValueError, r"layers\[1\] has n_streams=2, dim=8; the stack has n_streams=4"),
+    ("dims", None, ValueError, r"layers\[1\] has n_streams=4, dim=6; the stack has n_streams=4, dim=8"),
     ("ok", 0, ValueError, "recompute must be None, a positive int or 'auto', got 0"),
     ("ok", -2, ValueError, "recompute must be None, a positive int or 'auto', got -2"),
     ("ok", "sqrt", ValueError, "recompute must be None, a positive int or 'auto', got 'sqrt'"),
@@ -690,6 +690,22 @@ def test_bad_input_names_the_argument(layers, recompute, exc, match):
         mt.MHCStack(layers, recompute=recompute)
     with pytest.raises(TypeError, match="layers must be a sequence of MHC modules, got one MHC"):
         mt.MHCStack(mt.MHC(8, 4))
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+@pytest.mark.parametrize("change,exc,match", [
+    (lambda ls: ls.append(nn.Linear(8, 8)), TypeError, r"layers\[2\] must be an mhc_cupy.torch.MHC, got Linear"),
+    (lambda ls: ls.insert(0, mt.MHC(8, 2)), ValueError, r"layers\[0\] has n_streams=2, dim=8; the stack has n_streams=4"),
+    (lambda ls: ls.__setitem__(1, mt.MHC(6, 4)), ValueError, r"layers\[1\] has n_streams=4, dim=6; the stack has"),
+    (lambda ls: [ls.pop(0) for _ in range(2)], ValueError, "layers must hold at least one MHC layer"),
+])
+def test_layers_changed_after_construction_are_checked_at_forward(fuse, change, exc, match):
+    """stack.layers is a ModuleList the user may change: a Linear appended ran on each stream silently (or,
+    fusing boundaries, raised AttributeError '_fused'); now each forward checks the layers as the constructor."""
+    stack = mt.MHCStack([mt.MHC(8, 4), mt.MHC(8, 4)], fuse_boundaries=fuse)
+    change(stack.layers)
+    with pytest.raises(exc, match=match):
+        stack(torch.randn(3, 4, 8))
 
 
 @pytest.mark.parametrize("layers", [None, 3])

@@ -158,6 +158,21 @@ def _unpack(saved):
     return t
 
 
+def _check_layers(layers, n_streams=None, dim=None) -> None:
+    """TypeError / ValueError naming the element: ``layers`` empty, an element not an MHC, or its n, C not
+    ``n_streams``, ``dim`` (default: layers[0]'s)."""
+    if not len(layers):
+        raise ValueError("layers must hold at least one MHC layer, got an empty sequence")
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, MHC):
+            raise TypeError(f"layers[{i}] must be an mhc_cupy.torch.MHC, got {type(layer).__name__}")
+        if n_streams is None:
+            n_streams, dim = layer.n_streams, layer.dim
+        elif (layer.n_streams, layer.dim) != (n_streams, dim):
+            raise ValueError(f"layers[{i}] has n_streams={layer.n_streams}, dim={layer.dim}; the stack has "
+                             f"n_streams={n_streams}, dim={dim}: a stack needs one n and C")
+
+
 class MHCStack(nn.Module):
     """A sequence of mHC layers applied in order, with optional stream recompute.
 
@@ -203,7 +218,8 @@ class MHCStack(nn.Module):
     Raises:
         ValueError: empty ``layers``; layers of different n or C; ``recompute`` not None / a
         positive int / "auto" (TypeError for a non-int).  TypeError: ``layers`` not iterable, or an
-        element not an MHC; ``fuse_boundaries`` not a bool; x (in forward) not a tensor.  Assigning ``stack.recompute`` or
+        element not an MHC (also at each forward, as ValueError for layers of another n or C or none: ``stack.layers``
+        may have changed); ``fuse_boundaries`` not a bool; x (in forward) not a tensor.  Assigning ``stack.recompute`` or
         ``stack.fuse_boundaries`` later checks the value the same way.  NotImplementedError: called under a ``torch.func`` transform
         (as :class:`MHC`).
     """
@@ -216,14 +232,7 @@ class MHCStack(nn.Module):
             layers = list(layers)
         except TypeError:
             raise TypeError(f"layers must be a sequence of MHC modules, got {type(layers).__name__} {layers!r}") from None
-        if not layers:
-            raise ValueError("layers must hold at least one MHC layer, got an empty sequence")
-        for i, layer in enumerate(layers):
-            if not isinstance(layer, MHC):
-                raise TypeError(f"layers[{i}] must be an mhc_cupy.torch.MHC, got {type(layer).__name__}")
-            if (layer.n_streams, layer.dim) != (layers[0].n_streams, layers[0].dim):
-                raise ValueError(f"layers[{i}] has n_streams={layer.n_streams}, dim={layer.dim}; layers[0] has "
-                                 f"n_streams={layers[0].n_streams}, dim={layers[0].dim}: a stack needs one n and C")
+        _check_layers(layers)
         self.layers = nn.ModuleList(layers)
         self.n_streams, self.dim = layers[0].n_streams, layers[0].dim
         self.recompute = recompute
@@ -284,6 +293,7 @@ class MHCStack(nn.Module):
         if _transforms.active():  # as the layers would, before the recompute slots look at x's storage
             _transforms.refuse()
         _check_tensor(x, self.n_streams, self.dim)  # (as the layers would, before the recompute slots look at x)
+        _check_layers(self.layers, self.n_streams, self.dim)  # (stack.layers may have changed since)
         if torch.compiler.is_compiling():
             # traced without the saved-tensor hooks (no recompute) and without the boundary op (eager
             # only), nor the per-call layer attributes below (torch 2.11's Dynamo cannot trace
