@@ -133,7 +133,12 @@ def deepseek_params(hc_fn, hc_scale, hc_base) -> tuple:
     for name, a in (("hc_fn", hc_fn), ("hc_scale", hc_scale), ("hc_base", hc_base)):
         if a is None:
             raise TypeError(f"{name} is None; it needs an array")
-        if np.iscomplexobj(a):  # (the float32 cast would drop the imaginary part)
+        try:  # (NumPy's own error, naming no argument, for what it cannot read: a torch bfloat16 tensor)
+            complex_ = np.iscomplexobj(a)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"{name} has type {type(a).__name__}, which NumPy cannot read ({exc}); it needs an "
+                            "array (a torch bfloat16 tensor: .float() it first)") from exc
+        if complex_:  # (the float32 cast would drop the imaginary part)
             dtype = a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
             raise TypeError(f"{name} has dtype {dtype}; it needs a real dtype")
         try:

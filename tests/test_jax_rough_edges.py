@@ -286,6 +286,19 @@ def test_from_deepseek_refuses_complex():
             mj.mhc_from_deepseek(*args)
 
 
+@pytest.mark.parametrize("at", [0, 1, 2])
+def test_from_deepseek_names_an_argument_numpy_cannot_read(at):
+    """A torch bfloat16 tensor (which NumPy cannot read): TypeError naming the argument (was torch's
+    'Got unsupported ScalarType BFloat16' from np.iscomplexobj, naming none)."""
+    torch = pytest.importorskip("torch")
+    name = ("hc_fn", "hc_scale", "hc_base")[at]
+    args = [torch.zeros(24, 32), torch.ones(3), torch.zeros(24)]
+    mj.mhc_from_deepseek(*args)  # float32 tensors are read
+    args[at] = args[at].bfloat16()
+    with pytest.raises(TypeError, match=f"^{name} has type Tensor, which NumPy cannot read .*BFloat16"):
+        mj.mhc_from_deepseek(*args)
+
+
 @pytest.mark.parametrize("bad", [{"phi": 1}, None, [1, 2, 3], {"phi": 1, "alpha": 2, "bias": 3}])
 def test_to_deepseek_names_params(bad):
     """mhc_to_deepseek of something other than mhc_init's dict: TypeError naming params (was
