@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+import numpy as np
 import pytest
 
 import mhc_cupy as m
@@ -72,6 +73,41 @@ def test_custom_operators_take_the_spec_arrays_and_parameters():
         assert defaults == [p.kind is p.KEYWORD_ONLY for p in order], name
     weight = next(a for a in REGISTERED["rmsnorm_weight_bwd"].op._schema.arguments if a.name == "weight")
     assert str(weight.type) == "Tensor"  # required where its gradient is returned
+
+
+def test_custom_operators_default_a_setting_to_the_conventions_value(rng):
+    """A keyword-only setting whose functional default is the convention's (DEFAULT: hc_eps is 1e-6 under
+    "deepseek", 0 under "paper") is ``float? =None`` in the schema, and left out or None it is the
+    convention's value.  (It was the paper's default in the schema: torch.ops.mhc_cupy.mhc_layer_pre_fwd(...,
+    convention="deepseek") added 0 to H_pre where mhc_cupy.mhc_layer_pre_fwd adds 1e-6, silently.)"""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("mhc_cupy.torch")
+    from mhc_cupy._convention import DEFAULT
+    from mhc_cupy.torch._factory import REGISTERED
+
+    seen = set()
+    for name, r in REGISTERED.items():
+        sig = inspect.signature(getattr(m, r.kernel.name)).parameters
+        for a in r.op._schema.arguments:
+            p = sig.get(a.name)
+            if p is not None and p.kind is p.KEYWORD_ONLY and p.default is DEFAULT:
+                assert str(a.type).startswith("Optional[") and a.default_value is None, (name, a.name)
+                seen.add(a.name)
+    assert {"hc_eps", "post_mult"} <= seen
+    x = torch.from_numpy(rng.standard_normal((3, 4, 8), dtype=np.float32))
+    phi = torch.from_numpy(rng.standard_normal((32, 24), dtype=np.float32)) * 0.1
+    alpha, bias = torch.full((3,), 0.3), torch.from_numpy(rng.standard_normal(24, dtype=np.float32))
+    w = torch.from_numpy(rng.standard_normal(8, dtype=np.float32))
+    for name, arrays in (("mhc_layer_pre_fwd", (x, phi, alpha, bias)), ("mhc_layer_pre_norm_fwd", (x, phi, alpha, bias, w))):
+        op = getattr(torch.ops.mhc_cupy, name)
+        for convention in ("paper", "deepseek"):
+            want = getattr(m, name)(*arrays, 20, 1e-6, 1e-6, convention=convention)
+            for kw in ({}, {"hc_eps": None}, {"hc_eps": None, "post_mult": None}):
+                got = op(*arrays, 20, 1e-6, 1e-6, convention=convention, **kw)
+                assert all(torch.equal(g, v) for g, v in zip(got, want)), (name, convention, kw)
+            other = op(*arrays, 20, 1e-6, 1e-6, convention=convention, hc_eps=0.25)
+            assert not torch.equal(other[1], want[1]) and torch.equal(other[1], getattr(m, name)(
+                *arrays, 20, 1e-6, 1e-6, convention=convention, hc_eps=0.25)[1])
 
 
 @pytest.mark.parametrize("adapter", ["mhc_cupy.torch.functions", "mhc_cupy.jax"])

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from .. import _adapter, ops as _ops
 from .._adapter import flat
+from .._convention import DEFAULT
 from .._dispatch import run as _run
 from .._interop import ArrayInfo
 from .._kernel_choice import current as _choice, restored as _restored
@@ -189,6 +190,7 @@ def register(name: str, kernel, signature=None, params: dict | None = None, with
     params = dict(kernel.params if params is None else params)
     arrays = {a.name: a for a in kernel.args if a.name != without}
     args, names = [], []
+    by_convention = set()  # defaulted to the convention's value (DEFAULT): None in the schema
     for p in signature:
         default = p.kind is p.KEYWORD_ONLY  # the functional API's keyword-only ones: defaulted
         if p.name in arrays:
@@ -196,7 +198,11 @@ def register(name: str, kernel, signature=None, params: dict | None = None, with
             args.append(f"Tensor{'?' if opt else ''} {p.name}" + ("=None" if opt and default else ""))
         elif p.name in params:
             v = params[p.name]
-            args.append(f"{_TYPES[type(v)]} {p.name}" + (f"={json.dumps(v)}" if default else ""))
+            if default and p.default is DEFAULT:
+                by_convention.add(p.name)
+                args.append(f"{_TYPES[type(v)]}? {p.name}=None")
+            else:
+                args.append(f"{_TYPES[type(v)]} {p.name}" + (f"={json.dumps(v)}" if default else ""))
         else:
             continue  # not the kernel's (mhc_coeffs' convention: it resolves eps)
         names.append(p.name)
@@ -205,8 +211,11 @@ def register(name: str, kernel, signature=None, params: dict | None = None, with
     own = set(kernel.params)
 
     def bound(args) -> dict:  # the dispatcher passes the arguments given, not the defaults
-        kw = dict(params)
+        kw = dict(params, **dict.fromkeys(by_convention, DEFAULT))
         kw.update(zip(names, args))
+        for k in by_convention:  # None (or not given): the convention's value (hc_eps 1e-6 under "deepseek")
+            if kw[k] is None:
+                kw[k] = DEFAULT
         return kw
 
     def impl(*args):
