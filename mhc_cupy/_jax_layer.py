@@ -127,7 +127,8 @@ def deepseek_params(hc_fn, hc_scale, hc_base) -> tuple:
     (:func:`mhc_cupy._layer_init.deepseek_sizes`) and n = 1..32, C >= 1.
 
     Raises:
-        TypeError: an argument is not an array, or is complex (naming it).  ValueError: shapes, n or C.
+        TypeError: an argument is not an array, or not of a real floating-point dtype (complex, bool, integer;
+        naming it).  ValueError: shapes, n or C.
     """
     arrays = []
     for name, a in (("hc_fn", hc_fn), ("hc_scale", hc_scale), ("hc_base", hc_base)):
@@ -138,9 +139,12 @@ def deepseek_params(hc_fn, hc_scale, hc_base) -> tuple:
         except (TypeError, ValueError) as exc:
             raise TypeError(f"{name} has type {type(a).__name__}, which NumPy cannot read ({exc}); it needs an "
                             "array (a torch bfloat16 tensor: .float() it first)") from exc
-        if complex_:  # (the float32 cast would drop the imaginary part)
-            dtype = a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
-            raise TypeError(f"{name} has dtype {dtype}; it needs a real dtype")
+        dtype = a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype
+        floating = dtype.is_floating_point if hasattr(dtype, "is_floating_point") else jnp.issubdtype(
+            dtype, jnp.floating)  # (a torch tensor's dtype, or NumPy's / JAX's)
+        if complex_ or not floating:  # (the float32 cast would drop an imaginary part, or take a bool / integer
+            # array's values for weights)
+            raise TypeError(f"{name} has dtype {dtype}; it needs a real floating-point dtype")
         try:
             arrays.append(jnp.asarray(a, jnp.float32))
         except (TypeError, ValueError) as exc:

@@ -421,7 +421,8 @@ def mhc_from_deepseek(hc_fn, hc_scale, hc_base) -> dict:
     Use with ``mhc_layer(..., convention="deepseek")``.
 
     Raises:
-        TypeError: an argument that is not an array (None included), or complex.  ValueError: shapes that are
+        TypeError: an argument that is not an array (None included), or not of a real
+        floating-point dtype (complex, bool, integer).  ValueError: shapes that are
         not a DeepSeek layer's, or n outside 1..32 (the argument named).
     """
     hc_fn, hc_scale, hc_base = _layer.deepseek_params(hc_fn, hc_scale, hc_base)

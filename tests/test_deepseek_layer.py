@@ -48,14 +48,16 @@ def test_mhc_round_trip_bitwise(rng):
 
 @pytest.mark.parametrize("head", [False, True])
 @pytest.mark.parametrize("at", [0, 1, 2])
-def test_torch_from_deepseek_refuses_complex(rng, head, at):
-    """A complex hc_fn, hc_scale or hc_base: TypeError naming it (copy_ dropped the imaginary part)."""
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.bool, torch.int32])
+def test_torch_from_deepseek_refuses_complex_bool_and_integer(rng, head, at, dtype):
+    """A complex hc_fn, hc_scale or hc_base: TypeError naming it (copy_ dropped the imaginary part); a bool or
+    integer one too (its values were taken for weights)."""
     n, C = 2, 3
     ds = ([torch.zeros(n, n * C), torch.ones(1), torch.zeros(n)] if head else
           [torch.tensor(a, dtype=torch.float32) for a in layer_params(rng, n, C)])
-    ds[at] = ds[at].to(torch.complex64) + 1j
+    ds[at] = ds[at].to(dtype) + 1j if dtype.is_complex else ds[at].to(dtype)
     name = ("hc_fn", "hc_scale", "hc_base")[at]
-    with pytest.raises(TypeError, match=rf"^{name} has dtype torch.complex64; it needs a real dtype"):
+    with pytest.raises(TypeError, match=rf"^{name} has dtype {dtype}; it needs a real floating-point dtype"):
         (MHCHead if head else MHC).from_deepseek(*ds)
 
 

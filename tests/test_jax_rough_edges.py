@@ -276,13 +276,14 @@ def test_from_deepseek_names_arguments_and_refuses_n_33():
         mj.mhc_from_deepseek(np.zeros((15, 0), np.float32), scale, np.zeros(15, np.float32))
 
 
-def test_from_deepseek_refuses_complex():
+@pytest.mark.parametrize("dtype", ["complex64", "bool", "int32"])
+def test_from_deepseek_refuses_complex_bool_and_integer(dtype):
     """A complex hc_fn, hc_scale or hc_base: TypeError naming it (jnp.asarray dropped the imaginary
-    part, with only a ComplexWarning)."""
+    part, with only a ComplexWarning); a bool or integer one too (its values were taken for weights)."""
     for at, name in enumerate(("hc_fn", "hc_scale", "hc_base")):
         args = [np.zeros((24, 32), np.float32), np.ones(3, np.float32), np.zeros(24, np.float32)]
-        args[at] = args[at] + 1j
-        with pytest.raises(TypeError, match=f"^{name} has dtype complex64; it needs a real dtype"):
+        args[at] = (args[at] + 1j).astype(dtype) if dtype == "complex64" else args[at].astype(dtype)
+        with pytest.raises(TypeError, match=f"^{name} has dtype {dtype}; it needs a real floating-point dtype"):
             mj.mhc_from_deepseek(*args)
 
 

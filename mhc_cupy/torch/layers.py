@@ -83,8 +83,9 @@ def _deepseek_sizes(hc_fn, hc_scale, hc_base, head: bool) -> tuple:
     for name, t in (("hc_fn", hc_fn), ("hc_scale", hc_scale), ("hc_base", hc_base)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.is_complex():  # (copy_ into the float32 parameters would drop the imaginary part)
-            raise TypeError(f"{name} has dtype {t.dtype}; it needs a real dtype")
+        if not t.is_floating_point():  # (copy_ into the float32 parameters would drop an imaginary part, or
+            # take a bool / integer tensor's values for weights)
+            raise TypeError(f"{name} has dtype {t.dtype}; it needs a real floating-point dtype")
     return _layer_init.deepseek_sizes(hc_fn.shape, hc_scale.shape, hc_base.shape, head)
 
 
@@ -375,7 +376,8 @@ class MHC(Float32Parameters):
             (bit-exact for float32 input: :meth:`to_deepseek` gives the same tensors back).
 
         Raises:
-            TypeError: a parameter is not a tensor, or complex.  ValueError: shapes are not a DeepSeek layer's.
+            TypeError: a parameter is not a tensor, or not of a real floating-point dtype (complex, bool,
+            integer).  ValueError: shapes are not a DeepSeek layer's.
         """
         C, n = _deepseek_sizes(hc_fn, hc_scale, hc_base, head=False)
         kw.setdefault("convention", "deepseek")
@@ -530,7 +532,8 @@ class MHCHead(Float32Parameters):
     def from_deepseek(cls, hc_fn: Tensor, hc_scale: Tensor, hc_base: Tensor, **kw) -> "MHCHead":
         """A head holding DeepSeek-V4's ``hc_head_fn`` [n, n*C], ``hc_head_scale`` [1] and
         ``hc_head_base`` [n] (float32 copies; ``**kw``: the constructor's other arguments,
-        ``device`` defaulting to hc_fn's).  Raises TypeError for a non-tensor or complex argument,
+        ``device`` defaulting to hc_fn's).  Raises TypeError for a non-tensor argument or one not of a real
+        floating-point dtype,
         ValueError for other shapes."""
         C, n = _deepseek_sizes(hc_fn, hc_scale, hc_base, head=True)
         kw.setdefault("device", hc_fn.device)
