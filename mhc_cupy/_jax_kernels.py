@@ -366,7 +366,9 @@ def _kernel(name: str, params: tuple, choice: KernelChoice):
     run = _shard.token_sharded(run, spec.ranks, spec.out_ranks, spec.inputs.index(spec.ref))
     f = _jax.custom_batching.custom_vmap(run)
     f.def_vmap(functools.partial(_vmap_rule, name, params, choice))
-    return f
+    # jitted: eager calls too run the token-sharded kernel per device (outside jit, the sharding wrapper ran once
+    # on the whole arrays: an eager mhc_layer on token-sharded x returned its output replicated)
+    return _jax.jit(f)
 
 
 def _k(name: str, params: tuple, *arrays) -> tuple:

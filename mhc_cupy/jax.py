@@ -40,8 +40,8 @@ gradient summed per example; ``rmsnorm`` with a ``weight`` whose per-example
 gradient is needed (or that is batched) runs sequentially over the batch
 (``jax.lax.map``).
 
-Sharding: every kernel call is per token, and under ``jax.jit`` with the
-token (leading) dims sharded over a mesh (``NamedSharding(mesh, P("data"))``
+Sharding: every kernel call is per token, and (under ``jax.jit`` or eagerly: each
+kernel call is a jitted function) with the token (leading) dims sharded over a mesh (``NamedSharding(mesh, P("data"))``
 or any token dim, Shardy or GSPMD) each device runs it on its own tokens:
 outputs and token gradients keep the token sharding, no activation is
 gathered, and the gradient of a parameter shared by all tokens (phi, alpha,

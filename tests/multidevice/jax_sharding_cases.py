@@ -251,6 +251,23 @@ def test_mhc_layer_token_sharded(gspmd, rng):
         jax.config.update("jax_use_shardy_partitioner", prev)
 
 
+@pytest.mark.parametrize("fuse", [False, True])
+def test_eager_layer_and_stack_keep_the_token_sharding(fuse, rng):
+    """mhc_layer / mhc_stack called eagerly (no jax.jit) on token-sharded x: the output and dx keep the
+    sharding, the values are jit's (they came back replicated: outside jit the kernels' sharding wrapper
+    ran once, on the whole arrays)."""
+    params = mj.mhc_init(jax.random.PRNGKey(0), C, N)
+    x = jnp.asarray(rng.standard_normal((8, 2, N, C)), jnp.float32)
+    xs = put(x, ("data",))
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a * 1.5]), params)
+    for fn in (lambda x: mj.mhc_layer(params, x, jnp.tanh),
+               lambda x: mj.mhc_stack(stacked, x, jnp.tanh, fuse_boundaries=fuse)):
+        out, gx = fn(xs), jax.grad(lambda x: jnp.sum(fn(x) ** 2))(xs)
+        assert spec_of(out)[0] == "data" and spec_of(gx)[0] == "data", (out.sharding, gx.sharding)
+        assert_close(out, jax.jit(fn)(x), REL, scale="max")
+        assert_close(gx, jax.jit(jax.grad(lambda x: jnp.sum(fn(x) ** 2)))(x), REL, scale="max")
+
+
 def test_local_shapes_reach_the_kernels(rng, monkeypatch):
     """Each device's kernel call sees its own tokens only (half of them)."""
     import mhc_cupy._jax_kernels as mod  # where the kernels are planned
