@@ -116,9 +116,13 @@ POISON = False
 
 def poison(plan: Plan, out_ptrs: list, scratch_ptrs: list, stream: int) -> None:
     """Fill ``plan``'s outputs and temporaries (their pointers, in the plan's order) with 0xFF bytes, queued on
-    ``stream`` (see POISON)."""
+    ``stream`` (see POISON); nothing inside ``_jit.dry_run`` (fake pointers)."""
     import cupy
 
+    from . import _jit
+
+    if getattr(_jit._local, "dry_run", None) is not None:
+        return
     buffers = list(plan.outputs) + list(plan.scratch.values())
     for ptr, (shape, dt) in zip(list(out_ptrs) + list(scratch_ptrs), buffers, strict=True):
         size = math.prod(shape) * _interop.numpy_dtype(dt).itemsize

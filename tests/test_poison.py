@@ -48,6 +48,15 @@ def test_a_plans_launch_fills_its_outputs_and_temporaries_first(events):
     assert events == _fills(PTRS, 5) + [("kernels", 5)]
 
 
+def test_a_dry_run_fills_nothing(events):
+    """Inside _jit.dry_run (planned launches on fake pointers: warmup, the layout tests) nothing is filled."""
+    from mhc_cupy import _jit
+
+    with _jit.dry_run():
+        _plan(events).launch({"x": BASE}, PTRS[:4], PTRS[4:], 5)
+    assert events == [("kernels", 5)]
+
+
 def test_off_fills_nothing(events, monkeypatch):
     monkeypatch.setattr(_dispatch, "POISON", False)
     _plan(events).launch({"x": BASE}, PTRS[:4], PTRS[4:], 5)
