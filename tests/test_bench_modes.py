@@ -115,3 +115,54 @@ def test_choose_puts_kernel_variants_in_force_for_the_run(tmp_path, monkeypatch)
     for bad in ("small", "small=yes", "bogus=true"):
         with pytest.raises(SystemExit):
             cli.parse_args(["--choose", bad])
+
+
+_SCHEMA_OF = {"ops": "mhc_cupy.bench/1", **{m: f"mhc_cupy.bench.{m}/1" for m in ("layer", "block", "stack", "small")}}
+
+
+@pytest.mark.parametrize("mode", list(_SCHEMA_OF))
+@pytest.mark.parametrize("body,field", [
+    ({}, "no field 'meta'"),                                        # the schema alone
+    ({"results": [{"tokens": 1}], "meta": {}}, "no field '"),     # a row without its shape
+    ({"results": "rows", "meta": {}}, "Error: "),                   # results not a list of rows
+    ({"results": None, "meta": {}}, "Error: "),
+    ({"results": [], "meta": []}, "Error: "),                       # meta not an object
+])
+def test_merge_of_an_incomplete_result_is_one_clear_line(tmp_path, capsys, mode, body, field):
+    """A file with a mode's schema but a missing or malformed field raised a KeyError / TypeError /
+    AttributeError traceback from the merge or the report; now exit code 2, one line naming the file and
+    the field, nothing written."""
+    path = tmp_path / "partial.json"
+    path.write_text(json.dumps({"schema": _SCHEMA_OF[mode], **body}))
+    assert bench.main(["--merge", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m mhc_cupy.bench --merge: {path}: ") and len(err.strip().splitlines()) == 1, err
+    assert "missing or malformed field" in err and field in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("what", ["file", "below a file", "a folder where the json goes"])
+@pytest.mark.parametrize("name", ["h200.json", "h200_layer.json"])
+def test_merge_to_an_unwritable_out_is_one_line(tmp_path, capsys, what, name):
+    """``--out`` naming a file, a folder below one, or a folder whose result file is a folder: exit code 2
+    and one line naming the flag (was a FileExistsError / NotADirectoryError / IsADirectoryError traceback)."""
+    (tmp_path / "f").write_text("x")
+    out = {"file": tmp_path / "f", "below a file": tmp_path / "f" / "o", "a folder where the json goes": tmp_path / "o"}[what]
+    if what == "a folder where the json goes":
+        (out / ("bench.json" if name == "h200.json" else "layer.json")).mkdir(parents=True)
+    assert bench.main(["--merge", str(SAVED / name), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m mhc_cupy.bench: --out {out}: cannot ") and len(err.strip().splitlines()) == 1, err
+
+
+def test_tiny_run_to_an_unwritable_out_stops_before_running(tmp_path, capsys, monkeypatch):
+    """A mode's run checks --out before it starts (it writes its partial results there): one line, exit
+    code 2, the run not started (was a FileExistsError traceback from inside the run)."""
+    from mhc_cupy.bench import cli
+
+    (tmp_path / "f").write_text("x")
+    monkeypatch.setitem(cli._MODES, "layer", (lambda cfg: pytest.fail("the run started"), *cli._MODES["layer"][1:]))
+    assert bench.main(["--layer", "--shapes", "4x8x2", "--reps", "1", "--warmup", "0", "--out", str(tmp_path / "f")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m mhc_cupy.bench: --out {tmp_path / 'f'}: cannot create it (") and \
+        len(err.strip().splitlines()) == 1, err

@@ -262,12 +262,14 @@ def _main(cfg) -> int:
                 except (OSError, ValueError) as e:  # missing, unreadable, not JSON
                     raise ValueError(f"cannot read {p}: {e}") from None
             cfg.mode = merge_mode(results, cfg.merge, cfg.mode if cfg.mode != "ops" else None)
-        except ValueError as e:  # and: not a bench result, modes that do not match
+            result = _merged(results, cfg.mode, cfg.merge)
+        except ValueError as e:  # and: not a bench result, modes that do not match, fields missing
             print(f"python -m mhc_cupy.bench --merge: {e}", file=sys.stderr)
             return 2
+        if not _out_ok(cfg):
+            return 2
         if cfg.mode != "ops":
-            return _write_mode(cfg, merge_mode_results(results, cfg.mode))
-        result = merge_results(results)
+            return _write_mode(cfg, result)
     elif cfg.mode != "ops":
         return _run_mode(cfg)
     else:
@@ -276,13 +278,54 @@ def _main(cfg) -> int:
             print(f"python -m mhc_cupy.bench needs a CUDA GPU: {why}.\n"
                   f"(Saved results can be re-rendered without one: --merge bench.json --out DIR.)", file=sys.stderr)
             return 2
+        if not _out_ok(cfg):  # before the run, not after it (its results then lost with a traceback)
+            return 2
         # JAX would otherwise take 75% of the GPU at its first use, starving CuPy and PyTorch.
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         result = cases.run_benchmarks(cfg)
-    paths = write_outputs(result, cfg.out)
+    try:
+        paths = write_outputs(result, cfg.out)
+    except OSError as e:
+        return _out_error(cfg, e)
     print(format_report(result))
     print(f"\nwritten: {', '.join(str(p) for p in paths.values())}")
     return 0
+
+
+def _out_error(cfg, e: OSError, what: str = "cannot write there") -> int:
+    """One line naming --out and why (exit code 2), as the demo's --out."""
+    print(f"python -m mhc_cupy.bench: --out {cfg.out}: {what} ({e.strerror or e}"
+          + (f": {e.filename}" if e.filename and str(e.filename) != str(cfg.out) else "") + ")", file=sys.stderr)
+    return 2
+
+
+def _out_ok(cfg) -> bool:
+    """Make ``--out`` (a folder); False, with one line naming the flag, where that fails (a file there, a
+    folder below a file, a read-only place): checked before a run, which writes its partial results there."""
+    try:
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        _out_error(cfg, e, "cannot create it")
+        return False
+    return True
+
+
+def _merged(results: list, mode: str, paths: list) -> dict:
+    """The merged result of files of ``mode``, its report rendered once to check it: a file with that
+    mode's schema but a missing or malformed field (no "meta", rows without their shape) raised a
+    KeyError / TypeError / AttributeError traceback here; now ValueError naming the files."""
+    try:
+        if mode == "ops":
+            result = merge_results(results)
+            format_report(result)
+        else:
+            result = merge_mode_results(results, mode)
+            _MODES[mode][2](result)
+    except (KeyError, TypeError, AttributeError, IndexError) as e:
+        what = f"no field {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        raise ValueError(f"{', '.join(map(str, paths))}: {_WHAT[mode]} result with a missing or malformed field "
+                         f"({what}); not a complete result of this version of python -m mhc_cupy.bench") from None
+    return result
 
 
 def _run_mode(cfg) -> int:
@@ -292,6 +335,8 @@ def _run_mode(cfg) -> int:
         print(f"python -m mhc_cupy.bench --{cfg.mode} needs a CUDA GPU for its default sizes: {why}.\n"
               f"(Give {_MODES[cfg.mode][3]} with tiny sizes to run it on the CPU "
               f"with wall-clock timing.)", file=sys.stderr)
+        return 2
+    if not _out_ok(cfg):
         return 2
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     with env.cpu_torch_threads() as threads:  # on the CPU: one PyTorch thread (env.cpu_torch_threads says why)
@@ -361,9 +406,12 @@ def _write_mode(cfg, result: dict) -> int:
     """Write ``<mode>.json`` and ``<mode>.md`` to ``cfg.out`` and print the report."""
     text = _MODES[cfg.mode][2](result)
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(result, out / f"{cfg.mode}.json")
-    (out / f"{cfg.mode}.md").write_text(text + "\n")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(result, out / f"{cfg.mode}.json")
+        (out / f"{cfg.mode}.md").write_text(text + "\n")
+    except OSError as e:
+        return _out_error(cfg, e)
     print(text)
     print(f"\nwritten: {out / (cfg.mode + '.json')}, {out / (cfg.mode + '.md')}")
     return 0
