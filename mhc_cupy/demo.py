@@ -494,7 +494,18 @@ def make_config(args, device) -> Config:
         raise SystemExit(f"--streams must be in 1..{MAX_N}, got {cfg.streams}")
     if not (math.isfinite(cfg.lr) and cfg.lr > 0):
         raise SystemExit(f"--lr must be a finite positive number, got {cfg.lr}")
+    if cfg.lr > _F32_MAX:  # AdamW's step in the float32 parameters: RuntimeError from torch's optimizer
+        raise SystemExit(f"--lr must be at most {_F32_MAX:.4g} (the float32 parameters' range), got {cfg.lr}")
+    if not _SEED_MIN <= cfg.seed <= _SEED_MAX:  # seed, seed + 1 and seed + 2 go to torch.manual_seed
+        raise SystemExit(f"--seed must be in {_SEED_MIN}..{_SEED_MAX} (torch's seed range, with the seed + 1 and "
+                         f"seed + 2 the demo also uses), got {cfg.seed}")
     return cfg
+
+
+#: Largest float32: a larger --lr overflows AdamW's float32 step.
+_F32_MAX = 3.4028234663852886e38
+#: torch.manual_seed takes -2**63 .. 2**64 - 1; the demo seeds with seed, seed + 1 and seed + 2.
+_SEED_MIN, _SEED_MAX = -2**63, 2**64 - 3
 
 
 def main(argv=None) -> dict:
@@ -507,7 +518,10 @@ def main(argv=None) -> dict:
     quiet = contextlib.redirect_stdout(io.StringIO()) if dp and not dp.main else contextlib.nullcontext()
     try:
         with quiet:  # only rank 0 prints
-            result = _run(args, device, use_gpu, dp)
+            try:
+                result = _run(args, device, use_gpu, dp)
+            except FloatingPointError as e:  # a NaN / inf loss (too large an --lr): one line, not a traceback
+                raise SystemExit(f"python -m mhc_cupy.demo: {e} (try a smaller --lr)") from None
         if dp:  # every rank done (rank 0 writes its files last) before the process group goes
             dp.barrier()
         return result

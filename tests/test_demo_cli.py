@@ -156,3 +156,38 @@ def test_too_few_steps_to_time_print_no_nan(tmp_path, capsys):
     out = capsys.readouterr().out
     assert summary["mhc"]["tokens_per_s"] is None
     assert "nan" not in out and "- tok/s" in out and "tok/s not timed" in out, out
+
+
+@pytest.mark.parametrize("seed,ok", [("-1", True), (str(2**64 - 3), True), (str(2**64 - 2), False),
+                                     (str(-2**63 - 1), False), ("99999999999999999999999", False)])
+def test_seed_outside_torchs_range_is_one_line(tmp_path, seed, ok):
+    """A --seed torch.manual_seed cannot take (it also seeds with seed + 1 and seed + 2) stopped with a
+    ValueError traceback ("Overflow when unpacking long long") after the corpus was read; now one line
+    before anything runs. Seeds in the range, negative ones included, train as before."""
+    argv = TINY + ["--steps", "1", "--eval-every", "1", "--seed", seed, "--out", str(tmp_path)]
+    if ok:
+        demo.main(argv)
+        return
+    with pytest.raises(SystemExit) as e:
+        demo.main(argv)
+    assert str(e.value.code) == (f"--seed must be in {-2**63}..{2**64 - 3} (torch's seed range, with the seed + 1 "
+                                 f"and seed + 2 the demo also uses), got {seed}")
+    assert not (tmp_path / "summary.json").exists()
+
+
+def test_lr_past_float32_is_one_line(tmp_path):
+    """--lr 1e39 is finite but no float32: torch's AdamW raised "value cannot be converted to type float
+    without overflow" from inside its step; now one line before anything runs."""
+    with pytest.raises(SystemExit) as e:
+        demo.main(TINY + ["--lr", "1e39", "--out", str(tmp_path)])
+    assert str(e.value.code) == "--lr must be at most 3.403e+38 (the float32 parameters' range), got 1e+39"
+
+
+def test_non_finite_loss_is_one_line(tmp_path):
+    """A learning rate that sends the loss to NaN / inf stopped with a FloatingPointError traceback; now
+    SystemExit with its one line (what diverged, where) and a hint."""
+    with pytest.raises(SystemExit) as e:
+        demo.main(TINY + ["--lr", "1e10", "--out", str(tmp_path)])
+    msg = str(e.value.code)
+    assert msg.startswith("python -m mhc_cupy.demo: ") and "non-finite loss" in msg and "\n" not in msg, msg
+    assert msg.endswith("(try a smaller --lr)"), msg
