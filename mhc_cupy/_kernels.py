@@ -128,15 +128,20 @@ def warmup(dtypes=("bfloat16",), ns=(4,), grad_f32=(False, True), verbose=False)
 
     Raises:
         ValueError: a dtype not in bfloat16 / float16 / float32, or an n outside 1..32 (named).
+        TypeError: an n that is no int (4.0, True, "4"), a grad_f32 that is no bool, or an argument that is
+            neither one value nor a sequence of them (named; a single dtype name, n or bool is taken as one).
         RuntimeError: no CUDA GPU (CuPy reports none available).
     """
     import cupy
 
+    dtypes, ns, grad_f32 = _several("dtypes", dtypes, str), _several("ns", ns, int), _several("grad_f32", grad_f32, bool)
     for dt in dtypes:
         if dt not in _checks.ACTIVATION_DTYPES:
             raise ValueError(f"dtypes has {dt!r}; each needs to be one of {', '.join(_checks.ACTIVATION_DTYPES)}")
+    ns = tuple(_checks._int("ns", n) for n in ns)  # not 4.0, True or "4": the planners would build shapes of them
     for n in ns:
         _checks.streams(n, "ns")
+    grad_f32 = tuple(_checks.flag("grad_f32", g) for g in grad_f32)
     if not cupy.cuda.is_available():
         raise RuntimeError("mhc_cupy.warmup needs a CUDA GPU; CuPy reports none available")
     pairs = specialisations(dtypes=tuple(dtypes), ns=tuple(ns), Cs=(4096,), aligned=(True,), grad_f32=tuple(grad_f32),
@@ -146,3 +151,14 @@ def warmup(dtypes=("bfloat16",), ns=(4,), grad_f32=(False, True), verbose=False)
             print(f"  {filename}: {expr}")
         _jit.get_function(filename, expr)
     return len(pairs)
+
+
+def _several(name: str, value, one: type) -> tuple:
+    """``warmup``'s ``value``: one ``one`` (a str of dtypes: one dtype, not its characters) or an iterable of
+    them, as a tuple; TypeError naming ``name`` for anything else."""
+    if isinstance(value, one) or (one is int and hasattr(value, "__index__") and not isinstance(value, bool)):
+        return (value,)
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        what = {str: "a dtype name (str)", int: "an int", bool: "a bool"}[one]
+        raise TypeError(f"{name} must be {what} or a sequence of them, got {type(value).__name__} {value!r}")
+    return tuple(value)

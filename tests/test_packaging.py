@@ -335,3 +335,28 @@ def test_readme_usage_snippets_run_as_written():
     pytest.importorskip("jax")
     for code in _usage_snippets():
         exec(compile(code, "README.md snippet", "exec"), {"__name__": "readme_snippet"})
+
+
+def test_warmup_arguments_checked_before_the_gpu(monkeypatch):
+    """``mhc_cupy.warmup`` (public): a single dtype name was iterated as its characters ("dtypes has 'b'"),
+    ``ns=4`` raised "'int' object is not iterable", ``ns=("4",)`` a raw '<=' TypeError, and ns of 4.0 / True
+    or a grad_f32 of "yes" (its characters) passed the checks to the kernel planners; now one value is taken
+    as one, and the rest are TypeErrors naming the argument, all before it looks for a GPU."""
+    import numpy as np
+
+    import mhc_cupy
+
+    cupy = pytest.importorskip("cupy")
+    monkeypatch.setattr(cupy.cuda, "is_available", lambda: False)  # as on a machine without one, GPU or not
+    for kw in (dict(dtypes="bfloat16"), dict(ns=4), dict(ns=[4, np.int64(8)]), dict(grad_f32=True)):
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU"):  # the checks passed
+            mhc_cupy.warmup(**kw)
+    for kw, msg in ((dict(ns=(4.0,)), "ns must be an int, got float 4.0"),
+                    (dict(ns=(True,)), "ns must be an int, got bool True"),
+                    (dict(ns=("4",)), "ns must be an int, got str '4'"),
+                    (dict(ns=b"4"), "ns must be an int or a sequence of them, got bytes"),
+                    (dict(dtypes=None), "dtypes must be a dtype name .str. or a sequence of them, got NoneType"),
+                    (dict(grad_f32="yes"), "grad_f32 must be a bool or a sequence of them, got str 'yes'"),
+                    (dict(grad_f32=(1,)), "grad_f32 must be a bool, got int 1")):
+        with pytest.raises(TypeError, match=f"^{msg}"):
+            mhc_cupy.warmup(**kw)
