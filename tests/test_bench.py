@@ -197,6 +197,9 @@ def test_parse_args_errors(argv, capsys):
     (["--extra-shapes", "64x128x40"], "--extra-shapes: mHC takes n_streams in 1..32, got n = 40 in '64x128x40'"),
     (["--layer", "--shapes", "64x128x4,64x128x33"],
      "--shapes: mHC takes n_streams in 1..32, got n = 33 in '64x128x33'"),
+    # a tolerance no error exceeds (nan) or every one does (< 0) turned the baselines' check off / on silently
+    (["--check-tol", "nan"], "--check-tol: expected a number >= 0, got nan"),
+    (["--check-tol=-1e-2"], "--check-tol: expected a number >= 0, got -0.01"),
 ])
 def test_parse_args_int_lists_are_usage_errors(argv, msg, capsys):
     """--tokens / --C / --n / --small-tokens go through the parser's error like the other flags (usage and

@@ -224,6 +224,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.min_calls = args.min_calls if args.min_calls is not None else (4 if big else 10)
     if args.reps < 1 or args.warmup < 0 or args.min_calls < 1:
         ap.error("--reps and --min-calls must be >= 1, --warmup >= 0")
+    if not args.check_tol >= 0:  # nan turned the check off silently, a negative one warned always (inf: never)
+        ap.error(f"--check-tol: expected a number >= 0, got {args.check_tol}")
     shapes = [(T, C, n) for n in ns for T in tokens for C in Cs]
     extra = args.extra_shapes if args.extra_shapes is not None else ("" if q else DEFAULT_EXTRA)
     for T, C, n in (_shape_list(extra, "--extra-shapes", ap) if extra.strip() else []):
