@@ -53,6 +53,7 @@ import numpy as np
 
 from . import _checks, _interop, _replay
 from ._convention import EXACT_KEY_TYPES, KEY_TYPES
+from ._deps import missing_cupy
 from ._kernel_choice import current as _kernel_choice
 from ._settings import LayerSettings
 
@@ -408,7 +409,13 @@ def _run(planner, arrays: dict, fast_key, params: dict):
             outs = [fe.from_numpy(_cast(r, dt).reshape(shape), like) for r, (shape, dt) in zip(results, plan.outputs)]
         return outs[0] if plan.single else tuple(outs)
 
-    import cupy
+    try:
+        import cupy
+    except ModuleNotFoundError as exc:  # a GPU tensor (torch) without CuPy: say what installs it
+        if exc.name != "cupy":
+            raise
+        name = next(k for k, i in infos.items() if i is not None)
+        raise missing_cupy(f"{name} is on cuda:{device[1]}: the GPU path") from exc
 
     dev = device[1]
     afe = _interop.frontend("torch" if out_fw == "torch" else "cupy")

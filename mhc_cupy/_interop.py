@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._deps import install_hint
+from ._deps import install_hint, require_cupy
 
 
 class ArrayInfo(NamedTuple):
@@ -206,7 +206,7 @@ class _Jax:
     def to_cupy(self, x):
         """A CuPy view of x; JAX orders its pending writes of x before CuPy's
         current stream of x's device (hence the device switch)."""
-        import cupy
+        cupy = require_cupy("a JAX array on a GPU")
 
         with cupy.cuda.Device(self._ordinal(self._device(x))):
             return cupy.from_dlpack(x)
@@ -302,7 +302,7 @@ def import_foreign(x):
     elif not hasattr(x, "__cuda_array_interface__"):  # every importer asks the device first
         raise TypeError(f"got a {type(x).__name__} with __dlpack__ but no __dlpack_device__, which the DLPack "
                         "protocol requires beside it")
-    import cupy
+    cupy = require_cupy(f"a {type(x).__name__} on a GPU (DLPack / CUDA array interface)")
 
     if hasattr(x, "__dlpack__"):
         return cupy.from_dlpack(x)

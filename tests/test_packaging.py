@@ -360,3 +360,33 @@ def test_warmup_arguments_checked_before_the_gpu(monkeypatch):
                     (dict(grad_f32=(1,)), "grad_f32 must be a bool, got int 1")):
         with pytest.raises(TypeError, match=f"^{msg}"):
             mhc_cupy.warmup(**kw)
+
+
+def test_gpu_input_without_cupy_says_what_to_install(monkeypatch):
+    """A GPU input (a torch CUDA tensor, a JAX GPU array, a GPU DLPack producer) where CuPy is not installed
+    (mhc-cupy without its cuda12 / cuda13 extra) raised a bare "No module named 'cupy'" from inside the
+    dispatch; now the ModuleNotFoundError names the argument (or the producer) and the CuPy wheels and extras."""
+    import sys
+
+    import numpy as np
+
+    import mhc_cupy
+    from mhc_cupy import _interop
+
+    class GPUProducer:  # a DLPack producer whose array is on a CUDA device
+        def __dlpack__(self, **kw):
+            raise BufferError("not exported in this test")
+
+        def __dlpack_device__(self):
+            return (2, 0)  # kDLCUDA
+
+    x, M = np.zeros((3, 4, 8), np.float32), np.zeros((3, 4, 4), np.float32)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # as if not installed
+    hint = (r"needs CuPy, which is not installed: for CUDA 12 pip install cupy-cuda12x \(or, in the mhc_cupy checkout, "
+            r"pip install -e \"\.\[cuda12\]\"\), for CUDA 13 pip install cupy-cuda13x")
+    with pytest.raises(ModuleNotFoundError, match=r"^a GPUProducer on a GPU \(DLPack / CUDA array interface\) " + hint):
+        mhc_cupy.stream_mix_fwd(GPUProducer(), M)
+    info = _interop._Numpy.info  # x read as if it were on a GPU (no GPU tensor on this machine): the dispatch's GPU path
+    monkeypatch.setattr(_interop._Numpy, "info", lambda self, a: info(self, a)._replace(device=("cuda", 0)))
+    with pytest.raises(ModuleNotFoundError, match=r"^x is on cuda:0: the GPU path " + hint):
+        mhc_cupy.stream_mix_fwd(x, M)
