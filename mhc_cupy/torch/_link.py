@@ -28,11 +28,16 @@ def tensor_key(t: Tensor) -> tuple:
     return t.data_ptr(), tuple(t.shape), t.stride()
 
 
+def version(t: Tensor):
+    """t's version counter, which an in-place change of its data bumps (None for an inference tensor, which
+    has none: its in-place changes are not seen)."""
+    return None if t.is_inference() else t._version
+
+
 def stream_key(t: Tensor) -> tuple:
-    """:func:`tensor_key` with the dtype, the device and the version counter: an in-place change of the
-    data bumps it, so the same tensor changed in place has another key (an inference tensor has no
-    version counter: None, its in-place changes are not seen)."""
-    return (*tensor_key(t), t.dtype, t.device, None if t.is_inference() else t._version)
+    """:func:`tensor_key` with the dtype, the device and the :func:`version`: the same tensor changed in place
+    has another key."""
+    return (*tensor_key(t), t.dtype, t.device, version(t))
 
 
 def tag(H_res: Tensor, convention: str) -> Tensor:

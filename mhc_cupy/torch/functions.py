@@ -51,6 +51,7 @@ from ._factory import eager_apply, first_order as _first_order
 from ._factory import needs_autograd as _needs_autograd, use_custom_op as _use_custom_op
 from ._link import autograd_pre as _autograd_pre, check_convention as _check_convention, tag as _tag
 from ._link import link as _mark_link, stream_key as _stream_key, tensor_key as _tensor_key
+from ._link import version as _version
 
 __all__ = [
     "sinkhorn_knopp", "rmsnorm", "stream_mix", "stream_aggregate", "stream_distribute",
@@ -378,11 +379,6 @@ class BoundaryGrad:
         return dy if dy is not None and _same_tensor(g, dx) and g._version == version else None
 
 
-def _param_version(t: Tensor):
-    """t's version counter (None for an inference tensor, which has none)."""
-    return None if t.is_inference() else t._version
-
-
 class NextPre:
     """The next layer's pre piece, fused into a layer's residual update by a stack
     (``mhc_boundary_fwd``, OPS.md section 12): that layer's parameters and settings go in; its
@@ -402,7 +398,7 @@ class NextPre:
         self.phi, self.alpha, self.bias, self.settings, self.fuse_bwd = phi, alpha, bias, settings, fuse_bwd
         self.out_key = self.out_ref = self.outputs = self.grad = None
         self.params = (phi, alpha, bias) if params is None else tuple(params)
-        self.param_keys = tuple(_param_version(p) for p in self.params)
+        self.param_keys = tuple(_version(p) for p in self.params)
 
     def run(self, layer_out, x, H_post, H_res, grad: bool = False) -> Tensor:
         """The residual update (bitwise mhc_post_op_fwd's) and the next pre piece's outputs, kept;
@@ -422,7 +418,7 @@ class NextPre:
         (other tensors, or the same changed in place since)."""
         if self.outputs is None or self.out_ref() is None or _stream_key(x) != self.out_key:
             return None
-        if params is not None and not all(p is q and _param_version(p) == v
+        if params is not None and not all(p is q and _version(p) == v
                                           for p, q, v in zip(params, self.params, self.param_keys)):
             self.outputs = None
             return None

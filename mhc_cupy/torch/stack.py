@@ -40,29 +40,28 @@ from .._kernel_choice import current as current_choice
 from .._stack import block_sizes, recompute_blocks
 from ..ops.layer import fold_post_dx
 from . import _transforms
-from ._link import stream_key
+from ._link import stream_key, version as _version
 from .functions import NextPre
 from .layers import MHC, _as_f32, _check_tensor
 
 __all__ = ["MHCStack", "block_sizes", "recompute_blocks"]
 
 
-def _version(t: Tensor):
-    """t's version counter (None for an inference tensor, which has none)."""
-    return None if t.is_inference() else t._version
-
-
 def _check_unchanged(t: Tensor, version, what: str, where: str) -> None:
-    """RuntimeError (autograd's check of a saved tensor) if t, from which backward rebuilds a block's
-    streams, changed in place since the forward.  Autograd does not always check it itself: a frozen
-    layer whose input needs no gradient saves neither its input streams nor its sublayer output, and
-    streams rebuilt from changed ones gave silently wrong gradients."""
+    """RuntimeError (autograd's check of a saved tensor, and its message) if t changed in place since the
+    forward (its version then: ``version``).  The stack's hooks bypass autograd's own check: the tensors
+    from which backward rebuilds a block's streams (a frozen layer whose input needs no gradient saves
+    neither its input streams nor its sublayer output: streams rebuilt from changed ones gave silently
+    wrong gradients), and the other tensors a block's mHC pieces save (_Saved)."""
     if version is not None and t._version != version:
         raise RuntimeError(
             f"one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"{what} {tuple(t.shape)} {where} (from which backward rebuilds the block's later streams) are at "
-            f"version {t._version}; expected version {version} instead.  Change them only after backward, or "
-            f"change a copy")
+            f"{what} {tuple(t.shape)} {where} is at version {t._version}; expected version {version} instead.  "
+            f"Change it only after backward, or change a copy")
+
+
+#: where _check_unchanged says a tensor from which backward rebuilds streams is
+_REBUILT = "of {} recompute block (from which backward rebuilds the block's later streams)"
 
 
 class _Block:
@@ -82,11 +81,11 @@ class _Block:
         if x is None:
             j = max((k for k in self.cache if k < i), default=0)
             if j == 0:
-                _check_unchanged(self.x0, self.version, "the input streams", "of an MHCStack recompute block")
+                _check_unchanged(self.x0, self.version, "the input streams", _REBUILT.format("an MHCStack"))
             x = self.x0 if j == 0 else self.cache[j]
             for k in range(j, i):
                 y, version, H_post, H_res, convention = self.update[k]
-                _check_unchanged(y, version, "the sublayer output", f"of layer {k} of an MHCStack recompute block")
+                _check_unchanged(y, version, "the sublayer output", _REBUILT.format(f"layer {k} of an MHCStack"))
                 with torch.no_grad():  # (a backward with create_graph=True runs in grad mode; x0 may require grad)
                     x = mhc_post_op_fwd(y, x, H_post, H_res, convention=convention)
                 if k + 1 < i and self.uses[k + 1] > 0:
@@ -148,14 +147,8 @@ class _Saved:
 def _unpack(saved):
     if isinstance(saved, tuple):
         return saved[0].get(saved[1])
-    t = saved.t
-    if saved.version is not None and t._version != saved.version:  # autograd's own check and message
-        raise RuntimeError(
-            f"one of the variables needed for gradient computation has been modified by an inplace operation: "
-            f"[{t.type()} {list(t.shape)}], saved by an mHC layer of an MHCStack recompute block, is at version "
-            f"{t._version}; expected version {saved.version} instead.  Change it only after backward, or change a "
-            f"copy")
-    return t
+    _check_unchanged(saved.t, saved.version, saved.t.type(), "saved by an mHC layer of an MHCStack recompute block")
+    return saved.t
 
 
 def _check_layers(layers, n_streams=None, dim=None) -> None:
