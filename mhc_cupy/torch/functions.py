@@ -386,7 +386,7 @@ class NextPre:
     :func:`layer_pre` call on exactly those streams, unchanged (not after an in-place change).
     ``fuse_bwd``: the backward across the boundary fused too (:class:`BoundaryGrad`, set by :meth:`run`
     where the residual update records gradients).  ``params``: the next layer's phi, alpha and bias as read
-    for this (before any float32 cast; default phi, alpha, bias): its call takes the outputs only where it
+    for this (before any float32 cast): its call takes the outputs only where it
     reads the very same tensor objects, not changed in place since (else the outputs would be the old
     parameters' while its backward differentiates the new ones; a stack does not fuse into a layer with
     forward pre-hooks, which run after this reading and may change them unseen, through ``.data``)."""
@@ -394,10 +394,10 @@ class NextPre:
     __slots__ = ("phi", "alpha", "bias", "settings", "out_key", "out_ref", "outputs", "fuse_bwd", "grad", "params",
                  "param_keys")
 
-    def __init__(self, phi, alpha, bias, settings: LayerSettings, fuse_bwd: bool = False, params=None):
+    def __init__(self, phi, alpha, bias, settings: LayerSettings, fuse_bwd: bool, params):
         self.phi, self.alpha, self.bias, self.settings, self.fuse_bwd = phi, alpha, bias, settings, fuse_bwd
         self.out_key = self.out_ref = self.outputs = self.grad = None
-        self.params = (phi, alpha, bias) if params is None else tuple(params)
+        self.params = tuple(params)
         self.param_keys = tuple(_version(p) for p in self.params)
 
     def run(self, layer_out, x, H_post, H_res, grad: bool = False) -> Tensor:
@@ -410,7 +410,7 @@ class NextPre:
         self.grad = BoundaryGrad(H_post) if grad and self.fuse_bwd else None
         return out
 
-    def take(self, x: Tensor, params=None):
+    def take(self, x: Tensor, params):
         """((layer_in, H_pre, H_post, H_res, stats), BoundaryGrad or None) computed for x, once; None for
         other streams (also where the residual update's output is gone: a forward hook replaced it, and
         another tensor, a pre-hook's, may have its address and so its key), and where ``params``, the
@@ -418,8 +418,7 @@ class NextPre:
         (other tensors, or the same changed in place since)."""
         if self.outputs is None or self.out_ref() is None or _stream_key(x) != self.out_key:
             return None
-        if params is not None and not all(p is q and _version(p) == v
-                                          for p, q, v in zip(params, self.params, self.param_keys)):
+        if not all(p is q and _version(p) == v for p, q, v in zip(params, self.params, self.param_keys)):
             self.outputs = None
             return None
         outputs, self.outputs = self.outputs, None
